@@ -1,0 +1,1 @@
+//! Sans-IO DeepSeek-V4 engine.

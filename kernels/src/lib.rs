@@ -1,0 +1,13 @@
+//! Compute kernels for deepinfer: dtypes, quantised weight formats and the
+//! numeric primitives of the DeepSeek-V4 forward pass.
+//!
+//! Every kernel is *batch-invariant*: the bits of one row's result depend only
+//! on that row's inputs, never on how many rows were computed together or where
+//! the row sits in the batch. The reduction order of each dot product is fixed.
+
+pub mod dtype;
+pub mod linear;
+pub mod ops;
+pub mod quantize;
+
+pub use linear::{Linear, WeightFormat};

@@ -1,0 +1,182 @@
+//! Element-wise and row-wise primitives of the DeepSeek-V4 forward pass.
+//! All reductions run in a fixed order, so results are batch-invariant.
+
+/// RMS normalisation of one row in place: `x · rsqrt(mean(x²) + eps) · weight`.
+pub fn rms_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32) {
+    let mut sum_sq = 0.0f32;
+    for v in x.iter() {
+        sum_sq += v * v;
+    }
+    let inv = 1.0 / (sum_sq / x.len() as f32 + eps).sqrt();
+    match weight {
+        Some(w) => {
+            assert_eq!(w.len(), x.len(), "rms_norm weight");
+            for (v, w) in x.iter_mut().zip(w) {
+                *v = w * (*v * inv);
+            }
+        }
+        None => x.iter_mut().for_each(|v| *v *= inv),
+    }
+}
+
+/// Rotate consecutive pairs `(x[2i], x[2i+1])` by the angle whose cosine and sine are
+/// `cos[i]`, `sin[i]` ("interleaved" RoPE). `x.len() == 2 * cos.len()`.
+pub fn rope_interleaved(x: &mut [f32], cos: &[f32], sin: &[f32]) {
+    assert_eq!(x.len(), 2 * cos.len(), "rope slice");
+    for (i, pair) in x.chunks_exact_mut(2).enumerate() {
+        let (a, b) = (pair[0], pair[1]);
+        pair[0] = a * cos[i] - b * sin[i];
+        pair[1] = b * cos[i] + a * sin[i];
+    }
+}
+
+/// YaRN parameters (NTK-by-parts frequency interpolation).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    pub factor: f64,
+    pub original_max_position_embeddings: f64,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+}
+
+/// Inverse frequencies of a rotary embedding over `dim` channels (dim/2 pairs).
+#[derive(Clone, Debug)]
+pub struct Rope {
+    pub inv_freq: Vec<f32>,
+}
+
+impl Rope {
+    pub fn new(dim: usize, theta: f64, yarn: Option<Yarn>) -> Self {
+        let half = dim / 2;
+        // f32 like the reference: base ** (arange(0, dim, 2) / dim).
+        let pos_freqs: Vec<f32> =
+            (0..half).map(|i| (theta as f32).powf((2 * i) as f32 / dim as f32)).collect();
+        let inv_freq = match yarn {
+            None => pos_freqs.iter().map(|p| 1.0 / p).collect(),
+            Some(y) => {
+                let correction_dim = |rotations: f64| {
+                    (dim as f64
+                        * (y.original_max_position_embeddings
+                            / (rotations * 2.0 * std::f64::consts::PI))
+                            .ln())
+                        / (2.0 * theta.ln())
+                };
+                let low = correction_dim(y.beta_fast).floor().max(0.0);
+                let mut high = correction_dim(y.beta_slow).ceil().min(dim as f64 - 1.0);
+                if low == high {
+                    high += 0.001;
+                }
+                (0..half)
+                    .map(|i| {
+                        let ramp = ((i as f32 - low as f32) / (high as f32 - low as f32)).clamp(0.0, 1.0);
+                        let extrapolation_factor = 1.0 - ramp;
+                        let extrapolation = 1.0 / pos_freqs[i];
+                        let interpolation = 1.0 / (y.factor as f32 * pos_freqs[i]);
+                        interpolation * (1.0 - extrapolation_factor) + extrapolation * extrapolation_factor
+                    })
+                    .collect()
+            }
+        };
+        Self { inv_freq }
+    }
+
+    /// cos and sin of every pair's angle at `position`.
+    pub fn cos_sin(&self, position: usize, cos: &mut [f32], sin: &mut [f32]) {
+        let p = position as f32;
+        for (i, f) in self.inv_freq.iter().enumerate() {
+            let angle = p * f;
+            cos[i] = angle.cos();
+            sin[i] = angle.sin();
+        }
+    }
+}
+
+/// Softmax over `logits` with an extra "sink" logit that takes probability mass but
+/// has no value: on return `logits` holds the probabilities of the real entries
+/// (they sum to less than one). `-inf` entries get probability 0.
+pub fn softmax_with_sink(logits: &mut [f32], sink: f32) {
+    let max = logits.iter().fold(sink, |m, &v| m.max(v));
+    let mut sum = (sink - max).exp();
+    for v in logits.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    logits.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// Plain softmax in place.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut sum = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+#[inline]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x * sigmoid(x)
+}
+
+/// SwiGLU with DeepSeek-V4's clamps: `silu(min(gate, limit)) · clamp(up, −limit, limit)`.
+pub fn swiglu_clamped(gate: &[f32], up: &[f32], limit: f32, out: &mut [f32]) {
+    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *o = silu(g.min(limit)) * u.clamp(-limit, limit);
+    }
+}
+
+/// `sqrt(softplus(x))`, the V4 router score; softplus as torch computes it
+/// (linear above 20).
+#[inline]
+pub fn sqrt_softplus(x: f32) -> f32 {
+    let softplus = if x > 20.0 { x } else { x.exp().ln_1p() };
+    softplus.sqrt()
+}
+
+/// Indices of the `k` largest values, largest first; ties go to the lower index.
+/// NaN sorts below everything.
+pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    let key = |i: usize| if values[i].is_nan() { f32::NEG_INFINITY } else { values[i] };
+    idx.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}
+
+/// Sinkhorn-Knopp projection of an `n × n` positive matrix (row-major) towards a
+/// doubly-stochastic one, as mHC does it: one column normalisation, then
+/// `iters − 1` rounds of row then column normalisation, each with `eps` added to
+/// the divisor.
+pub fn sinkhorn(m: &mut [f32], n: usize, iters: usize, eps: f32) {
+    assert_eq!(m.len(), n * n);
+    let normalize_columns = |m: &mut [f32]| {
+        for c in 0..n {
+            let mut s = 0.0f32;
+            for r in 0..n {
+                s += m[r * n + c];
+            }
+            let d = s + eps;
+            for r in 0..n {
+                m[r * n + c] /= d;
+            }
+        }
+    };
+    normalize_columns(m);
+    for _ in 1..iters {
+        for r in 0..n {
+            let row = &mut m[r * n..(r + 1) * n];
+            let d = row.iter().sum::<f32>() + eps;
+            row.iter_mut().for_each(|v| *v /= d);
+        }
+        normalize_columns(m);
+    }
+}

@@ -1,0 +1,1 @@
+//! The deepinfer program: CLI, files users write, launcher.
