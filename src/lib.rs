@@ -1,1 +1,2 @@
 //! The deepinfer program: CLI, files users write, launcher.
+pub mod tokenizer;

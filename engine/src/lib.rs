@@ -1,1 +1,8 @@
-//! Sans-IO DeepSeek-V4 engine.
+//! The sans-IO DeepSeek-V4 engine: model configuration, checkpoint loading,
+//! the forward pass and the state it carries between steps.
+//!
+//! Nothing here reads a clock, opens a socket or spawns a task.
+
+pub mod checkpoint;
+pub mod config;
+pub mod model;

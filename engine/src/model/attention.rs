@@ -1,0 +1,288 @@
+//! V4 attention: shared-KV multi-query attention over a sliding window plus,
+//! on CSA/HCA layers, compressed entries (all visible ones for HCA, the
+//! lightning indexer's top-k for CSA), a per-head sink, and the grouped
+//! low-rank output projection.
+
+use deepinfer_kernels::linear::dot;
+use deepinfer_kernels::ops::{rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope};
+
+use super::state::{CompressorState, LayerState};
+use super::weights::{Attention, Compressor};
+use crate::config::ModelConfig;
+
+/// The tokens of one sequence inside the flat batch.
+#[derive(Clone, Copy, Debug)]
+pub struct Segment {
+    /// First row in the flat batch.
+    pub start: usize,
+    pub len: usize,
+    /// Position of the first token.
+    pub position: usize,
+}
+
+/// Cos/sin tables for a run of positions.
+struct Angles {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl Angles {
+    fn new(rope: &Rope, positions: impl Iterator<Item = usize>) -> Self {
+        let half = rope.inv_freq.len();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for p in positions {
+            let at = cos.len();
+            cos.resize(at + half, 0.0);
+            sin.resize(at + half, 0.0);
+            rope.cos_sin(p, &mut cos[at..], &mut sin[at..]);
+        }
+        Self { half, cos, sin }
+    }
+
+    /// Rotate the trailing rope channels of `v` by the angles of row `i`.
+    fn apply(&self, i: usize, v: &mut [f32]) {
+        let r = 2 * self.half;
+        let tail = v.len() - r;
+        rope_interleaved(&mut v[tail..], &self.cos[i * self.half..][..self.half], &self.sin[i * self.half..][..self.half]);
+    }
+
+    /// Rotate back (angle negated).
+    fn apply_inverse(&self, i: usize, v: &mut [f32]) {
+        let r = 2 * self.half;
+        let tail = v.len() - r;
+        let neg: Vec<f32> = self.sin[i * self.half..][..self.half].iter().map(|s| -s).collect();
+        rope_interleaved(&mut v[tail..], &self.cos[i * self.half..][..self.half], &neg);
+    }
+}
+
+fn project(w: &deepinfer_kernels::Linear, x: &[f32], n: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; n * w.rows];
+    w.forward(x, n, &mut out);
+    out
+}
+
+/// Feed one token's projections into a compressor; emits an entry when its window closes.
+fn compress_token(c: &Compressor, st: &mut CompressorState, kv: &[f32], gate: &[f32], rope: &Rope, eps: f32) {
+    let width = c.width();
+    st.pending_kv.extend_from_slice(kv);
+    st.pending_gate.extend_from_slice(gate);
+    if st.pending_kv.len() < c.ratio * width {
+        return;
+    }
+    let dim = c.dim;
+    let ratio = c.ratio;
+    let window = st.count(dim);
+    // Gate logits of this window with the per-slot bias.
+    let gates: Vec<f32> = st.pending_gate.iter().zip(&c.ape).map(|(g, a)| g + a).collect();
+    let kvs = std::mem::take(&mut st.pending_kv);
+    st.pending_gate.clear();
+    let mut entry = vec![0.0f32; dim];
+    let mut logits = Vec::with_capacity(2 * ratio);
+    for (ch, out) in entry.iter_mut().enumerate() {
+        logits.clear();
+        let mut values = Vec::with_capacity(2 * ratio);
+        if c.overlap {
+            // First series of the previous window (none before the first window).
+            for j in 0..ratio {
+                match (&st.overlap_kv, &st.overlap_gate) {
+                    (Some(pk), Some(pg)) => {
+                        values.push(pk[j * dim + ch]);
+                        logits.push(pg[j * dim + ch]);
+                    }
+                    _ => {
+                        values.push(0.0);
+                        logits.push(f32::NEG_INFINITY);
+                    }
+                }
+            }
+        }
+        let offset = if c.overlap { dim } else { 0 };
+        for j in 0..ratio {
+            values.push(kvs[j * width + offset + ch]);
+            logits.push(gates[j * width + offset + ch]);
+        }
+        softmax(&mut logits);
+        *out = logits.iter().zip(&values).map(|(p, v)| p * v).sum();
+    }
+    if c.overlap {
+        let mut ok = Vec::with_capacity(ratio * dim);
+        let mut og = Vec::with_capacity(ratio * dim);
+        for j in 0..ratio {
+            ok.extend_from_slice(&kvs[j * width..j * width + dim]);
+            og.extend_from_slice(&gates[j * width..j * width + dim]);
+        }
+        st.overlap_kv = Some(ok);
+        st.overlap_gate = Some(og);
+    }
+    rms_norm(&mut entry, Some(&c.norm), eps);
+    Angles::new(rope, std::iter::once(window * ratio)).apply(0, &mut entry);
+    st.entries.extend_from_slice(&entry);
+}
+
+/// Run every token of `x` `[n, D]` through `c`, in order within each segment.
+fn run_compressor(
+    c: &Compressor,
+    x: &[f32],
+    n: usize,
+    segments: &[Segment],
+    states: &mut [&mut CompressorState],
+    rope: &Rope,
+    eps: f32,
+) {
+    let width = c.width();
+    let kv = project(&c.wkv, x, n);
+    let gate = project(&c.wgate, x, n);
+    for (seg, st) in segments.iter().zip(states.iter_mut()) {
+        for t in seg.start..seg.start + seg.len {
+            compress_token(c, st, &kv[t * width..(t + 1) * width], &gate[t * width..(t + 1) * width], rope, eps);
+        }
+    }
+}
+
+/// Attention sublayer over the flat batch `x` `[n, D]`; returns `[n, D]`.
+pub fn forward(
+    a: &Attention,
+    cfg: &ModelConfig,
+    rope: &Rope,
+    x: &[f32],
+    segments: &[Segment],
+    states: &mut [&mut LayerState],
+) -> Vec<f32> {
+    let n: usize = segments.iter().map(|s| s.len).sum();
+    let (h, hd) = (cfg.num_heads, cfg.head_dim);
+    let eps = cfg.rms_norm_eps;
+    let positions: Vec<usize> = segments.iter().flat_map(|s| s.position..s.position + s.len).collect();
+    let angles = Angles::new(rope, positions.iter().copied());
+
+    let mut q_res = project(&a.wq_a, x, n);
+    for row in q_res.chunks_exact_mut(cfg.q_lora_rank) {
+        rms_norm(row, Some(&a.q_norm), eps);
+    }
+    let mut q = project(&a.wq_b, &q_res, n);
+    for (t, row) in q.chunks_exact_mut(h * hd).enumerate() {
+        for head in row.chunks_exact_mut(hd) {
+            rms_norm(head, None, eps);
+            angles.apply(t, head);
+        }
+    }
+    let mut kv = project(&a.wkv, x, n);
+    for (t, row) in kv.chunks_exact_mut(hd).enumerate() {
+        rms_norm(row, Some(&a.kv_norm), eps);
+        angles.apply(t, row);
+    }
+
+    if let Some(c) = &a.compressor {
+        let mut cs: Vec<&mut CompressorState> =
+            states.iter_mut().map(|s| s.compressor.as_mut().expect("compressed layer state")).collect();
+        run_compressor(c, x, n, segments, &mut cs, rope, eps);
+    }
+
+    // Indexer queries and per-head weights, for CSA layers.
+    let index = a.indexer.as_ref().map(|ix| {
+        let mut cs: Vec<&mut CompressorState> =
+            states.iter_mut().map(|s| s.indexer.as_mut().expect("CSA layer state")).collect();
+        run_compressor(&ix.compressor, x, n, segments, &mut cs, rope, eps);
+        let ihd = cfg.index_head_dim;
+        let mut iq = project(&ix.wq_b, &q_res, n);
+        for (t, row) in iq.chunks_exact_mut(cfg.index_n_heads * ihd).enumerate() {
+            for head in row.chunks_exact_mut(ihd) {
+                angles.apply(t, head);
+            }
+        }
+        let mut iw = project(&ix.weights_proj, x, n);
+        let scale = (cfg.index_n_heads as f32).powf(-0.5);
+        iw.iter_mut().for_each(|v| *v *= scale);
+        (iq, iw)
+    });
+
+    let window = cfg.sliding_window;
+    let scale = (hd as f32).powf(-0.5);
+    let mut attn_out = vec![0.0f32; n * h * hd];
+    for (seg, st) in segments.iter().zip(states.iter_mut()) {
+        // Keys (= values): the cached tail of the window, then this chunk's.
+        let cached = st.window.len() / hd;
+        let mut keys = std::mem::take(&mut st.window);
+        keys.extend_from_slice(&kv[seg.start * hd..(seg.start + seg.len) * hd]);
+        let first_key_position = seg.position - cached;
+        let entries = st.compressor.as_ref().map(|c| &c.entries[..]);
+        let index_entries = st.indexer.as_ref().map(|c| &c.entries[..]);
+        for i in 0..seg.len {
+            let t = seg.start + i;
+            let pos = seg.position + i;
+            let lo = (pos + 1).saturating_sub(window).max(first_key_position);
+            let window_keys = &keys[(lo - first_key_position) * hd..(pos + 1 - first_key_position) * hd];
+            let selected: Vec<usize> = match (a.kind.compress_ratio(), entries) {
+                (Some(ratio), Some(_)) => {
+                    let visible = (pos + 1) / ratio;
+                    match (&index, index_entries) {
+                        (Some((iq, iw)), Some(ie)) => {
+                            let scores = index_scores(cfg, &iq[t * cfg.index_n_heads * cfg.index_head_dim..], &iw[t * cfg.index_n_heads..], ie, visible);
+                            top_k(&scores, cfg.index_topk.min(visible))
+                        }
+                        _ => (0..visible).collect(),
+                    }
+                }
+                _ => Vec::new(),
+            };
+            let nw = window_keys.len() / hd;
+            let mut logits = vec![0.0f32; nw + selected.len()];
+            for head in 0..h {
+                let qh = &q[t * h * hd + head * hd..][..hd];
+                for (j, k) in window_keys.chunks_exact(hd).enumerate() {
+                    logits[j] = dot(qh, k) * scale;
+                }
+                let e = entries.unwrap_or(&[]);
+                for (j, &w) in selected.iter().enumerate() {
+                    logits[nw + j] = dot(qh, &e[w * hd..(w + 1) * hd]) * scale;
+                }
+                softmax_with_sink(&mut logits, a.sink[head]);
+                let out = &mut attn_out[t * h * hd + head * hd..][..hd];
+                for (j, k) in window_keys.chunks_exact(hd).enumerate() {
+                    let p = logits[j];
+                    out.iter_mut().zip(k).for_each(|(o, v)| *o += p * v);
+                }
+                for (j, &w) in selected.iter().enumerate() {
+                    let p = logits[nw + j];
+                    out.iter_mut().zip(&e[w * hd..(w + 1) * hd]).for_each(|(o, v)| *o += p * v);
+                }
+                angles.apply_inverse(t, out);
+            }
+        }
+        // Keep the last `window − 1` keys for the next step.
+        let total = keys.len() / hd;
+        let keep = total.min(window - 1);
+        keys.drain(..(total - keep) * hd);
+        st.window = keys;
+    }
+
+    // Grouped low-rank output projection.
+    let groups = a.wo_a.len();
+    let group_in = h * hd / groups;
+    let mut grouped = vec![0.0f32; n * groups * cfg.o_lora_rank];
+    for (g, w) in a.wo_a.iter().enumerate() {
+        let mut input = Vec::with_capacity(n * group_in);
+        for t in 0..n {
+            input.extend_from_slice(&attn_out[t * h * hd + g * group_in..][..group_in]);
+        }
+        let y = project(w, &input, n);
+        for t in 0..n {
+            grouped[t * groups * cfg.o_lora_rank + g * cfg.o_lora_rank..][..cfg.o_lora_rank]
+                .copy_from_slice(&y[t * cfg.o_lora_rank..(t + 1) * cfg.o_lora_rank]);
+        }
+    }
+    project(&a.wo_b, &grouped, n)
+}
+
+/// Lightning-indexer scores of one query over the first `visible` entries:
+/// `Σ_h w_h · relu(q_h · k) / sqrt(index_head_dim)`.
+fn index_scores(cfg: &ModelConfig, q: &[f32], w: &[f32], entries: &[f32], visible: usize) -> Vec<f32> {
+    let ihd = cfg.index_head_dim;
+    let scale = (ihd as f32).powf(-0.5);
+    (0..visible)
+        .map(|e| {
+            let k = &entries[e * ihd..(e + 1) * ihd];
+            (0..cfg.index_n_heads).map(|h| w[h] * (dot(&q[h * ihd..(h + 1) * ihd], k).max(0.0) * scale)).sum()
+        })
+        .collect()
+}

@@ -1,0 +1,171 @@
+//! The model-level forward pass over a batch of sequence chunks.
+//!
+//! Every linear layer runs once over the flat batch of all chunks' tokens;
+//! attention and compressors run per sequence. Kernels are batch-invariant, so
+//! a sequence's logits do not depend on what else is in the batch.
+
+use deepinfer_kernels::ops::rms_norm;
+
+use super::attention::{self, Segment};
+use super::state::{LayerState, SequenceState};
+use super::weights::{Block, Mtp};
+use super::{hyper, moe, Model};
+
+/// New tokens of one sequence, and its state (advanced in place).
+pub struct Chunk<'a> {
+    pub tokens: &'a [u32],
+    pub state: &'a mut SequenceState,
+}
+
+/// Which positions of a chunk need logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsWanted {
+    None,
+    Last,
+    All,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct ChunkOutput {
+    /// `[rows, vocab]`: one row (`Last`), one per token (`All`) or none.
+    pub logits: Vec<f32>,
+    /// Final hc streams of every token, `[len, hc · D]` (input to MTP), if kept.
+    pub streams: Vec<f32>,
+}
+
+/// One MTP step for a sequence: for each position `t`, the main model's final
+/// streams at `t` and the token at `t + 1`.
+pub struct MtpChunk<'a> {
+    pub streams: &'a [f32],
+    pub next_tokens: &'a [u32],
+    pub state: &'a mut SequenceState,
+}
+
+impl Model {
+    /// Run the chunks through the model, advancing each state.
+    pub fn forward(&self, chunks: &mut [Chunk], wanted: LogitsWanted, keep_streams: bool) -> Vec<ChunkOutput> {
+        let cfg = &self.config;
+        let d = cfg.hidden_size;
+        let hc = cfg.hc_mult;
+        let segments = segments(chunks.iter().map(|c| (c.tokens.len(), c.state.position)));
+        let tokens: Vec<u32> = chunks.iter().flat_map(|c| c.tokens.iter().copied()).collect();
+        let n = tokens.len();
+
+        let mut streams = vec![0.0f32; n * hc * d];
+        let mut row = vec![0.0f32; d];
+        for (t, &tok) in tokens.iter().enumerate() {
+            self.weights.embed.dequantize_row((tok as usize).min(cfg.vocab_size - 1), &mut row);
+            for k in 0..hc {
+                streams[(t * hc + k) * d..][..d].copy_from_slice(&row);
+            }
+        }
+        for (l, block) in self.weights.blocks.iter().enumerate() {
+            let mut states: Vec<&mut LayerState> = chunks.iter_mut().map(|c| &mut c.state.layers[l]).collect();
+            self.block_forward(block, &mut streams, &tokens, &segments, &mut states);
+        }
+        for c in chunks.iter_mut() {
+            c.state.position += c.tokens.len();
+        }
+
+        segments
+            .iter()
+            .map(|seg| {
+                let seg_streams = &streams[seg.start * hc * d..(seg.start + seg.len) * hc * d];
+                let rows = match wanted {
+                    LogitsWanted::None => 0..0,
+                    LogitsWanted::Last => seg.len.saturating_sub(1)..seg.len,
+                    LogitsWanted::All => 0..seg.len,
+                };
+                let logits = self.logits(&self.weights.hc_head, &self.weights.norm, &seg_streams[rows.start * hc * d..rows.end * hc * d], rows.len());
+                ChunkOutput { logits, streams: if keep_streams { seg_streams.to_vec() } else { Vec::new() } }
+            })
+            .collect()
+    }
+
+    /// Run the first MTP block: returns, per chunk, logits `[len, vocab]` predicting the token at `t + 2`.
+    pub fn mtp_forward(&self, chunks: &mut [MtpChunk]) -> Vec<Vec<f32>> {
+        let mtp: &Mtp = self.weights.mtp.first().expect("checkpoint has no MTP block");
+        let cfg = &self.config;
+        let d = cfg.hidden_size;
+        let hc = cfg.hc_mult;
+        let segments = segments(chunks.iter().map(|c| (c.next_tokens.len(), c.state.mtp_position)));
+        let tokens: Vec<u32> = chunks.iter().flat_map(|c| c.next_tokens.iter().copied()).collect();
+        let n = tokens.len();
+
+        // Fuse: e_proj(enorm(embed(next))) added to h_proj(hnorm(stream)) on every stream.
+        let mut embedded = vec![0.0f32; n * d];
+        for (t, &tok) in tokens.iter().enumerate() {
+            let e = &mut embedded[t * d..(t + 1) * d];
+            self.weights.embed.dequantize_row((tok as usize).min(cfg.vocab_size - 1), e);
+            rms_norm(e, Some(&mtp.enorm), cfg.rms_norm_eps);
+        }
+        let mut e_out = vec![0.0f32; n * d];
+        mtp.e_proj.forward(&embedded, n, &mut e_out);
+        let mut prev: Vec<f32> = chunks.iter().flat_map(|c| c.streams.iter().copied()).collect();
+        assert_eq!(prev.len(), n * hc * d, "MTP input streams");
+        for r in prev.chunks_exact_mut(d) {
+            rms_norm(r, Some(&mtp.hnorm), cfg.rms_norm_eps);
+        }
+        let mut streams = vec![0.0f32; n * hc * d];
+        mtp.h_proj.forward(&prev, n * hc, &mut streams);
+        for t in 0..n {
+            for k in 0..hc {
+                let s = &mut streams[(t * hc + k) * d..][..d];
+                s.iter_mut().zip(&e_out[t * d..(t + 1) * d]).for_each(|(v, e)| *v += e);
+            }
+        }
+        let mut states: Vec<&mut LayerState> = chunks.iter_mut().map(|c| &mut c.state.mtp[0]).collect();
+        self.block_forward(&mtp.block, &mut streams, &tokens, &segments, &mut states);
+        for c in chunks.iter_mut() {
+            c.state.mtp_position += c.next_tokens.len();
+        }
+        segments
+            .iter()
+            .map(|seg| self.logits(&mtp.hc_head, &mtp.norm, &streams[seg.start * hc * d..(seg.start + seg.len) * hc * d], seg.len))
+            .collect()
+    }
+
+    fn block_forward(&self, block: &Block, streams: &mut [f32], tokens: &[u32], segments: &[Segment], states: &mut [&mut LayerState]) {
+        let cfg = &self.config;
+        let d = cfg.hidden_size;
+        let n = tokens.len();
+        let (mixes, mut x) = hyper::pre(&block.hc_attn, cfg, streams, n);
+        for r in x.chunks_exact_mut(d) {
+            rms_norm(r, Some(&block.attn_norm), cfg.rms_norm_eps);
+        }
+        let rope = self.rope_for(block.attn.kind);
+        let out = attention::forward(&block.attn, cfg, rope, &x, segments, states);
+        hyper::post(&mixes, cfg, &out, streams);
+
+        let (mixes, mut x) = hyper::pre(&block.hc_ffn, cfg, streams, n);
+        for r in x.chunks_exact_mut(d) {
+            rms_norm(r, Some(&block.ffn_norm), cfg.rms_norm_eps);
+        }
+        let out = moe::forward(&block.moe, cfg, &x, tokens);
+        hyper::post(&mixes, cfg, &out, streams);
+    }
+
+    fn logits(&self, head: &super::weights::HyperHead, norm: &[f32], streams: &[f32], rows: usize) -> Vec<f32> {
+        if rows == 0 {
+            return Vec::new();
+        }
+        let mut x = hyper::head(head, &self.config, streams, rows);
+        for r in x.chunks_exact_mut(self.config.hidden_size) {
+            rms_norm(r, Some(norm), self.config.rms_norm_eps);
+        }
+        let mut logits = vec![0.0f32; rows * self.config.vocab_size];
+        self.weights.head.forward(&x, rows, &mut logits);
+        logits
+    }
+}
+
+fn segments(chunks: impl Iterator<Item = (usize, usize)>) -> Vec<Segment> {
+    let mut start = 0;
+    chunks
+        .map(|(len, position)| {
+            let s = Segment { start, len, position };
+            start += len;
+            s
+        })
+        .collect()
+}

@@ -1,0 +1,97 @@
+//! Manifold-constrained hyper-connections (mHC): `hc_mult` residual streams,
+//! collapsed before each sublayer and mixed back after it.
+
+use deepinfer_kernels::ops::{rms_norm, sigmoid, sinkhorn, softmax};
+
+use super::weights::{HyperConnection, HyperHead};
+use crate::config::ModelConfig;
+
+/// Mixing weights of one token for one sublayer.
+pub struct Mix {
+    /// `[hc]` weights on the sublayer output per stream.
+    pub post: Vec<f32>,
+    /// `[hc, hc]` doubly-stochastic stream mixing (row j = input stream).
+    pub comb: Vec<f32>,
+}
+
+/// Compute the per-token mixes and the collapsed sublayer input `[n, D]` from streams `[n, hc, D]`.
+pub fn pre(h: &HyperConnection, cfg: &ModelConfig, streams: &[f32], n: usize) -> (Vec<Mix>, Vec<f32>) {
+    let hc = cfg.hc_mult;
+    let d = cfg.hidden_size;
+    let normed = normalized_flat(streams, n, hc * d, cfg.rms_norm_eps);
+    let outputs = (2 + hc) * hc;
+    let mut mixes = vec![0.0f32; n * outputs];
+    h.mix.forward(&normed, n, &mut mixes);
+    let mut collapsed = vec![0.0f32; n * d];
+    let mut out = Vec::with_capacity(n);
+    for t in 0..n {
+        let m = &mixes[t * outputs..(t + 1) * outputs];
+        let pre: Vec<f32> = (0..hc).map(|j| sigmoid(m[j] * h.scale[0] + h.base[j]) + cfg.hc_eps).collect();
+        let post: Vec<f32> = (0..hc).map(|j| 2.0 * sigmoid(m[hc + j] * h.scale[1] + h.base[hc + j])).collect();
+        let mut comb: Vec<f32> = (0..hc * hc).map(|k| m[2 * hc + k] * h.scale[2] + h.base[2 * hc + k]).collect();
+        for row in comb.chunks_exact_mut(hc) {
+            softmax(row);
+            row.iter_mut().for_each(|v| *v += cfg.hc_eps);
+        }
+        sinkhorn(&mut comb, hc, cfg.hc_sinkhorn_iters, cfg.hc_eps);
+        collapse(&pre, &streams[t * hc * d..(t + 1) * hc * d], &mut collapsed[t * d..(t + 1) * d]);
+        out.push(Mix { post, comb });
+    }
+    (out, collapsed)
+}
+
+/// `streams[k] ← post[k]·output + Σ_j comb[j][k]·streams[j]` for every token.
+pub fn post(mixes: &[Mix], cfg: &ModelConfig, output: &[f32], streams: &mut [f32]) {
+    let hc = cfg.hc_mult;
+    let d = cfg.hidden_size;
+    let mut mixed = vec![0.0f32; hc * d];
+    for (t, mix) in mixes.iter().enumerate() {
+        let s = &mut streams[t * hc * d..(t + 1) * hc * d];
+        let o = &output[t * d..(t + 1) * d];
+        for k in 0..hc {
+            let dst = &mut mixed[k * d..(k + 1) * d];
+            for (c, v) in dst.iter_mut().enumerate() {
+                let mut acc = mix.post[k] * o[c];
+                for j in 0..hc {
+                    acc += mix.comb[j * hc + k] * s[j * d + c];
+                }
+                *v = acc;
+            }
+        }
+        s.copy_from_slice(&mixed);
+    }
+}
+
+/// Collapse the streams `[n, hc, D]` into `[n, D]` with a hyper head.
+pub fn head(h: &HyperHead, cfg: &ModelConfig, streams: &[f32], n: usize) -> Vec<f32> {
+    let hc = cfg.hc_mult;
+    let d = cfg.hidden_size;
+    let normed = normalized_flat(streams, n, hc * d, cfg.rms_norm_eps);
+    let mut mixes = vec![0.0f32; n * hc];
+    h.mix.forward(&normed, n, &mut mixes);
+    let mut out = vec![0.0f32; n * d];
+    for t in 0..n {
+        let pre: Vec<f32> = (0..hc).map(|j| sigmoid(mixes[t * hc + j] * h.scale + h.base[j]) + cfg.hc_eps).collect();
+        collapse(&pre, &streams[t * hc * d..(t + 1) * hc * d], &mut out[t * d..(t + 1) * d]);
+    }
+    out
+}
+
+fn normalized_flat(streams: &[f32], n: usize, width: usize, eps: f32) -> Vec<f32> {
+    let mut normed = streams[..n * width].to_vec();
+    for row in normed.chunks_exact_mut(width) {
+        rms_norm(row, None, eps);
+    }
+    normed
+}
+
+fn collapse(pre: &[f32], streams: &[f32], out: &mut [f32]) {
+    let d = out.len();
+    for (c, v) in out.iter_mut().enumerate() {
+        let mut acc = 0.0f32;
+        for (j, p) in pre.iter().enumerate() {
+            acc += p * streams[j * d + c];
+        }
+        *v = acc;
+    }
+}
