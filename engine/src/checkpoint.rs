@@ -65,34 +65,45 @@ impl Checkpoint {
         if paths.is_empty() {
             return Err(file_err("no *.safetensors files".into()));
         }
-        let mut shards = Vec::new();
-        let mut tensors = BTreeMap::new();
-        for (index, path) in paths.into_iter().enumerate() {
-            let shown = path.display().to_string();
-            let err = |problem: String| CheckpointError::File { file: shown.clone(), problem };
+        let mut checkpoint = Self { dir: dir.to_path_buf(), shards: Vec::new(), tensors: BTreeMap::new() };
+        for path in paths {
+            let err = |problem: String| CheckpointError::File { file: path.display().to_string(), problem };
             let file = File::open(&path).map_err(|e| err(format!("cannot open: {e}")))?;
             // SAFETY: the mapping is read-only; a checkpoint modified while mapped is outside what we support.
             let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(format!("cannot map: {e}")))?;
-            let bytes = Bytes::from_owner(map);
-            let (header_len, metadata) =
-                SafeTensors::read_metadata(&bytes).map_err(|e| err(format!("not a safetensors file: {e}")))?;
-            let data_start = 8 + header_len;
-            for (name, info) in metadata.tensors() {
-                let (start, end) = info.data_offsets;
-                let entry = TensorEntry {
-                    shard: index,
-                    dtype: info.dtype,
-                    shape: info.shape.clone(),
-                    start: data_start + start,
-                    end: data_start + end,
-                };
-                if tensors.insert(name.clone(), entry).is_some() {
-                    return Err(err(format!("tensor `{name}` appears in more than one shard")));
-                }
-            }
-            shards.push(Shard { path, bytes });
+            checkpoint.add_shard(path, Bytes::from_owner(map))?;
         }
-        Ok(Self { dir: dir.to_path_buf(), shards, tensors })
+        Ok(checkpoint)
+    }
+
+    /// A checkpoint held in memory (one serialised safetensors buffer); `label` names it in errors.
+    pub fn from_bytes(label: &str, bytes: Bytes) -> Result<Self, CheckpointError> {
+        let mut checkpoint = Self { dir: PathBuf::from(label), shards: Vec::new(), tensors: BTreeMap::new() };
+        checkpoint.add_shard(PathBuf::from(label), bytes)?;
+        Ok(checkpoint)
+    }
+
+    fn add_shard(&mut self, path: PathBuf, bytes: Bytes) -> Result<(), CheckpointError> {
+        let err = |problem: String| CheckpointError::File { file: path.display().to_string(), problem };
+        let (header_len, metadata) =
+            SafeTensors::read_metadata(&bytes).map_err(|e| err(format!("not a safetensors file: {e}")))?;
+        let data_start = 8 + header_len;
+        let index = self.shards.len();
+        for (name, info) in metadata.tensors() {
+            let (start, end) = info.data_offsets;
+            let entry = TensorEntry {
+                shard: index,
+                dtype: info.dtype,
+                shape: info.shape.clone(),
+                start: data_start + start,
+                end: data_start + end,
+            };
+            if self.tensors.insert(name.clone(), entry).is_some() {
+                return Err(err(format!("tensor `{name}` appears in more than one shard")));
+            }
+        }
+        self.shards.push(Shard { path, bytes });
+        Ok(())
     }
 
     pub fn contains(&self, name: &str) -> bool {

@@ -3,6 +3,10 @@
 //!
 //! Nothing here reads a clock, opens a socket or spawns a task.
 
+// The preset configs are large `json!` literals.
+#![recursion_limit = "256"]
+
 pub mod checkpoint;
 pub mod config;
 pub mod model;
+pub mod presets;

@@ -1,0 +1,90 @@
+//! The forward pass gives the same bits however a sequence is cut into steps
+//! and whatever else shares its batch.
+
+use deepinfer_engine::model::{Chunk, LogitsWanted, Model};
+use deepinfer_engine::presets::{build, Preset};
+
+fn tiny() -> Model {
+    build(Preset::TinyV4, 7).expect("tiny-v4 builds")
+}
+
+fn prompt(len: usize, salt: u32) -> Vec<u32> {
+    (0..len as u32).map(|i| 2 + (i.wrapping_mul(2654435761).wrapping_add(salt * 97) >> 7) % 1000).collect()
+}
+
+/// Logits of every position, with the sequence fed in the given chunk sizes.
+fn run_chunked(model: &Model, tokens: &[u32], chunks: &[usize]) -> Vec<f32> {
+    let mut state = model.new_state();
+    let mut logits = Vec::new();
+    let mut at = 0;
+    for &len in chunks {
+        let out = model.forward(&mut [Chunk { tokens: &tokens[at..at + len], state: &mut state }], LogitsWanted::All, false);
+        logits.extend_from_slice(&out[0].logits);
+        at += len;
+    }
+    assert_eq!(at, tokens.len());
+    logits
+}
+
+#[test]
+fn incremental_decoding_matches_full_forward() {
+    let model = tiny();
+    let tokens = prompt(70, 1);
+    let full = run_chunked(&model, &tokens, &[70]);
+    assert!(full.iter().all(|v| v.is_finite()));
+    let mut steps = vec![40];
+    steps.extend(std::iter::repeat_n(1, 30));
+    assert_eq!(run_chunked(&model, &tokens, &steps), full, "prefill 40 then 30 single steps");
+    assert_eq!(run_chunked(&model, &tokens, &[3, 17, 1, 9, 33, 7]), full, "uneven chunks");
+    assert_eq!(run_chunked(&model, &tokens, &vec![1; 70]), full, "one token at a time");
+}
+
+#[test]
+fn a_sequence_logits_do_not_depend_on_its_batch() {
+    let model = tiny();
+    let a = prompt(37, 2);
+    let b = prompt(13, 3);
+    let c = prompt(70, 4);
+    let alone = run_chunked(&model, &a, &[37]);
+    let (mut sa, mut sb, mut sc) = (model.new_state(), model.new_state(), model.new_state());
+    let out = model.forward(
+        &mut [
+            Chunk { tokens: &b, state: &mut sb },
+            Chunk { tokens: &a, state: &mut sa },
+            Chunk { tokens: &c, state: &mut sc },
+        ],
+        LogitsWanted::All,
+        false,
+    );
+    assert_eq!(out[1].logits, alone);
+    assert_eq!(out[0].logits, run_chunked(&model, &b, &[13]));
+}
+
+#[test]
+fn mtp_block_runs_and_is_incremental() {
+    let model = tiny();
+    assert!(model.has_mtp());
+    let tokens = prompt(30, 5);
+    let mut state = model.new_state();
+    let out = model.forward(&mut [Chunk { tokens: &tokens, state: &mut state }], LogitsWanted::None, true);
+    let streams = &out[0].streams;
+    let width = model.config.hc_mult * model.config.hidden_size;
+    let full = model.mtp_forward(&mut [deepinfer_engine::model::MtpChunk {
+        streams: &streams[..29 * width],
+        next_tokens: &tokens[1..],
+        state: &mut state,
+    }]);
+    assert_eq!(full[0].len(), 29 * model.config.vocab_size);
+    let mut state2 = model.new_state();
+    model.forward(&mut [Chunk { tokens: &tokens, state: &mut state2 }], LogitsWanted::None, false);
+    let mut pieces = Vec::new();
+    for (lo, hi) in [(0, 20), (20, 21), (21, 29)] {
+        let part = model.mtp_forward(&mut [deepinfer_engine::model::MtpChunk {
+            streams: &streams[lo * width..hi * width],
+            next_tokens: &tokens[lo + 1..hi + 1],
+            state: &mut state2,
+        }]);
+        pieces.extend_from_slice(&part[0]);
+    }
+    assert_eq!(pieces, full[0]);
+}
