@@ -1,2 +1,6 @@
 //! The deepinfer program: CLI, files users write, launcher.
+
+pub mod cli;
+pub mod commands;
+pub mod generation;
 pub mod tokenizer;

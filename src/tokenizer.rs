@@ -348,8 +348,7 @@ fn added_token(id: usize, content: &str, special: bool) -> Value {
 fn build_tokenizer_json() -> String {
     let (symbols, merges) = learn_bpe();
 
-    let mut specials: Vec<(usize, &str, bool)> =
-        vec![(0, BOS_TOKEN, true), (1, EOS_TOKEN, true)];
+    let mut specials: Vec<(usize, &str, bool)> = vec![(0, BOS_TOKEN, true), (1, EOS_TOKEN, true)];
     specials.extend(
         BUILTIN_RESERVED_TOKENS
             .iter()
@@ -412,7 +411,7 @@ fn build_tokenizer_json() -> String {
 }
 
 /// The built-in tokenizer as `tokenizer.json` text. Learned once per process
-/// and identical on every call and every machine.
+/// and byte-identical on every call.
 pub fn builtin_tokenizer_json() -> String {
     static JSON: OnceLock<String> = OnceLock::new();
     JSON.get_or_init(build_tokenizer_json).clone()
@@ -485,7 +484,10 @@ mod tests {
                 Some((FIRST_RESERVED_ID + i) as u32)
             );
         }
-        assert_eq!(tok.id_to_token(BUILTIN_VOCAB_SIZE as u32 - 1).as_deref(), Some("<｜end_of_query｜>"));
+        assert_eq!(
+            tok.id_to_token(BUILTIN_VOCAB_SIZE as u32 - 1).as_deref(),
+            Some("<｜end_of_query｜>")
+        );
         // Merges are real multi-byte tokens and actually used by encoding.
         let ids = roundtrip(&tok, "The total is the number of tokens.");
         assert!(ids.iter().any(|&id| id as usize >= FIRST_MERGE_ID));
@@ -578,7 +580,9 @@ mod tests {
         // The built-in reserved tokens mirror the real file's strings and flags.
         let added = tok.get_added_tokens_decoder();
         for &(content, special) in BUILTIN_RESERVED_TOKENS {
-            let id = tok.token_to_id(content).unwrap_or_else(|| panic!("{content} missing"));
+            let id = tok
+                .token_to_id(content)
+                .unwrap_or_else(|| panic!("{content} missing"));
             assert_eq!(added[&id].special, special, "{content}");
         }
         let text = "Hello, world! <｜User｜>你好 🦀";

@@ -10,3 +10,4 @@ pub mod checkpoint;
 pub mod config;
 pub mod model;
 pub mod presets;
+pub mod sampling;

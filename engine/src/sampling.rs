@@ -77,8 +77,8 @@ impl SamplingParams {
 
     /// Whether this request decodes greedily.
     pub fn is_greedy(&self) -> bool {
-        // `!(t > 0)` also sends NaN to the deterministic path.
-        !(self.temperature > 0.0)
+        // NaN also takes the deterministic path.
+        self.temperature.is_nan() || self.temperature <= 0.0
     }
 }
 
@@ -120,7 +120,7 @@ pub fn uniform(seed: u64, position: u64) -> f64 {
 /// Logits as `f64` with NaN read as -inf. When some logits are +inf those
 /// tokens share all the mass equally, which is the limit of the softmax.
 fn sanitize(logits: &[f32]) -> Vec<f64> {
-    let any_pos_inf = logits.iter().any(|&l| l == f32::INFINITY);
+    let any_pos_inf = logits.contains(&f32::INFINITY);
     logits
         .iter()
         .map(|&l| {
@@ -186,7 +186,9 @@ pub fn sample(logits: &[f32], params: &SamplingParams, position: u64) -> Sampled
         return Sampled {
             token: 0,
             logprob: f32::NEG_INFINITY,
-            top: (0..n_top as u32).map(|id| (id, f32::NEG_INFINITY)).collect(),
+            top: (0..n_top as u32)
+                .map(|id| (id, f32::NEG_INFINITY))
+                .collect(),
         };
     }
 
@@ -252,7 +254,7 @@ fn draw(x: &[f64], max: f64, params: &SamplingParams, u: f64) -> u32 {
         reordered = true;
     }
     let top_p = f64::from(params.top_p);
-    if top_p < 1.0 || top_p.is_nan() {
+    if top_p < 1.0 {
         if !reordered {
             kept.sort_unstable_by(|&a, &b| rank(x, a, b));
         }
@@ -285,8 +287,9 @@ fn draw(x: &[f64], max: f64, params: &SamplingParams, u: f64) -> u32 {
             return id;
         }
     }
-    // Only reachable when rounding puts `target` at `total`.
-    *kept.last().expect("the largest logit always has weight 1")
+    // Only reachable when rounding puts `target` at `total`. `kept` holds at
+    // least the best token, whose weight is exp(0) = 1.
+    kept.last().copied().unwrap_or_else(|| argmax(x))
 }
 
 #[cfg(test)]
@@ -311,7 +314,10 @@ mod tests {
     }
 
     fn softmax(logits: &[f32], temperature: f64) -> Vec<f64> {
-        let max = logits.iter().map(|&l| f64::from(l)).fold(f64::MIN, f64::max);
+        let max = logits
+            .iter()
+            .map(|&l| f64::from(l))
+            .fold(f64::MIN, f64::max);
         let w: Vec<f64> = logits
             .iter()
             .map(|&l| ((f64::from(l) - max) / temperature).exp())
@@ -363,22 +369,40 @@ mod tests {
         };
         assert_eq!(ok.validate(8), Ok(()));
         for t in [-0.1, f32::NAN, f32::INFINITY] {
-            let p = SamplingParams { temperature: t, ..ok.clone() };
-            assert!(matches!(p.validate(8), Err(SamplingError::InvalidTemperature(_))));
+            let p = SamplingParams {
+                temperature: t,
+                ..ok.clone()
+            };
+            assert!(matches!(
+                p.validate(8),
+                Err(SamplingError::InvalidTemperature(_))
+            ));
         }
         for top_p in [0.0, -0.5, 1.0001, f32::NAN] {
-            let p = SamplingParams { top_p, ..ok.clone() };
+            let p = SamplingParams {
+                top_p,
+                ..ok.clone()
+            };
             assert!(matches!(p.validate(8), Err(SamplingError::InvalidTopP(_))));
         }
-        let p = SamplingParams { logprobs: 21, ..ok.clone() };
+        let p = SamplingParams {
+            logprobs: 21,
+            ..ok.clone()
+        };
         assert_eq!(p.validate(8), Err(SamplingError::TooManyLogprobs(21)));
         assert_eq!(ok.validate(0), Err(SamplingError::EmptyVocabulary));
-        let msg = SamplingParams { temperature: -1.0, ..ok.clone() }
+        let msg = SamplingParams {
+            temperature: -1.0,
+            ..ok.clone()
+        }
+        .validate(8)
+        .unwrap_err()
+        .to_string();
+        assert_eq!(msg, "temperature must be a finite number >= 0, got -1");
+        let msg = SamplingParams { top_p: 0.0, ..ok }
             .validate(8)
             .unwrap_err()
             .to_string();
-        assert_eq!(msg, "temperature must be a finite number >= 0, got -1");
-        let msg = SamplingParams { top_p: 0.0, ..ok }.validate(8).unwrap_err().to_string();
         assert_eq!(msg, "top_p must be greater than 0 and at most 1, got 0");
     }
 
@@ -395,7 +419,10 @@ mod tests {
         }
         assert!((sum / n as f64 - 0.5).abs() < 0.005);
         let want = n as f64 / 16.0;
-        let stat: f64 = buckets.iter().map(|&c| (c as f64 - want).powi(2) / want).sum();
+        let stat: f64 = buckets
+            .iter()
+            .map(|&c| (c as f64 - want).powi(2) / want)
+            .sum();
         // 99.99th percentile for 15 degrees of freedom is 42.
         assert!(stat < 42.0, "chi-square {stat}");
     }
@@ -405,7 +432,10 @@ mod tests {
         let mut seen = std::collections::BTreeSet::new();
         for seed in 0..16u64 {
             for pos in 0..1000u64 {
-                assert!(seen.insert(uniform(seed, pos).to_bits()), "repeat at {seed}/{pos}");
+                assert!(
+                    seen.insert(uniform(seed, pos).to_bits()),
+                    "repeat at {seed}/{pos}"
+                );
             }
         }
         // Adjacent seeds are uncorrelated, not shifted copies of each other.
@@ -490,7 +520,9 @@ mod tests {
         let logits: Vec<f32> = probs.iter().map(|p| p.ln() as f32).collect();
         let renorm = |keep: usize| -> Vec<f64> {
             let mass: f64 = probs[..keep].iter().sum();
-            (0..6).map(|i| if i < keep { probs[i] / mass } else { 0.0 }).collect()
+            (0..6)
+                .map(|i| if i < keep { probs[i] / mass } else { 0.0 })
+                .collect()
         };
         // 3 kept: 2 degrees of freedom, 99.99th percentile 18.4.
         let stat = chi_square(&logits, &params(1.0, 1.0, 3, 17), &renorm(3), 30_000);
@@ -515,7 +547,10 @@ mod tests {
         for pos in 0..200 {
             let plain = sample(&logits, &params(0.9, 1.0, 0, 8), pos).token;
             assert_eq!(sample(&logits, &params(0.9, 1.0, 300, 8), pos).token, plain);
-            assert_eq!(sample(&logits, &params(0.9, 1.0, 5000, 8), pos).token, plain);
+            assert_eq!(
+                sample(&logits, &params(0.9, 1.0, 5000, 8), pos).token,
+                plain
+            );
         }
     }
 
@@ -638,11 +673,16 @@ mod tests {
     fn unvalidated_params_still_give_a_token() {
         let logits = random_logits(64, 5, 2.0);
         let greedy = sample(&logits, &SamplingParams::default(), 0).token;
-        for (t, top_p) in [(f32::NAN, 1.0), (-1.0, 1.0), (1.0, f32::NAN), (1.0, 0.0), (1.0, -3.0)] {
+        // Non-positive or NaN temperature is greedy, and so is a nucleus of
+        // no mass.
+        for (t, top_p) in [(f32::NAN, 1.0), (-1.0, 1.0), (1.0, 0.0), (1.0, -3.0)] {
             let s = sample(&logits, &params(t, top_p, 0, 1), 0);
             assert_eq!(s.token, greedy, "t={t} top_p={top_p}");
         }
-        let s = sample(&logits, &params(f32::INFINITY, 1.5, 0, 1), 0);
-        assert!((s.token as usize) < logits.len());
+        // NaN or oversized top_p and infinite temperature keep every token.
+        for (t, top_p) in [(1.0, f32::NAN), (1.0, 1.5), (f32::INFINITY, 1.0)] {
+            let s = sample(&logits, &params(t, top_p, 0, 1), 0);
+            assert!((s.token as usize) < logits.len());
+        }
     }
 }

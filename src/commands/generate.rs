@@ -1,0 +1,60 @@
+//! `deepinfer generate`: one prompt, printed as it is generated.
+
+use std::io::Write;
+use std::time::Instant;
+
+use deepinfer_engine::sampling::SamplingParams;
+
+use crate::cli::GenerateArgs;
+use crate::generation::{encode_prompt, generate, load_model, FinishReason};
+
+pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
+    let loaded = load_model(&args.model, args.model_seed, args.tokenizer.as_deref())?;
+    let prompt = encode_prompt(&loaded.tokenizer, &loaded.model, &args.prompt)?;
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        seed: args.seed,
+        ..SamplingParams::default()
+    };
+    let started = Instant::now();
+    let mut first_token_at = None;
+    let mut stdout = std::io::stdout().lock();
+    let mut text_so_far = String::new();
+    let mut ids = Vec::new();
+    let completion = generate(&loaded.model, &prompt, &params, args.max_tokens, |token| {
+        first_token_at.get_or_insert_with(Instant::now);
+        ids.push(token);
+        // Print the new suffix of the decoded text, so multi-byte characters appear whole.
+        if let Ok(text) = loaded.tokenizer.decode(&ids, true) {
+            if text.len() > text_so_far.len() && text.starts_with(&text_so_far) {
+                let _ = write!(stdout, "{}", &text[text_so_far.len()..]);
+                let _ = stdout.flush();
+                text_so_far = text;
+            }
+        }
+    })?;
+    let total = started.elapsed().as_secs_f64();
+    writeln!(stdout)?;
+    if args.show_tokens {
+        writeln!(stdout, "tokens: {:?}", completion.tokens)?;
+    }
+    let ttft = first_token_at.map_or(total, |t| (t - started).as_secs_f64());
+    let decode_tokens = completion.tokens.len().saturating_sub(1);
+    let decode_secs = total - ttft;
+    let reason = match completion.finish {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    };
+    eprintln!(
+        "{}: prompt {} tokens, generated {} tokens ({reason}); prefill {:.1} ms ({:.0} tokens/s), decode {:.1} tokens/s",
+        loaded.name,
+        completion.prompt_tokens.len(),
+        completion.tokens.len(),
+        ttft * 1e3,
+        completion.prompt_tokens.len() as f64 / ttft.max(1e-9),
+        if decode_tokens > 0 { decode_tokens as f64 / decode_secs.max(1e-9) } else { 0.0 },
+    );
+    Ok(())
+}

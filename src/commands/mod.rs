@@ -1,0 +1,4 @@
+//! One module per CLI command.
+
+pub mod generate;
+pub mod model_init;
