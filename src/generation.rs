@@ -91,7 +91,7 @@ pub fn generate(
     let mut finish = FinishReason::Length;
     while tokens.len() < max_tokens {
         let position = state.position + input.len();
-        let out = model.forward(&mut [Chunk { tokens: &input, state: &mut state }], LogitsWanted::Last, false);
+        let out = model.forward(&mut [Chunk::new(&input, &mut state)], LogitsWanted::Last, false);
         let next = sample(&out[0].logits, params, position as u64).token;
         tokens.push(next);
         on_token(next);

@@ -18,7 +18,7 @@ fn run_chunked(model: &Model, tokens: &[u32], chunks: &[usize]) -> Vec<f32> {
     let mut logits = Vec::new();
     let mut at = 0;
     for &len in chunks {
-        let out = model.forward(&mut [Chunk { tokens: &tokens[at..at + len], state: &mut state }], LogitsWanted::All, false);
+        let out = model.forward(&mut [Chunk::new(&tokens[at..at + len], &mut state)], LogitsWanted::All, false);
         logits.extend_from_slice(&out[0].logits);
         at += len;
     }
@@ -49,9 +49,9 @@ fn a_sequence_logits_do_not_depend_on_its_batch() {
     let (mut sa, mut sb, mut sc) = (model.new_state(), model.new_state(), model.new_state());
     let out = model.forward(
         &mut [
-            Chunk { tokens: &b, state: &mut sb },
-            Chunk { tokens: &a, state: &mut sa },
-            Chunk { tokens: &c, state: &mut sc },
+            Chunk::new(&b, &mut sb),
+            Chunk::new(&a, &mut sa),
+            Chunk::new(&c, &mut sc),
         ],
         LogitsWanted::All,
         false,
@@ -66,7 +66,7 @@ fn mtp_block_runs_and_is_incremental() {
     assert!(model.has_mtp());
     let tokens = prompt(30, 5);
     let mut state = model.new_state();
-    let out = model.forward(&mut [Chunk { tokens: &tokens, state: &mut state }], LogitsWanted::None, true);
+    let out = model.forward(&mut [Chunk::new(&tokens, &mut state)], LogitsWanted::None, true);
     let streams = &out[0].streams;
     let width = model.config.hc_mult * model.config.hidden_size;
     let full = model.mtp_forward(&mut [deepinfer_engine::model::MtpChunk {
@@ -76,7 +76,7 @@ fn mtp_block_runs_and_is_incremental() {
     }]);
     assert_eq!(full[0].len(), 29 * model.config.vocab_size);
     let mut state2 = model.new_state();
-    model.forward(&mut [Chunk { tokens: &tokens, state: &mut state2 }], LogitsWanted::None, false);
+    model.forward(&mut [Chunk::new(&tokens, &mut state2)], LogitsWanted::None, false);
     let mut pieces = Vec::new();
     for (lo, hi) in [(0, 20), (20, 21), (21, 29)] {
         let part = model.mtp_forward(&mut [deepinfer_engine::model::MtpChunk {
@@ -87,4 +87,46 @@ fn mtp_block_runs_and_is_incremental() {
         pieces.extend_from_slice(&part[0]);
     }
     assert_eq!(pieces, full[0]);
+}
+
+/// A state rebuilt from the compressors' state at a prefix boundary plus a
+/// replay of the dependency cone (every layer has a sliding window, so
+/// `layers × (window − 1)` tokens) matches a cold run bit for bit.
+#[test]
+fn replaying_the_dependency_cone_rebuilds_the_window_state_exactly() {
+    let model = tiny();
+    let tokens = prompt(90, 6);
+    let boundary = 80;
+    let mut cold = model.new_state();
+    model.forward(&mut [Chunk::new(&tokens[..boundary], &mut cold)], LogitsWanted::None, false);
+
+    let cone = model.config.num_layers * (model.config.sliding_window - 1);
+    let mut warm = model.new_state();
+    for (w, c) in warm.layers.iter_mut().zip(&cold.layers) {
+        w.compressor = c.compressor.clone();
+        w.indexer = c.indexer.clone();
+    }
+    warm.position = boundary - cone;
+    let mut replay = Chunk::new(&tokens[boundary - cone..boundary], &mut warm);
+    replay.replay = true;
+    model.forward(&mut [replay], LogitsWanted::None, false);
+    assert_eq!(warm.layers, cold.layers);
+
+    let rest_cold = model.forward(&mut [Chunk::new(&tokens[boundary..], &mut cold)], LogitsWanted::All, false);
+    let rest_warm = model.forward(&mut [Chunk::new(&tokens[boundary..], &mut warm)], LogitsWanted::All, false);
+    assert_eq!(rest_warm[0].logits, rest_cold[0].logits);
+
+    // One token short of the cone, the deepest window is not exact any more.
+    let mut short = model.new_state();
+    let mut cold2 = model.new_state();
+    model.forward(&mut [Chunk::new(&tokens[..boundary], &mut cold2)], LogitsWanted::None, false);
+    for (w, c) in short.layers.iter_mut().zip(&cold2.layers) {
+        w.compressor = c.compressor.clone();
+        w.indexer = c.indexer.clone();
+    }
+    short.position = boundary - cone + 1;
+    let mut replay = Chunk::new(&tokens[boundary - cone + 1..boundary], &mut short);
+    replay.replay = true;
+    model.forward(&mut [replay], LogitsWanted::None, false);
+    assert_ne!(short.layers, cold2.layers);
 }

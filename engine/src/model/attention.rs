@@ -18,6 +18,8 @@ pub struct Segment {
     pub len: usize,
     /// Position of the first token.
     pub position: usize,
+    /// Rebuilding window state only: the compressors already hold these tokens.
+    pub replay: bool,
 }
 
 /// Cos/sin tables for a run of positions.
@@ -134,6 +136,9 @@ fn run_compressor(
     let kv = project(&c.wkv, x, n);
     let gate = project(&c.wgate, x, n);
     for (seg, st) in segments.iter().zip(states.iter_mut()) {
+        if seg.replay {
+            continue;
+        }
         for t in seg.start..seg.start + seg.len {
             compress_token(c, st, &kv[t * width..(t + 1) * width], &gate[t * width..(t + 1) * width], rope, eps);
         }

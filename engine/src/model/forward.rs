@@ -15,6 +15,16 @@ use super::{hyper, moe, Model};
 pub struct Chunk<'a> {
     pub tokens: &'a [u32],
     pub state: &'a mut SequenceState,
+    /// Replay: recompute the window KV of tokens whose compressed entries and
+    /// compressor state the state already holds (a prefix-cache hit). The
+    /// compressors are not fed; everything else runs as usual.
+    pub replay: bool,
+}
+
+impl<'a> Chunk<'a> {
+    pub fn new(tokens: &'a [u32], state: &'a mut SequenceState) -> Self {
+        Self { tokens, state, replay: false }
+    }
 }
 
 /// Which positions of a chunk need logits.
@@ -47,7 +57,7 @@ impl Model {
         let cfg = &self.config;
         let d = cfg.hidden_size;
         let hc = cfg.hc_mult;
-        let segments = segments(chunks.iter().map(|c| (c.tokens.len(), c.state.position)));
+        let segments = segments(chunks.iter().map(|c| (c.tokens.len(), c.state.position, c.replay)));
         let tokens: Vec<u32> = chunks.iter().flat_map(|c| c.tokens.iter().copied()).collect();
         let n = tokens.len();
 
@@ -88,7 +98,7 @@ impl Model {
         let cfg = &self.config;
         let d = cfg.hidden_size;
         let hc = cfg.hc_mult;
-        let segments = segments(chunks.iter().map(|c| (c.next_tokens.len(), c.state.mtp_position)));
+        let segments = segments(chunks.iter().map(|c| (c.next_tokens.len(), c.state.mtp_position, false)));
         let tokens: Vec<u32> = chunks.iter().flat_map(|c| c.next_tokens.iter().copied()).collect();
         let n = tokens.len();
 
@@ -159,11 +169,11 @@ impl Model {
     }
 }
 
-fn segments(chunks: impl Iterator<Item = (usize, usize)>) -> Vec<Segment> {
+fn segments(chunks: impl Iterator<Item = (usize, usize, bool)>) -> Vec<Segment> {
     let mut start = 0;
     chunks
-        .map(|(len, position)| {
-            let s = Segment { start, len, position };
+        .map(|(len, position, replay)| {
+            let s = Segment { start, len, position, replay };
             start += len;
             s
         })
