@@ -59,11 +59,16 @@ impl Checkpoint {
         let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
             .map_err(|e| file_err(format!("cannot list directory: {e}")))?
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            // Weight shards are `model.safetensors` or `model-0000N-of-0000M.safetensors`;
+            // other safetensors files in the directory are not weights.
+            .filter(|p| {
+                p.extension().is_some_and(|x| x == "safetensors")
+                    && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("model"))
+            })
             .collect();
         paths.sort();
         if paths.is_empty() {
-            return Err(file_err("no *.safetensors files".into()));
+            return Err(file_err("no model*.safetensors files".into()));
         }
         let mut checkpoint = Self { dir: dir.to_path_buf(), shards: Vec::new(), tensors: BTreeMap::new() };
         for path in paths {
@@ -178,7 +183,7 @@ impl Checkpoint {
                 w.expect_shape(&[rows, packed_cols])?;
                 let scale = self.scale_tensor(prefix)?;
                 let blocks = match scale.shape {
-                    [r, b] if *r == rows && *b > 0 && cols % *b == 0 => *b,
+                    [r, b] if *r == rows && *b > 0 && cols.is_multiple_of(*b) => *b,
                     other => {
                         return Err(scale.error(format!(
                             "FP4 scale shape {other:?} does not fit weight of {rows}x{cols} (expected [{rows}, cols/32])"

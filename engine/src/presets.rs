@@ -301,7 +301,7 @@ impl Writer {
 
 /// Random weights for `cfg` in the published naming and formats, from `seed`.
 pub fn random_checkpoint(cfg: &ModelConfig, seed: u64) -> Vec<TensorData> {
-    let mut w = Writer { rng: Normal { state: seed ^ 0x5eed_d1ce_0f_d33b }, tensors: Vec::new() };
+    let mut w = Writer { rng: Normal { state: seed ^ 0x5eed_d1ce_0fd3_3b00 }, tensors: Vec::new() };
     let d = cfg.hidden_size;
     w.bf16("embed", cfg.vocab_size, d, 1.0);
     for i in 0..cfg.num_layers {

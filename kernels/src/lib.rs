@@ -9,5 +9,6 @@ pub mod dtype;
 pub mod linear;
 pub mod ops;
 pub mod quantize;
+mod simd;
 
-pub use linear::{Linear, WeightFormat};
+pub use linear::{Isa, Linear, WeightFormat};

@@ -5,9 +5,22 @@
 //! dot product whose reduction order depends only on `cols`, so results are
 //! batch-invariant.
 
+use std::ops::Range;
+
 use bytes::Bytes;
+use rayon::prelude::*;
 
 use crate::dtype::{bf16_to_f32, fp8_e4m3_to_f32, FP4_E2M1_VALUES};
+use crate::simd::{reduce16, Backend};
+pub use crate::simd::Isa;
+
+/// Weight rows dequantised together; every input row reuses them.
+const TILE_ROWS: usize = 16;
+/// Columns per block: a dequantised tile block (16 KiB) stays in L1 while all
+/// input rows stream past it. A multiple of 16, so blocks start on lane 0.
+const BLOCK_COLS: usize = 256;
+/// Below this many multiply-adds a call stays on the calling thread.
+const PARALLEL_MIN_FMAS: usize = 1 << 21;
 
 /// How a weight matrix of `rows × cols` (out × in, row-major) is stored.
 #[derive(Clone, Debug)]
@@ -91,40 +104,293 @@ impl Linear {
     }
 
     /// `out[n × rows] = x[n × cols] · Wᵀ`.
+    ///
+    /// Each output element has exactly the bits of [`dot`] of its input row and the
+    /// dequantised weight row, whatever `n`, the row's position in the batch, the
+    /// number of threads, or the [`Isa`] in use.
     pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
+        self.forward_on(Backend::detected(), x, n, out);
+    }
+
+    /// [`Linear::forward`] on a chosen code path (for tests and benchmarks; the
+    /// result is the same on every path). Panics if this CPU lacks `isa`.
+    pub fn forward_with(&self, isa: Isa, x: &[f32], n: usize, out: &mut [f32]) {
+        self.forward_on(Backend::new(isa), x, n, out);
+    }
+
+    fn forward_on(&self, backend: Backend, x: &[f32], n: usize, out: &mut [f32]) {
         assert_eq!(x.len(), n * self.cols, "linear input");
         assert_eq!(out.len(), n * self.rows, "linear output");
-        let mut row = vec![0.0f32; self.cols];
-        for r in 0..self.rows {
-            self.dequantize_row(r, &mut row);
+        self.check_format();
+        let rows = self.rows;
+        if n == 0 || rows == 0 {
+            return;
+        }
+        let threads = rayon::current_num_threads();
+        if threads == 1 || rows < 2 * TILE_ROWS || n * rows * self.cols < PARALLEL_MIN_FMAS {
+            self.forward_rows(backend, x, n, 0..rows, out, rows);
+            return;
+        }
+        // Each thread owns whole output columns (weight rows), so every element is
+        // still one dot product computed by one thread in the fixed order.
+        let chunk = rows.div_ceil(4 * threads).next_multiple_of(TILE_ROWS);
+        if n == 1 {
+            out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
+                let start = c * chunk;
+                self.forward_rows(backend, x, 1, start..start + o.len(), o, o.len());
+            });
+            return;
+        }
+        let strips: Vec<Vec<f32>> = (0..rows.div_ceil(chunk))
+            .into_par_iter()
+            .map(|c| {
+                let range = c * chunk..((c + 1) * chunk).min(rows);
+                let width = range.len();
+                let mut strip = vec![0.0f32; n * width];
+                self.forward_rows(backend, x, n, range, &mut strip, width);
+                strip
+            })
+            .collect();
+        for (c, strip) in strips.iter().enumerate() {
+            let width = strip.len() / n;
+            for (i, src) in strip.chunks_exact(width).enumerate() {
+                out[i * rows + c * chunk..][..width].copy_from_slice(src);
+            }
+        }
+    }
+
+    /// Panics on layouts the kernels cannot address.
+    fn check_format(&self) {
+        let (rows, cols) = (self.rows, self.cols);
+        match &self.format {
+            WeightFormat::F32(d) => assert_eq!(d.len(), rows * cols, "f32 weight size"),
+            WeightFormat::Bf16(d) => assert_eq!(d.len(), rows * cols * 2, "bf16 weight size"),
+            WeightFormat::Fp8 { data, scales, block_rows, block_cols } => {
+                assert_eq!(data.len(), rows * cols, "fp8 weight size");
+                let blocks = rows.div_ceil(*block_rows) * cols.div_ceil(*block_cols);
+                assert!(scales.len() >= blocks, "fp8 scale grid");
+            }
+            WeightFormat::Fp4 { data, scales, block_cols } => {
+                assert!(cols % 2 == 0, "fp4 weight needs an even column count");
+                assert_eq!(data.len(), rows * cols / 2, "fp4 weight size");
+                assert!(scales.len() >= rows * (cols / block_cols), "fp4 scales");
+            }
+        }
+    }
+
+    /// Output rows `range` of every input row: `out[i * out_stride + (r - range.start)]`.
+    fn forward_rows(
+        &self,
+        backend: Backend,
+        x: &[f32],
+        n: usize,
+        range: Range<usize>,
+        out: &mut [f32],
+        out_stride: usize,
+    ) {
+        let cols = self.cols;
+        let mut wbuf = match self.format {
+            WeightFormat::F32(_) => Vec::new(),
+            _ => vec![0.0f32; TILE_ROWS * BLOCK_COLS],
+        };
+        // Lane accumulators of (input row i, tile row j) at (i * TILE_ROWS + j) * 16.
+        let acc_stride = TILE_ROWS * 16;
+        let mut acc = vec![0.0f32; n * acc_stride];
+        let mut xs: Vec<&[f32]> = Vec::with_capacity(n);
+        for t0 in range.clone().step_by(TILE_ROWS) {
+            let tile = TILE_ROWS.min(range.end - t0);
+            acc.fill(0.0);
+            for k0 in (0..cols).step_by(BLOCK_COLS) {
+                let kc = BLOCK_COLS.min(cols - k0);
+                if !matches!(self.format, WeightFormat::F32(_)) {
+                    for (j, dst) in wbuf.chunks_exact_mut(BLOCK_COLS).take(tile).enumerate() {
+                        self.dequantize_span(backend, t0 + j, k0, &mut dst[..kc]);
+                    }
+                }
+                // Rows past the tile's end repeat its first row; their sums are discarded.
+                let mut ws: [&[f32]; TILE_ROWS] = [&[]; TILE_ROWS];
+                for (j, w) in ws.iter_mut().enumerate() {
+                    let j = if j < tile { j } else { 0 };
+                    *w = match &self.format {
+                        WeightFormat::F32(d) => &d[(t0 + j) * cols + k0..][..kc],
+                        _ => &wbuf[j * BLOCK_COLS..][..kc],
+                    };
+                }
+                xs.clear();
+                xs.extend((0..n).map(|i| &x[i * cols + k0..][..kc]));
+                let mut i0 = 0;
+                while i0 < n {
+                    let (mr, nr) = backend.block_shape(n - i0);
+                    for g in (0..tile).step_by(nr) {
+                        let acc = &mut acc[i0 * acc_stride + g * 16..];
+                        backend.micro(&xs[i0..i0 + mr], &ws[g..g + nr], acc, acc_stride);
+                    }
+                    i0 += mr;
+                }
+            }
             for i in 0..n {
-                out[i * self.rows + r] = dot(&x[i * self.cols..(i + 1) * self.cols], &row);
+                let dst = &mut out[i * out_stride + (t0 - range.start)..][..tile];
+                for (j, o) in dst.iter_mut().enumerate() {
+                    *o = reduce16(&acc[i * acc_stride + j * 16..][..16]);
+                }
+            }
+        }
+    }
+
+    /// Dequantise columns `k0..k0 + dst.len()` of row `r`, with the same values as
+    /// [`Linear::dequantize_row`].
+    fn dequantize_span(&self, backend: Backend, r: usize, k0: usize, dst: &mut [f32]) {
+        let cols = self.cols;
+        let end = k0 + dst.len();
+        match &self.format {
+            WeightFormat::F32(d) => dst.copy_from_slice(&d[r * cols + k0..r * cols + end]),
+            WeightFormat::Bf16(d) => backend.bf16_span(&d[(r * cols + k0) * 2..(r * cols + end) * 2], dst),
+            WeightFormat::Fp8 { data, scales, block_rows, block_cols } => {
+                let blocks_per_row = cols.div_ceil(*block_cols);
+                let scale_row = &scales[(r / block_rows) * blocks_per_row..][..blocks_per_row];
+                // One call per run of columns that share a scale.
+                let mut c = k0;
+                while c < end {
+                    let b = c / block_cols;
+                    let stop = ((b + 1) * block_cols).min(end);
+                    let src = &data[r * cols + c..r * cols + stop];
+                    backend.fp8_span(src, scale_row[b], &mut dst[c - k0..stop - k0]);
+                    c = stop;
+                }
+            }
+            WeightFormat::Fp4 { data, scales, block_cols } => {
+                let blocks_per_row = cols / block_cols;
+                let scale_row = &scales[r * blocks_per_row..][..blocks_per_row];
+                let packed = &data[r * cols / 2..(r + 1) * cols / 2];
+                if block_cols % 2 == 1 {
+                    // A scale block may split a byte; like `dequantize_row`, both
+                    // columns of a byte take the scale of the even one.
+                    for (c, o) in (k0..end).zip(dst.iter_mut()) {
+                        let b = packed[c / 2];
+                        let code = if c % 2 == 0 { b & 0xf } else { b >> 4 };
+                        *o = FP4_E2M1_VALUES[code as usize] * scale_row[(c & !1) / block_cols];
+                    }
+                    return;
+                }
+                // `k0` and every block boundary are even, so runs start on a byte.
+                let mut c = k0;
+                while c < end {
+                    let b = c / block_cols;
+                    let stop = ((b + 1) * block_cols).min(end);
+                    let src = &packed[c / 2..stop.div_ceil(2)];
+                    backend.fp4_span(src, scale_row[b], &mut dst[c - k0..stop - k0]);
+                    c = stop;
+                }
             }
         }
     }
 }
 
 /// Dot product with a fixed reduction order: 16 lane accumulators over the
-/// length, then a fixed pairwise tree. Every path (SIMD or not) must keep this order.
+/// length (column `c` of each 16-column chunk into lane `c % 16`, tail columns
+/// into lanes `0..`), each updated with a fused multiply-add, then a fixed pairwise
+/// tree. Every path (SIMD or not) keeps this order, so the bits never depend on it.
+///
+/// Uses the first `a.len()` elements of `b`.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    let mut acc = [0.0f32; 16];
-    let chunks = a.len() / 16;
-    for k in 0..chunks {
-        for l in 0..16 {
-            acc[l] = a[k * 16 + l].mul_add(b[k * 16 + l], acc[l]);
+    Backend::detected().dot(a, b)
+}
+
+/// [`dot`] on a chosen code path. Panics if this CPU lacks `isa`.
+pub fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    Backend::new(isa).dot(a, b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dtype::f32_to_bf16;
+
+    fn available() -> Vec<Backend> {
+        Isa::ALL.into_iter().filter(|i| i.is_available()).map(Backend::new).collect()
+    }
+
+    /// Every span of every row, dequantised by every path, against `dequantize_row`.
+    fn assert_spans_match(lin: &Linear) {
+        let mut row = vec![0.0f32; lin.cols];
+        let mut span = vec![0.0f32; lin.cols];
+        // FP4 spans cover whole bytes.
+        let even = matches!(lin.format, WeightFormat::Fp4 { .. });
+        for backend in available() {
+            for r in 0..lin.rows {
+                lin.dequantize_row(r, &mut row);
+                for k0 in (0..lin.cols).step_by(16) {
+                    for len in [1, 2, 15, 16, 17, 40, lin.cols - k0] {
+                        let len = len.min(lin.cols - k0) & if even { !1 } else { !0 };
+                        if len == 0 {
+                            continue;
+                        }
+                        lin.dequantize_span(backend, r, k0, &mut span[..len]);
+                        for (c, (a, b)) in span[..len].iter().zip(&row[k0..]).enumerate() {
+                            assert_eq!(
+                                a.to_bits(),
+                                b.to_bits(),
+                                "{backend:?} row {r} col {}",
+                                k0 + c
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
-    for j in chunks * 16..a.len() {
-        let l = j - chunks * 16;
-        acc[l] = a[j].mul_add(b[j], acc[l]);
-    }
-    let mut width = 16;
-    while width > 1 {
-        width /= 2;
-        for l in 0..width {
-            acc[l] += acc[l + width];
+
+    #[test]
+    fn fp8_spans_match_table_for_every_code_and_scale() {
+        // Each row holds all 256 codes (NaNs included) in a rotated order.
+        let (rows, cols): (usize, usize) = (4, 256);
+        let data: Vec<u8> =
+            (0..rows * cols).map(|i| ((i % cols) as u8).wrapping_add((i / cols * 37) as u8)).collect();
+        for scale in [crate::dtype::ue8m0_to_f32(0), 2f32.powi(-120), 2f32.powi(-7), 1.0, 2f32.powi(100)] {
+            for block in [(1, 256), (3, 16), (2, 7)] {
+                let blocks = rows.div_ceil(block.0) * cols.div_ceil(block.1);
+                let scales: Vec<f32> = (0..blocks).map(|b| scale * [1.0, 0.5, 4.0][b % 3]).collect();
+                let lin = Linear {
+                    rows,
+                    cols,
+                    format: WeightFormat::Fp8 {
+                        data: Bytes::from(data.clone()),
+                        scales,
+                        block_rows: block.0,
+                        block_cols: block.1,
+                    },
+                };
+                assert_spans_match(&lin);
+            }
         }
     }
-    acc[0]
+
+    #[test]
+    fn fp4_spans_match_table_for_every_code() {
+        let (rows, cols) = (3, 96);
+        let data: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 7 + i / 16) as u8).collect();
+        for block in [32, 6, 3, 2] {
+            let scales: Vec<f32> =
+                (0..rows * (cols / block)).map(|b| 2f32.powi(b as i32 % 9 - 4)).collect();
+            let lin = Linear {
+                rows,
+                cols,
+                format: WeightFormat::Fp4 { data: Bytes::from(data.clone()), scales, block_cols: block },
+            };
+            assert_spans_match(&lin);
+        }
+    }
+
+    #[test]
+    fn bf16_spans_match_for_special_bit_patterns() {
+        let (rows, cols) = (2, 77);
+        let mut bits: Vec<u16> = [0x0000, 0x8000, 0x0001, 0x807f, 0x7f80, 0xff80, 0x7fc0, 0x3f80]
+            .into_iter()
+            .chain((0..rows * cols).map(|i| f32_to_bf16(i as f32 * 0.37 - 9.0)))
+            .collect();
+        bits.truncate(rows * cols);
+        let data: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+        let lin = Linear { rows, cols, format: WeightFormat::Bf16(Bytes::from(data)) };
+        assert_spans_match(&lin);
+    }
 }

@@ -307,7 +307,7 @@ impl Weights {
 /// storage format. FP8 scale rows are repeated per row when a group boundary falls
 /// inside a scale block.
 pub fn split_rows(w: &Linear, groups: usize) -> Vec<Linear> {
-    assert!(w.rows % groups == 0, "{} rows into {groups} groups", w.rows);
+    assert!(w.rows.is_multiple_of(groups), "{} rows into {groups} groups", w.rows);
     let rows = w.rows / groups;
     let cols = w.cols;
     (0..groups)

@@ -1,0 +1,115 @@
+//! The forward pass against the reference implementation: logits recorded by
+//! `tools/oracle/make_fixtures.py` from `transformers` 5.23.0
+//! (`DeepseekV4ForCausalLM`, float32) on the same quantised checkpoint.
+
+use std::path::PathBuf;
+
+use deepinfer_engine::checkpoint::Checkpoint;
+use deepinfer_engine::model::{Chunk, LogitsWanted, Model, MtpChunk};
+
+/// Relative tolerance: max |Δ logit| ≤ TOLERANCE × max |reference logit|.
+const TOLERANCE: f32 = 1e-4;
+
+fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/oracle/tiny-v4")
+}
+
+struct Reference {
+    tensors: Checkpoint,
+}
+
+impl Reference {
+    fn load() -> Self {
+        let path = fixture_dir().join("reference.safetensors");
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        Self { tensors: Checkpoint::from_bytes(&path.display().to_string(), bytes.into()).unwrap() }
+    }
+    fn ids(&self, name: &str) -> Vec<u32> {
+        let t = self.tensors.get(name).unwrap();
+        let shape = t.shape.to_vec();
+        self.tensors.int_tensor(name, &shape).unwrap().into_iter().map(|v| v as u32).collect()
+    }
+    fn floats(&self, name: &str) -> (Vec<f32>, Vec<usize>) {
+        let t = self.tensors.get(name).unwrap();
+        let shape = t.shape.to_vec();
+        (self.tensors.f32_tensor(name, &shape).unwrap(), shape)
+    }
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains(name)
+    }
+}
+
+fn assert_close(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let (worst, at) = got
+        .iter()
+        .zip(want)
+        .enumerate()
+        .map(|(i, (g, w))| ((g - w).abs(), i))
+        .fold((0.0f32, 0), |a, b| if b.0 > a.0 { b } else { a });
+    eprintln!("{what}: max |Δ| = {worst:.3e} (relative {:.3e}), max |logit| = {max_ref:.3}", worst / max_ref);
+    assert!(
+        worst <= TOLERANCE * max_ref,
+        "{what}: max |Δ logit| {worst:e} at {at} (got {}, want {}) exceeds {TOLERANCE:e} × {max_ref}",
+        got[at],
+        want[at]
+    );
+}
+
+#[test]
+fn prefill_and_decode_logits_match_transformers() {
+    let model = Model::load(&fixture_dir()).expect("fixture checkpoint loads");
+    let reference = Reference::load();
+    let mut prompts = 0;
+    for i in 0.. {
+        let prefix = format!("p{i}");
+        if !reference.has(&format!("{prefix}.input_ids")) {
+            break;
+        }
+        prompts += 1;
+        let ids = reference.ids(&format!("{prefix}.input_ids"));
+        let (want, _) = reference.floats(&format!("{prefix}.prefill_logits"));
+        let mut state = model.new_state();
+        let out = model.forward(&mut [Chunk::new(&ids, &mut state)], LogitsWanted::All, false);
+        assert_close(&format!("{prefix} prefill ({} tokens)", ids.len()), &out[0].logits, &want);
+
+        let steps = reference.ids(&format!("{prefix}.decode_tokens"));
+        let (want, shape) = reference.floats(&format!("{prefix}.decode_logits"));
+        let vocab = shape[1];
+        // Step k feeds decode_tokens[k]: the greedy pick of the previous logits.
+        assert_eq!(steps[0], argmax(&out[0].logits[(ids.len() - 1) * vocab..]), "{prefix}: greedy pick after prefill");
+        for (k, &fed) in steps.iter().enumerate() {
+            let out = model.forward(&mut [Chunk::new(&[fed], &mut state)], LogitsWanted::Last, false);
+            assert_close(&format!("{prefix} decode step {k}"), &out[0].logits, &want[k * vocab..(k + 1) * vocab]);
+            if let Some(&next) = steps.get(k + 1) {
+                assert_eq!(argmax(&out[0].logits), next, "{prefix} decode step {k}: greedy pick");
+            }
+        }
+    }
+    assert!(prompts >= 3, "reference has {prompts} prompts");
+}
+
+#[test]
+fn mtp_logits_match_transformers_building_blocks() {
+    let model = Model::load(&fixture_dir()).expect("fixture checkpoint loads");
+    let reference = Reference::load();
+    let ids = reference.ids("p1.input_ids");
+    let (want, _) = reference.floats("p1.mtp_logits");
+    let mut state = model.new_state();
+    let out = model.forward(&mut [Chunk::new(&ids, &mut state)], LogitsWanted::None, true);
+    let width = model.config.hc_mult * model.config.hidden_size;
+    let n = ids.len() - 1;
+    let logits = model.mtp_forward(&mut [MtpChunk { streams: &out[0].streams[..n * width], next_tokens: &ids[1..], state: &mut state }]);
+    assert_close("p1 MTP", &logits[0], &want);
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

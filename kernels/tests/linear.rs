@@ -1,0 +1,169 @@
+//! `Linear::forward` and `dot`: bit-exactness against the definition, batch
+//! invariance, and agreement of every code path.
+
+mod common;
+
+use common::{all_formats, assert_bits_eq, reference, Rng};
+use deepinfer_kernels::linear::{dot, dot_with};
+use deepinfer_kernels::{Isa, Linear};
+
+/// Shapes with columns off the 16-lane grid, rows off the 16-row tile, and
+/// column counts around the 256-column block.
+const SHAPES: &[(usize, usize)] = &[
+    (1, 1),
+    (1, 2),
+    (3, 17),
+    (17, 33),
+    (19, 100),
+    (5, 255),
+    (33, 258),
+    (16, 272),
+    (7, 518),
+    (40, 130),
+];
+
+fn available() -> Vec<Isa> {
+    Isa::ALL.into_iter().filter(|i| i.is_available()).collect()
+}
+
+/// The documented order written out longhand, independent of the library.
+fn dot_definition(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 16];
+    let full = a.len() / 16 * 16;
+    for c in 0..a.len() {
+        let lane = if c < full { c % 16 } else { c - full };
+        acc[lane] = a[c].mul_add(b[c], acc[lane]);
+    }
+    for width in [8, 4, 2, 1] {
+        for l in 0..width {
+            acc[l] += acc[l + width];
+        }
+    }
+    acc[0]
+}
+
+#[test]
+fn dot_follows_the_documented_order_on_every_path() {
+    let mut rng = Rng(1);
+    for len in (0..=80).chain([255, 256, 257, 1000, 4099]) {
+        let (a, b) = (rng.vec(len), rng.vec(len + 3));
+        let want = dot_definition(&a, &b[..len]);
+        assert_eq!(dot(&a, &b).to_bits(), want.to_bits(), "dot len {len}");
+        for isa in available() {
+            assert_eq!(dot_with(isa, &a, &b).to_bits(), want.to_bits(), "{isa:?} len {len}");
+        }
+    }
+}
+
+#[test]
+fn forward_matches_dequantize_row_and_dot_bit_exactly() {
+    let mut rng = Rng(2);
+    for &(rows, cols) in SHAPES {
+        for (name, lin) in all_formats(rows, cols, &mut rng) {
+            for n in [1, 2, 3, 4, 7] {
+                let x = rng.vec(n * cols);
+                let mut out = vec![f32::NAN; n * rows];
+                lin.forward(&x, n, &mut out);
+                assert_bits_eq(&out, &reference(&lin, &x, n), &format!("{name} {rows}x{cols} n={n}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn every_path_gives_the_same_bits() {
+    let mut rng = Rng(3);
+    for &(rows, cols) in SHAPES.iter().chain(&[(70, 1030)]) {
+        for (name, lin) in all_formats(rows, cols, &mut rng) {
+            for n in [1, 2, 5] {
+                let x = rng.vec(n * cols);
+                let mut portable = vec![0.0f32; n * rows];
+                lin.forward_with(Isa::Portable, &x, n, &mut portable);
+                for isa in available() {
+                    let mut out = vec![f32::NAN; n * rows];
+                    lin.forward_with(isa, &x, n, &mut out);
+                    assert_bits_eq(&out, &portable, &format!("{isa:?} {name} {rows}x{cols} n={n}"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn forward_is_batch_invariant() {
+    // Large enough that batches of 33 and 64 rows take the multi-threaded path.
+    let (rows, cols) = (250, 264);
+    let mut rng = Rng(4);
+    for (name, lin) in all_formats(rows, cols, &mut rng) {
+        let probe = rng.vec(cols);
+        let mut alone = vec![0.0f32; rows];
+        lin.forward(&probe, 1, &mut alone);
+        for n in [1, 7, 33, 64] {
+            for pos in [0, n / 2, n - 1] {
+                let mut x = rng.vec(n * cols);
+                x[pos * cols..(pos + 1) * cols].copy_from_slice(&probe);
+                let mut out = vec![0.0f32; n * rows];
+                lin.forward(&x, n, &mut out);
+                let got = &out[pos * rows..(pos + 1) * rows];
+                assert_bits_eq(got, &alone, &format!("{name} n={n} pos={pos}"));
+            }
+        }
+        let x = rng.vec(64 * cols);
+        let mut out = vec![0.0f32; 64 * rows];
+        lin.forward(&x, 64, &mut out);
+        assert_bits_eq(&out, &reference(&lin, &x, 64), &format!("{name} n=64 vs definition"));
+    }
+}
+
+#[test]
+fn thread_count_does_not_change_bits() {
+    let (rows, cols, n) = (300, 520, 24);
+    let mut rng = Rng(5);
+    for (name, lin) in all_formats(rows, cols, &mut rng) {
+        let x = rng.vec(n * cols);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let mut out = vec![0.0f32; n * rows];
+            pool.install(|| lin.forward(&x, n, &mut out));
+            out
+        };
+        let one = run(1);
+        for threads in [2, 3, 5] {
+            assert_bits_eq(&run(threads), &one, &format!("{name} threads={threads}"));
+        }
+    }
+}
+
+#[test]
+fn signed_zeros_and_extremes_keep_their_bits() {
+    // Products that underflow to -0.0 leave -0.0 accumulators; a tail lane that
+    // is padded instead of masked would flip them to +0.0.
+    for cols in [1, 15, 17, 33, 257] {
+        let w: Vec<f32> = (0..2 * cols).map(|c| if c < cols { 1e-30 } else { -3e38 }).collect();
+        let lin = Linear::from_f32(2, cols, w);
+        let mut x = vec![-1e-30f32; cols];
+        x.extend((0..cols).map(|c| [1e-40, -0.0, 7.0, 2e38][c % 4]));
+        let want = reference(&lin, &x, 2);
+        if cols >= 16 {
+            // Every lane holds -0.0 (shorter rows leave +0.0 lanes that win the tree).
+            assert_eq!(want[0].to_bits(), (-0.0f32).to_bits(), "definition gives -0.0");
+        }
+        for isa in available() {
+            let mut out = vec![0.0f32; 4];
+            lin.forward_with(isa, &x, 2, &mut out);
+            assert_bits_eq(&out, &want, &format!("{isa:?} cols={cols}"));
+        }
+    }
+}
+
+#[test]
+fn empty_shapes() {
+    let lin = Linear::from_f32(3, 0, vec![]);
+    let mut out = vec![f32::NAN; 6];
+    lin.forward(&[], 2, &mut out);
+    assert!(out.iter().all(|v| v.to_bits() == 0));
+    let lin = Linear::from_f32(0, 5, vec![]);
+    lin.forward(&[1.0; 10], 2, &mut []);
+    let lin = Linear::from_f32(4, 5, vec![1.0; 20]);
+    lin.forward(&[], 0, &mut []);
+}
