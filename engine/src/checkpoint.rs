@@ -158,7 +158,13 @@ impl Checkpoint {
 
     /// The linear layer `<prefix>.weight` of `rows × cols` (out × in), with its
     /// `<prefix>.scale` (or `.weight_scale_inv`) when quantised.
-    pub fn linear(&self, prefix: &str, rows: usize, cols: usize, fp8_block: (usize, usize)) -> Result<Linear, CheckpointError> {
+    pub fn linear(
+        &self,
+        prefix: &str,
+        rows: usize,
+        cols: usize,
+        fp8_block: (usize, usize),
+    ) -> Result<Linear, CheckpointError> {
         let name = format!("{prefix}.weight");
         let w = self.get(&name)?;
         let format = match w.dtype {
@@ -186,8 +192,8 @@ impl Checkpoint {
                     [r, b] if *r == rows && *b > 0 && cols.is_multiple_of(*b) => *b,
                     other => {
                         return Err(scale.error(format!(
-                            "FP4 scale shape {other:?} does not fit weight of {rows}x{cols} (expected [{rows}, cols/32])"
-                        )))
+                        "FP4 scale shape {other:?} does not fit weight of {rows}x{cols} (expected [{rows}, cols/32])"
+                    )))
                     }
                 };
                 let scales = self.scales(prefix, &[rows, blocks])?;
@@ -237,10 +243,9 @@ impl RawTensor<'_> {
         Ok(match self.dtype {
             Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
             Dtype::BF16 => b.chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
-            Dtype::F16 => b
-                .chunks_exact(2)
-                .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-                .collect(),
+            Dtype::F16 => {
+                b.chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
+            }
             other => return Err(self.error(format!("expected a float dtype, found {other:?}"))),
         })
     }

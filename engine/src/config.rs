@@ -167,7 +167,9 @@ impl<'a> Reader<'a> {
                 .and_then(Value::as_u64)
                 .map(|v| v as u32)
                 .ok_or_else(|| self.invalid(key, "expected a token id or a non-empty list of ids")),
-            Some(v) => v.as_u64().map(|v| v as u32).ok_or_else(|| self.invalid(key, format!("expected a token id, found {v}"))),
+            Some(v) => {
+                v.as_u64().map(|v| v as u32).ok_or_else(|| self.invalid(key, format!("expected a token id, found {v}")))
+            }
         }
     }
 }
@@ -284,13 +286,14 @@ impl ModelConfig {
         let mut hca_rate = 128usize;
         if let Some(rates) = r.get("compress_rates") {
             let rates = rates.as_object().ok_or_else(|| r.invalid("compress_rates", "expected an object"))?;
-            for (name, slot) in [("compressed_sparse_attention", &mut csa_rate), ("heavily_compressed_attention", &mut hca_rate)] {
+            for (name, slot) in
+                [("compressed_sparse_attention", &mut csa_rate), ("heavily_compressed_attention", &mut hca_rate)]
+            {
                 if let Some(v) = rates.get(name) {
-                    *slot = v
-                        .as_u64()
-                        .filter(|&n| n > 0)
-                        .ok_or_else(|| r.invalid(&format!("compress_rates.{name}"), "expected a positive integer"))?
-                        as usize;
+                    *slot =
+                        v.as_u64().filter(|&n| n > 0).ok_or_else(|| {
+                            r.invalid(&format!("compress_rates.{name}"), "expected a positive integer")
+                        })? as usize;
                 }
             }
         }
@@ -317,7 +320,9 @@ impl ModelConfig {
         if let Some(v) = r.get("compress_ratios") {
             let ratios = v.as_array().ok_or_else(|| r.invalid("compress_ratios", "expected a list of integers"))?;
             if ratios.len() < num_layers {
-                return Err(r.invalid("compress_ratios", format!("has {} entries for {num_layers} layers", ratios.len())));
+                return Err(
+                    r.invalid("compress_ratios", format!("has {} entries for {num_layers} layers", ratios.len()))
+                );
             }
             return ratios[..num_layers]
                 .iter()
@@ -335,7 +340,9 @@ impl ModelConfig {
     fn read_routing(r: &Reader, num_layers: usize) -> Result<Vec<RoutingKind>, ConfigError> {
         if let Some(types) = r.str_list("mlp_layer_types")? {
             if types.len() < num_layers {
-                return Err(r.invalid("mlp_layer_types", format!("has {} entries for {num_layers} layers", types.len())));
+                return Err(
+                    r.invalid("mlp_layer_types", format!("has {} entries for {num_layers} layers", types.len()))
+                );
             }
             return types[..num_layers]
                 .iter()
@@ -387,7 +394,9 @@ impl ModelConfig {
             "yarn" => {
                 let num = |k: &str, d: Option<f64>| -> Result<f64, ConfigError> {
                     match s.get(k).filter(|v| !v.is_null()) {
-                        Some(v) => v.as_f64().ok_or_else(|| r.invalid(&format!("{scaling_key}.{k}"), "expected a number")),
+                        Some(v) => {
+                            v.as_f64().ok_or_else(|| r.invalid(&format!("{scaling_key}.{k}"), "expected a number"))
+                        }
                         None => d.ok_or_else(|| r.missing(&format!("{scaling_key}.{k}"))),
                     }
                 };
@@ -448,7 +457,12 @@ mod tests {
         let c = ModelConfig::from_json_str(FLASH_LIKE, "config.json").unwrap();
         assert_eq!(
             c.attention,
-            vec![AttentionKind::Window, AttentionKind::Window, AttentionKind::Csa { ratio: 4 }, AttentionKind::Hca { ratio: 128 }]
+            vec![
+                AttentionKind::Window,
+                AttentionKind::Window,
+                AttentionKind::Csa { ratio: 4 },
+                AttentionKind::Hca { ratio: 128 }
+            ]
         );
         assert_eq!(c.routing, vec![RoutingKind::Hash, RoutingKind::Hash, RoutingKind::Hash, RoutingKind::TopK]);
         assert_eq!(c.rope_dim, 64);

@@ -1,5 +1,6 @@
 //! The sans-IO DeepSeek-V4 engine: model configuration, checkpoint loading,
-//! the forward pass and the state it carries between steps.
+//! the forward pass and the state it carries between steps, and the serving
+//! core that drives it: requests, scheduler, KV block pool, prefix cache.
 //!
 //! Nothing here reads a clock, opens a socket or spawns a task.
 
@@ -8,6 +9,11 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod engine;
+pub mod kv_pool;
 pub mod model;
+pub mod prefix_cache;
 pub mod presets;
+pub mod request;
 pub mod sampling;
+pub mod scheduler;

@@ -192,7 +192,12 @@ impl Writer {
     fn fp8(&mut self, name: &str, rows: usize, cols: usize, block: usize) {
         let v = self.rng.vec(rows * cols, 0.0, 1.0 / (cols as f32).sqrt());
         let q = quantize_fp8_blocks(&v, rows, cols, block);
-        self.tensors.push(TensorData { name: format!("{name}.weight"), dtype: Dtype::F8_E4M3, shape: vec![rows, cols], data: q.codes });
+        self.tensors.push(TensorData {
+            name: format!("{name}.weight"),
+            dtype: Dtype::F8_E4M3,
+            shape: vec![rows, cols],
+            data: q.codes,
+        });
         self.tensors.push(TensorData {
             name: format!("{name}.scale"),
             dtype: Dtype::F8_E8M0,
@@ -203,7 +208,12 @@ impl Writer {
     fn fp4(&mut self, name: &str, rows: usize, cols: usize) {
         let v = self.rng.vec(rows * cols, 0.0, 1.0 / (cols as f32).sqrt());
         let q = quantize_fp4_rows(&v, rows, cols, 32);
-        self.tensors.push(TensorData { name: format!("{name}.weight"), dtype: Dtype::I8, shape: vec![rows, cols / 2], data: q.codes });
+        self.tensors.push(TensorData {
+            name: format!("{name}.weight"),
+            dtype: Dtype::I8,
+            shape: vec![rows, cols / 2],
+            data: q.codes,
+        });
         self.tensors.push(TensorData {
             name: format!("{name}.scale"),
             dtype: Dtype::F8_E8M0,
@@ -259,7 +269,9 @@ impl Writer {
         self.f32(&format!("{a}.attn_sink"), &[cfg.num_heads], 0.0, 1.0);
         match kind {
             AttentionKind::Window => {}
-            AttentionKind::Hca { ratio } => self.compressor(&format!("{a}.compressor"), cfg, ratio, cfg.head_dim, false),
+            AttentionKind::Hca { ratio } => {
+                self.compressor(&format!("{a}.compressor"), cfg, ratio, cfg.head_dim, false)
+            }
             AttentionKind::Csa { ratio } => {
                 self.compressor(&format!("{a}.compressor"), cfg, ratio, cfg.head_dim, true);
                 self.compressor(&format!("{a}.indexer.compressor"), cfg, ratio, cfg.index_head_dim, true);

@@ -33,13 +33,7 @@ pub struct SamplingParams {
 impl Default for SamplingParams {
     /// Greedy decoding, no alternatives reported.
     fn default() -> Self {
-        Self {
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            seed: 0,
-            logprobs: 0,
-        }
+        Self { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0, logprobs: 0 }
     }
 }
 
@@ -145,9 +139,7 @@ fn sanitize(logits: &[f32]) -> Vec<f64> {
 fn rank(x: &[f64], a: u32, b: u32) -> Ordering {
     let (la, lb) = (x[a as usize], x[b as usize]);
     // No NaN survives `sanitize`, so `partial_cmp` always answers.
-    lb.partial_cmp(&la)
-        .unwrap_or(Ordering::Equal)
-        .then(a.cmp(&b))
+    lb.partial_cmp(&la).unwrap_or(Ordering::Equal).then(a.cmp(&b))
 }
 
 /// The `n` best-ranked ids of `ids`, in rank order.
@@ -186,9 +178,7 @@ pub fn sample(logits: &[f32], params: &SamplingParams, position: u64) -> Sampled
         return Sampled {
             token: 0,
             logprob: f32::NEG_INFINITY,
-            top: (0..n_top as u32)
-                .map(|id| (id, f32::NEG_INFINITY))
-                .collect(),
+            top: (0..n_top as u32).map(|id| (id, f32::NEG_INFINITY)).collect(),
         };
     }
 
@@ -197,25 +187,14 @@ pub fn sample(logits: &[f32], params: &SamplingParams, position: u64) -> Sampled
     let log_norm = max + sum.ln();
     let logprob = |id: u32| (x[id as usize] - log_norm) as f32;
 
-    let token = if params.is_greedy() {
-        argmax(&x)
-    } else {
-        draw(&x, max, params, uniform(params.seed, position))
-    };
+    let token = if params.is_greedy() { argmax(&x) } else { draw(&x, max, params, uniform(params.seed, position)) };
 
     let top = if n_top == 0 {
         Vec::new()
     } else {
-        best_ranked(&x, (0..x.len() as u32).collect(), n_top)
-            .into_iter()
-            .map(|id| (id, logprob(id)))
-            .collect()
+        best_ranked(&x, (0..x.len() as u32).collect(), n_top).into_iter().map(|id| (id, logprob(id))).collect()
     };
-    Sampled {
-        token,
-        logprob: logprob(token),
-        top,
-    }
+    Sampled { token, logprob: logprob(token), top }
 }
 
 /// Highest logit, first (lowest) id on ties.
@@ -233,20 +212,10 @@ fn argmax(x: &[f64]) -> u32 {
 /// `x` has at least one finite logit and `max` is the largest.
 fn draw(x: &[f64], max: f64, params: &SamplingParams, u: f64) -> u32 {
     let temperature = f64::from(params.temperature);
-    let weights: Vec<f64> = x
-        .iter()
-        .map(|&l| {
-            if l == f64::NEG_INFINITY {
-                0.0
-            } else {
-                ((l - max) / temperature).exp()
-            }
-        })
-        .collect();
+    let weights: Vec<f64> =
+        x.iter().map(|&l| if l == f64::NEG_INFINITY { 0.0 } else { ((l - max) / temperature).exp() }).collect();
     // Tokens whose weight underflowed to zero can never be drawn.
-    let mut kept: Vec<u32> = (0..x.len() as u32)
-        .filter(|&id| weights[id as usize] > 0.0)
-        .collect();
+    let mut kept: Vec<u32> = (0..x.len() as u32).filter(|&id| weights[id as usize] > 0.0).collect();
 
     let mut reordered = false;
     if params.top_k > 0 && params.top_k < kept.len() {
@@ -297,31 +266,17 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32, top_p: f32, top_k: usize, seed: u64) -> SamplingParams {
-        SamplingParams {
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            logprobs: 0,
-        }
+        SamplingParams { temperature, top_p, top_k, seed, logprobs: 0 }
     }
 
     /// Deterministic pseudo-random logits in [-scale, scale).
     fn random_logits(n: usize, seed: u64, scale: f64) -> Vec<f32> {
-        (0..n as u64)
-            .map(|i| ((uniform(seed, i) * 2.0 - 1.0) * scale) as f32)
-            .collect()
+        (0..n as u64).map(|i| ((uniform(seed, i) * 2.0 - 1.0) * scale) as f32).collect()
     }
 
     fn softmax(logits: &[f32], temperature: f64) -> Vec<f64> {
-        let max = logits
-            .iter()
-            .map(|&l| f64::from(l))
-            .fold(f64::MIN, f64::max);
-        let w: Vec<f64> = logits
-            .iter()
-            .map(|&l| ((f64::from(l) - max) / temperature).exp())
-            .collect();
+        let max = logits.iter().map(|&l| f64::from(l)).fold(f64::MIN, f64::max);
+        let w: Vec<f64> = logits.iter().map(|&l| ((f64::from(l) - max) / temperature).exp()).collect();
         let s: f64 = w.iter().sum();
         w.iter().map(|v| v / s).collect()
     }
@@ -360,49 +315,22 @@ mod tests {
 
     #[test]
     fn validate_rejects_bad_params() {
-        let ok = SamplingParams {
-            temperature: 0.7,
-            top_p: 0.9,
-            top_k: 50,
-            seed: 1,
-            logprobs: MAX_LOGPROBS,
-        };
+        let ok = SamplingParams { temperature: 0.7, top_p: 0.9, top_k: 50, seed: 1, logprobs: MAX_LOGPROBS };
         assert_eq!(ok.validate(8), Ok(()));
         for t in [-0.1, f32::NAN, f32::INFINITY] {
-            let p = SamplingParams {
-                temperature: t,
-                ..ok.clone()
-            };
-            assert!(matches!(
-                p.validate(8),
-                Err(SamplingError::InvalidTemperature(_))
-            ));
+            let p = SamplingParams { temperature: t, ..ok.clone() };
+            assert!(matches!(p.validate(8), Err(SamplingError::InvalidTemperature(_))));
         }
         for top_p in [0.0, -0.5, 1.0001, f32::NAN] {
-            let p = SamplingParams {
-                top_p,
-                ..ok.clone()
-            };
+            let p = SamplingParams { top_p, ..ok.clone() };
             assert!(matches!(p.validate(8), Err(SamplingError::InvalidTopP(_))));
         }
-        let p = SamplingParams {
-            logprobs: 21,
-            ..ok.clone()
-        };
+        let p = SamplingParams { logprobs: 21, ..ok.clone() };
         assert_eq!(p.validate(8), Err(SamplingError::TooManyLogprobs(21)));
         assert_eq!(ok.validate(0), Err(SamplingError::EmptyVocabulary));
-        let msg = SamplingParams {
-            temperature: -1.0,
-            ..ok.clone()
-        }
-        .validate(8)
-        .unwrap_err()
-        .to_string();
+        let msg = SamplingParams { temperature: -1.0, ..ok.clone() }.validate(8).unwrap_err().to_string();
         assert_eq!(msg, "temperature must be a finite number >= 0, got -1");
-        let msg = SamplingParams { top_p: 0.0, ..ok }
-            .validate(8)
-            .unwrap_err()
-            .to_string();
+        let msg = SamplingParams { top_p: 0.0, ..ok }.validate(8).unwrap_err().to_string();
         assert_eq!(msg, "top_p must be greater than 0 and at most 1, got 0");
     }
 
@@ -419,10 +347,7 @@ mod tests {
         }
         assert!((sum / n as f64 - 0.5).abs() < 0.005);
         let want = n as f64 / 16.0;
-        let stat: f64 = buckets
-            .iter()
-            .map(|&c| (c as f64 - want).powi(2) / want)
-            .sum();
+        let stat: f64 = buckets.iter().map(|&c| (c as f64 - want).powi(2) / want).sum();
         // 99.99th percentile for 15 degrees of freedom is 42.
         assert!(stat < 42.0, "chi-square {stat}");
     }
@@ -432,10 +357,7 @@ mod tests {
         let mut seen = std::collections::BTreeSet::new();
         for seed in 0..16u64 {
             for pos in 0..1000u64 {
-                assert!(
-                    seen.insert(uniform(seed, pos).to_bits()),
-                    "repeat at {seed}/{pos}"
-                );
+                assert!(seen.insert(uniform(seed, pos).to_bits()), "repeat at {seed}/{pos}");
             }
         }
         // Adjacent seeds are uncorrelated, not shifted copies of each other.
@@ -443,11 +365,8 @@ mod tests {
         assert_ne!(uniform(0, 0), uniform(1, 0));
 
         let logits = vec![0.0f32; 32];
-        let draws = |seed| -> Vec<u32> {
-            (0..64)
-                .map(|pos| sample(&logits, &params(1.0, 1.0, 0, seed), pos).token)
-                .collect()
-        };
+        let draws =
+            |seed| -> Vec<u32> { (0..64).map(|pos| sample(&logits, &params(1.0, 1.0, 0, seed), pos).token).collect() };
         let a = draws(1);
         assert_ne!(a, draws(2));
         let distinct: std::collections::BTreeSet<_> = a.iter().collect();
@@ -457,13 +376,7 @@ mod tests {
     #[test]
     fn sampling_is_deterministic() {
         let logits = random_logits(1000, 3, 4.0);
-        let p = SamplingParams {
-            temperature: 0.8,
-            top_p: 0.95,
-            top_k: 40,
-            seed: 12345,
-            logprobs: 5,
-        };
+        let p = SamplingParams { temperature: 0.8, top_p: 0.95, top_k: 40, seed: 12345, logprobs: 5 };
         for pos in 0..50 {
             let a = sample(&logits, &p, pos);
             let b = sample(&logits.clone(), &p.clone(), pos);
@@ -478,9 +391,7 @@ mod tests {
         assert_eq!(sample(&[-0.0, 0.0], &p, 0).token, 0);
         assert_eq!(sample(&[5.0], &p, 9).token, 0);
         let logits = random_logits(4096, 11, 10.0);
-        let best = (0..logits.len())
-            .max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)))
-            .unwrap();
+        let best = (0..logits.len()).max_by(|&a, &b| logits[a].total_cmp(&logits[b]).then(b.cmp(&a))).unwrap();
         for pos in 0..10 {
             assert_eq!(sample(&logits, &p, pos).token as usize, best);
         }
@@ -520,9 +431,7 @@ mod tests {
         let logits: Vec<f32> = probs.iter().map(|p| p.ln() as f32).collect();
         let renorm = |keep: usize| -> Vec<f64> {
             let mass: f64 = probs[..keep].iter().sum();
-            (0..6)
-                .map(|i| if i < keep { probs[i] / mass } else { 0.0 })
-                .collect()
+            (0..6).map(|i| if i < keep { probs[i] / mass } else { 0.0 }).collect()
         };
         // 3 kept: 2 degrees of freedom, 99.99th percentile 18.4.
         let stat = chi_square(&logits, &params(1.0, 1.0, 3, 17), &renorm(3), 30_000);
@@ -547,10 +456,7 @@ mod tests {
         for pos in 0..200 {
             let plain = sample(&logits, &params(0.9, 1.0, 0, 8), pos).token;
             assert_eq!(sample(&logits, &params(0.9, 1.0, 300, 8), pos).token, plain);
-            assert_eq!(
-                sample(&logits, &params(0.9, 1.0, 5000, 8), pos).token,
-                plain
-            );
+            assert_eq!(sample(&logits, &params(0.9, 1.0, 5000, 8), pos).token, plain);
         }
     }
 
@@ -634,12 +540,7 @@ mod tests {
         assert_eq!(sample(&logits, &SamplingParams::default(), 0).token, 1);
 
         // Nothing usable: token 0, logprob -inf.
-        for bad in [
-            vec![f32::NAN; 5],
-            vec![f32::NEG_INFINITY; 5],
-            vec![f32::NAN, f32::NEG_INFINITY],
-            vec![],
-        ] {
+        for bad in [vec![f32::NAN; 5], vec![f32::NEG_INFINITY; 5], vec![f32::NAN, f32::NEG_INFINITY], vec![]] {
             for q in [p.clone(), SamplingParams::default()] {
                 let s = sample(&bad, &q, 3);
                 assert_eq!(s.token, 0);

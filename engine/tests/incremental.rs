@@ -48,11 +48,7 @@ fn a_sequence_logits_do_not_depend_on_its_batch() {
     let alone = run_chunked(&model, &a, &[37]);
     let (mut sa, mut sb, mut sc) = (model.new_state(), model.new_state(), model.new_state());
     let out = model.forward(
-        &mut [
-            Chunk::new(&b, &mut sb),
-            Chunk::new(&a, &mut sa),
-            Chunk::new(&c, &mut sc),
-        ],
+        &mut [Chunk::new(&b, &mut sb), Chunk::new(&a, &mut sa), Chunk::new(&c, &mut sc)],
         LogitsWanted::All,
         false,
     );

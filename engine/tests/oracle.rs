@@ -100,7 +100,11 @@ fn mtp_logits_match_transformers_building_blocks() {
     let out = model.forward(&mut [Chunk::new(&ids, &mut state)], LogitsWanted::None, true);
     let width = model.config.hc_mult * model.config.hidden_size;
     let n = ids.len() - 1;
-    let logits = model.mtp_forward(&mut [MtpChunk { streams: &out[0].streams[..n * width], next_tokens: &ids[1..], state: &mut state }]);
+    let logits = model.mtp_forward(&mut [MtpChunk {
+        streams: &out[0].streams[..n * width],
+        next_tokens: &ids[1..],
+        state: &mut state,
+    }]);
     assert_close("p1 MTP", &logits[0], &want);
 }
 

@@ -82,9 +82,8 @@ pub fn f32_to_fp8_e4m3(value: f32) -> u8 {
 }
 
 /// The 16 values of FP4 e2m1, indexed by the nibble (bit 3 is the sign).
-pub const FP4_E2M1_VALUES: [f32; 16] = [
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-];
+pub const FP4_E2M1_VALUES: [f32; 16] =
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 /// Largest FP4 e2m1 magnitude.
 pub const FP4_E2M1_MAX: f32 = 6.0;
@@ -118,7 +117,7 @@ pub fn ue8m0_to_f32(bits: u8) -> f32 {
 
 /// The smallest power of two `s` with `max_abs / s <= format_max`, as a UE8M0 byte.
 pub fn ue8m0_scale_for(max_abs: f32, format_max: f32) -> u8 {
-    if !(max_abs > 0.0) || !max_abs.is_finite() {
+    if max_abs.is_nan() || max_abs <= 0.0 || max_abs.is_infinite() {
         return 127; // scale 1.0
     }
     let exponent = (max_abs / format_max).log2().ceil() as i32;

@@ -4,6 +4,9 @@
 //! Every kernel is *batch-invariant*: the bits of one row's result depend only
 //! on that row's inputs, never on how many rows were computed together or where
 //! the row sits in the batch. The reduction order of each dot product is fixed.
+//!
+//! The linear kernels choose a code path at run time ([`Isa`]: AVX-512F,
+//! AVX2 + FMA, or portable Rust); every path produces the same bits.
 
 pub mod dtype;
 pub mod linear;

@@ -11,14 +11,15 @@ use bytes::Bytes;
 use rayon::prelude::*;
 
 use crate::dtype::{bf16_to_f32, fp8_e4m3_to_f32, FP4_E2M1_VALUES};
-use crate::simd::{reduce16, Backend};
 pub use crate::simd::Isa;
+use crate::simd::{reduce16, Backend, EncodedRows, Encoding, ScaleRow};
 
 /// Weight rows dequantised together; every input row reuses them.
 const TILE_ROWS: usize = 16;
-/// Columns per block: a dequantised tile block (16 KiB) stays in L1 while all
-/// input rows stream past it. A multiple of 16, so blocks start on lane 0.
-const BLOCK_COLS: usize = 256;
+/// Most columns per block. A dequantised tile block (256 KiB) stays in L2 while
+/// all input rows stream past it, and weight rows are read in long sequential
+/// runs; this measured faster than L1-sized blocks.
+const MAX_BLOCK_COLS: usize = 4096;
 /// Below this many multiply-adds a call stays on the calling thread.
 const PARALLEL_MIN_FMAS: usize = 1 << 21;
 
@@ -126,6 +127,16 @@ impl Linear {
         if n == 0 || rows == 0 {
             return;
         }
+        // Input rows regrouped column block by column block, so the rows a block
+        // multiplies are contiguous instead of `cols` apart (a power-of-two stride
+        // would map them all onto the same cache sets). One row is already in order.
+        let packed;
+        let x = if n == 1 {
+            x
+        } else {
+            packed = pack_blocks(x, n, self.cols);
+            &packed[..]
+        };
         let threads = rayon::current_num_threads();
         if threads == 1 || rows < 2 * TILE_ROWS || n * rows * self.cols < PARALLEL_MIN_FMAS {
             self.forward_rows(backend, x, n, 0..rows, out, rows);
@@ -163,22 +174,23 @@ impl Linear {
     fn check_format(&self) {
         let (rows, cols) = (self.rows, self.cols);
         match &self.format {
-            WeightFormat::F32(d) => assert_eq!(d.len(), rows * cols, "f32 weight size"),
-            WeightFormat::Bf16(d) => assert_eq!(d.len(), rows * cols * 2, "bf16 weight size"),
+            WeightFormat::F32(d) => assert!(d.len() >= rows * cols, "f32 weight size"),
+            WeightFormat::Bf16(d) => assert!(d.len() >= rows * cols * 2, "bf16 weight size"),
             WeightFormat::Fp8 { data, scales, block_rows, block_cols } => {
-                assert_eq!(data.len(), rows * cols, "fp8 weight size");
+                assert!(data.len() >= rows * cols, "fp8 weight size");
                 let blocks = rows.div_ceil(*block_rows) * cols.div_ceil(*block_cols);
                 assert!(scales.len() >= blocks, "fp8 scale grid");
             }
             WeightFormat::Fp4 { data, scales, block_cols } => {
-                assert!(cols % 2 == 0, "fp4 weight needs an even column count");
-                assert_eq!(data.len(), rows * cols / 2, "fp4 weight size");
+                assert!(cols.is_multiple_of(2), "fp4 weight needs an even column count");
+                assert!(data.len() >= rows * cols / 2, "fp4 weight size");
                 assert!(scales.len() >= rows * (cols / block_cols), "fp4 scales");
             }
         }
     }
 
     /// Output rows `range` of every input row: `out[i * out_stride + (r - range.start)]`.
+    /// `x` is laid out by [`pack_blocks`].
     fn forward_rows(
         &self,
         backend: Backend,
@@ -189,9 +201,13 @@ impl Linear {
         out_stride: usize,
     ) {
         let cols = self.cols;
-        let mut wbuf = match self.format {
-            WeightFormat::F32(_) => Vec::new(),
-            _ => vec![0.0f32; TILE_ROWS * BLOCK_COLS],
+        let width = block_width(cols);
+        let plan = self.plan(backend, n);
+        // One cache line of padding per row keeps the tile's rows in different cache sets.
+        let stride = width + 16;
+        let mut wbuf = match plan {
+            Plan::Buffered => vec![0.0f32; TILE_ROWS * stride],
+            _ => Vec::new(),
         };
         // Lane accumulators of (input row i, tile row j) at (i * TILE_ROWS + j) * 16.
         let acc_stride = TILE_ROWS * 16;
@@ -199,25 +215,38 @@ impl Linear {
         let mut xs: Vec<&[f32]> = Vec::with_capacity(n);
         for t0 in range.clone().step_by(TILE_ROWS) {
             let tile = TILE_ROWS.min(range.end - t0);
+            // Rows past the tile's end repeat its first row; their sums are discarded.
+            let row = |j: usize| t0 + if j < tile { j } else { 0 };
             acc.fill(0.0);
-            for k0 in (0..cols).step_by(BLOCK_COLS) {
-                let kc = BLOCK_COLS.min(cols - k0);
-                if !matches!(self.format, WeightFormat::F32(_)) {
-                    for (j, dst) in wbuf.chunks_exact_mut(BLOCK_COLS).take(tile).enumerate() {
+            for k0 in (0..cols).step_by(width) {
+                let kc = width.min(cols - k0);
+                xs.clear();
+                xs.extend(x[n * k0..][..n * kc].chunks_exact(kc));
+                if let Plan::Fused(encoding) = plan {
+                    let rows: [(&[u8], ScaleRow); TILE_ROWS] =
+                        std::array::from_fn(|j| self.encoded_span(row(j), k0, kc));
+                    let codes = rows.map(|r| r.0);
+                    let scales = rows.map(|r| r.1);
+                    let (_, nr) = backend.fused_shape(n).expect("fused plan");
+                    for g in (0..tile).step_by(nr) {
+                        let (codes, scales) = (&codes[g..g + nr], &scales[g..g + nr]);
+                        let rows = EncodedRows { encoding, codes, scales, k0 };
+                        backend.micro_encoded(&xs, rows, &mut acc[g * 16..], acc_stride);
+                    }
+                    continue;
+                }
+                if plan == Plan::Buffered {
+                    for (j, dst) in wbuf.chunks_exact_mut(stride).take(tile).enumerate() {
                         self.dequantize_span(backend, t0 + j, k0, &mut dst[..kc]);
                     }
                 }
-                // Rows past the tile's end repeat its first row; their sums are discarded.
                 let mut ws: [&[f32]; TILE_ROWS] = [&[]; TILE_ROWS];
                 for (j, w) in ws.iter_mut().enumerate() {
-                    let j = if j < tile { j } else { 0 };
                     *w = match &self.format {
-                        WeightFormat::F32(d) => &d[(t0 + j) * cols + k0..][..kc],
-                        _ => &wbuf[j * BLOCK_COLS..][..kc],
+                        WeightFormat::F32(d) if plan == Plan::Direct => &d[row(j) * cols + k0..][..kc],
+                        _ => &wbuf[(row(j) - t0) * stride..][..kc],
                     };
                 }
-                xs.clear();
-                xs.extend((0..n).map(|i| &x[i * cols + k0..][..kc]));
                 let mut i0 = 0;
                 while i0 < n {
                     let (mr, nr) = backend.block_shape(n - i0);
@@ -237,59 +266,104 @@ impl Linear {
         }
     }
 
-    /// Dequantise columns `k0..k0 + dst.len()` of row `r`, with the same values as
-    /// [`Linear::dequantize_row`].
-    fn dequantize_span(&self, backend: Backend, r: usize, k0: usize, dst: &mut [f32]) {
-        let cols = self.cols;
-        let end = k0 + dst.len();
+    /// How [`Linear::forward_rows`] reads the weights for a batch of `n` rows.
+    fn plan(&self, backend: Backend, n: usize) -> Plan {
+        // When one register tile covers every input row, each weight is used by a
+        // single kernel call: decode it in registers (or read f32 in place) rather
+        // than writing a dequantised copy. Larger batches reuse a dequantised tile.
+        let fused = |encoding, block| {
+            if backend.fused_shape(n).is_some() && backend.fuses(encoding, block) {
+                Plan::Fused(encoding)
+            } else {
+                Plan::Buffered
+            }
+        };
         match &self.format {
-            WeightFormat::F32(d) => dst.copy_from_slice(&d[r * cols + k0..r * cols + end]),
-            WeightFormat::Bf16(d) => backend.bf16_span(&d[(r * cols + k0) * 2..(r * cols + end) * 2], dst),
+            WeightFormat::F32(_) if backend.block_shape(n).0 >= n => Plan::Direct,
+            WeightFormat::F32(_) => Plan::Buffered,
+            WeightFormat::Bf16(_) => fused(Encoding::Bf16, 16),
+            WeightFormat::Fp8 { block_cols, .. } => fused(Encoding::Fp8, *block_cols),
+            WeightFormat::Fp4 { block_cols, .. } => fused(Encoding::Fp4, *block_cols),
+        }
+    }
+
+    /// Columns `k0..k0 + len` of quantised row `r` as stored, with the row's scales.
+    fn encoded_span(&self, r: usize, k0: usize, len: usize) -> (&[u8], ScaleRow<'_>) {
+        let (cols, end) = (self.cols, k0 + len);
+        match &self.format {
+            WeightFormat::F32(_) => unreachable!("f32 weights are not encoded"),
+            WeightFormat::Bf16(d) => {
+                let none = ScaleRow { row: &[], block: 16, pairs: false };
+                (&d[(r * cols + k0) * 2..(r * cols + end) * 2], none)
+            }
             WeightFormat::Fp8 { data, scales, block_rows, block_cols } => {
                 let blocks_per_row = cols.div_ceil(*block_cols);
-                let scale_row = &scales[(r / block_rows) * blocks_per_row..][..blocks_per_row];
-                // One call per run of columns that share a scale.
-                let mut c = k0;
-                while c < end {
-                    let b = c / block_cols;
-                    let stop = ((b + 1) * block_cols).min(end);
-                    let src = &data[r * cols + c..r * cols + stop];
-                    backend.fp8_span(src, scale_row[b], &mut dst[c - k0..stop - k0]);
-                    c = stop;
-                }
+                let row = &scales[(r / block_rows) * blocks_per_row..][..blocks_per_row];
+                let scales = ScaleRow { row, block: *block_cols, pairs: false };
+                (&data[r * cols + k0..r * cols + end], scales)
             }
             WeightFormat::Fp4 { data, scales, block_cols } => {
                 let blocks_per_row = cols / block_cols;
-                let scale_row = &scales[r * blocks_per_row..][..blocks_per_row];
-                let packed = &data[r * cols / 2..(r + 1) * cols / 2];
-                if block_cols % 2 == 1 {
-                    // A scale block may split a byte; like `dequantize_row`, both
-                    // columns of a byte take the scale of the even one.
-                    for (c, o) in (k0..end).zip(dst.iter_mut()) {
-                        let b = packed[c / 2];
-                        let code = if c % 2 == 0 { b & 0xf } else { b >> 4 };
-                        *o = FP4_E2M1_VALUES[code as usize] * scale_row[(c & !1) / block_cols];
-                    }
-                    return;
-                }
-                // `k0` and every block boundary are even, so runs start on a byte.
-                let mut c = k0;
-                while c < end {
-                    let b = c / block_cols;
-                    let stop = ((b + 1) * block_cols).min(end);
-                    let src = &packed[c / 2..stop.div_ceil(2)];
-                    backend.fp4_span(src, scale_row[b], &mut dst[c - k0..stop - k0]);
-                    c = stop;
-                }
+                let row = &scales[r * blocks_per_row..][..blocks_per_row];
+                let scales = ScaleRow { row, block: *block_cols, pairs: true };
+                // `k0` is a multiple of 16 and `cols` is even, so the span covers whole bytes.
+                (&data[(r * cols + k0) / 2..(r * cols + end) / 2], scales)
             }
         }
     }
+
+    /// Dequantise columns `k0..k0 + dst.len()` of row `r`, with the same values as
+    /// [`Linear::dequantize_row`].
+    fn dequantize_span(&self, backend: Backend, r: usize, k0: usize, dst: &mut [f32]) {
+        if let WeightFormat::F32(d) = &self.format {
+            dst.copy_from_slice(&d[r * self.cols + k0..][..dst.len()]);
+            return;
+        }
+        let (codes, scales) = self.encoded_span(r, k0, dst.len());
+        match &self.format {
+            WeightFormat::Bf16(_) => backend.bf16_span(codes, dst),
+            WeightFormat::Fp8 { .. } => backend.fp8_span(codes, k0, scales, dst),
+            _ => backend.fp4_span(codes, k0, scales, dst),
+        }
+    }
+}
+
+/// How weights reach the register tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Plan {
+    /// f32 rows read in place.
+    Direct,
+    /// Quantised rows decoded inside the kernel.
+    Fused(Encoding),
+    /// A tile of rows dequantised into a buffer, then shared by every input row.
+    Buffered,
+}
+
+/// Width of the column blocks of a `cols`-wide matrix: equal blocks of at most
+/// [`MAX_BLOCK_COLS`], each a multiple of 16 so every block starts on lane 0.
+fn block_width(cols: usize) -> usize {
+    let blocks = cols.div_ceil(MAX_BLOCK_COLS).max(1);
+    cols.div_ceil(blocks).next_multiple_of(16).max(16)
+}
+
+/// `x[n × cols]` regrouped by column block: block `k0..k0 + kc` of row `i` at
+/// `n * k0 + i * kc`. For `n == 1` this is `x` itself.
+fn pack_blocks(x: &[f32], n: usize, cols: usize) -> Vec<f32> {
+    let mut packed = Vec::with_capacity(n * cols);
+    let width = block_width(cols);
+    for k0 in (0..cols).step_by(width) {
+        let kc = width.min(cols - k0);
+        for i in 0..n {
+            packed.extend_from_slice(&x[i * cols + k0..][..kc]);
+        }
+    }
+    packed
 }
 
 /// Dot product with a fixed reduction order: 16 lane accumulators over the
 /// length (column `c` of each 16-column chunk into lane `c % 16`, tail columns
 /// into lanes `0..`), each updated with a fused multiply-add, then a fixed pairwise
-/// tree. Every path (SIMD or not) keeps this order, so the bits never depend on it.
+/// tree. Every path (SIMD or not) keeps this order, so the path never changes the bits.
 ///
 /// Uses the first `a.len()` elements of `b`.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -327,12 +401,7 @@ mod tests {
                         }
                         lin.dequantize_span(backend, r, k0, &mut span[..len]);
                         for (c, (a, b)) in span[..len].iter().zip(&row[k0..]).enumerate() {
-                            assert_eq!(
-                                a.to_bits(),
-                                b.to_bits(),
-                                "{backend:?} row {r} col {}",
-                                k0 + c
-                            );
+                            assert_eq!(a.to_bits(), b.to_bits(), "{backend:?} row {r} col {}", k0 + c);
                         }
                     }
                 }
@@ -344,8 +413,7 @@ mod tests {
     fn fp8_spans_match_table_for_every_code_and_scale() {
         // Each row holds all 256 codes (NaNs included) in a rotated order.
         let (rows, cols): (usize, usize) = (4, 256);
-        let data: Vec<u8> =
-            (0..rows * cols).map(|i| ((i % cols) as u8).wrapping_add((i / cols * 37) as u8)).collect();
+        let data: Vec<u8> = (0..rows * cols).map(|i| ((i % cols) as u8).wrapping_add((i / cols * 37) as u8)).collect();
         for scale in [crate::dtype::ue8m0_to_f32(0), 2f32.powi(-120), 2f32.powi(-7), 1.0, 2f32.powi(100)] {
             for block in [(1, 256), (3, 16), (2, 7)] {
                 let blocks = rows.div_ceil(block.0) * cols.div_ceil(block.1);
@@ -370,8 +438,7 @@ mod tests {
         let (rows, cols) = (3, 96);
         let data: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 7 + i / 16) as u8).collect();
         for block in [32, 6, 3, 2] {
-            let scales: Vec<f32> =
-                (0..rows * (cols / block)).map(|b| 2f32.powi(b as i32 % 9 - 4)).collect();
+            let scales: Vec<f32> = (0..rows * (cols / block)).map(|b| 2f32.powi(b as i32 % 9 - 4)).collect();
             let lin = Linear {
                 rows,
                 cols,

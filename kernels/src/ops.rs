@@ -49,16 +49,12 @@ impl Rope {
     pub fn new(dim: usize, theta: f64, yarn: Option<Yarn>) -> Self {
         let half = dim / 2;
         // f32 like the reference: base ** (arange(0, dim, 2) / dim).
-        let pos_freqs: Vec<f32> =
-            (0..half).map(|i| (theta as f32).powf((2 * i) as f32 / dim as f32)).collect();
+        let pos_freqs: Vec<f32> = (0..half).map(|i| (theta as f32).powf((2 * i) as f32 / dim as f32)).collect();
         let inv_freq = match yarn {
             None => pos_freqs.iter().map(|p| 1.0 / p).collect(),
             Some(y) => {
                 let correction_dim = |rotations: f64| {
-                    (dim as f64
-                        * (y.original_max_position_embeddings
-                            / (rotations * 2.0 * std::f64::consts::PI))
-                            .ln())
+                    (dim as f64 * (y.original_max_position_embeddings / (rotations * 2.0 * std::f64::consts::PI)).ln())
                         / (2.0 * theta.ln())
                 };
                 let low = correction_dim(y.beta_fast).floor().max(0.0);

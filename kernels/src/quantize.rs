@@ -3,9 +3,7 @@
 
 use bytes::Bytes;
 
-use crate::dtype::{
-    f32_to_fp4_e2m1, f32_to_fp8_e4m3, ue8m0_scale_for, ue8m0_to_f32, FP4_E2M1_MAX, FP8_E4M3_MAX,
-};
+use crate::dtype::{f32_to_fp4_e2m1, f32_to_fp8_e4m3, ue8m0_scale_for, ue8m0_to_f32, FP4_E2M1_MAX, FP8_E4M3_MAX};
 use crate::linear::{Linear, WeightFormat};
 
 /// A quantised matrix as a checkpoint stores it: raw codes and UE8M0 scale bytes.
@@ -48,7 +46,7 @@ pub fn quantize_fp8_blocks(w: &[f32], rows: usize, cols: usize, block: usize) ->
 /// `block` columns of each row. `cols` must be a multiple of `block` and of 2.
 pub fn quantize_fp4_rows(w: &[f32], rows: usize, cols: usize, block: usize) -> Quantized {
     assert_eq!(w.len(), rows * cols);
-    assert!(cols % block == 0 && cols % 2 == 0, "fp4 needs cols divisible by {block}");
+    assert!(cols.is_multiple_of(block) && cols.is_multiple_of(2), "fp4 needs cols divisible by {block}");
     let blocks = cols / block;
     let mut scales = vec![0u8; rows * blocks];
     let mut codes = vec![0u8; rows * cols / 2];
@@ -79,12 +77,7 @@ impl Quantized {
         Linear {
             rows,
             cols,
-            format: WeightFormat::Fp8 {
-                data: Bytes::from(self.codes),
-                scales,
-                block_rows: block,
-                block_cols: block,
-            },
+            format: WeightFormat::Fp8 { data: Bytes::from(self.codes), scales, block_rows: block, block_cols: block },
         }
     }
 

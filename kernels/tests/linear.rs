@@ -7,8 +7,8 @@ use common::{all_formats, assert_bits_eq, reference, Rng};
 use deepinfer_kernels::linear::{dot, dot_with};
 use deepinfer_kernels::{Isa, Linear};
 
-/// Shapes with columns off the 16-lane grid, rows off the 16-row tile, and
-/// column counts around the 256-column block.
+/// Shapes with columns off the 16-lane grid, rows off the 16-row tile, and rows
+/// long enough to be split into column blocks (whose edges fall inside FP8 scale blocks).
 const SHAPES: &[(usize, usize)] = &[
     (1, 1),
     (1, 2),
@@ -20,6 +20,8 @@ const SHAPES: &[(usize, usize)] = &[
     (16, 272),
     (7, 518),
     (40, 130),
+    (20, 8200),
+    (9, 8256),
 ];
 
 fn available() -> Vec<Isa> {
@@ -60,7 +62,7 @@ fn forward_matches_dequantize_row_and_dot_bit_exactly() {
     let mut rng = Rng(2);
     for &(rows, cols) in SHAPES {
         for (name, lin) in all_formats(rows, cols, &mut rng) {
-            for n in [1, 2, 3, 4, 7] {
+            for n in [1, 2, 3, 4, 5, 6, 7, 9] {
                 let x = rng.vec(n * cols);
                 let mut out = vec![f32::NAN; n * rows];
                 lin.forward(&x, n, &mut out);
@@ -75,7 +77,7 @@ fn every_path_gives_the_same_bits() {
     let mut rng = Rng(3);
     for &(rows, cols) in SHAPES.iter().chain(&[(70, 1030)]) {
         for (name, lin) in all_formats(rows, cols, &mut rng) {
-            for n in [1, 2, 5] {
+            for n in [1, 2, 3, 4, 6, 7] {
                 let x = rng.vec(n * cols);
                 let mut portable = vec![0.0f32; n * rows];
                 lin.forward_with(Isa::Portable, &x, n, &mut portable);

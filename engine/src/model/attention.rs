@@ -46,7 +46,11 @@ impl Angles {
     fn apply(&self, i: usize, v: &mut [f32]) {
         let r = 2 * self.half;
         let tail = v.len() - r;
-        rope_interleaved(&mut v[tail..], &self.cos[i * self.half..][..self.half], &self.sin[i * self.half..][..self.half]);
+        rope_interleaved(
+            &mut v[tail..],
+            &self.cos[i * self.half..][..self.half],
+            &self.sin[i * self.half..][..self.half],
+        );
     }
 
     /// Rotate back (angle negated).
@@ -222,7 +226,13 @@ pub fn forward(
                     let visible = (pos + 1) / ratio;
                     match (&index, index_entries) {
                         (Some((iq, iw)), Some(ie)) => {
-                            let scores = index_scores(cfg, &iq[t * cfg.index_n_heads * cfg.index_head_dim..], &iw[t * cfg.index_n_heads..], ie, visible);
+                            let scores = index_scores(
+                                cfg,
+                                &iq[t * cfg.index_n_heads * cfg.index_head_dim..],
+                                &iw[t * cfg.index_n_heads..],
+                                ie,
+                                visible,
+                            );
                             top_k(&scores, cfg.index_topk.min(visible))
                         }
                         _ => (0..visible).collect(),

@@ -86,7 +86,12 @@ impl Model {
                     LogitsWanted::Last => seg.len.saturating_sub(1)..seg.len,
                     LogitsWanted::All => 0..seg.len,
                 };
-                let logits = self.logits(&self.weights.hc_head, &self.weights.norm, &seg_streams[rows.start * hc * d..rows.end * hc * d], rows.len());
+                let logits = self.logits(
+                    &self.weights.hc_head,
+                    &self.weights.norm,
+                    &seg_streams[rows.start * hc * d..rows.end * hc * d],
+                    rows.len(),
+                );
                 ChunkOutput { logits, streams: if keep_streams { seg_streams.to_vec() } else { Vec::new() } }
             })
             .collect()
@@ -131,11 +136,25 @@ impl Model {
         }
         segments
             .iter()
-            .map(|seg| self.logits(&mtp.hc_head, &mtp.norm, &streams[seg.start * hc * d..(seg.start + seg.len) * hc * d], seg.len))
+            .map(|seg| {
+                self.logits(
+                    &mtp.hc_head,
+                    &mtp.norm,
+                    &streams[seg.start * hc * d..(seg.start + seg.len) * hc * d],
+                    seg.len,
+                )
+            })
             .collect()
     }
 
-    fn block_forward(&self, block: &Block, streams: &mut [f32], tokens: &[u32], segments: &[Segment], states: &mut [&mut LayerState]) {
+    fn block_forward(
+        &self,
+        block: &Block,
+        streams: &mut [f32],
+        tokens: &[u32],
+        segments: &[Segment],
+        states: &mut [&mut LayerState],
+    ) {
         let cfg = &self.config;
         let d = cfg.hidden_size;
         let n = tokens.len();

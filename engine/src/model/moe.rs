@@ -71,7 +71,9 @@ pub fn forward(moe: &Moe, cfg: &ModelConfig, x: &[f32], tokens: &[u32]) -> Vec<f
         let picked: Vec<(usize, f32)> = routes
             .iter()
             .enumerate()
-            .flat_map(|(t, r)| r.experts.iter().zip(&r.weights).filter(move |(&x, _)| x == e).map(move |(_, &w)| (t, w)))
+            .flat_map(|(t, r)| {
+                r.experts.iter().zip(&r.weights).filter(move |(&x, _)| x == e).map(move |(_, &w)| (t, w))
+            })
             .collect();
         if picked.is_empty() {
             continue;

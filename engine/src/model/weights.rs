@@ -136,7 +136,11 @@ impl Loader<'_> {
         let flat = hc * self.cfg.hidden_size;
         let mix = Linear::from_f32(outputs, flat, self.ck.f32_tensor(&format!("{prefix}_fn"), &[outputs, flat])?);
         let scale = self.vector(&format!("{prefix}_scale"), 3)?;
-        Ok(HyperConnection { mix, base: self.vector(&format!("{prefix}_base"), outputs)?, scale: [scale[0], scale[1], scale[2]] })
+        Ok(HyperConnection {
+            mix,
+            base: self.vector(&format!("{prefix}_base"), outputs)?,
+            scale: [scale[0], scale[1], scale[2]],
+        })
     }
 
     fn hyper_head(&self, prefix: &str) -> Result<HyperHead, CheckpointError> {
@@ -172,11 +176,17 @@ impl Loader<'_> {
         let wo_a = self.linear(&format!("{p}.wo_a"), c.o_groups * c.o_lora_rank, group_in)?;
         let (compressor, indexer) = match kind {
             AttentionKind::Window => (None, None),
-            AttentionKind::Hca { ratio } => (Some(self.compressor(&format!("{p}.compressor"), ratio, c.head_dim, false)?), None),
+            AttentionKind::Hca { ratio } => {
+                (Some(self.compressor(&format!("{p}.compressor"), ratio, c.head_dim, false)?), None)
+            }
             AttentionKind::Csa { ratio } => {
                 let indexer = Indexer {
                     compressor: self.compressor(&format!("{p}.indexer.compressor"), ratio, c.index_head_dim, true)?,
-                    wq_b: self.linear(&format!("{p}.indexer.wq_b"), c.index_n_heads * c.index_head_dim, c.q_lora_rank)?,
+                    wq_b: self.linear(
+                        &format!("{p}.indexer.wq_b"),
+                        c.index_n_heads * c.index_head_dim,
+                        c.q_lora_rank,
+                    )?,
                     weights_proj: self.linear(&format!("{p}.indexer.weights_proj"), c.index_n_heads, d)?,
                 };
                 (Some(self.compressor(&format!("{p}.compressor"), ratio, c.head_dim, true)?), Some(indexer))
@@ -291,7 +301,8 @@ impl Weights {
         let mlp = |m: &Mlp| m.w1.storage_bytes() + m.w2.storage_bytes() + m.w3.storage_bytes();
         let block = |b: &Block| {
             let a = &b.attn;
-            let mut n = a.wq_a.storage_bytes() + a.wq_b.storage_bytes() + a.wkv.storage_bytes() + a.wo_b.storage_bytes();
+            let mut n =
+                a.wq_a.storage_bytes() + a.wq_b.storage_bytes() + a.wkv.storage_bytes() + a.wo_b.storage_bytes();
             n += a.wo_a.iter().map(Linear::storage_bytes).sum::<usize>();
             n += b.moe.gate.storage_bytes() + b.moe.experts.iter().map(mlp).sum::<usize>();
             n + b.moe.shared.as_ref().map_or(0, mlp)

@@ -5,11 +5,11 @@
 
 use std::sync::OnceLock;
 
-mod portable;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod portable;
 
 /// A code path of the kernels. All paths give bit-identical results; they differ
 /// only in speed.
@@ -43,9 +43,7 @@ impl Isa {
     /// The fastest path this CPU supports (detected once).
     pub fn detect() -> Isa {
         static DETECTED: OnceLock<Isa> = OnceLock::new();
-        *DETECTED.get_or_init(|| {
-            Isa::ALL.into_iter().rev().find(|isa| isa.is_available()).unwrap_or(Isa::Portable)
-        })
+        *DETECTED.get_or_init(|| Isa::ALL.into_iter().rev().find(|isa| isa.is_available()).unwrap_or(Isa::Portable))
     }
 }
 
@@ -85,9 +83,13 @@ impl Backend {
     /// input rows remain. Weight-row counts divide [`crate::linear`]'s tile height.
     pub(crate) fn block_shape(self, rows_left: usize) -> (usize, usize) {
         match self.0 {
-            // 3 × 8 accumulators + 1 x + 8 w registers fit the 32 zmm registers.
-            Isa::Avx512 => (rows_left.min(3), 8),
-            // 1 × 4 × 2 accumulators + 4 w + 1 x fit the 16 ymm registers.
+            // Up to 24 accumulators + the w and x registers within the 32 zmm
+            // registers; 6 × 4 needs the fewest loads per multiply-add.
+            Isa::Avx512 if rows_left <= 3 => (rows_left, 8),
+            Isa::Avx512 => (rows_left.min(6), 4),
+            // 3 × 2 × 2 accumulators + 2 w + 1 x fit the 16 ymm registers.
+            Isa::Avx2 if rows_left >= 3 => (3, 2),
+            Isa::Avx2 if rows_left == 2 => (2, 2),
             Isa::Avx2 => (1, 4),
             Isa::Portable => (rows_left.min(2), 4),
         }
@@ -122,24 +124,97 @@ impl Backend {
         match (self.0, xs.len(), ws.len()) {
             (Isa::Portable, 1, 4) => portable::micro::<1, 4>(arr(xs), arr(ws), acc, acc_stride),
             (Isa::Portable, 2, 4) => portable::micro::<2, 4>(arr(xs), arr(ws), acc, acc_stride),
-            // SAFETY (all x86 arms): `Backend::new` checked the CPU features, and the
-            // asserts above are exactly the bounds the SIMD loops rely on.
+            // SAFETY: `Backend::new` checked the CPU features, and the asserts above
+            // are exactly the bounds the SIMD loops rely on.
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx2, 1, 4) => unsafe { avx2::micro::<1, 4>(arr(xs), arr(ws), acc, acc_stride) },
+            // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, 1, 8) => unsafe {
-                avx512::micro::<1, 8>(arr(xs), arr(ws), acc, acc_stride)
-            },
+            (Isa::Avx2, 2, 2) => unsafe { avx2::micro::<2, 2>(arr(xs), arr(ws), acc, acc_stride) },
+            // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, 2, 8) => unsafe {
-                avx512::micro::<2, 8>(arr(xs), arr(ws), acc, acc_stride)
-            },
+            (Isa::Avx2, 3, 2) => unsafe { avx2::micro::<3, 2>(arr(xs), arr(ws), acc, acc_stride) },
+            // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, 3, 8) => unsafe {
-                avx512::micro::<3, 8>(arr(xs), arr(ws), acc, acc_stride)
-            },
+            (Isa::Avx512, 1, 8) => unsafe { avx512::micro::<1, 8>(arr(xs), arr(ws), acc, acc_stride) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, 2, 8) => unsafe { avx512::micro::<2, 8>(arr(xs), arr(ws), acc, acc_stride) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, 3, 8) => unsafe { avx512::micro::<3, 8>(arr(xs), arr(ws), acc, acc_stride) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, 4, 4) => unsafe { avx512::micro::<4, 4>(arr(xs), arr(ws), acc, acc_stride) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, 5, 4) => unsafe { avx512::micro::<5, 4>(arr(xs), arr(ws), acc, acc_stride) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, 6, 4) => unsafe { avx512::micro::<6, 4>(arr(xs), arr(ws), acc, acc_stride) },
             (isa, m, n) => unreachable!("no {m}x{n} tile for {isa:?}"),
         }
+    }
+
+    /// Whether [`Backend::micro_encoded`] can read `encoding` with scale blocks of
+    /// `block` columns (every 16-column chunk must lie inside one block).
+    pub(crate) fn fuses(self, encoding: Encoding, block: usize) -> bool {
+        self.0 == Isa::Avx512 && (encoding == Encoding::Bf16 || block.is_multiple_of(16))
+    }
+
+    /// Register tile `(x rows, weight rows)` of [`Backend::micro_encoded`] for a
+    /// batch of `n` rows, if one tile covers them all.
+    pub(crate) fn fused_shape(self, n: usize) -> Option<(usize, usize)> {
+        match (self.0, n) {
+            (Isa::Avx512, 1..=3) => Some((n, 8)),
+            // 6 × 4 accumulators + 4 w + 1 x registers.
+            (Isa::Avx512, 4..=6) => Some((n, 4)),
+            _ => None,
+        }
+    }
+
+    /// [`Backend::micro`] reading the weight rows in their stored encoding. Each
+    /// weight is decoded once, in registers, and used for every x row, so no
+    /// dequantised copy is written.
+    pub(crate) fn micro_encoded(self, xs: &[&[f32]], rows: EncodedRows, acc: &mut [f32], acc_stride: usize) {
+        let EncodedRows { encoding, codes, scales, k0 } = rows;
+        let len = xs[0].len();
+        assert!(self.fuses(encoding, scales[0].block) && k0.is_multiple_of(16), "not fusable");
+        assert!(xs.iter().all(|s| s.len() == len), "ragged tile");
+        assert!(codes.iter().all(|c| c.len() == encoding.bytes(len)), "ragged codes");
+        assert_eq!(scales.len(), codes.len(), "scale rows");
+        if encoding != Encoding::Bf16 {
+            let block = scales[0].block;
+            assert!(scales.iter().all(|s| s.block == block), "scale blocks differ");
+            scales.iter().for_each(|s| s.check(k0 + len));
+        }
+        assert!((xs.len() - 1) * acc_stride + codes.len() * 16 <= acc.len(), "accumulators");
+        #[cfg(target_arch = "x86_64")]
+        {
+            use avx512::{micro_encoded as m, BF16, FP4, FP8};
+            // SAFETY: `fuses` above confirmed the AVX-512F backend, which
+            // `Backend::new` checked the CPU supports, and the asserts above are the
+            // bounds the loops rely on (every arm of the match below).
+            unsafe {
+                macro_rules! tiles {
+                    ($($enc:ident, $e:ident: $(($mr:literal, $nr:literal))*;)*) => {
+                        match (encoding, xs.len(), codes.len()) {
+                            $($((Encoding::$enc, $mr, $nr) => {
+                                m::<$e, $mr, $nr>(arr(xs), arr(codes), arr(scales), k0, acc, acc_stride)
+                            })*)*
+                            (_, m, n) => unreachable!("no fused {m}x{n} tile"),
+                        }
+                    };
+                }
+                tiles! {
+                    Bf16, BF16: (1, 8) (2, 8) (3, 8) (4, 4) (5, 4) (6, 4);
+                    Fp8, FP8: (1, 8) (2, 8) (3, 8) (4, 4) (5, 4) (6, 4);
+                    Fp4, FP4: (1, 8) (2, 8) (3, 8) (4, 4) (5, 4) (6, 4);
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("no fused kernel on this target");
     }
 
     /// Little-endian bf16 bytes to f32; `src.len() == 2 * dst.len()`.
@@ -156,36 +231,114 @@ impl Backend {
         }
     }
 
-    /// FP8 e4m3 codes times one `scale`; `src.len() == dst.len()`.
-    pub(crate) fn fp8_span(self, src: &[u8], scale: f32, dst: &mut [f32]) {
+    /// FP8 e4m3 codes of columns `k0..k0 + dst.len()`, times their scales;
+    /// `src.len() == dst.len()`.
+    pub(crate) fn fp8_span(self, src: &[u8], k0: usize, scales: ScaleRow, dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len(), "fp8 span");
+        scales.check(k0 + dst.len());
         match self.0 {
             // SAFETY: CPU features checked by `Backend::new`; lengths asserted above.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { avx512::fp8_span(src, scale, dst) },
+            Isa::Avx512 => unsafe { avx512::fp8_span(src, k0, scales, dst) },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { avx2::fp8_span(src, scale, dst) },
-            _ => portable::fp8_span(src, scale, dst),
+            Isa::Avx2 => unsafe { avx2::fp8_span(src, k0, scales, dst) },
+            _ => portable::fp8_span(src, k0, scales, dst),
         }
     }
 
-    /// Packed FP4 e2m1 pairs (even column in the low nibble) times one `scale`;
-    /// `2 * src.len() == dst.len()`.
-    pub(crate) fn fp4_span(self, src: &[u8], scale: f32, dst: &mut [f32]) {
+    /// Packed FP4 e2m1 pairs (even column in the low nibble) of columns
+    /// `k0..k0 + dst.len()`, times their scales; `k0` is even and `2 * src.len() == dst.len()`.
+    pub(crate) fn fp4_span(self, src: &[u8], k0: usize, scales: ScaleRow, dst: &mut [f32]) {
         assert_eq!(2 * src.len(), dst.len(), "fp4 span");
+        assert!(k0.is_multiple_of(2) && scales.pairs, "fp4 spans start on a byte");
+        scales.check(k0 + dst.len());
         match self.0 {
             // SAFETY: CPU features checked by `Backend::new`; lengths asserted above.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { avx512::fp4_span(src, scale, dst) },
+            Isa::Avx512 => unsafe { avx512::fp4_span(src, k0, scales, dst) },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { avx2::fp4_span(src, scale, dst) },
-            _ => portable::fp4_span(src, scale, dst),
+            Isa::Avx2 => unsafe { avx2::fp4_span(src, k0, scales, dst) },
+            _ => portable::fp4_span(src, k0, scales, dst),
         }
     }
 }
 
-fn arr<'a, const N: usize>(s: &'a [&'a [f32]]) -> &'a [&'a [f32]; N] {
+/// The scales of one weight row: column `c` uses `row[c / block]`; with `pairs`
+/// (FP4) both columns of a byte use the scale of the even one, as
+/// `Linear::dequantize_row` does.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ScaleRow<'a> {
+    pub row: &'a [f32],
+    pub block: usize,
+    pub pairs: bool,
+}
+
+impl ScaleRow<'_> {
+    #[inline]
+    fn of(&self, c: usize) -> f32 {
+        let c = if self.pairs { c & !1 } else { c };
+        self.row[c / self.block]
+    }
+
+    /// Panics unless columns `..end` have scales.
+    fn check(&self, end: usize) {
+        assert!(self.block > 0, "scale block");
+        if end > 0 {
+            let _ = self.of(end - 1);
+        }
+    }
+
+    /// The scale of column `c` and how many columns from `c` on share it.
+    #[inline(always)]
+    pub(crate) fn run(&self, c: usize) -> (f32, usize) {
+        let key = if self.pairs { c & !1 } else { c };
+        let index = key / self.block;
+        let mut end = (index + 1) * self.block;
+        if self.pairs {
+            end = end.next_multiple_of(2);
+        }
+        (self.row[index], end - c)
+    }
+
+    /// The scale of each column `c..c + width` (`width <= 16`), for a chunk that
+    /// crosses a block edge.
+    #[cold]
+    pub(crate) fn lanes(&self, c: usize, width: usize) -> [f32; 16] {
+        std::array::from_fn(|l| if l < width { self.of(c + l) } else { 0.0 })
+    }
+}
+
+/// Columns `k0..k0 + len` of a few weight rows as stored: `codes[j]` for row `j`,
+/// with its scales `scales[j]` (placeholders for bf16).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct EncodedRows<'a> {
+    pub encoding: Encoding,
+    pub codes: &'a [&'a [u8]],
+    pub scales: &'a [ScaleRow<'a>],
+    pub k0: usize,
+}
+
+/// A stored weight encoding that [`Backend::micro_encoded`] decodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Encoding {
+    Bf16,
+    Fp8,
+    Fp4,
+}
+
+impl Encoding {
+    /// Bytes holding `cols` columns (`cols` even for FP4).
+    pub(crate) fn bytes(self, cols: usize) -> usize {
+        match self {
+            Encoding::Bf16 => 2 * cols,
+            Encoding::Fp8 => cols,
+            Encoding::Fp4 => cols / 2,
+        }
+    }
+}
+
+fn arr<T, const N: usize>(s: &[T]) -> &[T; N] {
     s.try_into().expect("tile shape")
 }

@@ -26,7 +26,7 @@ impl Rng {
     /// Roughly normal, with occasional outliers so blocks get different scales.
     pub fn weight(&mut self) -> f32 {
         let v = (0..4).map(|_| self.uniform()).sum::<f32>();
-        if self.next_u64() % 61 == 0 {
+        if self.next_u64().is_multiple_of(61) {
             v * 40.0
         } else {
             v
@@ -77,9 +77,9 @@ pub fn all_formats(rows: usize, cols: usize, rng: &mut Rng) -> Vec<(String, Line
         ("fp8/7".to_string(), fp8_linear(rows, cols, &w, 7)),
         ("fp8-raw/5x24".to_string(), fp8_raw_linear(rows, cols, 5, 24, rng)),
     ];
-    if cols % 2 == 0 {
+    if cols.is_multiple_of(2) {
         for block in [32, 16, 6, 3, 2] {
-            if cols % block == 0 {
+            if cols.is_multiple_of(block) {
                 out.push((format!("fp4/{block}"), fp4_linear(rows, cols, &w, block)));
             }
         }

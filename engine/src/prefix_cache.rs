@@ -1,0 +1,270 @@
+//! The prefix cache: compressed and indexer blocks addressed by the content
+//! of every token before them, shared by reference count, evicted least
+//! recently used.
+//!
+//! A block's key is a hash chain over token blocks: FNV-1a (64-bit) over the
+//! parent block's key as 8 little-endian bytes, then the block's token ids
+//! as 4 little-endian bytes each; the first block's parent is 0. The hash is
+//! fixed, so keys are the same across runs and platforms. A match also
+//! compares the stored tokens and parent key, so a hash collision can only
+//! cost a miss, never a wrong hit.
+//!
+//! Only compressed state is cached. The sliding-window KV depends on the
+//! tokens just before the boundary through every layer, so a hit rebuilds it
+//! by replaying tokens before the boundary (see [`PrefixMode`]).
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::config::ModelConfig;
+use crate::kv_pool::BlockId;
+
+/// Whether and how prefix hits are used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefixMode {
+    /// No caching.
+    Off,
+    /// Replay the dependency cone, `num_layers × (sliding_window − 1)` tokens:
+    /// outputs are bit-identical to a cold run.
+    Exact,
+    /// Replay only the last window, `sliding_window − 1` tokens: cheaper,
+    /// deeper layers' windows are approximate, outputs are close but not identical.
+    Bounded,
+}
+
+impl PrefixMode {
+    pub const ALL: [PrefixMode; 3] = [PrefixMode::Off, PrefixMode::Exact, PrefixMode::Bounded];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefixMode::Off => "off",
+            PrefixMode::Exact => "exact",
+            PrefixMode::Bounded => "bounded",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.name() == name)
+    }
+
+    /// Tokens before a hit's boundary that are recomputed to rebuild the window state.
+    pub fn replay_tokens(self, cfg: &ModelConfig) -> usize {
+        let window = cfg.sliding_window.saturating_sub(1);
+        match self {
+            PrefixMode::Off => 0,
+            // Every layer has a sliding window: the window state at layer l
+            // depends on layer l−1's window one window further back.
+            PrefixMode::Exact => cfg.num_layers * window,
+            PrefixMode::Bounded => window,
+        }
+    }
+}
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+/// Key of a token block whose predecessor's key is `parent` (0 for the first block).
+pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = FNV_OFFSET;
+    let mut eat = |b: u8| {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(FNV_PRIME);
+    };
+    parent.to_le_bytes().into_iter().for_each(&mut eat);
+    tokens.iter().flat_map(|t| t.to_le_bytes()).for_each(eat);
+    h
+}
+
+/// The pool blocks of one cached token block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CachedBlocks {
+    /// Compressed entries; also the key of the block's stored values.
+    pub compressed: BlockId,
+    /// Indexer keys, for models with CSA layers.
+    pub indexer: Option<BlockId>,
+}
+
+#[derive(Debug)]
+struct Entry {
+    parent: u64,
+    tokens: Box<[u32]>,
+    blocks: CachedBlocks,
+    /// Position in the eviction order while no sequence references the block.
+    stamp: Option<u64>,
+}
+
+/// Hit and miss counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Admissions (first or after preemption) that looked the cache up.
+    pub lookups: u64,
+    /// Tokens of those sequences.
+    pub lookup_tokens: u64,
+    /// Tokens whose compressed state came from the cache.
+    pub hit_tokens: u64,
+    /// Admissions that used a hit.
+    pub hits: u64,
+    /// Matches no longer than the replay, left unused.
+    pub short_matches: u64,
+    /// Tokens recomputed to rebuild window state after hits.
+    pub replayed_tokens: u64,
+    pub inserted_blocks: u64,
+    pub evicted_blocks: u64,
+}
+
+impl PrefixStats {
+    /// Share of looked-up tokens served from the cache.
+    pub fn hit_rate(&self) -> f64 {
+        if self.lookup_tokens == 0 {
+            0.0
+        } else {
+            self.hit_tokens as f64 / self.lookup_tokens as f64
+        }
+    }
+}
+
+/// Index of cached blocks. Reference counts live in the
+/// [`KvPool`](crate::kv_pool::KvPool); this tracks which blocks are cached
+/// and the order in which unreferenced ones are evicted.
+#[derive(Debug, Default)]
+pub struct PrefixCache {
+    // Looked up by key only, never iterated.
+    entries: HashMap<u64, Entry>,
+    by_block: HashMap<BlockId, u64>,
+    /// Unreferenced cached blocks by stamp: the first is evicted first.
+    lru: BTreeMap<u64, u64>,
+    /// Logical time of the eviction order.
+    clock: u64,
+    pub stats: PrefixStats,
+}
+
+impl PrefixCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Cached blocks.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Unreferenced cached blocks (evictable).
+    pub fn evictable(&self) -> usize {
+        self.lru.len()
+    }
+
+    /// The cached block with key `hash`, if its content is `tokens` after `parent`.
+    pub fn get(&self, hash: u64, parent: u64, tokens: &[u32]) -> Option<CachedBlocks> {
+        self.entries.get(&hash).filter(|e| e.parent == parent && *e.tokens == *tokens).map(|e| e.blocks)
+    }
+
+    /// The leading run of `hashes` (a chain over `tokens` in blocks of
+    /// `block_tokens`) that is cached.
+    pub fn longest_match(&self, hashes: &[u64], tokens: &[u32], block_tokens: usize) -> Vec<CachedBlocks> {
+        let mut parent = 0;
+        let mut found = Vec::new();
+        for (k, &h) in hashes.iter().enumerate() {
+            match self.get(h, parent, &tokens[k * block_tokens..(k + 1) * block_tokens]) {
+                Some(b) => found.push(b),
+                None => break,
+            }
+            parent = h;
+        }
+        found
+    }
+
+    /// Cache `blocks` under `hash`; false if the key is taken. The caller
+    /// keeps its reference; the block joins the eviction order when the last
+    /// reference goes.
+    pub fn insert(&mut self, hash: u64, parent: u64, tokens: &[u32], blocks: CachedBlocks) -> bool {
+        if self.entries.contains_key(&hash) {
+            return false;
+        }
+        self.entries.insert(hash, Entry { parent, tokens: tokens.into(), blocks, stamp: None });
+        self.by_block.insert(blocks.compressed, hash);
+        self.stats.inserted_blocks += 1;
+        true
+    }
+
+    pub fn is_cached(&self, compressed: BlockId) -> bool {
+        self.by_block.contains_key(&compressed)
+    }
+
+    /// A sequence took a reference to this cached block: it may not be evicted.
+    pub fn referenced(&mut self, compressed: BlockId) {
+        if let Some(e) = self.by_block.get(&compressed).and_then(|h| self.entries.get_mut(h)) {
+            if let Some(stamp) = e.stamp.take() {
+                self.lru.remove(&stamp);
+            }
+        }
+    }
+
+    /// The last reference to this block went. Returns whether the cache keeps
+    /// it (then it becomes the most recently used evictable block); if not,
+    /// the caller frees it.
+    pub fn unreferenced(&mut self, compressed: BlockId) -> bool {
+        let Some(hash) = self.by_block.get(&compressed).copied() else {
+            return false;
+        };
+        let e = self.entries.get_mut(&hash).expect("index and entries agree");
+        debug_assert!(e.stamp.is_none());
+        let stamp = self.clock;
+        self.clock += 1;
+        e.stamp = Some(stamp);
+        self.lru.insert(stamp, hash);
+        true
+    }
+
+    /// Forget the least recently used unreferenced block; the caller frees its pool blocks.
+    pub fn evict_lru(&mut self) -> Option<CachedBlocks> {
+        let (_, hash) = self.lru.pop_first()?;
+        let e = self.entries.remove(&hash).expect("lru and entries agree");
+        self.by_block.remove(&e.blocks.compressed);
+        self.stats.evicted_blocks += 1;
+        Some(e.blocks)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_hash_is_a_fixed_chain() {
+        // FNV-1a of eight zero bytes (parent 0, no tokens): fixed forever.
+        assert_eq!(block_hash(0, &[]), 0xa8c7_f832_281a_39c5);
+        let a = block_hash(0, &[1, 2, 3]);
+        assert_ne!(a, block_hash(0, &[1, 2, 4]));
+        assert_ne!(block_hash(a, &[5]), block_hash(0, &[5]), "the parent is part of the key");
+        assert_eq!(block_hash(a, &[5]), block_hash(block_hash(0, &[1, 2, 3]), &[5]));
+    }
+
+    fn blocks(i: u32) -> CachedBlocks {
+        CachedBlocks { compressed: BlockId(i), indexer: None }
+    }
+
+    #[test]
+    fn lookup_verifies_content_and_evicts_oldest_first() {
+        let mut c = PrefixCache::new();
+        let toks = [7u32, 8, 9, 10];
+        let h0 = block_hash(0, &toks[..2]);
+        let h1 = block_hash(h0, &toks[2..]);
+        assert!(c.insert(h0, 0, &toks[..2], blocks(0)));
+        assert!(c.insert(h1, h0, &toks[2..], blocks(1)));
+        assert!(!c.insert(h1, h0, &toks[2..], blocks(2)), "key taken");
+        assert_eq!(c.longest_match(&[h0, h1], &toks, 2), vec![blocks(0), blocks(1)]);
+        // Same key, other content: a miss, not a wrong hit.
+        assert_eq!(c.get(h1, h0, &[10, 10]), None);
+        // Released tail first, so the tail is evicted first.
+        assert!(c.unreferenced(BlockId(1)));
+        assert!(c.unreferenced(BlockId(0)));
+        assert!(!c.unreferenced(BlockId(5)), "not cached");
+        c.referenced(BlockId(1));
+        assert_eq!(c.evict_lru(), Some(blocks(0)));
+        assert_eq!(c.evict_lru(), None, "block 1 is referenced again");
+        assert_eq!(c.longest_match(&[h0, h1], &toks, 2), vec![]);
+    }
+}

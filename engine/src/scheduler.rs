@@ -1,0 +1,682 @@
+//! The step scheduler: request queue, per-step batch formation under a token
+//! budget and a batch-size limit, KV block allocation, preemption and prefix
+//! cache bookkeeping. It never touches model state: it produces a
+//! [`StepPlan`], the [`Engine`](crate::engine::Engine) executes it, and the
+//! sampled tokens come back through [`Scheduler::complete`].
+//!
+//! A step, as in vLLM's scheduler: running requests first, oldest first, each
+//! getting the tokens it still needs to feed (one for a decode, a prompt chunk
+//! while prefilling) until the token budget runs out; a request whose blocks
+//! cannot be allocated first evicts unreferenced cached blocks, then preempts
+//! the newest running request (dropped, recomputed later). If nothing was
+//! preempted, waiting requests are admitted in arrival order while budget,
+//! batch slots and blocks allow; admission looks up the prefix cache.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use crate::config::ModelConfig;
+use crate::kv_pool::{BlockId, BlockKind, BlockTable, KvLayout, KvPool, LayoutError, PoolStats};
+use crate::prefix_cache::{block_hash, CachedBlocks, PrefixCache, PrefixMode, PrefixStats};
+use crate::request::{
+    FinishReason, Finished, Request, RequestError, RequestId, RequestStatus, MAX_STOP_SEQUENCES,
+    MAX_STOP_SEQUENCE_TOKENS, MAX_STOP_TOKEN_IDS,
+};
+
+/// Most sequences one step may carry.
+pub const MAX_BATCH_SIZE: usize = 4096;
+/// Most tokens one step may carry.
+pub const MAX_BATCH_TOKENS: usize = 1 << 20;
+/// Longest waiting queue.
+pub const MAX_WAITING: usize = 1 << 20;
+/// Largest prefix block, in tokens.
+pub const MAX_BLOCK_TOKENS: usize = 4096;
+
+/// Limits and policy of one serving instance.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineConfig {
+    /// Most sequences running at once (and per step).
+    pub max_batch_size: usize,
+    /// Most tokens per step: decodes, prompt chunks and replays together.
+    pub max_batch_tokens: usize,
+    /// Most requests waiting for admission; more are refused.
+    pub max_waiting: usize,
+    /// Bytes of KV state (all four block kinds, cached blocks included).
+    pub kv_budget_bytes: usize,
+    pub prefix_mode: PrefixMode,
+    /// Positions per compressed block and prefix-cache block; `None` picks
+    /// [`KvLayout::default_block_tokens`].
+    pub block_tokens: Option<usize>,
+    /// Positions per window block.
+    pub window_block_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_batch_size: 256,
+            max_batch_tokens: 2048,
+            max_waiting: 4096,
+            kv_budget_bytes: 1 << 30,
+            prefix_mode: PrefixMode::Exact,
+            block_tokens: None,
+            window_block_tokens: 16,
+        }
+    }
+}
+
+/// Why an [`EngineConfig`] was rejected.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum EngineConfigError {
+    #[error("max_batch_size must be 1 to {MAX_BATCH_SIZE}, got {0}")]
+    BatchSize(usize),
+    #[error("max_batch_tokens must be 1 to {MAX_BATCH_TOKENS}, got {0}")]
+    BatchTokens(usize),
+    #[error("max_waiting must be 1 to {MAX_WAITING}, got {0}")]
+    Waiting(usize),
+    #[error("block_tokens must be at most {MAX_BLOCK_TOKENS}, got {0}")]
+    BlockTokensTooLarge(usize),
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error("a KV budget of {budget} bytes cannot hold even one token of one sequence ({needed} bytes)")]
+    KvBudget { budget: usize, needed: usize },
+}
+
+/// One request's share of a step: feed tokens `[from, to)` of its sequence.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScheduledItem {
+    pub id: RequestId,
+    pub from: usize,
+    pub to: usize,
+    /// Positions below this rebuild window state only (a prefix hit's replay).
+    pub replay_until: usize,
+    /// `to` reaches the end of the sequence: sample the token at position `to`.
+    pub sample: bool,
+    /// Set on (re)admission: the state starts from these cached blocks'
+    /// compressed state (none: a fresh state) at position `from`.
+    pub start: Option<Vec<BlockId>>,
+    /// Blocks `k` whose end `(k + 1) · block_tokens` lies in `(from, to]`
+    /// and that should be offered to the prefix cache once computed.
+    pub snapshots: Vec<usize>,
+}
+
+/// What one step does.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StepPlan {
+    pub items: Vec<ScheduledItem>,
+    /// Requests preempted this step: drop their state.
+    pub preempted: Vec<RequestId>,
+    /// Cached blocks evicted this step: drop their stored values.
+    pub evicted: Vec<BlockId>,
+    /// Requests that cannot run at all.
+    pub failed: Vec<(RequestId, Finished)>,
+}
+
+/// A token sampled for a scheduled item.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SampledToken {
+    pub id: RequestId,
+    pub token: u32,
+    /// False when the logits row had no finite value.
+    pub ok: bool,
+}
+
+/// Outcome of offering a computed block to the prefix cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Registration {
+    /// Newly cached under this block: store its values there.
+    New(BlockId),
+    /// The same content was cached already; the request now shares that block.
+    Shared,
+    /// Not cached (caching off, out of order, or a key collision).
+    Skipped,
+}
+
+/// Counters of the scheduler.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    pub steps: u64,
+    pub admissions: u64,
+    pub preemptions: u64,
+    /// Tokens fed to the model, replays and recomputation included.
+    pub computed_tokens: u64,
+    pub generated_tokens: u64,
+    pub finished: u64,
+}
+
+/// What the scheduler needs to know about the model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct ModelLimits {
+    vocab: usize,
+    eos: u32,
+    context: usize,
+    replay: usize,
+}
+
+#[derive(Debug)]
+struct Seq {
+    request: Request,
+    /// Prompt then generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    status: RequestStatus,
+    /// Tokens the model state holds (its position).
+    computed: usize,
+    /// Positions below this are a prefix hit's replay.
+    replay_until: usize,
+    blocks: BlockTable,
+    /// Hash chain over the full blocks of `tokens` computed so far.
+    hashes: Vec<u64>,
+    /// Leading compressed blocks that are in the prefix cache.
+    registered: usize,
+    cached_tokens: usize,
+    preemptions: u32,
+}
+
+impl Seq {
+    fn extend_hashes(&mut self, blocks: usize, block_tokens: usize) {
+        while self.hashes.len() < blocks {
+            let k = self.hashes.len();
+            let parent = self.hashes.last().copied().unwrap_or(0);
+            self.hashes.push(block_hash(parent, &self.tokens[k * block_tokens..(k + 1) * block_tokens]));
+        }
+    }
+
+    fn output(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    fn finished(&self, reason: FinishReason) -> Finished {
+        Finished {
+            reason,
+            prompt_tokens: self.prompt_len,
+            completion_tokens: self.tokens.len() - self.prompt_len,
+            cached_tokens: self.cached_tokens,
+            preemptions: self.preemptions,
+        }
+    }
+}
+
+/// The scheduler of one serving instance.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: EngineConfig,
+    limits: ModelLimits,
+    mode: PrefixMode,
+    pool: KvPool,
+    cache: PrefixCache,
+    seqs: BTreeMap<RequestId, Seq>,
+    waiting: VecDeque<RequestId>,
+    /// In admission order: the last is the first to be preempted.
+    running: Vec<RequestId>,
+    next_id: u64,
+    stats: SchedulerStats,
+}
+
+impl Scheduler {
+    pub fn new(cfg: &ModelConfig, config: EngineConfig) -> Result<Self, EngineConfigError> {
+        if !(1..=MAX_BATCH_SIZE).contains(&config.max_batch_size) {
+            return Err(EngineConfigError::BatchSize(config.max_batch_size));
+        }
+        if !(1..=MAX_BATCH_TOKENS).contains(&config.max_batch_tokens) {
+            return Err(EngineConfigError::BatchTokens(config.max_batch_tokens));
+        }
+        if !(1..=MAX_WAITING).contains(&config.max_waiting) {
+            return Err(EngineConfigError::Waiting(config.max_waiting));
+        }
+        let block_tokens = config.block_tokens.unwrap_or_else(|| KvLayout::default_block_tokens(cfg));
+        if block_tokens > MAX_BLOCK_TOKENS {
+            return Err(EngineConfigError::BlockTokensTooLarge(block_tokens));
+        }
+        let layout = KvLayout::new(cfg, block_tokens, config.window_block_tokens)?;
+        let needed = layout.sequence_bytes(1);
+        if config.kv_budget_bytes < needed {
+            return Err(EngineConfigError::KvBudget { budget: config.kv_budget_bytes, needed });
+        }
+        // Without compressed layers there is nothing to cache.
+        let mode = if layout.bytes(BlockKind::Compressed) == 0 { PrefixMode::Off } else { config.prefix_mode };
+        let limits = ModelLimits {
+            vocab: cfg.vocab_size,
+            eos: cfg.eos_token_id,
+            context: cfg.max_position_embeddings,
+            replay: mode.replay_tokens(cfg),
+        };
+        Ok(Self {
+            pool: KvPool::new(layout, config.kv_budget_bytes),
+            config,
+            limits,
+            mode,
+            cache: PrefixCache::new(),
+            seqs: BTreeMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 0,
+            stats: SchedulerStats::default(),
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    pub fn prefix_mode(&self) -> PrefixMode {
+        self.mode
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        self.pool.layout()
+    }
+
+    /// Tokens recomputed before a prefix hit's boundary.
+    pub fn replay_tokens(&self) -> usize {
+        self.limits.replay
+    }
+
+    pub fn stats(&self) -> &SchedulerStats {
+        &self.stats
+    }
+
+    pub fn prefix_stats(&self) -> &PrefixStats {
+        &self.cache.stats
+    }
+
+    pub fn pool_stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    /// Blocks held by the prefix cache.
+    pub fn cached_blocks(&self) -> usize {
+        self.cache.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    fn seq(&self, id: RequestId) -> &Seq {
+        self.seqs.get(&id).unwrap_or_else(|| panic!("request {id} is not known"))
+    }
+
+    /// Prompt and generated tokens of a live request.
+    pub fn tokens(&self, id: RequestId) -> &[u32] {
+        &self.seq(id).tokens
+    }
+
+    pub fn request(&self, id: RequestId) -> &Request {
+        &self.seq(id).request
+    }
+
+    pub fn status(&self, id: RequestId) -> Option<&RequestStatus> {
+        self.seqs.get(&id).map(|s| &s.status)
+    }
+
+    pub fn block_table(&self, id: RequestId) -> Option<&BlockTable> {
+        self.seqs.get(&id).map(|s| &s.blocks)
+    }
+
+    /// Queue a request, or say why it can never run.
+    pub fn add(&mut self, request: Request) -> Result<RequestId, RequestError> {
+        self.validate(&request)?;
+        if self.waiting.len() >= self.config.max_waiting {
+            return Err(RequestError::QueueFull { limit: self.config.max_waiting });
+        }
+        let id = RequestId(self.next_id);
+        self.next_id += 1;
+        let tokens = request.prompt.clone();
+        let prompt_len = tokens.len();
+        self.seqs.insert(
+            id,
+            Seq {
+                request,
+                tokens,
+                prompt_len,
+                status: RequestStatus::Waiting,
+                computed: 0,
+                replay_until: 0,
+                blocks: BlockTable::default(),
+                hashes: Vec::new(),
+                registered: 0,
+                cached_tokens: 0,
+                preemptions: 0,
+            },
+        );
+        self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    fn validate(&self, r: &Request) -> Result<(), RequestError> {
+        let limits = &self.limits;
+        if r.prompt.is_empty() {
+            return Err(RequestError::EmptyPrompt);
+        }
+        if let Some(&token) = r.prompt.iter().find(|&&t| t as usize >= limits.vocab) {
+            return Err(RequestError::TokenOutOfVocabulary { token, vocab: limits.vocab });
+        }
+        if r.prompt.len() >= limits.context {
+            return Err(RequestError::PromptTooLong { len: r.prompt.len(), limit: limits.context });
+        }
+        if r.max_tokens == 0 {
+            return Err(RequestError::ZeroMaxTokens);
+        }
+        r.params.validate(limits.vocab)?;
+        if r.stop_sequences.len() > MAX_STOP_SEQUENCES {
+            return Err(RequestError::TooManyStopSequences(r.stop_sequences.len()));
+        }
+        if let Some(s) = r.stop_sequences.iter().find(|s| s.is_empty() || s.len() > MAX_STOP_SEQUENCE_TOKENS) {
+            return Err(RequestError::BadStopSequence(s.len()));
+        }
+        if r.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(RequestError::TooManyStopTokenIds(r.stop_token_ids.len()));
+        }
+        // The last generated token is never fed, so the state holds at most this many.
+        let tokens = (r.prompt.len() + r.max_tokens - 1).min(limits.context);
+        let needed = self.pool.layout().sequence_bytes(tokens);
+        if needed > self.config.kv_budget_bytes {
+            return Err(RequestError::ExceedsKvBudget { needed, tokens, budget: self.config.kv_budget_bytes });
+        }
+        Ok(())
+    }
+
+    /// Form the next step.
+    pub fn schedule(&mut self) -> StepPlan {
+        self.stats.steps += 1;
+        let mut plan = StepPlan::default();
+        let mut budget = self.config.max_batch_tokens;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 && plan.items.len() < self.config.max_batch_size {
+            let id = self.running[i];
+            let seq = self.seq(id);
+            let from = seq.computed;
+            let to = from + (seq.tokens.len() - from).min(budget);
+            if !self.reserve(id, to, &mut plan) {
+                // It preempted itself: it was the newest, nothing follows it.
+                break;
+            }
+            plan.items.push(self.item(id, from, to, None));
+            budget -= to - from;
+            i += 1;
+        }
+        // Admitting while preempting would only thrash.
+        if plan.preempted.is_empty() && plan.failed.is_empty() {
+            while budget > 0 && self.running.len() < self.config.max_batch_size {
+                let Some(&id) = self.waiting.front() else { break };
+                match self.admit(id, budget, &mut plan) {
+                    Some(n) => budget -= n,
+                    None => break,
+                }
+            }
+        }
+        for item in &plan.items {
+            self.stats.computed_tokens += (item.to - item.from) as u64;
+        }
+        plan
+    }
+
+    fn item(&self, id: RequestId, from: usize, to: usize, start: Option<Vec<BlockId>>) -> ScheduledItem {
+        let seq = self.seq(id);
+        let bt = self.layout().block_tokens;
+        let snapshots = if self.mode == PrefixMode::Off {
+            Vec::new()
+        } else {
+            // Boundaries b·bt in (from, to] of blocks not cached yet (a hit's
+            // replay lies inside cached blocks).
+            (from / bt + 1..=to / bt).filter(|&b| b > seq.registered).map(|b| b - 1).collect()
+        };
+        ScheduledItem { id, from, to, replay_until: seq.replay_until, sample: to == seq.tokens.len(), start, snapshots }
+    }
+
+    /// Allocate `id`'s blocks for `to` positions, evicting cached blocks and
+    /// then preempting the newest running requests as needed. False if `id`
+    /// itself was preempted or failed.
+    fn reserve(&mut self, id: RequestId, to: usize, plan: &mut StepPlan) -> bool {
+        loop {
+            if self.try_grow(id, to) {
+                return true;
+            }
+            if self.evict_one(plan) {
+                continue;
+            }
+            let victim = *self.running.last().expect("the request itself is running");
+            if victim == id && self.running.len() == 1 {
+                // Alone with an empty cache and still short: admission checks
+                // make this unreachable, but never loop on it.
+                let finished = self
+                    .finish(id, FinishReason::Error(format!("the KV budget cannot hold this request at {to} tokens")));
+                plan.failed.push((id, finished));
+                return false;
+            }
+            self.preempt(victim, plan);
+            if victim == id {
+                return false;
+            }
+        }
+    }
+
+    fn evict_one(&mut self, plan: &mut StepPlan) -> bool {
+        let Some(b) = self.cache.evict_lru() else { return false };
+        self.pool.free(b.compressed);
+        if let Some(ix) = b.indexer {
+            self.pool.free(ix);
+        }
+        plan.evicted.push(b.compressed);
+        true
+    }
+
+    /// Allocate what `id` lacks for `to` positions, all or nothing.
+    fn try_grow(&mut self, id: RequestId, to: usize) -> bool {
+        let seq = self.seqs.get_mut(&id).expect("known request");
+        let layout = self.pool.layout();
+        let mut missing = [0usize; 4];
+        let mut bytes = 0;
+        for kind in BlockKind::ALL {
+            let want = layout.blocks_needed(kind, to);
+            let have = seq.blocks.tables[kind.index()].len();
+            missing[kind.index()] = want.saturating_sub(have);
+            bytes += missing[kind.index()] * layout.bytes(kind);
+        }
+        if bytes > self.pool.free_bytes() {
+            return false;
+        }
+        for kind in BlockKind::ALL {
+            for _ in 0..missing[kind.index()] {
+                let b = self.pool.alloc(kind).expect("checked against free bytes");
+                seq.blocks.tables[kind.index()].push(b);
+            }
+        }
+        true
+    }
+
+    /// Try to admit the head of the queue with at most `budget` tokens this
+    /// step; returns the tokens scheduled.
+    fn admit(&mut self, id: RequestId, budget: usize, plan: &mut StepPlan) -> Option<usize> {
+        let bt = self.layout().block_tokens;
+        let replay = self.limits.replay;
+        let seq = self.seqs.get_mut(&id).expect("queued request is known");
+        let len = seq.tokens.len();
+        let mut hit = Vec::new();
+        let mut short_match = false;
+        if self.mode != PrefixMode::Off {
+            // At least the last token is computed, for its logits.
+            let blocks = (len - 1) / bt;
+            seq.extend_hashes(blocks, bt);
+            hit = self.cache.longest_match(&seq.hashes[..blocks], &seq.tokens, bt);
+            if !hit.is_empty() && hit.len() * bt <= replay {
+                short_match = true;
+                hit.clear();
+            }
+        }
+        let boundary = hit.len() * bt;
+        for b in &hit {
+            self.pool.retain(b.compressed);
+            self.cache.referenced(b.compressed);
+            seq.blocks.tables[BlockKind::Compressed.index()].push(b.compressed);
+            if let Some(ix) = b.indexer {
+                self.pool.retain(ix);
+                seq.blocks.tables[BlockKind::Indexer.index()].push(ix);
+            }
+        }
+        seq.registered = hit.len();
+        seq.computed = if hit.is_empty() { 0 } else { boundary - replay };
+        seq.replay_until = if hit.is_empty() { 0 } else { boundary };
+        let from = seq.computed;
+        let to = from + (len - from).min(budget);
+        while !self.try_grow(id, to) {
+            if !self.evict_one(plan) {
+                self.release_blocks(id);
+                return None;
+            }
+        }
+        self.waiting.pop_front();
+        self.running.push(id);
+        let stats = &mut self.cache.stats;
+        let seq = self.seqs.get_mut(&id).expect("known request");
+        if self.mode != PrefixMode::Off {
+            stats.lookups += 1;
+            stats.lookup_tokens += len as u64;
+            stats.short_matches += u64::from(short_match);
+            if !hit.is_empty() {
+                stats.hits += 1;
+                stats.hit_tokens += boundary as u64;
+                stats.replayed_tokens += replay as u64;
+            }
+        }
+        if seq.preemptions == 0 {
+            seq.cached_tokens = boundary;
+        }
+        seq.status = RequestStatus::Prefilling;
+        self.stats.admissions += 1;
+        plan.items.push(self.item(id, from, to, Some(hit.iter().map(|b| b.compressed).collect())));
+        Some(to - from)
+    }
+
+    /// Drop all of `id`'s block references, tail first, so the tail of a
+    /// cached chain is evicted before its head.
+    fn release_blocks(&mut self, id: RequestId) {
+        let seq = self.seqs.get_mut(&id).expect("known request");
+        let tables = std::mem::take(&mut seq.blocks.tables);
+        seq.registered = 0;
+        seq.computed = 0;
+        seq.replay_until = 0;
+        let [window, compressed, indexer, partial] = tables;
+        for b in window.into_iter().chain(partial) {
+            self.pool.release(b);
+            self.pool.free(b);
+        }
+        for (k, &c) in compressed.iter().enumerate().rev() {
+            let ix = indexer.get(k).copied();
+            let left = self.pool.release(c);
+            if let Some(ix) = ix {
+                self.pool.release(ix);
+            }
+            if left == 0 && !self.cache.unreferenced(c) {
+                self.pool.free(c);
+                if let Some(ix) = ix {
+                    self.pool.free(ix);
+                }
+            }
+        }
+    }
+
+    fn preempt(&mut self, id: RequestId, plan: &mut StepPlan) {
+        self.release_blocks(id);
+        self.running.retain(|&r| r != id);
+        self.waiting.push_front(id);
+        let seq = self.seqs.get_mut(&id).expect("known request");
+        seq.status = RequestStatus::Preempted;
+        seq.preemptions += 1;
+        self.stats.preemptions += 1;
+        plan.preempted.push(id);
+    }
+
+    /// Release everything of `id` and forget it.
+    fn finish(&mut self, id: RequestId, reason: FinishReason) -> Finished {
+        self.release_blocks(id);
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&r| r != id);
+        let seq = self.seqs.remove(&id).expect("known request");
+        self.stats.finished += 1;
+        seq.finished(reason)
+    }
+
+    /// Cancel a queued or running request, freeing everything it holds.
+    pub fn cancel(&mut self, id: RequestId) -> Result<Finished, RequestError> {
+        if !self.seqs.contains_key(&id) {
+            return Err(RequestError::Unknown(id));
+        }
+        Ok(self.finish(id, FinishReason::Cancelled))
+    }
+
+    /// Offer block `k` of `id`, just computed, to the prefix cache.
+    pub fn register_block(&mut self, id: RequestId, k: usize) -> Registration {
+        let bt = self.layout().block_tokens;
+        let Some(seq) = self.seqs.get_mut(&id) else { return Registration::Skipped };
+        if self.mode == PrefixMode::Off || k != seq.registered || seq.computed < (k + 1) * bt {
+            return Registration::Skipped;
+        }
+        seq.extend_hashes(k + 1, bt);
+        let hash = seq.hashes[k];
+        let parent = if k == 0 { 0 } else { seq.hashes[k - 1] };
+        let tokens = &seq.tokens[k * bt..(k + 1) * bt];
+        let (ci, ii) = (BlockKind::Compressed.index(), BlockKind::Indexer.index());
+        let own = CachedBlocks { compressed: seq.blocks.tables[ci][k], indexer: seq.blocks.tables[ii].get(k).copied() };
+        if let Some(shared) = self.cache.get(hash, parent, tokens) {
+            // Same content cached already: share it and free the private copy.
+            self.pool.retain(shared.compressed);
+            self.cache.referenced(shared.compressed);
+            seq.blocks.tables[ci][k] = shared.compressed;
+            self.pool.release(own.compressed);
+            self.pool.free(own.compressed);
+            if let (Some(mine), Some(theirs)) = (own.indexer, shared.indexer) {
+                self.pool.retain(theirs);
+                seq.blocks.tables[ii][k] = theirs;
+                self.pool.release(mine);
+                self.pool.free(mine);
+            }
+            seq.registered += 1;
+            Registration::Shared
+        } else if self.cache.insert(hash, parent, tokens, own) {
+            seq.registered += 1;
+            Registration::New(own.compressed)
+        } else {
+            Registration::Skipped
+        }
+    }
+
+    /// Record the tokens sampled this step; returns the requests that finished.
+    pub fn complete(&mut self, sampled: &[SampledToken]) -> Vec<(RequestId, Finished)> {
+        let mut done = Vec::new();
+        for s in sampled {
+            let Some(seq) = self.seqs.get_mut(&s.id) else { continue };
+            seq.tokens.push(s.token);
+            seq.status = RequestStatus::Decoding;
+            self.stats.generated_tokens += 1;
+            let r = &seq.request;
+            let reason = if !s.ok {
+                Some(FinishReason::Error(format!(
+                    "the model produced no finite logits at position {}",
+                    seq.tokens.len() - 1
+                )))
+            } else if (s.token == self.limits.eos && !r.ignore_eos)
+                || r.stop_token_ids.contains(&s.token)
+                || r.stop_sequences.iter().any(|q| seq.output().ends_with(q))
+            {
+                Some(FinishReason::Stop)
+            } else if seq.tokens.len() - seq.prompt_len >= r.max_tokens || seq.tokens.len() >= self.limits.context {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                done.push((s.id, reason));
+            }
+        }
+        done.into_iter().map(|(id, reason)| (id, self.finish(id, reason))).collect()
+    }
+}
