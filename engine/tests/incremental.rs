@@ -126,3 +126,35 @@ fn replaying_the_dependency_cone_rebuilds_the_window_state_exactly() {
     model.forward(&mut [replay], LogitsWanted::None, false);
     assert_ne!(short.layers, cold2.layers);
 }
+
+/// Driving the pass layer by layer, with the routed experts computed in any
+/// order and in any grouping (as expert shards would), gives the same bits.
+#[test]
+fn experts_computed_anywhere_combine_to_the_same_logits() {
+    use deepinfer_engine::model::ExpertOutputs;
+    let model = tiny();
+    let a = prompt(37, 8);
+    let b = prompt(5, 9);
+    let (mut sa, mut sb) = (model.new_state(), model.new_state());
+    let want = model.forward(&mut [Chunk::new(&a, &mut sa), Chunk::new(&b, &mut sb)], LogitsWanted::All, false);
+
+    let (mut sa, mut sb) = (model.new_state(), model.new_state());
+    let mut chunks = [Chunk::new(&a, &mut sa), Chunk::new(&b, &mut sb)];
+    let mut pass = model.begin_pass(&chunks);
+    while !pass.is_done() {
+        let layer = pass.layer();
+        let dispatch = model.attend(&mut pass, &mut chunks).clone();
+        let mut outputs = ExpertOutputs::new(&dispatch, model.config.experts_per_token);
+        // Two "shards": odd experts first, highest first, then the even ones.
+        let mut order = dispatch.experts_hit();
+        order.sort_by_key(|&e| (e % 2 == 0, std::cmp::Reverse(e)));
+        for e in order {
+            let pairs = dispatch.rows_for(e);
+            outputs.store(&pairs, &model.expert_forward(layer, e, &dispatch.gather(&pairs)));
+        }
+        model.combine(&mut pass, &outputs);
+    }
+    let got = model.finish_pass(pass, &mut chunks, LogitsWanted::All, false);
+    assert_eq!(got[0].logits, want[0].logits);
+    assert_eq!(got[1].logits, want[1].logits);
+}

@@ -43,6 +43,27 @@ pub struct ChunkOutput {
     pub streams: Vec<f32>,
 }
 
+/// A forward pass in progress (see `Model::begin_pass`).
+pub struct Pass {
+    tokens: Vec<u32>,
+    segments: Vec<Segment>,
+    streams: Vec<f32>,
+    layer: usize,
+    num_layers: usize,
+    pending: Option<(Vec<hyper::Mix>, moe::Dispatch)>,
+}
+
+impl Pass {
+    /// The layer the next `attend` runs.
+    pub fn layer(&self) -> usize {
+        self.layer
+    }
+
+    pub fn is_done(&self) -> bool {
+        self.layer == self.num_layers
+    }
+}
+
 /// One MTP step for a sequence: for each position `t`, the main model's final
 /// streams at `t` and the token at `t + 1`.
 pub struct MtpChunk<'a> {
@@ -54,13 +75,25 @@ pub struct MtpChunk<'a> {
 impl Model {
     /// Run the chunks through the model, advancing each state.
     pub fn forward(&self, chunks: &mut [Chunk], wanted: LogitsWanted, keep_streams: bool) -> Vec<ChunkOutput> {
+        let mut pass = self.begin_pass(chunks);
+        while !pass.is_done() {
+            let layer = pass.layer;
+            let dispatch = self.attend(&mut pass, chunks);
+            let outputs = moe::run_all_experts(&self.weights.blocks[layer].moe, &self.config, dispatch);
+            self.combine(&mut pass, &outputs);
+        }
+        self.finish_pass(pass, chunks, wanted, keep_streams)
+    }
+
+    /// Start a forward pass that the caller drives layer by layer: `attend`,
+    /// run the routed experts wherever they live, `combine`; then `finish_pass`.
+    pub fn begin_pass(&self, chunks: &[Chunk]) -> Pass {
         let cfg = &self.config;
         let d = cfg.hidden_size;
         let hc = cfg.hc_mult;
         let segments = segments(chunks.iter().map(|c| (c.tokens.len(), c.state.position, c.replay)));
         let tokens: Vec<u32> = chunks.iter().flat_map(|c| c.tokens.iter().copied()).collect();
         let n = tokens.len();
-
         let mut streams = vec![0.0f32; n * hc * d];
         let mut row = vec![0.0f32; d];
         for (t, &tok) in tokens.iter().enumerate() {
@@ -69,15 +102,47 @@ impl Model {
                 streams[(t * hc + k) * d..][..d].copy_from_slice(&row);
             }
         }
-        for (l, block) in self.weights.blocks.iter().enumerate() {
-            let mut states: Vec<&mut LayerState> = chunks.iter_mut().map(|c| &mut c.state.layers[l]).collect();
-            self.block_forward(block, &mut streams, &tokens, &segments, &mut states);
-        }
+        Pass { tokens, segments, streams, layer: 0, num_layers: self.weights.blocks.len(), pending: None }
+    }
+
+    /// Run the current layer's attention and routing; returns what the routed experts must compute.
+    pub fn attend<'p>(&self, pass: &'p mut Pass, chunks: &mut [Chunk]) -> &'p moe::Dispatch {
+        assert!(pass.pending.is_none() && !pass.is_done(), "attend once per layer");
+        let l = pass.layer;
+        let mut states: Vec<&mut LayerState> = chunks.iter_mut().map(|c| &mut c.state.layers[l]).collect();
+        let staged =
+            self.attend_and_route(&self.weights.blocks[l], &mut pass.streams, &pass.tokens, &pass.segments, &mut states);
+        &pass.pending.insert(staged).1
+    }
+
+    /// Finish the current layer with the routed experts' outputs.
+    pub fn combine(&self, pass: &mut Pass, outputs: &moe::ExpertOutputs) {
+        let (mixes, dispatch) = pass.pending.take().expect("attend before combine");
+        self.finish_block(&self.weights.blocks[pass.layer], &mixes, &dispatch, outputs, &mut pass.streams);
+        pass.layer += 1;
+    }
+
+    /// Outputs `[rows, D]` of routed expert `expert` of layer `layer` for gathered input rows.
+    pub fn expert_forward(&self, layer: usize, expert: usize, x_rows: &[f32]) -> Vec<f32> {
+        moe::expert_forward(&self.weights.blocks[layer].moe, &self.config, expert, x_rows)
+    }
+
+    /// After the last layer: logits (and streams) per chunk; advances each state's position.
+    pub fn finish_pass(
+        &self,
+        pass: Pass,
+        chunks: &mut [Chunk],
+        wanted: LogitsWanted,
+        keep_streams: bool,
+    ) -> Vec<ChunkOutput> {
+        assert!(pass.is_done(), "every layer ran");
+        let d = self.config.hidden_size;
+        let hc = self.config.hc_mult;
         for c in chunks.iter_mut() {
             c.state.position += c.tokens.len();
         }
-
-        segments
+        let streams = &pass.streams;
+        pass.segments
             .iter()
             .map(|seg| {
                 let seg_streams = &streams[seg.start * hc * d..(seg.start + seg.len) * hc * d];
@@ -155,6 +220,21 @@ impl Model {
         segments: &[Segment],
         states: &mut [&mut LayerState],
     ) {
+        let (mixes, dispatch) = self.attend_and_route(block, streams, tokens, segments, states);
+        let outputs = moe::run_all_experts(&block.moe, &self.config, &dispatch);
+        self.finish_block(block, &mixes, &dispatch, &outputs, streams);
+    }
+
+    /// First stage of a block: the attention sublayer with its mHC mixing, then
+    /// the FFN's mHC collapse, norm and routing.
+    fn attend_and_route(
+        &self,
+        block: &Block,
+        streams: &mut [f32],
+        tokens: &[u32],
+        segments: &[Segment],
+        states: &mut [&mut LayerState],
+    ) -> (Vec<hyper::Mix>, moe::Dispatch) {
         let cfg = &self.config;
         let d = cfg.hidden_size;
         let n = tokens.len();
@@ -170,8 +250,21 @@ impl Model {
         for r in x.chunks_exact_mut(d) {
             rms_norm(r, Some(&block.ffn_norm), cfg.rms_norm_eps);
         }
-        let out = moe::forward(&block.moe, cfg, &x, tokens);
-        hyper::post(&mixes, cfg, &out, streams);
+        let routes = moe::route(&block.moe, cfg, &x, tokens);
+        (mixes, moe::Dispatch { hidden_size: d, x, routes })
+    }
+
+    /// Last stage of a block: combine the experts' outputs and mix them into the streams.
+    fn finish_block(
+        &self,
+        block: &Block,
+        mixes: &[hyper::Mix],
+        dispatch: &moe::Dispatch,
+        outputs: &moe::ExpertOutputs,
+        streams: &mut [f32],
+    ) {
+        let out = moe::combine(&block.moe, &self.config, dispatch, outputs);
+        hyper::post(mixes, &self.config, &out, streams);
     }
 
     fn logits(&self, head: &super::weights::HyperHead, norm: &[f32], streams: &[f32], rows: usize) -> Vec<f32> {

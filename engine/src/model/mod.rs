@@ -3,7 +3,7 @@
 mod attention;
 mod forward;
 mod hyper;
-mod moe;
+pub mod moe;
 pub mod state;
 pub mod weights;
 
@@ -13,7 +13,8 @@ use deepinfer_kernels::ops::{Rope, Yarn};
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::{AttentionKind, ConfigError, ModelConfig};
-pub use forward::{Chunk, ChunkOutput, LogitsWanted, MtpChunk};
+pub use forward::{Chunk, ChunkOutput, LogitsWanted, MtpChunk, Pass};
+pub use moe::{Dispatch, ExpertOutputs, Route};
 pub use state::SequenceState;
 use weights::Weights;
 

@@ -60,37 +60,118 @@ pub fn mlp(m: &Mlp, limit: f32, x: &[f32], n: usize) -> Vec<f32> {
     out
 }
 
-/// The MoE output `[n, D]`: routed experts (summed in expert order) plus the shared expert.
-pub fn forward(moe: &Moe, cfg: &ModelConfig, x: &[f32], tokens: &[u32]) -> Vec<f32> {
-    let d = cfg.hidden_size;
-    let n = tokens.len();
-    let routes = route(moe, cfg, x, tokens);
-    let mut out = vec![0.0f32; n * d];
-    for (e, expert) in moe.experts.iter().enumerate() {
-        // Rows routed to this expert, with their weights; gathering keeps each row's maths unchanged.
-        let picked: Vec<(usize, f32)> = routes
-            .iter()
-            .enumerate()
-            .flat_map(|(t, r)| {
-                r.experts.iter().zip(&r.weights).filter(move |(&x, _)| x == e).map(move |(_, &w)| (t, w))
-            })
-            .collect();
-        if picked.is_empty() {
-            continue;
-        }
-        let mut gathered = Vec::with_capacity(picked.len() * d);
-        for &(t, _) in &picked {
-            gathered.extend_from_slice(&x[t * d..(t + 1) * d]);
-        }
-        let y = mlp(expert, cfg.swiglu_limit, &gathered, picked.len());
-        for (i, &(t, w)) in picked.iter().enumerate() {
-            for (o, v) in out[t * d..(t + 1) * d].iter_mut().zip(&y[i * d..(i + 1) * d]) {
-                *o += v * w;
+/// The routed half of one layer's MoE for one step: the normalised rows and
+/// where each goes. Expert parallelism ships the rows of each expert to the
+/// shard that holds it and brings back `[rows, D]` outputs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dispatch {
+    pub hidden_size: usize,
+    /// `[n, D]` MoE inputs.
+    pub x: Vec<f32>,
+    pub routes: Vec<Route>,
+}
+
+impl Dispatch {
+    /// `(row, slot)` pairs routed to `expert`, in row then slot order.
+    pub fn rows_for(&self, expert: usize) -> Vec<(usize, usize)> {
+        let mut rows = Vec::new();
+        for (t, r) in self.routes.iter().enumerate() {
+            for (slot, &e) in r.experts.iter().enumerate() {
+                if e == expert {
+                    rows.push((t, slot));
+                }
             }
+        }
+        rows
+    }
+
+    /// The input rows of `pairs`, gathered `[pairs.len(), D]`.
+    pub fn gather(&self, pairs: &[(usize, usize)]) -> Vec<f32> {
+        let d = self.hidden_size;
+        let mut out = Vec::with_capacity(pairs.len() * d);
+        for &(t, _) in pairs {
+            out.extend_from_slice(&self.x[t * d..(t + 1) * d]);
+        }
+        out
+    }
+
+    /// Experts used by at least one row, ascending.
+    pub fn experts_hit(&self) -> Vec<usize> {
+        let mut hit: Vec<usize> = self.routes.iter().flat_map(|r| r.experts.iter().copied()).collect();
+        hit.sort_unstable();
+        hit.dedup();
+        hit
+    }
+}
+
+/// Per-slot outputs of the routed experts, `[n, k, D]`, filled as shards answer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertOutputs {
+    k: usize,
+    d: usize,
+    values: Vec<f32>,
+    filled: Vec<bool>,
+}
+
+impl ExpertOutputs {
+    pub fn new(dispatch: &Dispatch, k: usize) -> Self {
+        let n = dispatch.routes.len();
+        Self { k, d: dispatch.hidden_size, values: vec![0.0; n * k * dispatch.hidden_size], filled: vec![false; n * k] }
+    }
+
+    /// Store `y` `[pairs.len(), D]`, the outputs for `pairs` from `rows_for`.
+    pub fn store(&mut self, pairs: &[(usize, usize)], y: &[f32]) {
+        assert_eq!(y.len(), pairs.len() * self.d, "expert output rows");
+        for (i, &(t, slot)) in pairs.iter().enumerate() {
+            let at = t * self.k + slot;
+            self.values[at * self.d..(at + 1) * self.d].copy_from_slice(&y[i * self.d..(i + 1) * self.d]);
+            self.filled[at] = true;
+        }
+    }
+
+    pub fn is_complete(&self) -> bool {
+        self.filled.iter().all(|&f| f)
+    }
+}
+
+/// Compute `expert`'s outputs for its rows of a dispatch.
+pub fn expert_forward(moe: &Moe, cfg: &ModelConfig, expert: usize, x_rows: &[f32]) -> Vec<f32> {
+    let n = x_rows.len() / cfg.hidden_size;
+    mlp(&moe.experts[expert], cfg.swiglu_limit, x_rows, n)
+}
+
+/// Run every routed expert locally.
+pub fn run_all_experts(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch) -> ExpertOutputs {
+    let mut outputs = ExpertOutputs::new(dispatch, cfg.experts_per_token);
+    for e in dispatch.experts_hit() {
+        let pairs = dispatch.rows_for(e);
+        let y = expert_forward(moe, cfg, e, &dispatch.gather(&pairs));
+        outputs.store(&pairs, &y);
+    }
+    outputs
+}
+
+/// The MoE output `[n, D]`: routed outputs weighted and summed in ascending
+/// expert order (so the bits do not depend on where experts ran), plus the
+/// shared expert.
+pub fn combine(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch, outputs: &ExpertOutputs) -> Vec<f32> {
+    assert!(outputs.is_complete(), "every routed slot has an output");
+    let d = cfg.hidden_size;
+    let k = outputs.k;
+    let n = dispatch.routes.len();
+    let mut out = vec![0.0f32; n * d];
+    for (t, r) in dispatch.routes.iter().enumerate() {
+        let mut order: Vec<usize> = (0..r.experts.len()).collect();
+        order.sort_by_key(|&slot| (r.experts[slot], slot));
+        let o = &mut out[t * d..(t + 1) * d];
+        for slot in order {
+            let y = &outputs.values[(t * k + slot) * d..][..d];
+            let w = r.weights[slot];
+            o.iter_mut().zip(y).for_each(|(o, v)| *o += v * w);
         }
     }
     if let Some(shared) = &moe.shared {
-        let y = mlp(shared, cfg.swiglu_limit, x, n);
+        let y = mlp(shared, cfg.swiglu_limit, &dispatch.x, n);
         out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
     }
     out
