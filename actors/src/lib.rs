@@ -1,0 +1,1 @@
+//! The distributed runtime of deepinfer.
