@@ -1,6 +1,7 @@
 //! `deepinfer model init`: write a random checkpoint of a built-in preset.
 
 use anyhow::{bail, Context};
+use deepinfer_engine::config::ModelConfig;
 use deepinfer_engine::presets::{random_checkpoint, serialize, Preset};
 
 use crate::cli::InitArgs;
@@ -11,23 +12,20 @@ pub fn run(args: &InitArgs) -> anyhow::Result<()> {
         let names: Vec<&str> = Preset::ALL.iter().map(|p| p.name()).collect();
         bail!("unknown preset `{}` (known: {})", args.preset, names.join(", "));
     };
-    let config = preset.config();
+    let mut config_json = preset.config_json();
     let tokenizer_json = match &args.tokenizer {
         None => builtin_tokenizer_json(),
         Some(path) => {
-            let tokenizer = load_tokenizer(path)?;
-            let size = tokenizer.get_vocab_size(true);
-            if size > config.vocab_size {
-                bail!(
-                    "{}: tokenizer has {size} tokens but preset {} has a vocabulary of {}",
-                    path.display(),
-                    preset.name(),
-                    config.vocab_size
-                );
+            // A larger tokenizer (the real DeepSeek-V4 one has 129,280 ids) widens the
+            // embedding and the head; every other dimension stays the preset's.
+            let size = load_tokenizer(path)?.get_vocab_size(true);
+            if size > config_json["vocab_size"].as_u64().unwrap_or(0) as usize {
+                config_json["vocab_size"] = size.into();
             }
             std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?
         }
     };
+    let config = ModelConfig::from_json_str(&config_json.to_string(), preset.name())?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("{}: cannot create directory", args.out.display()))?;
     let write = |name: &str, bytes: &[u8]| {
         let path = args.out.join(name);
@@ -35,7 +33,7 @@ pub fn run(args: &InitArgs) -> anyhow::Result<()> {
     };
     let tensors = random_checkpoint(&config, args.seed);
     let weights = serialize(&tensors);
-    write("config.json", serde_json::to_string_pretty(&preset.config_json())?.as_bytes())?;
+    write("config.json", serde_json::to_string_pretty(&config_json)?.as_bytes())?;
     write("model.safetensors", &weights)?;
     write("tokenizer.json", tokenizer_json.as_bytes())?;
     println!(
