@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgGroup, Args, Parser, Subcommand};
 
 use crate::commands;
 
@@ -20,7 +20,7 @@ pub enum Command {
         #[command(subcommand)]
         command: ModelCommand,
     },
-    /// Generate a completion for a prompt, offline.
+    /// Generate a completion for a prompt, or for every request of a JSON Lines file, offline.
     Generate(GenerateArgs),
 }
 
@@ -48,6 +48,7 @@ pub struct InitArgs {
 }
 
 #[derive(Args, Debug, Clone)]
+#[command(group(ArgGroup::new("source").required(true).args(["prompt", "input"])))]
 pub struct GenerateArgs {
     /// A Hugging Face model directory, or `builtin:tiny-v4` / `builtin:small-v4`.
     #[arg(long, default_value = "builtin:tiny-v4")]
@@ -60,7 +61,14 @@ pub struct GenerateArgs {
     pub tokenizer: Option<PathBuf>,
     /// The prompt text.
     #[arg(long)]
-    pub prompt: String,
+    pub prompt: Option<String>,
+    /// Batch mode: a JSON Lines file, one request per line (see README).
+    #[arg(long, requires = "output")]
+    pub input: Option<PathBuf>,
+    /// Batch mode: where to write one result line per request, in input order.
+    #[arg(long, requires = "input")]
+    pub output: Option<PathBuf>,
+    /// Most tokens to generate (in batch mode, for lines that do not say).
     #[arg(long, default_value_t = 32)]
     pub max_tokens: usize,
     /// 0 samples greedily.
@@ -71,17 +79,32 @@ pub struct GenerateArgs {
     /// 0 disables top-k.
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
-    /// Seed of the sampling stream.
+    /// Seed of the sampling stream (in batch mode, lines without a seed use this plus their line number).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Print the generated token ids too.
     #[arg(long)]
     pub show_tokens: bool,
+    /// Batch mode: most sequences per step.
+    #[arg(long, default_value_t = 256)]
+    pub max_batch_size: usize,
+    /// Batch mode: most tokens per step (prompt chunks and decodes together).
+    #[arg(long, default_value_t = 2048)]
+    pub max_batch_tokens: usize,
+    /// Batch mode: KV cache budget in MiB (requests beyond it are preempted and recomputed).
+    #[arg(long, default_value_t = 1024)]
+    pub kv_cache_mib: usize,
+    /// Batch mode: prefix cache: `exact` (bit-identical to a cold run), `bounded` (replays one window, faster) or `off`.
+    #[arg(long, default_value = "exact", value_parser = ["off", "exact", "bounded"])]
+    pub prefix_cache: String,
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Model { command: ModelCommand::Init(args) } => commands::model_init::run(&args),
-        Command::Generate(args) => commands::generate::run(&args),
+        Command::Generate(args) => match &args.input {
+            Some(_) => commands::batch::run(&args),
+            None => commands::generate::run(&args),
+        },
     }
 }

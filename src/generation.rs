@@ -1,11 +1,17 @@
-//! Loading a model with its tokenizer, and single-sequence offline generation.
+//! Loading a model with its tokenizer, prompt encoding (plain and chat), and
+//! single-sequence offline generation.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
-use deepinfer_engine::model::{Chunk, LogitsWanted, Model};
+use deepinfer_engine::engine::{Engine, EngineConfig};
+use deepinfer_engine::model::Model;
+use deepinfer_engine::prefix_cache::PrefixMode;
 use deepinfer_engine::presets::{build, Preset};
-use deepinfer_engine::sampling::{sample, SamplingParams};
+pub use deepinfer_engine::request::FinishReason;
+use deepinfer_engine::request::Request;
+use deepinfer_engine::sampling::SamplingParams;
+use serde::Deserialize;
 use tokenizers::Tokenizer;
 
 use crate::tokenizer::{builtin_tokenizer, load_tokenizer};
@@ -47,12 +53,6 @@ pub fn load_model(spec: &str, seed: u64, tokenizer_path: Option<&Path>) -> anyho
     Ok(LoadedModel { name, model, tokenizer })
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    Stop,
-    Length,
-}
-
 #[derive(Clone, Debug)]
 pub struct Completion {
     pub prompt_tokens: Vec<u32>,
@@ -60,9 +60,9 @@ pub struct Completion {
     pub finish: FinishReason,
 }
 
-/// Greedy or sampled generation of one sequence: prefill the prompt in one
-/// step, then decode one token per step until EOS or `max_tokens`.
-/// `on_token` sees each token as it is produced.
+/// Greedy or sampled generation of one sequence, through the serving engine
+/// with a batch of one. `on_token` sees each token as it is produced.
+/// Generation ends at EOS, `max_tokens` or the end of the model's context.
 pub fn generate(
     model: &Model,
     prompt: &[u32],
@@ -70,36 +70,24 @@ pub fn generate(
     max_tokens: usize,
     mut on_token: impl FnMut(u32),
 ) -> anyhow::Result<Completion> {
-    let cfg = &model.config;
-    params.validate(cfg.vocab_size)?;
-    if prompt.is_empty() {
-        bail!("the prompt is empty");
-    }
-    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= cfg.vocab_size) {
-        bail!("token id {bad} is outside the vocabulary of {}", cfg.vocab_size);
-    }
-    if prompt.len() + max_tokens > cfg.max_position_embeddings {
-        bail!(
-            "prompt of {} tokens plus max_tokens {max_tokens} exceeds the context of {} tokens",
-            prompt.len(),
-            cfg.max_position_embeddings
-        );
-    }
-    let mut state = model.new_state();
+    let config = EngineConfig { max_batch_size: 1, prefix_mode: PrefixMode::Off, ..EngineConfig::default() };
+    let mut engine = Engine::new(model, config)?;
+    engine.add_request(Request::new(prompt.to_vec(), max_tokens).with_params(params.clone()))?;
     let mut tokens = Vec::new();
-    let mut input = prompt.to_vec();
     let mut finish = FinishReason::Length;
-    while tokens.len() < max_tokens {
-        let position = state.position + input.len();
-        let out = model.forward(&mut [Chunk::new(&input, &mut state)], LogitsWanted::Last, false);
-        let next = sample(&out[0].logits, params, position as u64).token;
-        tokens.push(next);
-        on_token(next);
-        if next == cfg.eos_token_id {
-            finish = FinishReason::Stop;
-            break;
+    while engine.has_work() {
+        for update in engine.step() {
+            for t in update.tokens {
+                tokens.push(t.token);
+                on_token(t.token);
+            }
+            if let Some(done) = update.finished {
+                finish = done.reason;
+            }
         }
-        input = vec![next];
+    }
+    if let FinishReason::Error(message) = finish {
+        bail!("generation failed: {message}");
     }
     Ok(Completion { prompt_tokens: prompt.to_vec(), tokens, finish })
 }
@@ -109,5 +97,56 @@ pub fn encode_prompt(tokenizer: &Tokenizer, model: &Model, text: &str) -> anyhow
     let encoding = tokenizer.encode(text, false).map_err(|e| anyhow::anyhow!("cannot tokenize the prompt: {e}"))?;
     let mut ids = vec![model.config.bos_token_id];
     ids.extend_from_slice(encoding.get_ids());
+    Ok(ids)
+}
+
+/// One chat message.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+/// Token ids of a conversation in DeepSeek's chat format, ending where the
+/// assistant's reply starts:
+/// `<｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜>{reply}<｜end▁of▁sentence｜>…<｜User｜>{user}<｜Assistant｜>`.
+/// System messages must come first; the last message must be the user's.
+pub fn encode_chat(tokenizer: &Tokenizer, model: &Model, messages: &[ChatMessage]) -> anyhow::Result<Vec<u32>> {
+    let marker = |name: &str| {
+        tokenizer.token_to_id(name).with_context(|| format!("the tokenizer has no `{name}` token for chat messages"))
+    };
+    let (user, assistant) = (marker("<｜User｜>")?, marker("<｜Assistant｜>")?);
+    let encode = |text: &str| -> anyhow::Result<Vec<u32>> {
+        let e = tokenizer.encode(text, false).map_err(|e| anyhow::anyhow!("cannot tokenize a message: {e}"))?;
+        Ok(e.get_ids().to_vec())
+    };
+    match messages.last() {
+        None => bail!("`messages` is empty"),
+        Some(m) if m.role != "user" => bail!("the last message must be from the user, not `{}`", m.role),
+        Some(_) => {}
+    }
+    let mut ids = vec![model.config.bos_token_id];
+    let mut seen_turn = false;
+    for m in messages {
+        match m.role.as_str() {
+            "system" if seen_turn => bail!("system messages must come before the conversation"),
+            "system" => ids.extend(encode(&m.content)?),
+            "user" => {
+                ids.push(user);
+                ids.extend(encode(&m.content)?);
+                ids.push(assistant);
+            }
+            "assistant" => {
+                if !seen_turn {
+                    bail!("the conversation must start with a user message");
+                }
+                ids.extend(encode(&m.content)?);
+                ids.push(model.config.eos_token_id);
+            }
+            other => bail!("unknown message role `{other}` (expected system, user or assistant)"),
+        }
+        seen_turn |= m.role != "system";
+    }
     Ok(ids)
 }

@@ -260,11 +260,8 @@ fn learn_bpe() -> (Vec<String>, Vec<(String, String)>) {
         .expect("byte-level pre-tokenization of the corpus");
 
     let mut symbols: Vec<String> = byte_to_char().iter().map(|c| c.to_string()).collect();
-    let mut symbol_ids: BTreeMap<String, u32> = symbols
-        .iter()
-        .enumerate()
-        .map(|(id, s)| (s.clone(), id as u32))
-        .collect();
+    let mut symbol_ids: BTreeMap<String, u32> =
+        symbols.iter().enumerate().map(|(id, s)| (s.clone(), id as u32)).collect();
 
     // Each distinct word with its frequency, as a sequence of symbol ids.
     let mut word_counts: BTreeMap<&str, u64> = BTreeMap::new();
@@ -290,14 +287,9 @@ fn learn_bpe() -> (Vec<String>, Vec<(String, String)>) {
         }
         // Highest count wins, ties go to the lowest pair of ids, so the
         // merges are the same on every run.
-        let Some((&(left, right), _)) = pair_counts
-            .iter()
-            .max_by(|a, b| a.1.cmp(b.1).then_with(|| b.0.cmp(a.0)))
+        let Some((&(left, right), _)) = pair_counts.iter().max_by(|a, b| a.1.cmp(b.1).then_with(|| b.0.cmp(a.0)))
         else {
-            panic!(
-                "built-in corpus exhausted after {} tokens; it needs more text",
-                symbols.len()
-            );
+            panic!("built-in corpus exhausted after {} tokens; it needs more text", symbols.len());
         };
         let merged = format!("{}{}", symbols[left as usize], symbols[right as usize]);
         let merged_id = match symbol_ids.get(&merged) {
@@ -309,10 +301,7 @@ fn learn_bpe() -> (Vec<String>, Vec<(String, String)>) {
                 id
             }
         };
-        merges.push((
-            symbols[left as usize].clone(),
-            symbols[right as usize].clone(),
-        ));
+        merges.push((symbols[left as usize].clone(), symbols[right as usize].clone()));
         for (ids, _) in &mut words {
             let mut out = Vec::with_capacity(ids.len());
             let mut i = 0;
@@ -369,10 +358,8 @@ fn build_tokenizer_json() -> String {
     debug_assert_eq!(vocab.len(), BUILTIN_VOCAB_SIZE);
     debug_assert_eq!(FIRST_MERGE_ID + (symbols.len() - 256), FIRST_RESERVED_ID);
 
-    let added_tokens: Vec<Value> = specials
-        .iter()
-        .map(|&(id, content, special)| added_token(id, content, special))
-        .collect();
+    let added_tokens: Vec<Value> =
+        specials.iter().map(|&(id, content, special)| added_token(id, content, special)).collect();
     let merges: Vec<Value> = merges.into_iter().map(|(a, b)| json!([a, b])).collect();
 
     let tokenizer = json!({
@@ -424,10 +411,9 @@ pub fn builtin_tokenizer() -> Tokenizer {
 
 /// Loads a Hugging Face `tokenizer.json`.
 pub fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read tokenizer file {}", path.display()))?;
-    Tokenizer::from_str(&text)
-        .map_err(|e| anyhow!("cannot parse tokenizer file {}: {e}", path.display()))
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read tokenizer file {}", path.display()))?;
+    Tokenizer::from_str(&text).map_err(|e| anyhow!("cannot parse tokenizer file {}: {e}", path.display()))
 }
 
 #[cfg(test)]
@@ -470,24 +456,15 @@ mod tests {
     fn layout_bytes_then_merges_then_reserved() {
         let tok = builtin_tokenizer();
         for (byte, c) in byte_to_char().iter().enumerate() {
-            assert_eq!(
-                tok.token_to_id(&c.to_string()),
-                Some((LEADING_SPECIALS + byte) as u32)
-            );
+            assert_eq!(tok.token_to_id(&c.to_string()), Some((LEADING_SPECIALS + byte) as u32));
         }
         let alphabet = ByteLevel::alphabet();
         assert_eq!(alphabet.len(), 256);
         assert!(byte_to_char().iter().all(|c| alphabet.contains(c)));
         for (i, &(content, _)) in BUILTIN_RESERVED_TOKENS.iter().enumerate() {
-            assert_eq!(
-                tok.token_to_id(content),
-                Some((FIRST_RESERVED_ID + i) as u32)
-            );
+            assert_eq!(tok.token_to_id(content), Some((FIRST_RESERVED_ID + i) as u32));
         }
-        assert_eq!(
-            tok.id_to_token(BUILTIN_VOCAB_SIZE as u32 - 1).as_deref(),
-            Some("<｜end_of_query｜>")
-        );
+        assert_eq!(tok.id_to_token(BUILTIN_VOCAB_SIZE as u32 - 1).as_deref(), Some("<｜end_of_query｜>"));
         // Merges are real multi-byte tokens and actually used by encoding.
         let ids = roundtrip(&tok, "The total is the number of tokens.");
         assert!(ids.iter().any(|&id| id as usize >= FIRST_MERGE_ID));
@@ -534,11 +511,7 @@ mod tests {
             assert_eq!(enc.get_ids()[1], id, "{content}");
         }
         // Skipping special tokens keeps the non-special markers, as DeepSeek-V4 does.
-        let ids = tok
-            .encode(format!("{BOS_TOKEN}<think>hi</think>{EOS_TOKEN}"), false)
-            .unwrap()
-            .get_ids()
-            .to_vec();
+        let ids = tok.encode(format!("{BOS_TOKEN}<think>hi</think>{EOS_TOKEN}"), false).unwrap().get_ids().to_vec();
         assert_eq!(tok.decode(&ids, true).unwrap(), "<think>hi</think>");
     }
 
@@ -580,9 +553,7 @@ mod tests {
         // The built-in reserved tokens mirror the real file's strings and flags.
         let added = tok.get_added_tokens_decoder();
         for &(content, special) in BUILTIN_RESERVED_TOKENS {
-            let id = tok
-                .token_to_id(content)
-                .unwrap_or_else(|| panic!("{content} missing"));
+            let id = tok.token_to_id(content).unwrap_or_else(|| panic!("{content} missing"));
             assert_eq!(added[&id].special, special, "{content}");
         }
         let text = "Hello, world! <｜User｜>你好 🦀";

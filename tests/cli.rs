@@ -20,7 +20,16 @@ fn stdout(o: &Output) -> String {
 
 #[test]
 fn builtin_model_generates_without_any_files() {
-    let o = deepinfer(&["generate", "--model", "builtin:tiny-v4", "--prompt", "Hello", "--max-tokens", "8", "--show-tokens"]);
+    let o = deepinfer(&[
+        "generate",
+        "--model",
+        "builtin:tiny-v4",
+        "--prompt",
+        "Hello",
+        "--max-tokens",
+        "8",
+        "--show-tokens",
+    ]);
     let out = stdout(&o);
     assert!(out.contains("tokens: ["), "{out}");
     let stderr = String::from_utf8_lossy(&o.stderr);
@@ -30,7 +39,8 @@ fn builtin_model_generates_without_any_files() {
 #[test]
 fn model_init_then_generate_is_reproducible() {
     let dir = temp_dir("init");
-    let out = stdout(&deepinfer(&["model", "init", "--preset", "tiny-v4", "--seed", "3", "--out", dir.to_str().unwrap()]));
+    let out =
+        stdout(&deepinfer(&["model", "init", "--preset", "tiny-v4", "--seed", "3", "--out", dir.to_str().unwrap()]));
     assert!(out.contains("wrote tiny-v4"), "{out}");
     for file in ["config.json", "model.safetensors", "tokenizer.json"] {
         assert!(dir.join(file).exists(), "{file}");
@@ -73,7 +83,8 @@ fn model_init_takes_the_real_tokenizer() {
     stdout(&deepinfer(&["model", "init", "--out", dir.to_str().unwrap(), "--tokenizer", real.to_str().unwrap()]));
     let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
     assert!(config.contains("\"vocab_size\": 129280"), "{config}");
-    let out = stdout(&deepinfer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "你好", "--max-tokens", "4"]));
+    let out =
+        stdout(&deepinfer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "你好", "--max-tokens", "4"]));
     assert!(!out.trim().is_empty());
     let _ = std::fs::remove_dir_all(&dir);
 }

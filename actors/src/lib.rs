@@ -1,1 +1,27 @@
-//! The distributed runtime of deepinfer.
+//! The distributed runtime of deepinfer: GPU workers and expert shards as
+//! supervised ractor actors that talk in versioned rkyv frames over a
+//! [`transport::Transport`], on a [`clock::Clock`] that is wall time in
+//! production and tokio's paused clock in simulation.
+//!
+//! Determinism rules kept here: time only from the handed-in clock;
+//! randomness only from [`rng::Seed`] streams; ordered maps in every decision;
+//! no ractor named registry; in simulation one current-thread runtime.
+
+pub mod clock;
+pub mod cluster;
+pub mod ctx;
+pub mod events;
+pub mod faults;
+pub mod placement;
+pub mod rng;
+pub mod shard;
+pub mod sim;
+pub mod supervisor;
+pub mod transport;
+pub mod wire;
+pub mod worker;
+
+pub use cluster::{
+    run, run_in_process, run_simulated, Cluster, ClusterConfig, ClusterError, Env, GenRequest, Generated,
+    RequestFailed, RunReport,
+};

@@ -4,8 +4,9 @@
 //!
 //! How a step runs:
 //!
-//! 1. The scheduler plans it ([`StepPlan`]): which requests feed which tokens,
-//!    who was preempted, which cached blocks were evicted.
+//! 1. The scheduler plans it ([`StepPlan`](crate::scheduler::StepPlan)):
+//!    which requests feed which tokens, who was preempted, which cached
+//!    blocks were evicted.
 //! 2. Preempted requests' states are dropped; (re)admitted requests get a
 //!    fresh state, or on a prefix hit one rebuilt from the cached blocks'
 //!    compressed entries, positioned at the start of the replay.
@@ -182,7 +183,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
                 if it.sample && end == it.to {
                     rows[i] = Some(out.logits);
                 }
-                if end % bt == 0 && end > 0 && it.snapshots.contains(&(end / bt - 1)) {
+                if end.is_multiple_of(bt) && end > 0 && it.snapshots.contains(&(end / bt - 1)) {
                     snapshots.push((it.id, end / bt - 1, snapshot(&self.model, &states[i], end / bt - 1, bt)));
                 }
             }

@@ -100,7 +100,7 @@ impl KvLayout {
 
     pub fn new(cfg: &ModelConfig, block_tokens: usize, window_block_tokens: usize) -> Result<Self, LayoutError> {
         let ratios = Self::compress_ratios(cfg);
-        if block_tokens == 0 || ratios.iter().any(|r| block_tokens % r != 0) {
+        if block_tokens == 0 || ratios.iter().any(|&r| !block_tokens.is_multiple_of(r)) {
             return Err(LayoutError::BlockTokens { block_tokens, ratios });
         }
         if window_block_tokens == 0 {

@@ -85,7 +85,9 @@ impl FinishReason {
     }
 }
 
-/// Where a request is in its life.
+/// Where a live request is in its life. A request that finishes (stop,
+/// length, cancelled, error) is reported once with a [`Finished`] record and
+/// forgotten, with every block it held released.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum RequestStatus {
     /// Queued, never run.
@@ -96,7 +98,6 @@ pub enum RequestStatus {
     Decoding,
     /// Evicted to make room; queued to be recomputed from its tokens.
     Preempted,
-    Finished(FinishReason),
 }
 
 /// One generated token.

@@ -4,7 +4,9 @@
 
 mod support;
 
-use deepinfer_engine::engine::{Completion, Engine, EngineConfig};
+use std::collections::BTreeMap;
+
+use deepinfer_engine::engine::{Collector, Completion, Engine, EngineConfig};
 use deepinfer_engine::kv_pool::BlockKind;
 use deepinfer_engine::model::Model;
 use deepinfer_engine::prefix_cache::PrefixMode;
@@ -87,15 +89,20 @@ fn running_requests_share_cached_blocks_and_the_cache_evicts_lru() {
         request(p, 30, greedy())
     };
     let mut engine = Engine::new(&model, config(PrefixMode::Exact)).unwrap();
+    let mut collector = Collector::default();
     let a = engine.add_request(with_tail(1)).unwrap();
-    engine.step();
+    collector.absorb(engine.step());
     let b = engine.add_request(with_tail(2)).unwrap();
-    engine.step();
+    collector.absorb(engine.step());
     let table = |id| engine.scheduler().block_table(id).unwrap().get(BlockKind::Compressed).to_vec();
     let (ta, tb) = (table(a), table(b));
     assert_eq!(ta[..3], tb[..3], "the three full prefix blocks are shared");
     assert_ne!(ta[3], tb[3], "the tails are private");
-    let done = engine.run_to_completion();
+    let mut done = BTreeMap::new();
+    while engine.has_work() {
+        done.extend(collector.absorb(engine.step()));
+    }
+    assert_same(&done[&a], &run_alone(&model, &with_tail(1)), "first request");
     assert_same(&done[&b], &run_alone(&model, &with_tail(2)), "sharing request");
 
     // A budget that holds one request plus a few cached blocks: older chains are evicted.

@@ -6,11 +6,12 @@ use std::time::Instant;
 use deepinfer_engine::sampling::SamplingParams;
 
 use crate::cli::GenerateArgs;
-use crate::generation::{encode_prompt, generate, load_model, FinishReason};
+use crate::generation::{encode_prompt, generate, load_model};
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let loaded = load_model(&args.model, args.model_seed, args.tokenizer.as_deref())?;
-    let prompt = encode_prompt(&loaded.tokenizer, &loaded.model, &args.prompt)?;
+    let text = args.prompt.as_deref().unwrap_or_default();
+    let prompt = encode_prompt(&loaded.tokenizer, &loaded.model, text)?;
     let params = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,
@@ -43,10 +44,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let ttft = first_token_at.map_or(total, |t| (t - started).as_secs_f64());
     let decode_tokens = completion.tokens.len().saturating_sub(1);
     let decode_secs = total - ttft;
-    let reason = match completion.finish {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-    };
+    let reason = completion.finish.as_str();
     eprintln!(
         "{}: prompt {} tokens, generated {} tokens ({reason}); prefill {:.1} ms ({:.0} tokens/s), decode {:.1} tokens/s",
         loaded.name,

@@ -1,4 +1,5 @@
 //! One module per CLI command.
 
+pub mod batch;
 pub mod generate;
 pub mod model_init;

@@ -110,8 +110,13 @@ impl Model {
         assert!(pass.pending.is_none() && !pass.is_done(), "attend once per layer");
         let l = pass.layer;
         let mut states: Vec<&mut LayerState> = chunks.iter_mut().map(|c| &mut c.state.layers[l]).collect();
-        let staged =
-            self.attend_and_route(&self.weights.blocks[l], &mut pass.streams, &pass.tokens, &pass.segments, &mut states);
+        let staged = self.attend_and_route(
+            &self.weights.blocks[l],
+            &mut pass.streams,
+            &pass.tokens,
+            &pass.segments,
+            &mut states,
+        );
         &pass.pending.insert(staged).1
     }
 

@@ -59,8 +59,11 @@ pub fn run_alone(model: &Model, request: &Request) -> Completion {
     out.remove(0)
 }
 
+/// Bits of one token's report: id, logprob, top alternatives, logits.
+type TokenBits = (u32, u32, Vec<(u32, u32)>, Vec<u32>);
+
 /// The bits of everything a completion reports per token.
-pub fn fingerprint(c: &Completion) -> Vec<(u32, u32, Vec<(u32, u32)>, Vec<u32>)> {
+pub fn fingerprint(c: &Completion) -> Vec<TokenBits> {
     c.tokens
         .iter()
         .map(|t| {

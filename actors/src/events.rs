@@ -1,0 +1,146 @@
+//! The event log and counters of a run. In simulation the log's digest is the
+//! fingerprint of a run: same seed, same digest, byte for byte.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::clock::Clock;
+
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+struct Inner {
+    digest: u64,
+    count: u64,
+    kept: Vec<String>,
+}
+
+/// Ordered record of what happened, folded into a 64-bit FNV-1a digest.
+/// Lines carry the clock's time, so with a virtual clock they are reproducible.
+pub struct EventLog {
+    clock: Arc<dyn Clock>,
+    keep: usize,
+    inner: Mutex<Inner>,
+}
+
+impl EventLog {
+    /// `keep`: how many lines to retain for inspection (all are digested).
+    pub fn new(clock: Arc<dyn Clock>, keep: usize) -> Self {
+        Self { clock, keep, inner: Mutex::new(Inner { digest: FNV_OFFSET, count: 0, kept: Vec::new() }) }
+    }
+
+    pub fn record(&self, what: std::fmt::Arguments<'_>) {
+        let mut line = String::new();
+        let t = self.clock.now();
+        let _ = write!(line, "{:>12} {}", t.as_nanos(), what);
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        for b in line.bytes().chain(std::iter::once(b'\n')) {
+            inner.digest = (inner.digest ^ b as u64).wrapping_mul(FNV_PRIME);
+        }
+        inner.count += 1;
+        if inner.kept.len() < self.keep {
+            inner.kept.push(line);
+        }
+    }
+
+    pub fn digest(&self) -> u64 {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).digest
+    }
+
+    pub fn len(&self) -> u64 {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn lines(&self) -> Vec<String> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).kept.clone()
+    }
+
+    pub fn now(&self) -> Duration {
+        self.clock.now()
+    }
+}
+
+/// Counters shared by every actor of a cluster (they survive restarts).
+#[derive(Default)]
+pub struct Metrics {
+    pub frames_sent: AtomicU64,
+    pub frames_delivered: AtomicU64,
+    pub frames_dropped: AtomicU64,
+    pub frames_duplicated: AtomicU64,
+    pub frames_rejected: AtomicU64,
+    pub bytes_sent: AtomicU64,
+    pub worker_restarts: AtomicU64,
+    pub shard_restarts: AtomicU64,
+    pub supervisor_restarts: AtomicU64,
+    pub escalations: AtomicU64,
+    pub kills_injected: AtomicU64,
+    pub dispatch_resends: AtomicU64,
+    pub step_resends: AtomicU64,
+    pub sequences_rebuilt: AtomicU64,
+    pub expert_loads: AtomicU64,
+    pub passes: AtomicU64,
+    pub layers: AtomicU64,
+}
+
+/// A plain copy of [`Metrics`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MetricsSnapshot {
+    pub frames_sent: u64,
+    pub frames_delivered: u64,
+    pub frames_dropped: u64,
+    pub frames_duplicated: u64,
+    pub frames_rejected: u64,
+    pub bytes_sent: u64,
+    pub worker_restarts: u64,
+    pub shard_restarts: u64,
+    pub supervisor_restarts: u64,
+    pub escalations: u64,
+    pub kills_injected: u64,
+    pub dispatch_resends: u64,
+    pub step_resends: u64,
+    pub sequences_rebuilt: u64,
+    pub expert_loads: u64,
+    pub passes: u64,
+    pub layers: u64,
+}
+
+impl MetricsSnapshot {
+    pub fn restarts(&self) -> u64 {
+        self.worker_restarts + self.shard_restarts + self.supervisor_restarts
+    }
+}
+
+pub(crate) fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+impl Metrics {
+    pub fn snapshot(&self) -> MetricsSnapshot {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        MetricsSnapshot {
+            frames_sent: g(&self.frames_sent),
+            frames_delivered: g(&self.frames_delivered),
+            frames_dropped: g(&self.frames_dropped),
+            frames_duplicated: g(&self.frames_duplicated),
+            frames_rejected: g(&self.frames_rejected),
+            bytes_sent: g(&self.bytes_sent),
+            worker_restarts: g(&self.worker_restarts),
+            shard_restarts: g(&self.shard_restarts),
+            supervisor_restarts: g(&self.supervisor_restarts),
+            escalations: g(&self.escalations),
+            kills_injected: g(&self.kills_injected),
+            dispatch_resends: g(&self.dispatch_resends),
+            step_resends: g(&self.step_resends),
+            sequences_rebuilt: g(&self.sequences_rebuilt),
+            expert_loads: g(&self.expert_loads),
+            passes: g(&self.passes),
+            layers: g(&self.layers),
+        }
+    }
+}

@@ -1,0 +1,179 @@
+//! Fault injection: named points in the actors and the fabric that consult a
+//! [`FaultPlan`]. Without a plan every point is a no-op. Kills fire wherever a
+//! plan is installed; message faults exist only in the simulated fabric.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::events::{bump, EventLog, Metrics};
+use crate::rng::{Rng, Seed};
+use crate::wire::MsgKind;
+
+/// An actor a fault can hit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Target {
+    Worker(u32),
+    Shard(u32),
+    /// A node supervisor, with all its workers and shards.
+    Node(u32),
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Worker(d) => write!(f, "worker{d}"),
+            Target::Shard(d) => write!(f, "shard{d}"),
+            Target::Node(n) => write!(f, "node{n}"),
+        }
+    }
+}
+
+/// Crash `target` at the first injection point it reaches at or after
+/// (`step`, `layer`). Workers reach a point before each layer of a pass,
+/// shards on each dispatch, nodes at the start of a step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KillRule {
+    pub target: Target,
+    pub step: u64,
+    pub layer: u32,
+    /// Fire at every later point too (every incarnation dies): drives a
+    /// supervisor past its restart intensity.
+    pub repeat: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum MessageAction {
+    Drop,
+    Duplicate,
+    Delay(Duration),
+}
+
+/// Apply `action` to frames of `kind` with `probability`, at most `max_hits` times.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MessageRule {
+    pub kind: MsgKind,
+    pub action: MessageAction,
+    pub probability: f64,
+    pub max_hits: u32,
+}
+
+/// Every compute step of `device` (a worker's layer, a shard's dispatch) takes `per_layer` longer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlowDevice {
+    pub device: u32,
+    pub per_layer: Duration,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FaultPlan {
+    pub kills: Vec<KillRule>,
+    pub messages: Vec<MessageRule>,
+    pub slow: Vec<SlowDevice>,
+}
+
+impl FaultPlan {
+    /// One kill of a random worker, shard or (with several nodes) node at a
+    /// random step below `steps` and layer below `layers`, drawn from `seed`.
+    pub fn random_kill(seed: Seed, devices: u32, nodes: u32, steps: u64, layers: u32) -> Self {
+        let mut rng = seed.stream("fault-plan");
+        let kinds = if nodes > 1 { 3 } else { 2 };
+        let target = match rng.below(kinds) {
+            0 => Target::Worker(rng.below(devices as u64) as u32),
+            1 => Target::Shard(rng.below(devices as u64) as u32),
+            _ => Target::Node(rng.below(nodes as u64) as u32),
+        };
+        let step = rng.below(steps);
+        let layer = rng.below(layers as u64) as u32;
+        Self { kills: vec![KillRule { target, step, layer, repeat: false }], ..Self::default() }
+    }
+}
+
+struct State {
+    fired: Vec<bool>,
+    hits: Vec<u32>,
+    rng: Rng,
+}
+
+/// A plan being applied: remembers which one-shot kills fired (across restarts).
+pub struct Faults {
+    plan: Option<FaultPlan>,
+    state: Mutex<State>,
+    metrics: Arc<Metrics>,
+    events: Option<Arc<EventLog>>,
+}
+
+impl Faults {
+    /// No faults: every injection point is inert.
+    pub fn inert(metrics: Arc<Metrics>) -> Self {
+        Self {
+            plan: None,
+            state: Mutex::new(State { fired: Vec::new(), hits: Vec::new(), rng: Rng::new(0) }),
+            metrics,
+            events: None,
+        }
+    }
+
+    pub fn new(plan: FaultPlan, seed: Seed, metrics: Arc<Metrics>, events: Arc<EventLog>) -> Self {
+        let state = State {
+            fired: vec![false; plan.kills.len()],
+            hits: vec![0; plan.messages.len()],
+            rng: seed.stream("faults"),
+        };
+        Self { plan: Some(plan), state: Mutex::new(state), metrics, events: Some(events) }
+    }
+
+    pub fn is_active(&self) -> bool {
+        self.plan.is_some()
+    }
+
+    /// Injection point: should `target` crash here?
+    pub fn kill_point(&self, target: Target, step: u64, layer: u32) -> bool {
+        let Some(plan) = &self.plan else { return false };
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        for (i, k) in plan.kills.iter().enumerate() {
+            if k.target == target && (step, layer) >= (k.step, k.layer) && (k.repeat || !st.fired[i]) {
+                st.fired[i] = true;
+                drop(st);
+                bump(&self.metrics.kills_injected);
+                if let Some(ev) = &self.events {
+                    ev.record(format_args!("fault kill {target} at step {step} layer {layer}"));
+                }
+                return true;
+            }
+        }
+        false
+    }
+
+    /// Nodes to crash at the start of `step`, ascending.
+    pub fn node_kills(&self, step: u64) -> Vec<u32> {
+        let Some(plan) = &self.plan else { return Vec::new() };
+        let nodes: std::collections::BTreeSet<u32> = plan
+            .kills
+            .iter()
+            .filter_map(|k| match k.target {
+                Target::Node(n) => Some(n),
+                _ => None,
+            })
+            .collect();
+        nodes.into_iter().filter(|&n| self.kill_point(Target::Node(n), step, u32::MAX)).collect()
+    }
+
+    /// What the fabric should do with a frame of `kind` (first matching rule that triggers).
+    pub fn message_action(&self, kind: MsgKind) -> Option<MessageAction> {
+        let plan = self.plan.as_ref()?;
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        for (i, r) in plan.messages.iter().enumerate() {
+            if r.kind == kind && st.hits[i] < r.max_hits && st.rng.chance(r.probability) {
+                st.hits[i] += 1;
+                return Some(r.action);
+            }
+        }
+        None
+    }
+
+    /// Extra time each compute step of `device` takes.
+    pub fn slowdown(&self, device: u32) -> Duration {
+        let Some(plan) = &self.plan else { return Duration::ZERO };
+        plan.slow.iter().filter(|s| s.device == device).map(|s| s.per_layer).sum()
+    }
+}

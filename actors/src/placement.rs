@@ -1,0 +1,175 @@
+//! Where the routed experts live: logical expert → devices holding a copy.
+//! The table is versioned (epoch) and may change between steps; which copy
+//! serves a token is a pure function of the token's identity, so it does not
+//! depend on batching, timing or which worker asks.
+
+use crate::rng::mix64;
+use crate::wire::PlacementWire;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementError {
+    #[error("expert parallel degree {ep} must be between 1 and {devices} and divide the {devices} devices")]
+    Degree { ep: u32, devices: u32 },
+    #[error("expert parallel degree {ep} exceeds the {experts} routed experts")]
+    TooFewExperts { ep: u32, experts: u32 },
+    #[error("the table has {got} experts, the model {want}")]
+    ExpertCount { got: usize, want: usize },
+    #[error("expert {0} has no replica")]
+    NoReplica(u32),
+    #[error("expert {expert} placed on device {device}, but there are {devices} devices")]
+    Device { expert: u32, device: u32, devices: u32 },
+    #[error("a placement needs at least one device")]
+    NoDevices,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    epoch: u64,
+    devices: u32,
+    replicas: Vec<Vec<u32>>,
+}
+
+/// Identity of one token row for replica choice: (sequence, position).
+pub fn row_key(seq: u64, position: u64) -> u64 {
+    mix64(seq.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ position)
+}
+
+impl Placement {
+    /// A table from explicit replica lists (sorted and de-duplicated here).
+    pub fn new(devices: u32, mut replicas: Vec<Vec<u32>>) -> Result<Self, PlacementError> {
+        if devices == 0 {
+            return Err(PlacementError::NoDevices);
+        }
+        for (e, r) in replicas.iter_mut().enumerate() {
+            r.sort_unstable();
+            r.dedup();
+            if r.is_empty() {
+                return Err(PlacementError::NoReplica(e as u32));
+            }
+            if let Some(&device) = r.iter().find(|&&d| d >= devices) {
+                return Err(PlacementError::Device { expert: e as u32, device, devices });
+            }
+        }
+        Ok(Self { epoch: 0, devices, replicas })
+    }
+
+    /// Expert parallelism of degree `ep` over `devices`: the experts are cut
+    /// into `ep` contiguous groups; group `g` lives on every device `d` with
+    /// `d % ep == g` (so `devices / ep` copies of each expert).
+    pub fn expert_parallel(experts: u32, devices: u32, ep: u32) -> Result<Self, PlacementError> {
+        if ep == 0 || ep > devices || (devices / ep) * ep != devices {
+            return Err(PlacementError::Degree { ep, devices });
+        }
+        if ep > experts {
+            return Err(PlacementError::TooFewExperts { ep, experts });
+        }
+        let replicas = (0..experts as u64)
+            .map(|e| {
+                let g = (e * ep as u64 / experts as u64) as u32;
+                (0..devices).filter(|d| d % ep == g).collect()
+            })
+            .collect();
+        Self::new(devices, replicas)
+    }
+
+    /// Add a redundant copy of `expert` on `device`.
+    pub fn with_replica(mut self, expert: u32, device: u32) -> Result<Self, PlacementError> {
+        if device >= self.devices {
+            return Err(PlacementError::Device { expert, device, devices: self.devices });
+        }
+        let want = self.replicas.len();
+        let r = self
+            .replicas
+            .get_mut(expert as usize)
+            .ok_or(PlacementError::ExpertCount { got: expert as usize + 1, want })?;
+        if let Err(at) = r.binary_search(&device) {
+            r.insert(at, device);
+        }
+        Ok(self)
+    }
+
+    pub fn with_epoch(mut self, epoch: u64) -> Self {
+        self.epoch = epoch;
+        self
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    pub fn devices(&self) -> u32 {
+        self.devices
+    }
+
+    pub fn num_experts(&self) -> usize {
+        self.replicas.len()
+    }
+
+    pub fn replicas(&self, expert: u32) -> &[u32] {
+        &self.replicas[expert as usize]
+    }
+
+    /// Experts with a copy on `device`, ascending.
+    pub fn experts_on(&self, device: u32) -> Vec<u32> {
+        (0..self.replicas.len() as u32).filter(|&e| self.replicas[e as usize].binary_search(&device).is_ok()).collect()
+    }
+
+    /// The device that computes `expert` for the row identified by `row`.
+    pub fn choose(&self, expert: u32, row: u64) -> u32 {
+        let r = &self.replicas[expert as usize];
+        if r.len() == 1 {
+            return r[0];
+        }
+        r[(mix64(row ^ (expert as u64).wrapping_mul(0xd6e8_feb8_6659_fd93)) % r.len() as u64) as usize]
+    }
+
+    /// The table must cover exactly the model's `experts`.
+    pub fn check_experts(&self, experts: usize) -> Result<(), PlacementError> {
+        if self.replicas.len() != experts {
+            return Err(PlacementError::ExpertCount { got: self.replicas.len(), want: experts });
+        }
+        Ok(())
+    }
+
+    pub fn to_wire(&self) -> PlacementWire {
+        PlacementWire { epoch: self.epoch, devices: self.devices, replicas: self.replicas.clone() }
+    }
+
+    /// A table received from a peer, validated.
+    pub fn from_wire(w: &PlacementWire, experts: usize) -> Result<Self, PlacementError> {
+        let p = Self::new(w.devices, w.replicas.clone())?.with_epoch(w.epoch);
+        p.check_experts(experts)?;
+        Ok(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn expert_parallel_groups_and_copies() {
+        let p = Placement::expert_parallel(8, 4, 2).unwrap();
+        assert_eq!(p.replicas(0), &[0, 2]);
+        assert_eq!(p.replicas(7), &[1, 3]);
+        assert_eq!(p.experts_on(2), vec![0, 1, 2, 3]);
+        let p8 = Placement::expert_parallel(8, 8, 8).unwrap();
+        assert_eq!((0..8).map(|e| p8.replicas(e)[0]).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+        assert_eq!(Placement::expert_parallel(8, 6, 4), Err(PlacementError::Degree { ep: 4, devices: 6 }));
+        assert_eq!(Placement::expert_parallel(2, 4, 4), Err(PlacementError::TooFewExperts { ep: 4, experts: 2 }));
+    }
+
+    #[test]
+    fn replica_choice_spreads_and_is_stable() {
+        let p = Placement::expert_parallel(8, 4, 2).unwrap().with_replica(0, 1).unwrap();
+        assert_eq!(p.replicas(0), &[0, 1, 2]);
+        let picks: Vec<u32> = (0..300).map(|t| p.choose(0, row_key(1, t))).collect();
+        for d in [0, 1, 2] {
+            assert!(picks.contains(&d), "device {d} never chosen");
+        }
+        assert_eq!(picks, (0..300).map(|t| p.choose(0, row_key(1, t))).collect::<Vec<_>>());
+        let w = p.to_wire();
+        assert_eq!(Placement::from_wire(&w, 8).unwrap(), p);
+        assert!(Placement::from_wire(&w, 16).is_err());
+    }
+}

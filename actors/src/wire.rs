@@ -1,0 +1,607 @@
+//! The wire format: every message is a versioned rkyv envelope inside a
+//! length-prefixed frame, optionally followed by a raw `f32` body.
+//!
+//! ```text
+//! frame    := len: u32 LE (bytes after this field, ≤ MAX_FRAME_BYTES) payload
+//! payload  := preamble header pad body
+//! preamble := magic u32 · version u16 · kind u8 · flags u8 · header_len u32 · body_len u32   (16 bytes)
+//! header   := rkyv archive of `Envelope`, header_len bytes
+//! pad      := zeros up to the next 16-byte boundary of the payload
+//! body     := body_len bytes of little-endian f32 (hidden states, expert outputs, logits)
+//! ```
+//!
+//! The preamble is checked before the archive is touched, so a peer speaking
+//! another version is told so instead of failing validation. The header is
+//! copied into a 16-byte-aligned buffer of exactly its length and validated
+//! with bytecheck (`rkyv::access`) before anything reads it. The body stays
+//! outside the archive so that large tensors are never re-serialised: a
+//! stream reader reads it straight into its destination. Every malformed
+//! input is a typed [`WireError`], never a panic.
+
+use std::io::Read;
+
+use rkyv::rancor;
+use rkyv::util::AlignedVec;
+use rkyv::{Archive, Deserialize, Serialize};
+
+/// Version of the envelope layout; bumped on any change to the archived types.
+pub const WIRE_VERSION: u16 = 1;
+/// Largest payload a frame may declare (after the length prefix).
+pub const MAX_FRAME_BYTES: u32 = 64 << 20;
+/// "dINF" little-endian.
+pub const MAGIC: u32 = u32::from_le_bytes(*b"dINF");
+const PREAMBLE: usize = 16;
+const ALIGN: usize = 16;
+
+/// What kind of actor an address names.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[rkyv(derive(Debug))]
+pub enum Role {
+    Scheduler,
+    Worker,
+    Shard,
+    Router,
+    CacheManager,
+}
+
+/// An actor's address on the fabric: its role and index (device, instance).
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[rkyv(derive(Debug))]
+pub struct Addr {
+    pub role: Role,
+    pub index: u32,
+}
+
+impl Addr {
+    pub const fn new(role: Role, index: u32) -> Self {
+        Self { role, index }
+    }
+    pub const fn worker(device: u32) -> Self {
+        Self::new(Role::Worker, device)
+    }
+    pub const fn shard(device: u32) -> Self {
+        Self::new(Role::Shard, device)
+    }
+    pub const fn scheduler(instance: u32) -> Self {
+        Self::new(Role::Scheduler, instance)
+    }
+}
+
+impl std::fmt::Display for Addr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let role = match self.role {
+            Role::Scheduler => "scheduler",
+            Role::Worker => "worker",
+            Role::Shard => "shard",
+            Role::Router => "router",
+            Role::CacheManager => "cache",
+        };
+        write!(f, "{role}{}", self.index)
+    }
+}
+
+/// How a request picks its tokens (mirror of the engine's `SamplingParams`,
+/// which does not derive rkyv: only this crate knows the wire format).
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct Sampling {
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: u32,
+    pub seed: u64,
+}
+
+/// The expert placement a step runs under: replicas (devices) per logical expert.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct PlacementWire {
+    pub epoch: u64,
+    pub devices: u32,
+    pub replicas: Vec<Vec<u32>>,
+}
+
+/// One sequence's part of a step.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct StepItem {
+    pub seq: u64,
+    /// Tokens the worker's state must already hold; `0` with `rebuild`.
+    pub position: u64,
+    /// New tokens to feed (the whole history when rebuilding).
+    pub tokens: Vec<u32>,
+    /// Start from a fresh state (recompute after the worker lost it).
+    pub rebuild: bool,
+    pub sampling: Sampling,
+}
+
+/// Scheduler → worker: run one forward step over these sequences and sample.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct StepRequest {
+    pub step: u64,
+    pub attempt: u32,
+    pub placement: PlacementWire,
+    pub items: Vec<StepItem>,
+    /// Sequences that finished: drop their state.
+    pub release: Vec<u64>,
+    /// Return each sampled row's logits in the body.
+    pub return_logits: bool,
+}
+
+/// One sampled token.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct SeqOutput {
+    pub seq: u64,
+    pub token: u32,
+    pub logprob: f32,
+    /// Sequence length at which the token was sampled (the sampling position).
+    pub position: u64,
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub enum StepOutcome {
+    /// One output per item, in item order; logits rows (if asked) in the body, same order.
+    Done(Vec<SeqOutput>),
+    /// The worker holds no (or a different) state for these sequences: resend them with `rebuild`.
+    NeedsHistory(Vec<u64>),
+    /// The step could not run; the worker dropped the states it touched.
+    Failed(String),
+}
+
+/// Worker → scheduler.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct StepResult {
+    pub step: u64,
+    pub attempt: u32,
+    pub device: u32,
+    pub outcome: StepOutcome,
+}
+
+/// Rows of one expert inside a dispatch or result body.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct ExpertRows {
+    pub expert: u32,
+    pub rows: u32,
+}
+
+/// Worker → shard: the gathered MoE inputs of some experts for one layer;
+/// body `[Σ rows, D]` in the order of `experts`.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct DispatchHeader {
+    /// Identifies the worker's forward pass (incarnation and counter), so late answers to an old pass are ignored.
+    pub pass: u64,
+    pub step: u64,
+    pub layer: u32,
+    pub part: u32,
+    pub worker: u32,
+    pub epoch: u64,
+    pub experts: Vec<ExpertRows>,
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub enum ResultStatus {
+    Ok,
+    /// The shard does not hold this expert under its current placement.
+    NotHeld(u32),
+    /// The dispatch was malformed (sizes, indices).
+    Invalid(String),
+}
+
+/// Shard → worker: outputs `[Σ rows, D]` for a dispatch, same order.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct ExpertResultHeader {
+    pub pass: u64,
+    pub step: u64,
+    pub layer: u32,
+    pub part: u32,
+    pub shard: u32,
+    pub status: ResultStatus,
+    pub experts: Vec<ExpertRows>,
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct Heartbeat {
+    /// Cluster-unique number of the sending actor instance.
+    pub instance: u64,
+    /// The instance replaces one that failed: work it held is gone.
+    pub restarted: bool,
+    pub time_ns: u64,
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub enum Control {
+    /// Hold exactly these experts from placement `epoch` on.
+    LoadExperts {
+        epoch: u64,
+        experts: Vec<u32>,
+    },
+    Loaded {
+        epoch: u64,
+        device: u32,
+    },
+    Ping {
+        nonce: u64,
+    },
+    Pong {
+        nonce: u64,
+    },
+    Shutdown,
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub enum Message {
+    StepRequest(StepRequest),
+    StepResult(StepResult),
+    Dispatch(DispatchHeader),
+    ExpertResult(ExpertResultHeader),
+    Heartbeat(Heartbeat),
+    Control(Control),
+}
+
+/// The message kinds, as the preamble's `kind` byte names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
+pub enum MsgKind {
+    StepRequest = 1,
+    StepResult = 2,
+    Dispatch = 3,
+    ExpertResult = 4,
+    Heartbeat = 5,
+    Control = 6,
+}
+
+impl MsgKind {
+    pub const ALL: [MsgKind; 6] = [
+        MsgKind::StepRequest,
+        MsgKind::StepResult,
+        MsgKind::Dispatch,
+        MsgKind::ExpertResult,
+        MsgKind::Heartbeat,
+        MsgKind::Control,
+    ];
+
+    pub fn from_u8(v: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|k| *k as u8 == v)
+    }
+
+    /// Kinds that may carry a raw body.
+    pub fn has_body(self) -> bool {
+        matches!(self, MsgKind::Dispatch | MsgKind::ExpertResult | MsgKind::StepResult)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MsgKind::StepRequest => "step-request",
+            MsgKind::StepResult => "step-result",
+            MsgKind::Dispatch => "dispatch",
+            MsgKind::ExpertResult => "expert-result",
+            MsgKind::Heartbeat => "heartbeat",
+            MsgKind::Control => "control",
+        }
+    }
+}
+
+impl Message {
+    pub fn kind(&self) -> MsgKind {
+        match self {
+            Message::StepRequest(_) => MsgKind::StepRequest,
+            Message::StepResult(_) => MsgKind::StepResult,
+            Message::Dispatch(_) => MsgKind::Dispatch,
+            Message::ExpertResult(_) => MsgKind::ExpertResult,
+            Message::Heartbeat(_) => MsgKind::Heartbeat,
+            Message::Control(_) => MsgKind::Control,
+        }
+    }
+}
+
+impl ArchivedMessage {
+    pub fn kind(&self) -> MsgKind {
+        match self {
+            ArchivedMessage::StepRequest(_) => MsgKind::StepRequest,
+            ArchivedMessage::StepResult(_) => MsgKind::StepResult,
+            ArchivedMessage::Dispatch(_) => MsgKind::Dispatch,
+            ArchivedMessage::ExpertResult(_) => MsgKind::ExpertResult,
+            ArchivedMessage::Heartbeat(_) => MsgKind::Heartbeat,
+            ArchivedMessage::Control(_) => MsgKind::Control,
+        }
+    }
+}
+
+/// Every message on the wire.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct Envelope {
+    pub from: Addr,
+    pub to: Addr,
+    pub msg: Message,
+}
+
+/// A decoded, validated frame.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decoded {
+    pub envelope: Envelope,
+    pub body: Vec<f32>,
+}
+
+impl Decoded {
+    pub fn kind(&self) -> MsgKind {
+        self.envelope.msg.kind()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("frame truncated: {needed} bytes needed, {got} present")]
+    Truncated { needed: u64, got: u64 },
+    #[error("frame of {len} bytes exceeds the {max}-byte limit")]
+    TooLarge { len: u64, max: u32 },
+    #[error("bad magic {0:#010x}")]
+    BadMagic(u32),
+    #[error("unsupported wire version {got} (this node speaks {WIRE_VERSION})")]
+    UnsupportedVersion { got: u16 },
+    #[error("unknown message kind {0}")]
+    UnknownKind(u8),
+    #[error("unknown frame flags {0:#04x}")]
+    UnknownFlags(u8),
+    #[error("frame layout does not add up: prefix says {len} bytes, header {header} + body {body} need {needed}")]
+    Layout { len: u64, header: u32, body: u32, needed: u64 },
+    #[error("non-zero padding between header and body")]
+    Padding,
+    #[error("a {0} frame carries no body")]
+    UnexpectedBody(&'static str),
+    #[error("body of {0} bytes is not a whole number of f32")]
+    BodyNotFloats(u32),
+    #[error("{0} trailing bytes after the frame")]
+    Trailing(u64),
+    #[error("header failed validation: {0}")]
+    Invalid(String),
+    #[error("preamble says {preamble}, the archive holds {archived}")]
+    KindMismatch { preamble: &'static str, archived: &'static str },
+    #[error("cannot encode: {0}")]
+    Encode(String),
+    #[error("i/o: {0}")]
+    Io(String),
+}
+
+fn pad_to_align(n: u64) -> u64 {
+    (ALIGN as u64 - n % ALIGN as u64) % ALIGN as u64
+}
+
+/// Encode a message (and its body, for kinds that carry one) as a frame.
+pub fn encode(envelope: &Envelope, body: &[f32]) -> Result<Vec<u8>, WireError> {
+    let kind = envelope.msg.kind();
+    if !body.is_empty() && !kind.has_body() {
+        return Err(WireError::UnexpectedBody(kind.name()));
+    }
+    let header = rkyv::to_bytes::<rancor::Error>(envelope).map_err(|e| WireError::Encode(e.to_string()))?;
+    let header_len = header.len() as u64;
+    let body_len = body.len() as u64 * 4;
+    let pad = pad_to_align(PREAMBLE as u64 + header_len);
+    let len = PREAMBLE as u64 + header_len + pad + body_len;
+    if len > MAX_FRAME_BYTES as u64 {
+        return Err(WireError::TooLarge { len, max: MAX_FRAME_BYTES });
+    }
+    let mut out = Vec::with_capacity(4 + len as usize);
+    out.extend_from_slice(&(len as u32).to_le_bytes());
+    out.extend_from_slice(&MAGIC.to_le_bytes());
+    out.extend_from_slice(&WIRE_VERSION.to_le_bytes());
+    out.push(kind as u8);
+    out.push(0);
+    out.extend_from_slice(&(header_len as u32).to_le_bytes());
+    out.extend_from_slice(&(body_len as u32).to_le_bytes());
+    out.extend_from_slice(&header);
+    out.resize(out.len() + pad as usize, 0);
+    for v in body {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    Ok(out)
+}
+
+/// The checked fixed part of a payload.
+#[derive(Clone, Copy, Debug)]
+struct Preamble {
+    kind: MsgKind,
+    header_len: u32,
+    body_len: u32,
+    pad: u64,
+}
+
+fn parse_preamble(p: &[u8; PREAMBLE], len: u64) -> Result<Preamble, WireError> {
+    let word = |i: usize| u32::from_le_bytes([p[i], p[i + 1], p[i + 2], p[i + 3]]);
+    let magic = word(0);
+    if magic != MAGIC {
+        return Err(WireError::BadMagic(magic));
+    }
+    let version = u16::from_le_bytes([p[4], p[5]]);
+    if version != WIRE_VERSION {
+        return Err(WireError::UnsupportedVersion { got: version });
+    }
+    let kind = MsgKind::from_u8(p[6]).ok_or(WireError::UnknownKind(p[6]))?;
+    if p[7] != 0 {
+        return Err(WireError::UnknownFlags(p[7]));
+    }
+    let (header_len, body_len) = (word(8), word(12));
+    let pad = pad_to_align(PREAMBLE as u64 + header_len as u64);
+    let needed = PREAMBLE as u64 + header_len as u64 + pad + body_len as u64;
+    if needed != len {
+        return Err(WireError::Layout { len, header: header_len, body: body_len, needed });
+    }
+    if body_len > 0 && !kind.has_body() {
+        return Err(WireError::UnexpectedBody(kind.name()));
+    }
+    if body_len % 4 != 0 {
+        return Err(WireError::BodyNotFloats(body_len));
+    }
+    Ok(Preamble { kind, header_len, body_len, pad })
+}
+
+fn check_len(len: u32, max: u32) -> Result<u64, WireError> {
+    if len > max {
+        return Err(WireError::TooLarge { len: len as u64, max });
+    }
+    if (len as usize) < PREAMBLE {
+        return Err(WireError::Truncated { needed: PREAMBLE as u64, got: len as u64 });
+    }
+    Ok(len as u64)
+}
+
+/// Validate an aligned header and turn it into an owned envelope.
+fn open_header(header: &AlignedVec, kind: MsgKind) -> Result<Envelope, WireError> {
+    let archived =
+        rkyv::access::<ArchivedEnvelope, rancor::Error>(header).map_err(|e| WireError::Invalid(e.to_string()))?;
+    let archived_kind = archived.msg.kind();
+    if archived_kind != kind {
+        return Err(WireError::KindMismatch { preamble: kind.name(), archived: archived_kind.name() });
+    }
+    rkyv::deserialize::<Envelope, rancor::Error>(archived).map_err(|e| WireError::Invalid(e.to_string()))
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// Decode exactly one frame (length prefix included) from `bytes`.
+pub fn decode(bytes: &[u8]) -> Result<Decoded, WireError> {
+    decode_with_limit(bytes, MAX_FRAME_BYTES)
+}
+
+/// [`decode`] with a smaller frame limit.
+pub fn decode_with_limit(bytes: &[u8], max: u32) -> Result<Decoded, WireError> {
+    let got = bytes.len() as u64;
+    let Some(prefix) = bytes.first_chunk::<4>() else {
+        return Err(WireError::Truncated { needed: 4, got });
+    };
+    let len = check_len(u32::from_le_bytes(*prefix), max)?;
+    let total = 4 + len;
+    if got < total {
+        return Err(WireError::Truncated { needed: total, got });
+    }
+    if got > total {
+        return Err(WireError::Trailing(got - total));
+    }
+    let payload = &bytes[4..];
+    let pre = parse_preamble(payload[..PREAMBLE].try_into().expect("16 bytes checked"), len)?;
+    let h0 = PREAMBLE;
+    let h1 = h0 + pre.header_len as usize;
+    let b0 = h1 + pre.pad as usize;
+    if payload[h1..b0].iter().any(|&b| b != 0) {
+        return Err(WireError::Padding);
+    }
+    let mut header = AlignedVec::<16>::with_capacity(pre.header_len as usize);
+    header.extend_from_slice(&payload[h0..h1]);
+    let envelope = open_header(&header, pre.kind)?;
+    Ok(Decoded { envelope, body: floats(&payload[b0..]) })
+}
+
+/// Only the kind of a frame, from its preamble (no archive access): for
+/// transports that route or inject faults by kind.
+pub fn peek_kind(bytes: &[u8]) -> Result<MsgKind, WireError> {
+    let needed = 4 + PREAMBLE as u64;
+    if (bytes.len() as u64) < needed {
+        return Err(WireError::Truncated { needed, got: bytes.len() as u64 });
+    }
+    MsgKind::from_u8(bytes[10]).ok_or(WireError::UnknownKind(bytes[10]))
+}
+
+fn read_exact(r: &mut impl Read, buf: &mut [u8], at: u64, total: u64) -> Result<(), WireError> {
+    r.read_exact(buf).map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => WireError::Truncated { needed: total, got: at },
+        _ => WireError::Io(e.to_string()),
+    })
+}
+
+/// Read one frame from a byte stream. The declared length is checked against
+/// `max` before anything is allocated; the header lands in an aligned buffer
+/// of exactly its length and the body goes straight into its `Vec<f32>`.
+pub fn read_frame(r: &mut impl Read, max: u32) -> Result<Decoded, WireError> {
+    let mut prefix = [0u8; 4];
+    read_exact(r, &mut prefix, 0, 4)?;
+    let len = check_len(u32::from_le_bytes(prefix), max)?;
+    let total = 4 + len;
+    let mut pre = [0u8; PREAMBLE];
+    read_exact(r, &mut pre, 4, total)?;
+    let p = parse_preamble(&pre, len)?;
+    let mut at = 4 + PREAMBLE as u64;
+    let mut header = AlignedVec::<16>::with_capacity(p.header_len as usize);
+    header.resize(p.header_len as usize, 0);
+    read_exact(r, &mut header, at, total)?;
+    at += p.header_len as u64;
+    let mut pad = [0u8; ALIGN];
+    read_exact(r, &mut pad[..p.pad as usize], at, total)?;
+    if pad.iter().any(|&b| b != 0) {
+        return Err(WireError::Padding);
+    }
+    at += p.pad;
+    let envelope = open_header(&header, p.kind)?;
+    let mut body = vec![0f32; p.body_len as usize / 4];
+    let mut chunk = [0u8; 4096];
+    let mut filled = 0;
+    while filled < body.len() {
+        let n = (body.len() - filled).min(chunk.len() / 4);
+        read_exact(r, &mut chunk[..n * 4], at, total)?;
+        for (dst, src) in body[filled..filled + n].iter_mut().zip(chunk.chunks_exact(4)) {
+            *dst = f32::from_le_bytes([src[0], src[1], src[2], src[3]]);
+        }
+        filled += n;
+        at += n as u64 * 4;
+    }
+    Ok(Decoded { envelope, body })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dispatch() -> Envelope {
+        Envelope {
+            from: Addr::worker(1),
+            to: Addr::shard(2),
+            msg: Message::Dispatch(DispatchHeader {
+                pass: 7,
+                step: 3,
+                layer: 4,
+                part: 0,
+                worker: 1,
+                epoch: 0,
+                experts: vec![ExpertRows { expert: 5, rows: 2 }],
+            }),
+        }
+    }
+
+    #[test]
+    fn round_trip_with_body() {
+        let body: Vec<f32> = (0..8).map(|i| i as f32 * 0.5 - 1.0).collect();
+        let frame = encode(&dispatch(), &body).unwrap();
+        let got = decode(&frame).unwrap();
+        assert_eq!(got.envelope, dispatch());
+        assert_eq!(got.body, body);
+        assert_eq!(read_frame(&mut &frame[..], MAX_FRAME_BYTES).unwrap(), got);
+        assert_eq!(peek_kind(&frame).unwrap(), MsgKind::Dispatch);
+    }
+
+    #[test]
+    fn body_on_a_bodiless_kind_is_refused() {
+        let env = Envelope { from: Addr::worker(0), to: Addr::worker(1), msg: Message::Control(Control::Shutdown) };
+        assert_eq!(encode(&env, &[1.0]), Err(WireError::UnexpectedBody("control")));
+    }
+
+    #[test]
+    fn version_and_kind_are_checked_before_the_archive() {
+        let mut frame = encode(&dispatch(), &[]).unwrap();
+        frame[8] = 9;
+        assert_eq!(decode(&frame), Err(WireError::UnsupportedVersion { got: 9 }));
+        let mut frame = encode(&dispatch(), &[]).unwrap();
+        frame[10] = MsgKind::Control as u8;
+        assert!(matches!(decode(&frame), Err(WireError::KindMismatch { .. })));
+    }
+}

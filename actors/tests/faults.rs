@@ -1,0 +1,188 @@
+//! A failed actor costs a replayed step, never a request: with a random
+//! worker, shard or node killed at a random step, every request completes
+//! with exactly the fault-free output. Past the restart intensity, the
+//! affected requests end with an error and the run still finishes.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{assert_same, model, reference, requests};
+use deepinfer_actors::ctx::Timeouts;
+use deepinfer_actors::faults::{FaultPlan, KillRule, MessageAction, MessageRule, SlowDevice, Target};
+use deepinfer_actors::rng::Seed;
+use deepinfer_actors::sim::Partition;
+use deepinfer_actors::supervisor::Intensity;
+use deepinfer_actors::wire::MsgKind;
+use deepinfer_actors::{run_simulated, ClusterConfig};
+
+const STEPS: usize = 4;
+
+/// 4 devices on 2 nodes, expert parallel 2 (each expert on two devices).
+fn config(seed: u64) -> ClusterConfig {
+    let mut cfg = ClusterConfig::new(4, 2);
+    cfg.devices_per_node = 2;
+    cfg.seed = seed;
+    cfg.return_logits = true;
+    cfg
+}
+
+#[test]
+fn a_random_kill_in_each_of_60_seeds_never_changes_the_output() {
+    let m = model();
+    let reqs = requests(6, STEPS);
+    let want = reference(&m, &reqs);
+    let layers = m.config.num_layers as u32;
+    let (mut kills, mut restarts) = (0, 0);
+    let mut by_target = [0u32; 3];
+    for seed in 0..60u64 {
+        let mut cfg = config(seed);
+        let plan = FaultPlan::random_kill(Seed(seed), 4, 2, STEPS as u64, layers);
+        by_target[match plan.kills[0].target {
+            Target::Worker(_) => 0,
+            Target::Shard(_) => 1,
+            Target::Node(_) => 2,
+        }] += 1;
+        cfg.faults = Some(plan.clone());
+        let report = run_simulated(m.clone(), cfg, &reqs).unwrap();
+        assert_same(&report.outputs, &want, &format!("seed {seed}, plan {plan:?}"));
+        let mx = &report.metrics;
+        assert_eq!(mx.restarts(), mx.kills_injected, "seed {seed}: one restart per kill ({mx:?})");
+        assert_eq!(mx.escalations, 0, "seed {seed}");
+        kills += mx.kills_injected;
+        restarts += mx.restarts();
+    }
+    println!("60 seeds: {kills} kills, {restarts} restarts; targets worker/shard/node = {by_target:?}");
+    assert!(by_target.iter().all(|&n| n > 0), "every kind of target drawn: {by_target:?}");
+    assert!(kills >= 55, "most planned kills reach their actor: {kills} of 60");
+}
+
+#[test]
+fn dropped_delayed_duplicated_messages_slow_devices_and_partitions_do_not_change_the_output() {
+    let m = model();
+    let reqs = requests(6, STEPS);
+    let want = reference(&m, &reqs);
+    for seed in 0..8u64 {
+        let mut cfg = config(seed);
+        let rule = |kind, action, probability, max_hits| MessageRule { kind, action, probability, max_hits };
+        cfg.faults = Some(FaultPlan {
+            kills: Vec::new(),
+            messages: vec![
+                rule(MsgKind::Dispatch, MessageAction::Drop, 0.05, 10),
+                rule(MsgKind::ExpertResult, MessageAction::Duplicate, 0.1, 20),
+                rule(MsgKind::ExpertResult, MessageAction::Drop, 0.03, 5),
+                rule(MsgKind::StepResult, MessageAction::Drop, 0.2, 3),
+                rule(MsgKind::StepRequest, MessageAction::Delay(Duration::from_millis(3)), 0.3, 10),
+                rule(MsgKind::StepRequest, MessageAction::Duplicate, 0.2, 10),
+            ],
+            slow: vec![SlowDevice { device: (seed % 4) as u32, per_layer: Duration::from_micros(300) }],
+        });
+        cfg.fabric.drop = 0.002;
+        cfg.fabric.duplicate = 0.01;
+        cfg.fabric.partitions = vec![Partition {
+            a: vec![0],
+            b: vec![1],
+            from: Duration::from_micros(50),
+            until: Duration::from_millis(30),
+        }];
+        let report = run_simulated(m.clone(), cfg, &reqs).unwrap();
+        assert_same(&report.outputs, &want, &format!("seed {seed}"));
+        let mx = &report.metrics;
+        assert!(mx.frames_dropped > 0 && mx.frames_duplicated > 0, "seed {seed}: faults happened: {mx:?}");
+        assert!(mx.dispatch_resends + mx.step_resends > 0, "seed {seed}: lost work was re-sent: {mx:?}");
+    }
+}
+
+#[test]
+fn past_the_restart_intensity_requests_end_with_an_error() {
+    let m = model();
+    // Request 0 (worker 0) finishes in one step; the others need five.
+    let mut reqs = requests(4, 5);
+    reqs[0].max_tokens = 1;
+    let mut cfg = config(3);
+    cfg.node_intensity = Intensity::new(2, Duration::from_secs(10));
+    cfg.cluster_intensity = Intensity::new(1, Duration::from_secs(60));
+    cfg.timeouts = Some(Timeouts { step_attempts: 100, ..Timeouts::simulated() });
+    // Every incarnation of worker 1 crashes from step 1 on.
+    cfg.faults = Some(FaultPlan {
+        kills: vec![KillRule { target: Target::Worker(1), step: 1, layer: 0, repeat: true }],
+        ..FaultPlan::default()
+    });
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mm = m.clone();
+    std::thread::spawn(move || tx.send(run_simulated(mm, cfg, &reqs).unwrap()).unwrap());
+    let report = rx.recv_timeout(Duration::from_secs(120)).expect("the run ends (nothing hangs)");
+    let first = report.outputs[0].as_ref().expect("request 0 finished before the faults");
+    assert_eq!(first.tokens.len(), 1);
+    for (i, out) in report.outputs.iter().enumerate().skip(1) {
+        let err = out.as_ref().expect_err("a request past the intensity limit fails");
+        assert!(err.reason.contains("cluster down") && err.reason.contains("exceed"), "request {i}: {}", err.reason);
+        assert!(err.tokens.len() < 5, "request {i} is incomplete");
+    }
+    let mx = &report.metrics;
+    println!("intensity: {mx:?}\n{}", report.outputs[1].as_ref().unwrap_err().reason);
+    // node0 restarts worker1 twice, gives up; the cluster restarts node0 once; node0 gives up again; the cluster gives up.
+    assert_eq!(mx.worker_restarts, 4, "{mx:?}");
+    assert_eq!(mx.supervisor_restarts, 1, "{mx:?}");
+    assert_eq!(mx.escalations, 3, "{mx:?}");
+}
+
+#[test]
+fn requests_whose_steps_cannot_be_delivered_end_with_an_error() {
+    let m = model();
+    let reqs = requests(4, 3);
+    let want = reference(&m, &reqs);
+    let mut cfg = config(5);
+    cfg.timeouts = Some(Timeouts { step_attempts: 3, ..Timeouts::simulated() });
+    // Every step request to a worker is dropped for the whole run: no
+    // actor dies, so no supervisor acts; the scheduler gives up per request.
+    cfg.faults = Some(FaultPlan {
+        messages: vec![MessageRule {
+            kind: MsgKind::StepRequest,
+            action: MessageAction::Drop,
+            probability: 1.0,
+            max_hits: u32::MAX,
+        }],
+        ..FaultPlan::default()
+    });
+    let report = run_simulated(m.clone(), cfg, &reqs).unwrap();
+    for out in &report.outputs {
+        let err = out.as_ref().expect_err("unreachable");
+        assert!(err.reason.contains("failed after 3 attempts: no answer"), "{}", err.reason);
+    }
+    // And the same cluster with one lost step request recovers.
+    let mut cfg = config(5);
+    cfg.faults = Some(FaultPlan {
+        messages: vec![MessageRule {
+            kind: MsgKind::StepRequest,
+            action: MessageAction::Drop,
+            probability: 1.0,
+            max_hits: 1,
+        }],
+        ..FaultPlan::default()
+    });
+    let report = run_simulated(m.clone(), cfg, &reqs).unwrap();
+    assert_same(&report.outputs, &want, "one lost step request");
+    assert_eq!(report.metrics.step_resends, 1);
+}
+
+/// Supervision is the same on real threads and wall time.
+#[test]
+fn the_in_process_cluster_recovers_from_killed_workers_and_shards() {
+    let m = model();
+    let reqs = requests(6, STEPS);
+    let want = reference(&m, &reqs);
+    let mut cfg = config(0);
+    cfg.timeouts = Some(Timeouts { dispatch: Duration::from_millis(200), ..Timeouts::real() });
+    cfg.faults = Some(FaultPlan {
+        kills: vec![
+            KillRule { target: Target::Worker(2), step: 1, layer: 3, repeat: false },
+            KillRule { target: Target::Shard(1), step: 2, layer: 5, repeat: false },
+        ],
+        ..FaultPlan::default()
+    });
+    let report = deepinfer_actors::run_in_process(m.clone(), cfg, &reqs, 2).unwrap();
+    assert_same(&report.outputs, &want, "in-process with kills");
+    let mx = &report.metrics;
+    assert_eq!((mx.kills_injected, mx.worker_restarts, mx.shard_restarts), (2, 1, 1), "{mx:?}");
+}

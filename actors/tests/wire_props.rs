@@ -1,0 +1,188 @@
+//! Untrusted bytes never panic the node: random, corrupted, truncated and
+//! oversized frames are rejected with a typed error; valid frames round-trip.
+
+use deepinfer_actors::wire::{
+    decode, decode_with_limit, encode, read_frame, Addr, Control, DispatchHeader, Envelope, ExpertResultHeader,
+    ExpertRows, Heartbeat, Message, PlacementWire, ResultStatus, Role, Sampling, SeqOutput, StepItem, StepOutcome,
+    StepRequest, StepResult, WireError, MAX_FRAME_BYTES,
+};
+use proptest::prelude::*;
+
+fn addr() -> impl Strategy<Value = Addr> {
+    (0u8..5, any::<u32>()).prop_map(|(r, index)| {
+        let role = [Role::Scheduler, Role::Worker, Role::Shard, Role::Router, Role::CacheManager][r as usize];
+        Addr { role, index }
+    })
+}
+
+fn rows() -> impl Strategy<Value = Vec<ExpertRows>> {
+    prop::collection::vec((any::<u32>(), 0u32..64).prop_map(|(expert, rows)| ExpertRows { expert, rows }), 0..6)
+}
+
+fn message() -> impl Strategy<Value = Message> {
+    prop_oneof![
+        (any::<u64>(), any::<u64>(), any::<u32>(), any::<u32>(), any::<u32>(), any::<u64>(), rows()).prop_map(
+            |(pass, step, layer, part, worker, epoch, experts)| {
+                Message::Dispatch(DispatchHeader { pass, step, layer, part, worker, epoch, experts })
+            }
+        ),
+        (any::<u64>(), any::<u32>(), rows(), ".{0,20}").prop_map(|(pass, layer, experts, why)| {
+            let status = if why.is_empty() { ResultStatus::Ok } else { ResultStatus::Invalid(why) };
+            Message::ExpertResult(ExpertResultHeader { pass, step: 1, layer, part: 0, shard: 2, status, experts })
+        }),
+        (
+            any::<u64>(),
+            prop::collection::vec(prop::collection::vec(any::<u32>(), 1..3), 0..8),
+            prop::collection::vec(any::<u32>(), 0..40)
+        )
+            .prop_map(|(step, replicas, tokens)| {
+                Message::StepRequest(StepRequest {
+                    step,
+                    attempt: 0,
+                    placement: PlacementWire { epoch: 3, devices: 4, replicas },
+                    items: vec![StepItem {
+                        seq: 9,
+                        position: 4,
+                        tokens,
+                        rebuild: false,
+                        sampling: Sampling { temperature: 0.5, top_p: 1.0, top_k: 0, seed: 1 },
+                    }],
+                    release: vec![1, 2],
+                    return_logits: true,
+                })
+            }),
+        (any::<u64>(), prop::collection::vec(any::<u64>(), 0..5), ".{0,10}").prop_map(|(step, ids, why)| {
+            let outcome = match ids.len() % 3 {
+                0 => StepOutcome::Failed(why),
+                1 => StepOutcome::NeedsHistory(ids),
+                _ => StepOutcome::Done(
+                    ids.iter().map(|&seq| SeqOutput { seq, token: 5, logprob: -0.5, position: 7 }).collect(),
+                ),
+            };
+            Message::StepResult(StepResult { step, attempt: 1, device: 0, outcome })
+        }),
+        (any::<u64>(), any::<bool>(), any::<u64>())
+            .prop_map(|(instance, restarted, time_ns)| Message::Heartbeat(Heartbeat { instance, restarted, time_ns })),
+        prop::collection::vec(any::<u32>(), 0..9)
+            .prop_map(|experts| Message::Control(Control::LoadExperts { epoch: 2, experts })),
+    ]
+}
+
+fn envelope() -> impl Strategy<Value = Envelope> {
+    (addr(), addr(), message()).prop_map(|(from, to, msg)| Envelope { from, to, msg })
+}
+
+/// A valid frame, with a body when its kind takes one.
+fn frame() -> impl Strategy<Value = (Envelope, Vec<f32>, Vec<u8>)> {
+    (envelope(), prop::collection::vec(any::<f32>(), 0..40)).prop_map(|(env, body)| {
+        let body = if env.msg.kind().has_body() { body } else { Vec::new() };
+        let bytes = encode(&env, &body).expect("encodes");
+        (env, body, bytes)
+    })
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    #[test]
+    fn valid_frames_round_trip((env, body, bytes) in frame()) {
+        let got = decode(&bytes).unwrap();
+        prop_assert_eq!(&got.envelope, &env);
+        prop_assert_eq!(bits(&got.body), bits(&body));
+        let streamed = read_frame(&mut &bytes[..], MAX_FRAME_BYTES).unwrap();
+        prop_assert_eq!(&streamed.envelope, &env);
+    }
+
+    #[test]
+    fn random_bytes_are_rejected_without_panic(bytes in prop::collection::vec(any::<u8>(), 0..600)) {
+        let _ = decode(&bytes);
+        let _ = read_frame(&mut &bytes[..], MAX_FRAME_BYTES);
+    }
+
+    /// Random bytes behind a plausible prefix and preamble reach the archive validator.
+    #[test]
+    fn random_headers_are_rejected_without_panic(
+        (_, _, good) in frame(),
+        junk in prop::collection::vec(any::<u8>(), 0..400),
+    ) {
+        let mut bytes = good[..20].to_vec();
+        let header_len = junk.len() as u32;
+        bytes[12..16].copy_from_slice(&header_len.to_le_bytes());
+        bytes[16..20].copy_from_slice(&0u32.to_le_bytes());
+        bytes.extend_from_slice(&junk);
+        let pad = (16 - (16 + junk.len()) % 16) % 16;
+        bytes.resize(bytes.len() + pad, 0);
+        let len = (bytes.len() - 4) as u32;
+        bytes[..4].copy_from_slice(&len.to_le_bytes());
+        let _ = decode(&bytes);
+        let _ = read_frame(&mut &bytes[..], MAX_FRAME_BYTES);
+    }
+
+    #[test]
+    fn corrupted_frames_never_panic(
+        (_, _, mut bytes) in frame(),
+        flips in prop::collection::vec((any::<prop::sample::Index>(), 1u8..=255), 1..8),
+    ) {
+        for (at, x) in flips {
+            let i = at.index(bytes.len());
+            bytes[i] ^= x;
+        }
+        let a = decode(&bytes);
+        let b = read_frame(&mut &bytes[..], MAX_FRAME_BYTES);
+        prop_assert_eq!(a.is_ok(), b.is_ok());
+    }
+
+    #[test]
+    fn truncated_frames_are_errors((_, _, bytes) in frame(), cut in any::<prop::sample::Index>()) {
+        let n = cut.index(bytes.len());
+        let short = &bytes[..n];
+        prop_assert!(decode(short).is_err());
+        let streamed = read_frame(&mut &short[..], MAX_FRAME_BYTES);
+        prop_assert!(matches!(streamed, Err(WireError::Truncated { .. })), "{:?}", streamed);
+    }
+
+    #[test]
+    fn trailing_bytes_are_errors((_, _, mut bytes) in frame(), extra in prop::collection::vec(any::<u8>(), 1..16)) {
+        bytes.extend_from_slice(&extra);
+        let got = decode(&bytes);
+        prop_assert!(matches!(got, Err(WireError::Trailing(_))), "{:?}", got);
+    }
+
+    /// A declared length over the limit is refused before anything is read or allocated.
+    #[test]
+    fn oversized_frames_are_refused_up_front((_, _, bytes) in frame(), len in (MAX_FRAME_BYTES + 1)..=u32::MAX) {
+        let mut big = bytes.clone();
+        big[..4].copy_from_slice(&len.to_le_bytes());
+        prop_assert_eq!(decode(&big), Err(WireError::TooLarge { len: len as u64, max: MAX_FRAME_BYTES }));
+        prop_assert_eq!(
+            read_frame(&mut &big[..], MAX_FRAME_BYTES),
+            Err(WireError::TooLarge { len: len as u64, max: MAX_FRAME_BYTES })
+        );
+        let limit = (bytes.len() - 5) as u32;
+        let limited = decode_with_limit(&bytes, limit);
+        prop_assert!(matches!(limited, Err(WireError::TooLarge { .. })), "{:?}", limited);
+    }
+}
+
+#[test]
+fn encoding_refuses_frames_over_the_limit() {
+    let env = Envelope {
+        from: Addr::worker(0),
+        to: Addr::shard(1),
+        msg: Message::Dispatch(DispatchHeader {
+            pass: 0,
+            step: 0,
+            layer: 0,
+            part: 0,
+            worker: 0,
+            epoch: 0,
+            experts: vec![ExpertRows { expert: 0, rows: 1 }],
+        }),
+    };
+    let body = vec![0f32; MAX_FRAME_BYTES as usize / 4];
+    assert!(matches!(encode(&env, &body), Err(WireError::TooLarge { .. })));
+}
