@@ -10,6 +10,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod engine;
+pub mod eplb;
 pub mod kv_pool;
 pub mod model;
 pub mod prefix_cache;
