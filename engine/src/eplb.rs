@@ -194,9 +194,9 @@ fn hierarchical(
     let group_load: Vec<f64> = (0..groups).map(|g| weight[g * group_size..(g + 1) * group_size].iter().sum()).collect();
     let (group_pack, group_rank) = balanced_packing(&group_load, nodes);
     let mut log_to_mlog = vec![0; logical];
-    for e in 0..logical {
+    for (e, m) in log_to_mlog.iter_mut().enumerate() {
         let g = e / group_size;
-        log_to_mlog[e] = (group_pack[g] * groups_per_node + group_rank[g]) * group_size + e % group_size;
+        *m = (group_pack[g] * groups_per_node + group_rank[g]) * group_size + e % group_size;
     }
     let mut mlog_to_log = vec![0; logical];
     for (e, &m) in log_to_mlog.iter().enumerate() {
@@ -272,7 +272,7 @@ mod tests {
         let load: Vec<Vec<f64>> =
             (0..3).map(|l| (0..16).map(|e| ((e * 7 + l * 5) % 11) as f64 + 0.5).collect()).collect();
         let p = rebalance(&load, 24, 4, 2, 8).unwrap();
-        for l in 0..3 {
+        for (l, layer_load) in load.iter().enumerate() {
             assert_eq!(p.replica_counts[l].iter().sum::<usize>(), 24);
             for (e, slots) in p.log_to_phy[l].iter().enumerate() {
                 assert_eq!(slots.len(), p.replica_counts[l][e]);
@@ -280,8 +280,8 @@ mod tests {
                     assert_eq!((p.phy_to_log[l][s], p.replica_rank[l][s]), (e, r));
                 }
             }
-            let loads = p.gpu_loads(l, &load[l]);
-            assert!((loads.iter().sum::<f64>() - load[l].iter().sum::<f64>()).abs() < 1e-9);
+            let loads = p.gpu_loads(l, layer_load);
+            assert!((loads.iter().sum::<f64>() - layer_load.iter().sum::<f64>()).abs() < 1e-9);
         }
     }
 
