@@ -9,6 +9,8 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod constraint;
+pub mod cost;
 pub mod engine;
 pub mod eplb;
 pub mod kv_pool;
