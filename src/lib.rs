@@ -4,3 +4,5 @@ pub mod cli;
 pub mod commands;
 pub mod generation;
 pub mod tokenizer;
+pub mod config_file;
+pub mod topology;

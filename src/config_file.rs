@@ -1,0 +1,110 @@
+//! Reading the TOML files users write (topologies, scenarios): every error
+//! names the file, the line and column, and the key.
+
+use std::fmt;
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
+
+/// An error in a user's file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileError {
+    pub file: String,
+    pub line: usize,
+    pub column: usize,
+    /// Dotted path of the key, when it can be named (`node.devices`).
+    pub key: Option<String>,
+    pub message: String,
+}
+
+impl fmt::Display for FileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}:{}: ", self.file, self.line, self.column)?;
+        if let Some(key) = &self.key {
+            write!(f, "key `{key}`: ")?;
+        }
+        write!(f, "{}", self.message)
+    }
+}
+
+impl std::error::Error for FileError {}
+
+/// Read and parse a TOML file into `T`.
+pub fn read_toml<T: DeserializeOwned>(path: &Path) -> Result<T, FileError> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| FileError {
+        file: file.clone(),
+        line: 0,
+        column: 0,
+        key: None,
+        message: format!("cannot read: {e}"),
+    })?;
+    parse_toml(&file, &text)
+}
+
+/// Parse TOML text into `T`; `file` names it in errors.
+pub fn parse_toml<T: DeserializeOwned>(file: &str, text: &str) -> Result<T, FileError> {
+    toml::from_str(text).map_err(|e| {
+        let span = e.span().unwrap_or(0..0);
+        let message = e.message().trim().to_string();
+        let (line, column) = line_column(text, span.start);
+        // A missing field's span is the enclosing table; its name is in the message.
+        let key = quoted_field(&message)
+            .filter(|_| message.starts_with("missing field"))
+            .map(|field| join(table_at(text, span.start), &field))
+            .or_else(|| key_at(text, span.start));
+        FileError { file: file.to_string(), line, column, key, message }
+    })
+}
+
+/// An error about a value that parsed but does not make sense, at `span`.
+pub fn value_error(file: &str, text: &str, span: std::ops::Range<usize>, message: impl Into<String>) -> FileError {
+    let (line, column) = line_column(text, span.start);
+    FileError { file: file.to_string(), line, column, key: key_at(text, span.start), message: message.into() }
+}
+
+/// 1-based line and column of a byte offset.
+pub fn line_column(text: &str, offset: usize) -> (usize, usize) {
+    let offset = offset.min(text.len());
+    let before = &text[..offset];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, column)
+}
+
+fn line_start(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())].rfind('\n').map_or(0, |i| i + 1)
+}
+
+/// The `[table]` or `[[array]]` header in force at `offset`.
+fn table_at(text: &str, offset: usize) -> Option<String> {
+    // Headers up to and including the line at `offset`.
+    let end = text[offset.min(text.len())..].find('\n').map_or(text.len(), |i| offset + i);
+    let upto = &text[..end];
+    upto.lines().rev().map(str::trim).find(|l| l.starts_with('[')).map(|l| l.trim_matches(|c| c == '[' || c == ']').trim().to_string())
+}
+
+/// The dotted key of the `key = value` line containing `offset`.
+fn key_at(text: &str, offset: usize) -> Option<String> {
+    let start = line_start(text, offset);
+    let line = text[start..].lines().next().unwrap_or("");
+    if line.trim_start().starts_with('[') {
+        return Some(line.trim().trim_matches(|c| c == '[' || c == ']').trim().to_string());
+    }
+    let (name, _) = line.split_once('=')?;
+    let name = name.trim().trim_matches('"');
+    (!name.is_empty()).then(|| join(table_at(text, offset), name))
+}
+
+fn join(table: Option<String>, key: &str) -> String {
+    match table {
+        Some(t) if !t.is_empty() => format!("{t}.{key}"),
+        _ => key.to_string(),
+    }
+}
+
+fn quoted_field(message: &str) -> Option<String> {
+    let start = message.find('`')? + 1;
+    let end = start + message[start..].find('`')?;
+    Some(message[start..end].to_string())
+}

@@ -1,0 +1,289 @@
+//! Topology files (`cluster-configs/*.toml`): the nodes of a cluster, their
+//! devices, the serving instances spread over them, the model and the API
+//! address. Errors name the file, line and key.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::config_file::{parse_toml, value_error, FileError};
+
+/// Most devices one node may declare.
+pub const MAX_DEVICES_PER_NODE: usize = 64;
+/// Most nodes in one topology.
+pub const MAX_NODES: usize = 1024;
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Cpu,
+    Cuda,
+    Ascend,
+    Simulated,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Prefill,
+    Decode,
+    Both,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Cluster {
+    pub name: String,
+    /// A Hugging Face model directory or `builtin:<preset>`.
+    pub model: String,
+    /// Where `deepinfer serve` listens (OpenAI/Anthropic API).
+    pub api_listen: Spanned<String>,
+    #[serde(default = "default_heartbeat_ms")]
+    pub heartbeat_ms: Spanned<u64>,
+    #[serde(default = "default_failure_timeout_ms")]
+    pub failure_timeout_ms: Spanned<u64>,
+    /// Directory of the cluster CA and node certificates (relative to the file).
+    #[serde(default)]
+    pub certs_dir: Option<String>,
+}
+
+fn default_heartbeat_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 200)
+}
+
+fn default_failure_timeout_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 1000)
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Node {
+    pub name: Spanned<String>,
+    /// `host:port` of the node's QUIC endpoint.
+    pub address: Spanned<String>,
+    pub devices: Spanned<usize>,
+    pub backend: Backend,
+    /// Hardware kind (`cpu`, `H800`, `H100`, `H200`, `B200`, `GB200`, `Ascend950`).
+    #[serde(default = "default_hardware")]
+    pub hardware: Spanned<String>,
+}
+
+fn default_hardware() -> Spanned<String> {
+    Spanned::new(0..0, "cpu".into())
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Instance {
+    pub name: Spanned<String>,
+    pub role: Role,
+    /// Nodes whose devices this instance uses, all of them.
+    pub nodes: Vec<Spanned<String>>,
+    /// Attention data-parallel degree (default: every device).
+    #[serde(default)]
+    pub attention_dp: Option<Spanned<usize>>,
+    /// Devices sharing the routed experts (default: every device).
+    #[serde(default)]
+    pub expert_parallel: Option<Spanned<usize>>,
+    #[serde(default)]
+    pub redundant_experts: usize,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Topology {
+    pub cluster: Cluster,
+    #[serde(rename = "node")]
+    pub nodes: Vec<Node>,
+    #[serde(rename = "instance")]
+    pub instances: Vec<Instance>,
+}
+
+impl Topology {
+    pub fn from_file(path: &Path) -> Result<Self, FileError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| FileError {
+            file: file.clone(),
+            line: 0,
+            column: 0,
+            key: None,
+            message: format!("cannot read: {e}"),
+        })?;
+        Self::parse(&file, &text)
+    }
+
+    /// Parse and check a topology; `file` names it in errors.
+    pub fn parse(file: &str, text: &str) -> Result<Self, FileError> {
+        let t: Topology = parse_toml(file, text)?;
+        let err = |span: std::ops::Range<usize>, message: String| value_error(file, text, span, message);
+
+        parse_addr(&t.cluster.api_listen).map_err(|m| err(t.cluster.api_listen.span(), m))?;
+        if *t.cluster.heartbeat_ms.get_ref() == 0 {
+            return Err(err(t.cluster.heartbeat_ms.span(), "must be at least 1".into()));
+        }
+        if t.cluster.failure_timeout_ms.get_ref() <= t.cluster.heartbeat_ms.get_ref() {
+            return Err(err(
+                t.cluster.failure_timeout_ms.span(),
+                format!("must exceed heartbeat_ms ({})", t.cluster.heartbeat_ms.get_ref()),
+            ));
+        }
+        if t.nodes.is_empty() || t.nodes.len() > MAX_NODES {
+            return Err(err(0..0, format!("a topology needs 1 to {MAX_NODES} [[node]] tables")));
+        }
+        let mut names = BTreeSet::new();
+        let mut addresses = BTreeSet::new();
+        for node in &t.nodes {
+            if !names.insert(node.name.get_ref().clone()) {
+                return Err(err(node.name.span(), format!("node `{}` is declared twice", node.name.get_ref())));
+            }
+            let addr = parse_addr(&node.address).map_err(|m| err(node.address.span(), m))?;
+            if !addresses.insert(addr) {
+                return Err(err(node.address.span(), format!("address {addr} is used by another node")));
+            }
+            let devices = *node.devices.get_ref();
+            if devices == 0 || devices > MAX_DEVICES_PER_NODE {
+                return Err(err(node.devices.span(), format!("must be 1 to {MAX_DEVICES_PER_NODE}")));
+            }
+            let hw = node.hardware.get_ref();
+            if hw != "cpu" && deepinfer_engine::cost::HardwareKind::from_name(hw).is_none() {
+                return Err(err(
+                    node.hardware.span(),
+                    format!("unknown hardware `{hw}` (cpu, H800, H100, H200, B200, GB200, Ascend950)"),
+                ));
+            }
+        }
+        if t.instances.is_empty() {
+            return Err(err(0..0, "a topology needs at least one [[instance]] table".into()));
+        }
+        let mut instance_names = BTreeSet::new();
+        let mut used = BTreeSet::new();
+        for inst in &t.instances {
+            if !instance_names.insert(inst.name.get_ref().clone()) {
+                return Err(err(inst.name.span(), format!("instance `{}` is declared twice", inst.name.get_ref())));
+            }
+            if inst.nodes.is_empty() {
+                return Err(err(inst.name.span(), "an instance needs at least one node".into()));
+            }
+            let mut devices = 0;
+            for n in &inst.nodes {
+                let Some(node) = t.nodes.iter().find(|x| x.name.get_ref() == n.get_ref()) else {
+                    return Err(err(n.span(), format!("unknown node `{}`", n.get_ref())));
+                };
+                if !used.insert(n.get_ref().clone()) {
+                    return Err(err(n.span(), format!("node `{}` already serves another instance", n.get_ref())));
+                }
+                devices += node.devices.get_ref();
+            }
+            for (value, what) in [(&inst.attention_dp, "attention_dp"), (&inst.expert_parallel, "expert_parallel")] {
+                if let Some(v) = value {
+                    let n = *v.get_ref();
+                    if n == 0 || n > devices || !devices.is_multiple_of(n) {
+                        return Err(err(
+                            v.span(),
+                            format!("{what} {n} must divide the instance's {devices} devices"),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(t)
+    }
+
+    /// The node called `name`.
+    pub fn node(&self, name: &str) -> Option<&Node> {
+        self.nodes.iter().find(|n| n.name.get_ref() == name)
+    }
+
+    pub fn total_devices(&self) -> usize {
+        self.nodes.iter().map(|n| *n.devices.get_ref()).sum()
+    }
+}
+
+fn parse_addr(value: &Spanned<String>) -> Result<SocketAddr, String> {
+    value.get_ref().parse().map_err(|_| format!("`{}` is not a host:port address (e.g. 127.0.0.1:7100)", value.get_ref()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[cluster]
+name = "two"
+model = "builtin:tiny-v4"
+api_listen = "127.0.0.1:8000"
+
+[[node]]
+name = "a"
+address = "127.0.0.1:7100"
+devices = 2
+backend = "cpu"
+
+[[node]]
+name = "b"
+address = "127.0.0.1:7101"
+devices = 2
+backend = "cpu"
+
+[[instance]]
+name = "main"
+role = "both"
+nodes = ["a", "b"]
+expert_parallel = 4
+"#;
+
+    #[test]
+    fn a_good_topology_parses() {
+        let t = Topology::parse("t.toml", GOOD).unwrap();
+        assert_eq!(t.total_devices(), 4);
+        assert_eq!(*t.cluster.failure_timeout_ms.get_ref(), 1000);
+        assert_eq!(t.instances[0].role, Role::Both);
+    }
+
+    #[test]
+    fn an_unknown_key_is_named_with_its_line() {
+        let text = GOOD.replace("devices = 2\nbackend = \"cpu\"\n\n[[instance]]", "devices = 2\nbackend = \"cpu\"\ngpus = 3\n\n[[instance]]");
+        let e = Topology::parse("t.toml", &text).unwrap_err();
+        assert_eq!((e.line, e.key.as_deref()), (18, Some("node.gpus")), "{e}");
+        assert!(e.to_string().starts_with("t.toml:18:1: key `node.gpus`: unknown field `gpus`"), "{e}");
+    }
+
+    #[test]
+    fn a_wrong_type_is_named_with_its_line() {
+        let text = GOOD.replacen("devices = 2", "devices = \"two\"", 1);
+        let e = Topology::parse("t.toml", &text).unwrap_err();
+        assert_eq!((e.line, e.key.as_deref()), (10, Some("node.devices")), "{e}");
+        assert!(e.message.contains("invalid type"), "{e}");
+    }
+
+    #[test]
+    fn a_missing_node_is_named_with_its_line() {
+        let text = GOOD.replace("nodes = [\"a\", \"b\"]", "nodes = [\"a\", \"c\"]");
+        let e = Topology::parse("t.toml", &text).unwrap_err();
+        assert_eq!((e.line, e.key.as_deref()), (22, Some("instance.nodes")), "{e}");
+        assert!(e.message.contains("unknown node `c`"), "{e}");
+    }
+
+    #[test]
+    fn a_missing_key_is_named() {
+        let text = GOOD.replace("model = \"builtin:tiny-v4\"\n", "");
+        let e = Topology::parse("t.toml", &text).unwrap_err();
+        assert_eq!(e.key.as_deref(), Some("cluster.model"), "{e}");
+    }
+
+    #[test]
+    fn values_that_do_not_fit_are_refused() {
+        for (from, to, needle) in [
+            ("expert_parallel = 4", "expert_parallel = 3", "must divide"),
+            ("address = \"127.0.0.1:7101\"", "address = \"127.0.0.1:7100\"", "used by another node"),
+            ("api_listen = \"127.0.0.1:8000\"", "api_listen = \"localhost\"", "not a host:port"),
+            ("backend = \"cpu\"", "backend = \"tpu\"", "unknown variant"),
+        ] {
+            let e = Topology::parse("t.toml", &GOOD.replacen(from, to, 1)).unwrap_err();
+            assert!(e.to_string().contains(needle), "{from}: {e}");
+        }
+    }
+}
