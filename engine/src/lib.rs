@@ -9,7 +9,6 @@
 
 pub mod checkpoint;
 pub mod config;
-pub mod constraint;
 pub mod cost;
 pub mod engine;
 pub mod eplb;
