@@ -19,3 +19,4 @@ pub mod presets;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
+pub mod traffic;
