@@ -175,7 +175,7 @@ impl Synthetic {
                     }
                 }
             };
-            if !(rate > 0.0) {
+            if rate.is_nan() || rate <= 0.0 {
                 break;
             }
             t += -(1.0 - next_u()).ln() / rate;
