@@ -5,10 +5,14 @@
 
 use deepinfer_kernels::linear::dot;
 use deepinfer_kernels::ops::{rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope};
+use rayon::prelude::*;
 
 use super::state::{CompressorState, LayerState};
 use super::weights::{Attention, Compressor};
 use crate::config::ModelConfig;
+
+/// Chunks at least this long attend their tokens in parallel.
+const PARALLEL_TOKENS_MIN: usize = 16;
 
 /// The tokens of one sequence inside the flat batch.
 #[derive(Clone, Copy, Debug)]
@@ -216,7 +220,9 @@ pub fn forward(
         let first_key_position = seg.position - cached;
         let entries = st.compressor.as_ref().map(|c| &c.entries[..]);
         let index_entries = st.indexer.as_ref().map(|c| &c.entries[..]);
-        for i in 0..seg.len {
+        // Each query token is independent once the keys exist; large chunks
+        // spread them over threads (each row's arithmetic is unchanged).
+        let attend_token = |i: usize, out_row: &mut [f32]| {
             let t = seg.start + i;
             let pos = seg.position + i;
             let lo = (pos + 1).saturating_sub(window).max(first_key_position);
@@ -242,17 +248,16 @@ pub fn forward(
             };
             let nw = window_keys.len() / hd;
             let mut logits = vec![0.0f32; nw + selected.len()];
-            for head in 0..h {
+            let e = entries.unwrap_or(&[]);
+            for (head, out) in out_row.chunks_exact_mut(hd).enumerate() {
                 let qh = &q[t * h * hd + head * hd..][..hd];
                 for (j, k) in window_keys.chunks_exact(hd).enumerate() {
                     logits[j] = dot(qh, k) * scale;
                 }
-                let e = entries.unwrap_or(&[]);
                 for (j, &w) in selected.iter().enumerate() {
                     logits[nw + j] = dot(qh, &e[w * hd..(w + 1) * hd]) * scale;
                 }
                 softmax_with_sink(&mut logits, a.sink[head]);
-                let out = &mut attn_out[t * h * hd + head * hd..][..hd];
                 for (j, k) in window_keys.chunks_exact(hd).enumerate() {
                     let p = logits[j];
                     out.iter_mut().zip(k).for_each(|(o, v)| *o += p * v);
@@ -263,6 +268,12 @@ pub fn forward(
                 }
                 angles.apply_inverse(t, out);
             }
+        };
+        let rows = &mut attn_out[seg.start * h * hd..(seg.start + seg.len) * h * hd];
+        if seg.len >= PARALLEL_TOKENS_MIN {
+            rows.par_chunks_mut(h * hd).enumerate().for_each(|(i, row)| attend_token(i, row));
+        } else {
+            rows.chunks_mut(h * hd).enumerate().for_each(|(i, row)| attend_token(i, row));
         }
         // Keep the last `window − 1` keys for the next step.
         let total = keys.len() / hd;

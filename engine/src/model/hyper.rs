@@ -49,13 +49,12 @@ pub fn post(mixes: &[Mix], cfg: &ModelConfig, output: &[f32], streams: &mut [f32
         let s = &mut streams[t * hc * d..(t + 1) * hc * d];
         let o = &output[t * d..(t + 1) * d];
         for k in 0..hc {
+            // Per element: post·o first, then the streams in order (contiguous, so it vectorises).
             let dst = &mut mixed[k * d..(k + 1) * d];
-            for (c, v) in dst.iter_mut().enumerate() {
-                let mut acc = mix.post[k] * o[c];
-                for j in 0..hc {
-                    acc += mix.comb[j * hc + k] * s[j * d + c];
-                }
-                *v = acc;
+            dst.iter_mut().zip(o).for_each(|(v, &x)| *v = mix.post[k] * x);
+            for j in 0..hc {
+                let w = mix.comb[j * hc + k];
+                dst.iter_mut().zip(&s[j * d..(j + 1) * d]).for_each(|(v, &x)| *v += w * x);
             }
         }
         s.copy_from_slice(&mixed);
@@ -87,11 +86,8 @@ fn normalized_flat(streams: &[f32], n: usize, width: usize, eps: f32) -> Vec<f32
 
 fn collapse(pre: &[f32], streams: &[f32], out: &mut [f32]) {
     let d = out.len();
-    for (c, v) in out.iter_mut().enumerate() {
-        let mut acc = 0.0f32;
-        for (j, p) in pre.iter().enumerate() {
-            acc += p * streams[j * d + c];
-        }
-        *v = acc;
+    out.fill(0.0);
+    for (j, &p) in pre.iter().enumerate() {
+        out.iter_mut().zip(&streams[j * d..(j + 1) * d]).for_each(|(v, &x)| *v += p * x);
     }
 }
