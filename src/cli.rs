@@ -1,4 +1,4 @@
-//! The command line: `deepinfer model init`, `deepinfer generate`.
+//! The command line: `deepinfer model init`, `deepinfer generate`, `deepinfer serve`.
 
 use std::path::PathBuf;
 
@@ -22,6 +22,8 @@ pub enum Command {
     },
     /// Generate a completion for a prompt, or for every request of a JSON Lines file, offline.
     Generate(GenerateArgs),
+    /// Serve the OpenAI (Chat Completions, Responses) and Anthropic (Messages) HTTP APIs.
+    Serve(commands::serve::ServeArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -97,6 +99,14 @@ pub struct GenerateArgs {
     /// Batch mode: prefix cache: `exact` (bit-identical to a cold run), `bounded` (replays one window, faster) or `off`.
     #[arg(long, default_value = "exact", value_parser = ["off", "exact", "bounded"])]
     pub prefix_cache: String,
+    /// Devices to run on: more than 1 runs the in-process actor cluster
+    /// (one GPU worker and one expert shard per device); the output is the same.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub devices: u32,
+    /// Expert-parallel degree with --devices (divides it; default: --devices): the routed
+    /// experts are cut into this many groups, each on devices/E devices.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub expert_parallel: Option<u32>,
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -106,5 +116,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             Some(_) => commands::batch::run(&args),
             None => commands::generate::run(&args),
         },
+        Command::Serve(args) => commands::serve::run(&args),
     }
 }

@@ -2,8 +2,10 @@
 //! single-sequence offline generation.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{bail, Context};
+use deepinfer_actors::{ClusterConfig, LocalCluster, Update};
 use deepinfer_engine::engine::{Engine, EngineConfig};
 use deepinfer_engine::model::Model;
 use deepinfer_engine::prefix_cache::PrefixMode;
@@ -84,6 +86,53 @@ pub fn generate(
             if let Some(done) = update.finished {
                 finish = done.reason;
             }
+        }
+    }
+    if let FinishReason::Error(message) = finish {
+        bail!("generation failed: {message}");
+    }
+    Ok(Completion { prompt_tokens: prompt.to_vec(), tokens, finish })
+}
+
+/// Start the in-process cluster of `--devices N --expert-parallel E` (E
+/// defaults to N) with `engine` as every scheduler's policy; the model moves
+/// into it, shared by every device.
+pub fn start_cluster(
+    model: Model,
+    devices: u32,
+    expert_parallel: Option<u32>,
+    engine: EngineConfig,
+) -> anyhow::Result<LocalCluster> {
+    let ep = expert_parallel.unwrap_or(devices);
+    let mut cfg = ClusterConfig::new(devices, ep);
+    cfg.engine = engine;
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(devices as usize);
+    LocalCluster::start(Arc::new(model), cfg, threads)
+        .with_context(|| format!("cannot start {devices} devices with expert parallelism {ep}"))
+}
+
+/// [`generate`] on a cluster: the same tokens, bit for bit.
+pub fn generate_on_cluster(
+    cluster: &mut LocalCluster,
+    prompt: &[u32],
+    params: &SamplingParams,
+    max_tokens: usize,
+    mut on_token: impl FnMut(u32),
+) -> anyhow::Result<Completion> {
+    let id = cluster.submit(Request::new(prompt.to_vec(), max_tokens).with_params(params.clone()));
+    let mut tokens = Vec::new();
+    let mut finish = FinishReason::Length;
+    while let Some(update) = cluster.next_update() {
+        match update {
+            Update::Tokens { id: i, tokens: new } if i == id => {
+                for t in new {
+                    tokens.push(t.token);
+                    on_token(t.token);
+                }
+            }
+            Update::Finished { id: i, finished } if i == id => finish = finished.reason,
+            Update::Refused { id: i, reason } if i == id => bail!("{reason}"),
+            _ => {}
         }
     }
     if let FinishReason::Error(message) = finish {

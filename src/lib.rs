@@ -1,5 +1,6 @@
 //! The deepinfer program: CLI, files users write, launcher.
 
+pub mod api;
 pub mod cli;
 pub mod commands;
 pub mod generation;

@@ -1,48 +1,67 @@
-//! A cluster of N devices with expert parallelism, and a small driver that
-//! plays the scheduler's part for a fixed batch of prompts: it assigns each
-//! request to a worker (attention data parallelism), runs lock-step steps,
-//! re-sends what times out, rebuilds what a restarted worker lost, and ends
-//! a request with an error when its step cannot be completed.
+//! A cluster of N devices with expert parallelism, serving requests: the
+//! supervision tree of every actor, and the client that submits requests to
+//! the router and collects their output.
 //!
 //! ```text
-//! ClusterSupervisor ── NodeSupervisor × nodes ── ExpertShard × devices of the node
-//!                                             └─ GpuWorker  × devices of the node
+//! ClusterSupervisor
+//! └── NodeSupervisor × nodes
+//!     ├── CacheManager                       prefix index and block values of the node's instances
+//!     ├── Router                             (node 0) picks an instance, records requests in flight
+//!     ├── ExpertShard × devices of the node
+//!     ├── GpuWorker   × devices of the node
+//!     └── Scheduler   × instances homed on the node (the engine's batching policy)
 //! ```
+//!
+//! The client speaks the same protocol to the router as the router to a
+//! scheduler (see [`crate::wire::Submit`]): it keeps each request's tokens,
+//! submits again after a silence, a gap or a router restart, and ends a
+//! request with an error when the cluster gives up or stops answering.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
+use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::model::Model;
-use deepinfer_engine::sampling::SamplingParams;
+use deepinfer_engine::request::{FinishReason, Finished, Request, TokenOutput};
+use deepinfer_engine::scheduler::{EngineConfig, Scheduler as Policy};
 use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::cache::{CacheArgs, CacheManager};
 use crate::clock::{Clock, RealClock, SimClock};
-use crate::ctx::{Ctx, Timeouts};
+use crate::ctx::{Ctx, Timeouts, Topology};
 use crate::events::{bump, EventLog, Metrics, MetricsSnapshot};
 use crate::faults::{FaultPlan, Faults};
 use crate::placement::{Placement, PlacementError};
 use crate::rng::Seed;
+use crate::router::{Router, RouterArgs};
+use crate::scheduler::{Scheduler, SchedulerArgs};
 use crate::shard::{ExpertShard, ShardArgs};
 use crate::sim::{FabricConfig, NodeOf, SimFabric};
 use crate::supervisor::{
     ChildKind, ChildSpec, Intensity, StartFn, Supervisor, SupervisorArgs, SupervisorEnv, SupervisorMsg,
 };
 use crate::transport::{InProcess, Inbox, Transport, DEFAULT_QUEUE};
-use crate::wire::{Addr, Control, Message, Role, Sampling, StepItem, StepOutcome, StepRequest, StepResult};
+use crate::wire::{Addr, FinishKind, Message, OutputEnd, RequestSpec, Role, Sampling, Submit};
 use crate::worker::{GpuWorker, WorkerArgs};
 
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {
     pub devices: u32,
+    /// Expert-parallel degree inside each instance.
     pub expert_parallel: u32,
     pub devices_per_node: u32,
-    /// The initial table; by default `Placement::expert_parallel`.
+    /// Serving instances the devices are split into, each with its own
+    /// scheduler and its own copy of the experts.
+    pub instances: u32,
+    /// The batching policy of every instance's scheduler.
+    pub engine: EngineConfig,
+    /// The initial table of each instance (instance-local devices); by default `Placement::expert_parallel`.
     pub placement: Option<Placement>,
-    /// Tables to switch to before the given step of a `generate` call (0-based).
+    /// Tables to switch to before the given step of every instance (0-based).
     pub placement_changes: Vec<(u64, Placement)>,
     pub node_intensity: Intensity,
     pub cluster_intensity: Intensity,
@@ -52,7 +71,7 @@ pub struct ClusterConfig {
     pub faults: Option<FaultPlan>,
     /// Used by the simulated fabric only.
     pub fabric: FabricConfig,
-    /// Return every sampled row's logits.
+    /// Return every generated token's logits.
     pub return_logits: bool,
     /// Event-log lines kept for inspection (all are digested).
     pub keep_events: usize,
@@ -64,6 +83,8 @@ impl ClusterConfig {
             devices,
             expert_parallel,
             devices_per_node: 8,
+            instances: 1,
+            engine: EngineConfig::default(),
             placement: None,
             placement_changes: Vec::new(),
             node_intensity: Intensity::new(3, Duration::from_secs(5)),
@@ -77,34 +98,38 @@ impl ClusterConfig {
         }
     }
 
-    pub fn nodes(&self) -> u32 {
-        self.devices.div_ceil(self.devices_per_node.max(1))
+    pub fn topology(&self) -> Topology {
+        Topology { devices: self.devices, per_node: self.devices_per_node.max(1), instances: self.instances.max(1) }
     }
 
-    /// Which node an address lives on (schedulers and routers on node 0).
+    pub fn nodes(&self) -> u32 {
+        self.topology().nodes()
+    }
+
+    /// Which node an address lives on.
     pub fn node_of(&self) -> NodeOf {
-        let per = self.devices_per_node.max(1);
+        let topo = self.topology();
         Arc::new(move |a: Addr| match a.role {
-            Role::Worker | Role::Shard => a.index / per,
-            _ => 0,
+            Role::Worker | Role::Shard => topo.node_of_device(a.index),
+            Role::Scheduler => topo.home_node(a.index),
+            Role::CacheManager => a.index,
+            Role::Router | Role::Client => 0,
         })
     }
 }
 
-/// A prompt to complete.
-#[derive(Clone, Debug, PartialEq)]
-pub struct GenRequest {
-    pub prompt: Vec<u32>,
-    pub max_tokens: usize,
-    pub params: SamplingParams,
-}
+/// A request to complete: the engine's own request type.
+pub type GenRequest = Request;
 
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Generated {
     pub tokens: Vec<u32>,
     pub logprobs: Vec<f32>,
-    /// One row per generated token when `return_logits`.
+    /// One row per generated token when logits were asked for.
     pub logits: Vec<Vec<f32>>,
+    /// The most likely alternatives of each token (`params.logprobs` of them).
+    pub top: Vec<Vec<(u32, f32)>>,
+    pub finished: Option<Finished>,
 }
 
 /// Why a request ended without completing, and what it had produced.
@@ -115,18 +140,29 @@ pub struct RequestFailed {
     pub tokens: Vec<u32>,
 }
 
+/// What the cluster reports about a request, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Update {
+    /// New tokens, in order, none repeated.
+    Tokens { id: u64, tokens: Vec<TokenOutput> },
+    /// The request ended (an error names why); nothing follows.
+    Finished { id: u64, finished: Finished },
+    /// The request can never run (the engine's validation): why.
+    Refused { id: u64, reason: String },
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
     #[error(transparent)]
     Placement(#[from] PlacementError),
-    #[error("placement has {got} devices, the cluster {want}")]
+    #[error("placement has {got} devices, an instance {want}")]
     PlacementDevices { got: u32, want: u32 },
+    #[error("{devices} devices cannot be split into {instances} instances")]
+    Instances { devices: u32, instances: u32 },
+    #[error("engine configuration: {0}")]
+    Engine(String),
     #[error("cannot start the cluster: {0}")]
     Start(String),
-    #[error("placement epoch {epoch} not acknowledged by shards {devices:?}")]
-    PlacementNotAcknowledged { epoch: u64, devices: Vec<u32> },
-    #[error("cluster down: {0}")]
-    Down(String),
     #[error("runtime: {0}")]
     Runtime(String),
 }
@@ -147,73 +183,102 @@ pub struct RunReport {
     pub digest: u64,
     pub events: u64,
     pub log: Vec<String>,
+    /// Steps started by all schedulers.
     pub steps: u64,
     /// Clock time of the run: virtual in simulation.
     pub elapsed: Duration,
 }
 
-struct Seq {
-    index: usize,
-    device: u32,
-    history: Vec<u32>,
-    fed: usize,
-    max_tokens: usize,
-    sampling: Sampling,
-    out: Generated,
-    rebuild: bool,
-}
-
-struct Pending {
-    seqs: Vec<u64>,
-    attempt: u32,
+struct Outstanding {
+    spec: RequestSpec,
+    tokens: Vec<u32>,
+    cancelled: bool,
+    attempts: u32,
     deadline: Duration,
 }
 
+/// The client of a running cluster.
 pub struct Cluster {
     ctx: Arc<Ctx>,
-    cfg: ClusterConfig,
     addr: Addr,
     inbox: Inbox,
     root: ActorRef<SupervisorMsg>,
     root_done: JoinHandle<()>,
     down_rx: mpsc::UnboundedReceiver<String>,
     down: Option<String>,
-    placement: Placement,
-    step: u64,
-    next_seq: u64,
+    next_id: u64,
+    outstanding: BTreeMap<u64, Outstanding>,
+    ready: VecDeque<Update>,
 }
 
-fn worker_spec(device: u32, ctx: &Arc<Ctx>) -> ChildSpec {
+type Spawn<A> = fn(u32, u32, Arc<Ctx>) -> <A as Actor>::Arguments;
+
+/// A child that (re)starts actor `A` with `args(index, incarnation, ctx)`.
+fn spec<A>(name: String, kind: ChildKind, index: u32, ctx: &Arc<Ctx>, actor: fn() -> A, args: Spawn<A>) -> ChildSpec
+where
+    A: Actor,
+{
     let ctx = Arc::clone(ctx);
     let start: StartFn = Arc::new(move |parent, incarnation| {
-        let args = WorkerArgs { device, incarnation, ctx: Arc::clone(&ctx) };
-        Box::pin(async move { GpuWorker::spawn_linked(None, GpuWorker, args, parent).await.map(|(a, _)| a.get_cell()) })
+        let a = args(index, incarnation, Arc::clone(&ctx));
+        Box::pin(async move { A::spawn_linked(None, actor(), a, parent).await.map(|(r, _)| r.get_cell()) })
     });
-    ChildSpec { name: format!("worker{device}"), kind: ChildKind::Worker, start }
+    ChildSpec { name, kind, start }
 }
 
-fn shard_spec(device: u32, ctx: &Arc<Ctx>) -> ChildSpec {
-    let ctx = Arc::clone(ctx);
-    let start: StartFn = Arc::new(move |parent, incarnation| {
-        let args = ShardArgs { device, incarnation, ctx: Arc::clone(&ctx) };
-        Box::pin(
-            async move { ExpertShard::spawn_linked(None, ExpertShard, args, parent).await.map(|(a, _)| a.get_cell()) },
-        )
-    });
-    ChildSpec { name: format!("shard{device}"), kind: ChildKind::Shard, start }
-}
-
-fn node_spec(
-    node: u32,
-    devices: std::ops::Range<u32>,
-    ctx: &Arc<Ctx>,
-    intensity: Intensity,
-    env: SupervisorEnv,
-) -> ChildSpec {
+fn node_spec(node: u32, ctx: &Arc<Ctx>, intensity: Intensity, env: SupervisorEnv) -> ChildSpec {
     let ctx = Arc::clone(ctx);
     let start: StartFn = Arc::new(move |parent, _| {
-        let mut children: Vec<ChildSpec> = devices.clone().map(|d| shard_spec(d, &ctx)).collect();
-        children.extend(devices.clone().map(|d| worker_spec(d, &ctx)));
+        let topo = ctx.topology;
+        let devices = node * topo.per_node..((node + 1) * topo.per_node).min(topo.devices);
+        let mut children = vec![spec(
+            format!("cache{node}"),
+            ChildKind::CacheManager,
+            node,
+            &ctx,
+            || CacheManager,
+            |node, incarnation, ctx| CacheArgs { node, incarnation, ctx },
+        )];
+        if node == 0 {
+            children.push(spec(
+                "router0".into(),
+                ChildKind::Router,
+                0,
+                &ctx,
+                || Router,
+                |_, incarnation, ctx| RouterArgs { incarnation, ctx },
+            ));
+        }
+        children.extend(devices.clone().map(|d| {
+            spec(
+                format!("shard{d}"),
+                ChildKind::Shard,
+                d,
+                &ctx,
+                || ExpertShard,
+                |device, incarnation, ctx| ShardArgs { device, incarnation, ctx },
+            )
+        }));
+        children.extend(devices.clone().map(|d| {
+            spec(
+                format!("worker{d}"),
+                ChildKind::Worker,
+                d,
+                &ctx,
+                || GpuWorker,
+                |device, incarnation, ctx| WorkerArgs { device, incarnation, ctx },
+            )
+        }));
+        children.extend(topo.instances_on(node).into_iter().map(|i| {
+            spec(
+                format!("scheduler{i}"),
+                ChildKind::Scheduler,
+                i,
+                &ctx,
+                || Scheduler,
+                |instance, incarnation, ctx| SchedulerArgs { instance, incarnation, ctx },
+            )
+        }));
         let args =
             SupervisorArgs { name: format!("node{node}"), children, intensity, env: env.clone(), on_give_up: None };
         Box::pin(
@@ -223,23 +288,39 @@ fn node_spec(
     ChildSpec { name: format!("node{node}"), kind: ChildKind::Supervisor, start }
 }
 
+fn finish_reason(k: FinishKind) -> FinishReason {
+    match k {
+        FinishKind::Stop => FinishReason::Stop,
+        FinishKind::Length => FinishReason::Length,
+        FinishKind::Cancelled => FinishReason::Cancelled,
+        FinishKind::Error(e) => FinishReason::Error(e),
+    }
+}
+
 impl Cluster {
-    /// Start the supervision tree and every worker and shard.
+    /// Check the configuration and start the supervision tree and every actor.
     pub async fn start(model: Arc<Model>, cfg: ClusterConfig, env: Env) -> Result<Self, ClusterError> {
+        let topo = cfg.topology();
+        if cfg.devices == 0 || cfg.instances == 0 || !cfg.devices.is_multiple_of(cfg.instances) {
+            return Err(ClusterError::Instances { devices: cfg.devices, instances: cfg.instances });
+        }
+        Policy::new(&model.config, cfg.engine.clone()).map_err(|e| ClusterError::Engine(e.to_string()))?;
         let experts = model.config.n_routed_experts;
+        let per_instance = topo.per_instance();
         let placement = match &cfg.placement {
             Some(p) => p.clone(),
-            None => Placement::expert_parallel(experts as u32, cfg.devices, cfg.expert_parallel)?,
+            None => Placement::expert_parallel(experts as u32, per_instance, cfg.expert_parallel)?,
         };
         placement.check_experts(experts)?;
-        if placement.devices() != cfg.devices {
-            return Err(ClusterError::PlacementDevices { got: placement.devices(), want: cfg.devices });
-        }
-        for (_, p) in &cfg.placement_changes {
+        for p in std::iter::once(&placement).chain(cfg.placement_changes.iter().map(|(_, p)| p)) {
             p.check_experts(experts)?;
+            if p.devices() != per_instance {
+                return Err(ClusterError::PlacementDevices { got: p.devices(), want: per_instance });
+            }
         }
         let timeouts =
             cfg.timeouts.unwrap_or(if env.clock.is_virtual() { Timeouts::simulated() } else { Timeouts::real() });
+        let block_tokens = cfg.engine.block_tokens.unwrap_or_else(|| KvLayout::default_block_tokens(&model.config));
         let ctx = Arc::new(Ctx {
             model,
             transport: env.transport,
@@ -248,21 +329,25 @@ impl Cluster {
             metrics: env.metrics,
             faults: env.faults,
             timeouts,
-            placement: Arc::new(RwLock::new(placement.clone())),
+            topology: topo,
+            placements: (0..topo.instances).map(|_| RwLock::new(placement.clone())).collect(),
+            placement_changes: cfg.placement_changes.clone(),
+            engine: cfg.engine.clone(),
+            block_tokens,
+            return_logits: cfg.return_logits,
+            steps: (0..topo.instances).map(|_| AtomicU64::new(0)).collect(),
+            root: OnceLock::new(),
             instances: AtomicU64::new(0),
             up: AtomicBool::new(false),
         });
-        let addr = Addr::scheduler(0);
+        let addr = Addr::client(0);
         let inbox = ctx.transport.bind(addr);
         let senv = SupervisorEnv {
             clock: Arc::clone(&ctx.clock),
             events: Arc::clone(&ctx.events),
             metrics: Arc::clone(&ctx.metrics),
         };
-        let per = cfg.devices_per_node.max(1);
-        let nodes = (0..cfg.nodes())
-            .map(|n| node_spec(n, n * per..((n + 1) * per).min(cfg.devices), &ctx, cfg.node_intensity, senv.clone()))
-            .collect();
+        let nodes = (0..topo.nodes()).map(|n| node_spec(n, &ctx, cfg.node_intensity, senv.clone())).collect();
         let (tx, down_rx) = mpsc::unbounded_channel();
         let args = SupervisorArgs {
             name: "cluster".into(),
@@ -273,325 +358,314 @@ impl Cluster {
         };
         let (root, root_done) =
             Supervisor::spawn(None, Supervisor, args).await.map_err(|e| ClusterError::Start(e.to_string()))?;
+        let _ = ctx.root.set(root.get_cell());
         ctx.up.store(true, Ordering::Relaxed);
         ctx.events.record(format_args!(
-            "cluster up: {} devices, expert parallel {}, {} nodes, {} transport",
+            "cluster up: {} devices, {} instances, expert parallel {}, {} nodes, {} transport",
             cfg.devices,
+            topo.instances,
             cfg.expert_parallel,
-            cfg.nodes(),
+            topo.nodes(),
             ctx.transport.name()
         ));
-        Ok(Self { ctx, cfg, addr, inbox, root, root_done, down_rx, down: None, placement, step: 0, next_seq: 0 })
-    }
-
-    pub fn placement(&self) -> &Placement {
-        &self.placement
+        Ok(Self {
+            ctx,
+            addr,
+            inbox,
+            root,
+            root_done,
+            down_rx,
+            down: None,
+            next_id: 0,
+            outstanding: BTreeMap::new(),
+            ready: VecDeque::new(),
+        })
     }
 
     pub fn metrics(&self) -> MetricsSnapshot {
         self.ctx.metrics.snapshot()
     }
 
-    /// Switch to `p` (its epoch is set here): every shard loads its experts and
-    /// acknowledges before the next step runs.
-    pub async fn set_placement(&mut self, p: Placement) -> Result<(), ClusterError> {
-        p.check_experts(self.ctx.model.config.n_routed_experts)?;
-        if p.devices() != self.cfg.devices {
-            return Err(ClusterError::PlacementDevices { got: p.devices(), want: self.cfg.devices });
-        }
-        let epoch = self.placement.epoch() + 1;
-        let p = p.with_epoch(epoch);
-        *self.ctx.placement.write().unwrap_or_else(|e| e.into_inner()) = p.clone();
-        self.ctx.events.record(format_args!("placement epoch {epoch}"));
-        let mut waiting: BTreeSet<u32> = (0..self.cfg.devices).collect();
-        for _ in 0..self.ctx.timeouts.control_attempts {
-            for &d in &waiting {
-                let msg = Message::Control(Control::LoadExperts { epoch, experts: p.experts_on(d) });
-                self.ctx.send(self.addr, Addr::shard(d), msg, &[]);
-            }
-            let deadline = self.ctx.clock.now() + self.ctx.timeouts.control;
-            while !waiting.is_empty() {
-                let wait = deadline.saturating_sub(self.ctx.clock.now());
-                if wait.is_zero() {
-                    break;
-                }
-                tokio::select! {
-                    biased;
-                    Some(why) = self.down_rx.recv() => {
-                        self.down = Some(why.clone());
-                        return Err(ClusterError::Down(why));
-                    }
-                    d = self.inbox.recv() => {
-                        let Some(d) = d else { return Err(ClusterError::Down("transport closed".into())) };
-                        if let Some(m) = self.ctx.open(self.addr, &d) {
-                            if let Message::Control(Control::Loaded { epoch: e, device }) = m.envelope.msg {
-                                if e == epoch {
-                                    waiting.remove(&device);
-                                }
-                            }
-                        }
-                    }
-                    _ = self.ctx.clock.sleep(wait) => {}
-                }
-            }
-            if waiting.is_empty() {
-                self.placement = p;
-                return Ok(());
-            }
-        }
-        Err(ClusterError::PlacementNotAcknowledged { epoch, devices: waiting.into_iter().collect() })
+    /// The current expert placement of `instance`.
+    pub fn placement(&self, instance: u32) -> Placement {
+        self.ctx.placement(instance)
     }
 
-    fn send_step(
-        &self,
-        device: u32,
-        step: u64,
-        attempt: u32,
-        p: &Pending,
-        active: &BTreeMap<u64, Seq>,
-        release: &[u64],
-    ) {
-        let items = p
-            .seqs
-            .iter()
-            .map(|id| {
-                let s = &active[id];
-                let (position, tokens) =
-                    if s.rebuild { (0, s.history.clone()) } else { (s.fed, s.history[s.fed..].to_vec()) };
-                StepItem {
-                    seq: *id,
-                    position: position as u64,
-                    tokens,
-                    rebuild: s.rebuild,
-                    sampling: s.sampling.clone(),
-                }
-            })
-            .collect();
-        let req = StepRequest {
-            step,
-            attempt,
-            placement: self.placement.to_wire(),
-            items,
-            release: release.to_vec(),
-            return_logits: self.cfg.return_logits,
+    /// Steps started by all schedulers.
+    pub fn steps(&self) -> u64 {
+        self.ctx.total_steps()
+    }
+
+    /// Requests submitted and not yet reported finished.
+    pub fn outstanding(&self) -> usize {
+        self.outstanding.len()
+    }
+
+    /// Why the cluster went down, if it did.
+    pub fn down_reason(&self) -> Option<&str> {
+        self.down.as_deref()
+    }
+
+    fn send_submit(&self, o: &Outstanding) {
+        let msg = if o.cancelled {
+            Message::Cancel { id: o.spec.id }
+        } else {
+            Message::Submit(Submit { spec: o.spec.clone(), generated: o.tokens.clone() })
         };
-        self.ctx.send(self.addr, Addr::worker(device), Message::StepRequest(req), &[]);
+        self.ctx.send(self.addr, Addr::router(0), msg, &[]);
+    }
+
+    /// Submit a request; its id names it in every [`Update`].
+    pub fn submit(&mut self, request: Request) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let p = &request.params;
+        let spec = RequestSpec {
+            id,
+            prompt: request.prompt,
+            max_tokens: request.max_tokens.min(u32::MAX as usize) as u32,
+            sampling: Sampling {
+                temperature: p.temperature,
+                top_p: p.top_p,
+                top_k: p.top_k.min(u32::MAX as usize) as u32,
+                seed: p.seed,
+                logprobs: p.logprobs.min(u32::MAX as usize) as u32,
+            },
+            stop_token_ids: request.stop_token_ids,
+            stop_sequences: request.stop_sequences,
+            ignore_eos: request.ignore_eos,
+            logits: request.return_logits || self.ctx.return_logits,
+        };
+        let o = Outstanding {
+            spec,
+            tokens: Vec::new(),
+            cancelled: false,
+            attempts: 0,
+            deadline: self.ctx.clock.now() + self.ctx.timeouts.request,
+        };
+        self.send_submit(&o);
+        self.outstanding.insert(id, o);
+        id
+    }
+
+    /// Stop generating for `id`; its `Finished` update still comes (tokens after this call are not reported).
+    pub fn cancel(&mut self, id: u64) {
+        if let Some(o) = self.outstanding.get_mut(&id) {
+            o.cancelled = true;
+            let o = &self.outstanding[&id];
+            self.send_submit(o);
+        }
+    }
+
+    fn end(&mut self, id: u64, reason: FinishReason) {
+        if let Some(o) = self.outstanding.remove(&id) {
+            let finished = Finished {
+                reason,
+                prompt_tokens: o.spec.prompt.len(),
+                completion_tokens: o.tokens.len(),
+                cached_tokens: 0,
+                preemptions: 0,
+            };
+            self.ready.push_back(Update::Finished { id, finished });
+        }
+    }
+
+    /// The next update of any outstanding request; `None` when none is left.
+    /// Never waits forever: silence past the request timeouts, or a cluster
+    /// whose supervisors gave up, ends requests with an error.
+    pub async fn next_update(&mut self) -> Option<Update> {
+        loop {
+            if let Some(u) = self.ready.pop_front() {
+                return Some(u);
+            }
+            if self.outstanding.is_empty() {
+                return None;
+            }
+            if let Some(why) = self.down.clone() {
+                let ids: Vec<u64> = self.outstanding.keys().copied().collect();
+                for id in ids {
+                    self.end(id, FinishReason::Error(format!("cluster down: {why}")));
+                }
+                continue;
+            }
+            let deadline = self.outstanding.values().map(|o| o.deadline).min().expect("non-empty");
+            let wait = deadline.saturating_sub(self.ctx.clock.now());
+            tokio::select! {
+                biased;
+                Some(why) = self.down_rx.recv() => {
+                    self.ctx.events.record(format_args!("client: cluster down: {why}"));
+                    self.down = Some(why);
+                    continue;
+                }
+                d = self.inbox.recv() => {
+                    let Some(d) = d else {
+                        self.down = Some("transport closed".into());
+                        continue;
+                    };
+                    if let Some(m) = self.ctx.open(self.addr, &d) {
+                        self.on_message(m.envelope.from, m.envelope.msg, m.body);
+                    }
+                }
+                _ = self.ctx.clock.sleep(wait) => {}
+            }
+            self.check_deadlines();
+        }
+    }
+
+    fn check_deadlines(&mut self) {
+        let now = self.ctx.clock.now();
+        let late: Vec<u64> = self.outstanding.iter().filter(|(_, o)| o.deadline <= now).map(|(id, _)| *id).collect();
+        for id in late {
+            let o = self.outstanding.get_mut(&id).expect("listed");
+            o.attempts += 1;
+            o.deadline = now + self.ctx.timeouts.request;
+            if o.attempts > self.ctx.timeouts.request_attempts {
+                let why = format!(
+                    "router0 made no progress on request {id} after {} attempts",
+                    self.ctx.timeouts.request_attempts
+                );
+                self.ctx.events.record(format_args!("client: {why}"));
+                self.end(id, FinishReason::Error(why));
+                continue;
+            }
+            bump(&self.ctx.metrics.submits_resent);
+            let o = &self.outstanding[&id];
+            self.send_submit(o);
+        }
+    }
+
+    fn on_message(&mut self, from: crate::wire::Addr, msg: Message, body: Vec<f32>) {
+        if from.role != Role::Router {
+            return;
+        }
+        let now = self.ctx.clock.now();
+        let timeout = self.ctx.timeouts.request;
+        match msg {
+            Message::Ack { ids } => {
+                for id in ids {
+                    if let Some(o) = self.outstanding.get_mut(&id) {
+                        o.attempts = 0;
+                        o.deadline = now + timeout;
+                    }
+                }
+            }
+            Message::Heartbeat(h) if h.restarted => {
+                // A new router knows nothing: tell it everything again.
+                self.ctx.events.record(format_args!("client resubmits {} requests", self.outstanding.len()));
+                for o in self.outstanding.values_mut() {
+                    o.deadline = now + timeout;
+                }
+                for o in self.outstanding.values() {
+                    bump(&self.ctx.metrics.submits_resent);
+                    self.send_submit(o);
+                }
+            }
+            Message::Outputs(out) => {
+                let vocab = self.ctx.model.config.vocab_size;
+                let rows: usize = out.items.iter().filter(|i| i.logits).map(|i| i.tokens.len()).sum();
+                if rows * vocab != body.len() {
+                    bump(&self.ctx.metrics.frames_rejected);
+                    return;
+                }
+                let mut at = 0;
+                for item in out.items {
+                    let n = if item.logits { item.tokens.len() * vocab } else { 0 };
+                    let logits = &body[at..at + n];
+                    at += n;
+                    let id = item.id;
+                    let Some(o) = self.outstanding.get_mut(&id) else { continue };
+                    let (have, start) = (o.tokens.len(), item.from as usize);
+                    if start > have {
+                        o.deadline = now + timeout;
+                        bump(&self.ctx.metrics.submits_resent);
+                        let o = &self.outstanding[&id];
+                        self.send_submit(o);
+                        continue;
+                    }
+                    let skip = have - start;
+                    if skip > item.tokens.len() {
+                        continue;
+                    }
+                    o.attempts = 0;
+                    o.deadline = now + timeout;
+                    let tokens: Vec<TokenOutput> = item.tokens[skip..]
+                        .iter()
+                        .enumerate()
+                        .map(|(j, t)| TokenOutput {
+                            token: t.token,
+                            logprob: t.logprob,
+                            top: t.top.iter().map(|x| (x.token, x.logprob)).collect(),
+                            logits: item.logits.then(|| logits[(skip + j) * vocab..(skip + j + 1) * vocab].to_vec()),
+                        })
+                        .collect();
+                    o.tokens.extend(tokens.iter().map(|t| t.token));
+                    if !tokens.is_empty() && !o.cancelled {
+                        self.ready.push_back(Update::Tokens { id, tokens });
+                    }
+                    match item.end {
+                        None => {}
+                        Some(OutputEnd::Refused(reason)) => {
+                            self.outstanding.remove(&id);
+                            self.ready.push_back(Update::Refused { id, reason });
+                        }
+                        Some(OutputEnd::Finished(f)) => {
+                            let o = self.outstanding.remove(&id).expect("present");
+                            let finished = Finished {
+                                reason: finish_reason(f.reason),
+                                prompt_tokens: f.prompt_tokens as usize,
+                                completion_tokens: o.tokens.len(),
+                                cached_tokens: f.cached_tokens as usize,
+                                preemptions: f.preemptions,
+                            };
+                            self.ready.push_back(Update::Finished { id, finished });
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
     }
 
     /// Generate for every request; each ends with its tokens or with why it could not.
-    pub async fn generate(&mut self, requests: &[GenRequest]) -> Vec<Result<Generated, RequestFailed>> {
-        let cfg = &self.ctx.model.config;
-        let (vocab, context) = (cfg.vocab_size, cfg.max_position_embeddings);
-        let mut results: Vec<Option<Result<Generated, RequestFailed>>> = vec![None; requests.len()];
-        let mut active: BTreeMap<u64, Seq> = BTreeMap::new();
-        let mut assigned = 0u32;
-        for (index, r) in requests.iter().enumerate() {
-            let bad = if r.prompt.is_empty() {
-                Some("empty prompt".to_string())
-            } else if r.max_tokens == 0 {
-                Some("max_tokens must be at least 1".to_string())
-            } else if r.prompt.len() + r.max_tokens > context {
-                Some(format!("prompt + max_tokens exceed the context of {context}"))
-            } else {
-                r.params.validate(vocab).err().map(|e| e.to_string())
-            };
-            if let Some(reason) = bad {
-                results[index] = Some(Err(RequestFailed { reason, tokens: Vec::new() }));
-                continue;
-            }
-            let p = &r.params;
-            let seq = Seq {
-                index,
-                device: assigned % self.cfg.devices,
-                history: r.prompt.clone(),
-                fed: 0,
-                max_tokens: r.max_tokens,
-                sampling: Sampling { temperature: p.temperature, top_p: p.top_p, top_k: p.top_k as u32, seed: p.seed },
-                out: Generated::default(),
-                rebuild: false,
-            };
-            assigned += 1;
-            active.insert(self.next_seq, seq);
-            self.next_seq += 1;
+    pub async fn generate(&mut self, requests: &[Request]) -> Vec<Result<Generated, RequestFailed>> {
+        let mut slots: BTreeMap<u64, usize> = BTreeMap::new();
+        for (i, r) in requests.iter().enumerate() {
+            slots.insert(self.submit(r.clone()), i);
         }
-
-        let mut release: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
-        let mut local_step = 0u64;
-        while !active.is_empty() {
-            if let Some(why) = self.down.clone() {
-                fail_all(&mut active, &mut results, &format!("cluster down: {why}"));
-                break;
-            }
-            let change = self.cfg.placement_changes.iter().find(|(s, _)| *s == local_step).map(|(_, p)| p.clone());
-            if let Some(p) = change {
-                if let Err(e) = self.set_placement(p).await {
-                    fail_all(&mut active, &mut results, &e.to_string());
-                    break;
-                }
-            }
-            let step = self.step;
-            self.step += 1;
-            for n in self.ctx.faults.node_kills(step) {
-                let _ = self.root.send_message(SupervisorMsg::KillChild(format!("node{n}")));
-            }
-            let mut pending: BTreeMap<u32, Pending> = BTreeMap::new();
-            for (id, s) in &active {
-                pending
-                    .entry(s.device)
-                    .or_insert_with(|| Pending { seqs: Vec::new(), attempt: 0, deadline: Duration::ZERO })
-                    .seqs
-                    .push(*id);
-            }
-            let now = self.ctx.clock.now();
-            for (&device, p) in pending.iter_mut() {
-                p.deadline = now + self.ctx.timeouts.step;
-                let rel = release.remove(&device).unwrap_or_default();
-                self.send_step(device, step, 0, p, &active, &rel);
-            }
-            while !pending.is_empty() {
-                let deadline = pending.values().map(|p| p.deadline).min().expect("non-empty");
-                let wait = deadline.saturating_sub(self.ctx.clock.now());
-                let mut retry: Vec<(u32, String)> = Vec::new();
-                tokio::select! {
-                    biased;
-                    Some(why) = self.down_rx.recv() => {
-                        self.down = Some(why);
-                        break;
-                    }
-                    d = self.inbox.recv() => {
-                        let Some(d) = d else {
-                            self.down = Some("transport closed".into());
-                            break;
-                        };
-                        if let Some(m) = self.ctx.open(self.addr, &d) {
-                            match m.envelope.msg {
-                                Message::StepResult(r) => {
-                                    if let Some(why) =
-                                        self.on_result(step, r, m.body, &mut pending, &mut active, &mut results, &mut release)
-                                    {
-                                        retry.push(why);
-                                    }
-                                }
-                                Message::Heartbeat(h) if h.restarted && m.envelope.from.role == Role::Worker => {
-                                    let device = m.envelope.from.index;
-                                    if pending.contains_key(&device) {
-                                        retry.push((device, format!("worker restarted (instance {})", h.instance)));
-                                    }
-                                }
-                                _ => {}
-                            }
+        let mut out: Vec<Generated> = vec![Generated::default(); requests.len()];
+        let mut results: Vec<Option<Result<Generated, RequestFailed>>> = vec![None; requests.len()];
+        while let Some(u) = self.next_update().await {
+            match u {
+                Update::Tokens { id, tokens } => {
+                    let Some(&i) = slots.get(&id) else { continue };
+                    let g = &mut out[i];
+                    for t in tokens {
+                        g.tokens.push(t.token);
+                        g.logprobs.push(t.logprob);
+                        g.top.push(t.top);
+                        if let Some(l) = t.logits {
+                            g.logits.push(l);
                         }
                     }
-                    _ = self.ctx.clock.sleep(wait) => {}
                 }
-                let now = self.ctx.clock.now();
-                for (&device, p) in &pending {
-                    if p.deadline <= now && !retry.iter().any(|(d, _)| *d == device) {
-                        retry.push((device, "no answer".into()));
-                    }
+                Update::Finished { id, finished } => {
+                    let Some(&i) = slots.get(&id) else { continue };
+                    let g = std::mem::take(&mut out[i]);
+                    results[i] = Some(match &finished.reason {
+                        FinishReason::Error(e) => Err(RequestFailed { reason: e.clone(), tokens: g.tokens }),
+                        _ => Ok(Generated { finished: Some(finished), ..g }),
+                    });
                 }
-                for (device, why) in retry {
-                    let Some(p) = pending.get_mut(&device) else { continue };
-                    p.attempt += 1;
-                    if p.attempt >= self.ctx.timeouts.step_attempts {
-                        let reason =
-                            format!("step {step} on worker{device} failed after {} attempts: {why}", p.attempt);
-                        self.ctx.events.record(format_args!("{reason}"));
-                        let p = pending.remove(&device).expect("present");
-                        for id in p.seqs {
-                            if let Some(s) = active.remove(&id) {
-                                release.entry(device).or_default().push(id);
-                                results[s.index] =
-                                    Some(Err(RequestFailed { reason: reason.clone(), tokens: s.out.tokens }));
-                            }
-                        }
-                        continue;
-                    }
-                    bump(&self.ctx.metrics.step_resends);
-                    self.ctx.events.record(format_args!("resend step {step} to worker{device}: {why}"));
-                    p.deadline = now + self.ctx.timeouts.step;
-                    let rel = release.get(&device).cloned().unwrap_or_default();
-                    self.send_step(device, step, p.attempt, p, &active, &rel);
+                Update::Refused { id, reason } => {
+                    let Some(&i) = slots.get(&id) else { continue };
+                    results[i] = Some(Err(RequestFailed { reason, tokens: Vec::new() }));
                 }
             }
-            local_step += 1;
         }
         results
             .into_iter()
             .map(|r| r.unwrap_or_else(|| Err(RequestFailed { reason: "not run".into(), tokens: Vec::new() })))
             .collect()
-    }
-
-    /// Apply one step result; returns `(device, why)` when that device's step must be re-sent.
-    #[allow(clippy::too_many_arguments)]
-    fn on_result(
-        &self,
-        step: u64,
-        r: StepResult,
-        body: Vec<f32>,
-        pending: &mut BTreeMap<u32, Pending>,
-        active: &mut BTreeMap<u64, Seq>,
-        results: &mut [Option<Result<Generated, RequestFailed>>],
-        release: &mut BTreeMap<u32, Vec<u64>>,
-    ) -> Option<(u32, String)> {
-        if r.step != step {
-            return None;
-        }
-        let device = r.device;
-        let p = pending.get(&device)?;
-        match r.outcome {
-            StepOutcome::Done(outs) => {
-                let vocab = self.ctx.model.config.vocab_size;
-                let ok = outs.len() == p.seqs.len()
-                    && outs
-                        .iter()
-                        .zip(&p.seqs)
-                        .all(|(o, id)| o.seq == *id && o.position == active[id].history.len() as u64)
-                    && body.len() == if self.cfg.return_logits { outs.len() * vocab } else { 0 };
-                if !ok {
-                    self.ctx
-                        .events
-                        .record(format_args!("ignoring a malformed result of step {step} from worker{device}"));
-                    return None;
-                }
-                let p = pending.remove(&device).expect("present");
-                for (i, (o, id)) in outs.iter().zip(&p.seqs).enumerate() {
-                    let s = active.get_mut(id).expect("pending sequences are active");
-                    s.fed = s.history.len();
-                    s.rebuild = false;
-                    s.history.push(o.token);
-                    s.out.tokens.push(o.token);
-                    s.out.logprobs.push(o.logprob);
-                    if self.cfg.return_logits {
-                        s.out.logits.push(body[i * vocab..(i + 1) * vocab].to_vec());
-                    }
-                    if s.out.tokens.len() >= s.max_tokens {
-                        let s = active.remove(id).expect("present");
-                        release.entry(device).or_default().push(*id);
-                        results[s.index] = Some(Ok(s.out));
-                    }
-                }
-                None
-            }
-            StepOutcome::NeedsHistory(ids) => {
-                for id in ids {
-                    if p.seqs.contains(&id) {
-                        if let Some(s) = active.get_mut(&id) {
-                            s.rebuild = true;
-                        }
-                    }
-                }
-                Some((device, "worker lost sequence state".into()))
-            }
-            StepOutcome::Failed(why) => {
-                for id in &p.seqs {
-                    if let Some(s) = active.get_mut(id) {
-                        s.rebuild = true;
-                    }
-                }
-                Some((device, why))
-            }
-        }
     }
 
     /// Stop the tree in order and close the transport.
@@ -600,17 +674,31 @@ impl Cluster {
         let _ = self.root_done.await;
         self.ctx.transport.close();
     }
-
-    /// Why the cluster went down, if it did.
-    pub fn down_reason(&self) -> Option<&str> {
-        self.down.as_deref()
-    }
 }
 
-fn fail_all(active: &mut BTreeMap<u64, Seq>, results: &mut [Option<Result<Generated, RequestFailed>>], reason: &str) {
-    for (_, s) in std::mem::take(active) {
-        results[s.index] = Some(Err(RequestFailed { reason: reason.to_string(), tokens: s.out.tokens }));
-    }
+/// Start, run `f` against the cluster, shut down, report (`outputs` empty).
+pub async fn run_with<T>(
+    model: Arc<Model>,
+    cfg: ClusterConfig,
+    env: Env,
+    f: impl AsyncFnOnce(&mut Cluster) -> T,
+) -> Result<(T, RunReport), ClusterError> {
+    let (clock, events, metrics) = (Arc::clone(&env.clock), Arc::clone(&env.events), Arc::clone(&env.metrics));
+    let t0 = clock.now();
+    let mut cluster = Cluster::start(model, cfg, env).await?;
+    let out = f(&mut cluster).await;
+    let steps = cluster.steps();
+    cluster.shutdown().await;
+    let report = RunReport {
+        outputs: Vec::new(),
+        metrics: metrics.snapshot(),
+        digest: events.digest(),
+        events: events.len(),
+        log: events.lines(),
+        steps,
+        elapsed: clock.now() - t0,
+    };
+    Ok((out, report))
 }
 
 /// Start, generate, shut down, report.
@@ -618,23 +706,10 @@ pub async fn run(
     model: Arc<Model>,
     cfg: ClusterConfig,
     env: Env,
-    requests: &[GenRequest],
+    requests: &[Request],
 ) -> Result<RunReport, ClusterError> {
-    let (clock, events, metrics) = (Arc::clone(&env.clock), Arc::clone(&env.events), Arc::clone(&env.metrics));
-    let t0 = clock.now();
-    let mut cluster = Cluster::start(model, cfg, env).await?;
-    let outputs = cluster.generate(requests).await;
-    let steps = cluster.step;
-    cluster.shutdown().await;
-    Ok(RunReport {
-        outputs,
-        metrics: metrics.snapshot(),
-        digest: events.digest(),
-        events: events.len(),
-        log: events.lines(),
-        steps,
-        elapsed: clock.now() - t0,
-    })
+    let (outputs, report) = run_with(model, cfg, env, async |c: &mut Cluster| c.generate(requests).await).await?;
+    Ok(RunReport { outputs, ..report })
 }
 
 fn faults_for(cfg: &ClusterConfig, metrics: &Arc<Metrics>, events: &Arc<EventLog>) -> Arc<Faults> {
@@ -648,11 +723,18 @@ fn faults_for(cfg: &ClusterConfig, metrics: &Arc<Metrics>, events: &Arc<EventLog
 
 /// Run on one current-thread runtime with tokio's paused clock and the
 /// simulated fabric: reproducible from `cfg.seed`.
-pub fn run_simulated(
+pub fn run_simulated(model: Arc<Model>, cfg: ClusterConfig, requests: &[Request]) -> Result<RunReport, ClusterError> {
+    let (outputs, report) = simulate(model, cfg, async |c: &mut Cluster| c.generate(requests).await)?;
+    Ok(RunReport { outputs, ..report })
+}
+
+/// [`run_with`] in simulation: one current-thread runtime, tokio's paused
+/// clock, the simulated fabric; reproducible from `cfg.seed`.
+pub fn simulate<T>(
     model: Arc<Model>,
     cfg: ClusterConfig,
-    requests: &[GenRequest],
-) -> Result<RunReport, ClusterError> {
+    f: impl AsyncFnOnce(&mut Cluster) -> T,
+) -> Result<(T, RunReport), ClusterError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -673,29 +755,83 @@ pub fn run_simulated(
             Arc::clone(&faults),
         );
         let env = Env { transport: fabric, clock, events, metrics, faults };
-        run(model, cfg, env, requests).await
+        run_with(model, cfg, env, f).await
     })
+}
+
+/// Wall time and in-process channels (call inside the runtime that will run the cluster).
+fn in_process_env(cfg: &ClusterConfig) -> Env {
+    let clock: Arc<dyn Clock> = Arc::new(RealClock::new());
+    let metrics = Arc::new(Metrics::default());
+    let events = Arc::new(EventLog::new(Arc::clone(&clock), cfg.keep_events));
+    let faults = faults_for(cfg, &metrics, &events);
+    let transport = Arc::new(InProcess::new(DEFAULT_QUEUE, Arc::clone(&metrics)));
+    Env { transport, clock, events, metrics, faults }
+}
+
+fn multi_thread(threads: usize) -> Result<tokio::runtime::Runtime, ClusterError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads.max(1))
+        .enable_time()
+        .build()
+        .map_err(|e| ClusterError::Runtime(e.to_string()))
 }
 
 /// Run on a multi-threaded runtime with wall time and in-process channels.
 pub fn run_in_process(
     model: Arc<Model>,
     cfg: ClusterConfig,
-    requests: &[GenRequest],
+    requests: &[Request],
     threads: usize,
 ) -> Result<RunReport, ClusterError> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(threads.max(1))
-        .enable_time()
-        .build()
-        .map_err(|e| ClusterError::Runtime(e.to_string()))?;
-    rt.block_on(async move {
-        let clock: Arc<dyn Clock> = Arc::new(RealClock::new());
-        let metrics = Arc::new(Metrics::default());
-        let events = Arc::new(EventLog::new(Arc::clone(&clock), cfg.keep_events));
-        let faults = faults_for(&cfg, &metrics, &events);
-        let transport = Arc::new(InProcess::new(DEFAULT_QUEUE, Arc::clone(&metrics)));
-        let env = Env { transport, clock, events, metrics, faults };
+    multi_thread(threads)?.block_on(async move {
+        let env = in_process_env(&cfg);
         run(model, cfg, env, requests).await
     })
+}
+
+/// An in-process cluster driven from synchronous code (the CLI): it owns
+/// its runtime; every call blocks until it has an answer.
+pub struct LocalCluster {
+    rt: tokio::runtime::Runtime,
+    cluster: Cluster,
+}
+
+impl LocalCluster {
+    pub fn start(model: Arc<Model>, cfg: ClusterConfig, threads: usize) -> Result<Self, ClusterError> {
+        let rt = multi_thread(threads)?;
+        let cluster = rt.block_on(async move {
+            let env = in_process_env(&cfg);
+            Cluster::start(model, cfg, env).await
+        })?;
+        Ok(Self { rt, cluster })
+    }
+
+    pub fn submit(&mut self, request: Request) -> u64 {
+        let _guard = self.rt.enter();
+        self.cluster.submit(request)
+    }
+
+    pub fn cancel(&mut self, id: u64) {
+        let _guard = self.rt.enter();
+        self.cluster.cancel(id);
+    }
+
+    /// The next update; `None` when nothing is outstanding.
+    pub fn next_update(&mut self) -> Option<Update> {
+        self.rt.block_on(self.cluster.next_update())
+    }
+
+    pub fn outstanding(&self) -> usize {
+        self.cluster.outstanding()
+    }
+
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.cluster.metrics()
+    }
+
+    pub fn shutdown(self) {
+        let LocalCluster { rt, cluster } = self;
+        rt.block_on(cluster.shutdown());
+    }
 }

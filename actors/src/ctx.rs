@@ -1,11 +1,14 @@
 //! What every actor of a cluster is handed: the model, the transport, the
 //! clock, the log, the counters, the fault plan and the timeouts.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
 use deepinfer_engine::model::Model;
+use deepinfer_engine::scheduler::EngineConfig;
+use ractor::ActorCell;
 
 use crate::clock::Clock;
 use crate::events::{bump, EventLog, Metrics};
@@ -28,6 +31,11 @@ pub struct Timeouts {
     /// Placement changes: wait for each shard's acknowledgement this long, this often.
     pub control: Duration,
     pub control_attempts: u32,
+    /// A client or router asks again about a request that made no progress
+    /// (no output, no acknowledgement) for this long…
+    pub request: Duration,
+    /// …this many times in a row before ending it with an error.
+    pub request_attempts: u32,
 }
 
 impl Timeouts {
@@ -41,6 +49,8 @@ impl Timeouts {
             step_attempts: 12,
             control: Duration::from_millis(20),
             control_attempts: 8,
+            request: Duration::from_secs(1),
+            request_attempts: 8,
         }
     }
 
@@ -53,12 +63,60 @@ impl Timeouts {
             step_attempts: 6,
             control: Duration::from_secs(2),
             control_attempts: 5,
+            request: Duration::from_secs(10),
+            request_attempts: 6,
         }
     }
 }
 
-/// Shared by the actors of a cluster. The placement cell is the node's view
-/// of the current table, read by a shard when it (re)starts.
+/// Where everything lives. Devices are numbered globally and cut into
+/// `instances` equal serving instances (each one expert-parallel group with
+/// its own scheduler) and into nodes of `per_node` devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Topology {
+    pub devices: u32,
+    pub per_node: u32,
+    pub instances: u32,
+}
+
+impl Topology {
+    pub fn nodes(&self) -> u32 {
+        self.devices.div_ceil(self.per_node.max(1))
+    }
+
+    pub fn per_instance(&self) -> u32 {
+        self.devices / self.instances.max(1)
+    }
+
+    pub fn instance_of(&self, device: u32) -> u32 {
+        device / self.per_instance().max(1)
+    }
+
+    /// The instance's devices (global numbers).
+    pub fn devices_of(&self, instance: u32) -> Range<u32> {
+        let n = self.per_instance();
+        instance * n..(instance + 1) * n
+    }
+
+    pub fn node_of_device(&self, device: u32) -> u32 {
+        device / self.per_node.max(1)
+    }
+
+    /// The node of an instance's first device: its scheduler and cache manager live there.
+    pub fn home_node(&self, instance: u32) -> u32 {
+        self.node_of_device(self.devices_of(instance).start)
+    }
+
+    /// Instances whose scheduler lives on `node`.
+    pub fn instances_on(&self, node: u32) -> Vec<u32> {
+        (0..self.instances).filter(|&i| self.home_node(i) == node).collect()
+    }
+}
+
+/// Shared by the actors of a cluster. The placement cells are the current
+/// table of each instance (in instance-local device numbers), read by a shard
+/// when it (re)starts; the step counters outlive a restarted scheduler so a
+/// step id is never reused.
 pub struct Ctx {
     pub model: Arc<Model>,
     pub transport: Arc<dyn Transport>,
@@ -67,7 +125,20 @@ pub struct Ctx {
     pub metrics: Arc<Metrics>,
     pub faults: Arc<Faults>,
     pub timeouts: Timeouts,
-    pub placement: Arc<RwLock<Placement>>,
+    pub topology: Topology,
+    pub placements: Vec<RwLock<Placement>>,
+    /// Tables to switch to before a given step of every instance.
+    pub placement_changes: Vec<(u64, Placement)>,
+    /// The batching policy of every instance's scheduler.
+    pub engine: EngineConfig,
+    /// Positions per prefix-cache block (the engine's layout).
+    pub block_tokens: usize,
+    /// Return every generated token's logits.
+    pub return_logits: bool,
+    pub steps: Vec<AtomicU64>,
+    /// The root supervisor, for faults that kill a whole subtree or a
+    /// service actor from outside (`node1`, `node0/cache0`).
+    pub root: OnceLock<ActorCell>,
     /// Numbers actor instances, so that ids derived from them never repeat across restarts.
     pub instances: AtomicU64,
     /// Set once the whole tree has started: any later start is a restart.
@@ -122,8 +193,30 @@ impl Ctx {
         self.up.load(Ordering::Relaxed)
     }
 
-    pub fn placement(&self) -> Placement {
-        self.placement.read().unwrap_or_else(|e| e.into_inner()).clone()
+    /// The current table of `instance`.
+    pub fn placement(&self, instance: u32) -> Placement {
+        self.placements[instance as usize].read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn set_placement(&self, instance: u32, p: Placement) {
+        *self.placements[instance as usize].write().unwrap_or_else(|e| e.into_inner()) = p;
+    }
+
+    /// A new step id of `instance`'s scheduler.
+    pub fn next_step(&self, instance: u32) -> u64 {
+        self.steps[instance as usize].fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Steps started by every instance.
+    pub fn total_steps(&self) -> u64 {
+        self.steps.iter().map(|s| s.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Crash the actor at `path` below the root (`node0`, `node0/cache0`), as a fault would.
+    pub fn kill(&self, path: &str) {
+        if let Some(root) = self.root.get() {
+            let _ = root.send_message(crate::supervisor::SupervisorMsg::KillChild(path.to_string()));
+        }
     }
 }
 

@@ -86,6 +86,16 @@ pub struct Metrics {
     pub expert_loads: AtomicU64,
     pub passes: AtomicU64,
     pub layers: AtomicU64,
+    pub scheduler_restarts: AtomicU64,
+    pub cache_restarts: AtomicU64,
+    pub router_restarts: AtomicU64,
+    pub submits_resent: AtomicU64,
+    pub requests_resumed: AtomicU64,
+    pub requests_restarted: AtomicU64,
+    pub cache_hits: AtomicU64,
+    pub cache_misses: AtomicU64,
+    pub blocks_stored: AtomicU64,
+    pub lookups: AtomicU64,
 }
 
 /// A plain copy of [`Metrics`].
@@ -108,11 +118,26 @@ pub struct MetricsSnapshot {
     pub expert_loads: u64,
     pub passes: u64,
     pub layers: u64,
+    pub scheduler_restarts: u64,
+    pub cache_restarts: u64,
+    pub router_restarts: u64,
+    pub submits_resent: u64,
+    pub requests_resumed: u64,
+    pub requests_restarted: u64,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    pub blocks_stored: u64,
+    pub lookups: u64,
 }
 
 impl MetricsSnapshot {
     pub fn restarts(&self) -> u64 {
-        self.worker_restarts + self.shard_restarts + self.supervisor_restarts
+        self.worker_restarts
+            + self.shard_restarts
+            + self.supervisor_restarts
+            + self.scheduler_restarts
+            + self.cache_restarts
+            + self.router_restarts
     }
 }
 
@@ -141,6 +166,16 @@ impl Metrics {
             expert_loads: g(&self.expert_loads),
             passes: g(&self.passes),
             layers: g(&self.layers),
+            scheduler_restarts: g(&self.scheduler_restarts),
+            cache_restarts: g(&self.cache_restarts),
+            router_restarts: g(&self.router_restarts),
+            submits_resent: g(&self.submits_resent),
+            requests_resumed: g(&self.requests_resumed),
+            requests_restarted: g(&self.requests_restarted),
+            cache_hits: g(&self.cache_hits),
+            cache_misses: g(&self.cache_misses),
+            blocks_stored: g(&self.blocks_stored),
+            lookups: g(&self.lookups),
         }
     }
 }

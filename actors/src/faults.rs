@@ -14,8 +14,13 @@ use crate::wire::MsgKind;
 pub enum Target {
     Worker(u32),
     Shard(u32),
-    /// A node supervisor, with all its workers and shards.
+    /// A node supervisor, with every actor of the node.
     Node(u32),
+    /// The scheduler of a serving instance.
+    Scheduler(u32),
+    /// The cache manager of a node.
+    CacheManager(u32),
+    Router,
 }
 
 impl std::fmt::Display for Target {
@@ -24,13 +29,19 @@ impl std::fmt::Display for Target {
             Target::Worker(d) => write!(f, "worker{d}"),
             Target::Shard(d) => write!(f, "shard{d}"),
             Target::Node(n) => write!(f, "node{n}"),
+            Target::Scheduler(i) => write!(f, "scheduler{i}"),
+            Target::CacheManager(n) => write!(f, "cache{n}"),
+            Target::Router => write!(f, "router0"),
         }
     }
 }
 
 /// Crash `target` at the first injection point it reaches at or after
 /// (`step`, `layer`). Workers reach a point before each layer of a pass,
-/// shards on each dispatch, nodes at the start of a step.
+/// shards on each dispatch, a scheduler at the start of each of its steps
+/// (layer 0) and on each step result it receives (layer 1, 2, …); nodes,
+/// cache managers and the router are killed from outside (through their
+/// supervisor) when a scheduler starts step `step`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KillRule {
     pub target: Target,
@@ -72,14 +83,18 @@ pub struct FaultPlan {
 }
 
 impl FaultPlan {
-    /// One kill of a random worker, shard or (with several nodes) node at a
-    /// random step below `steps` and layer below `layers`, drawn from `seed`.
-    pub fn random_kill(seed: Seed, devices: u32, nodes: u32, steps: u64, layers: u32) -> Self {
+    /// One kill of a random worker, shard, scheduler, cache manager, router
+    /// or (with several nodes) node at a random step below `steps` and layer
+    /// below `layers`, drawn from `seed`.
+    pub fn random_kill(seed: Seed, devices: u32, nodes: u32, instances: u32, steps: u64, layers: u32) -> Self {
         let mut rng = seed.stream("fault-plan");
-        let kinds = if nodes > 1 { 3 } else { 2 };
+        let kinds = if nodes > 1 { 6 } else { 5 };
         let target = match rng.below(kinds) {
             0 => Target::Worker(rng.below(devices as u64) as u32),
             1 => Target::Shard(rng.below(devices as u64) as u32),
+            2 => Target::Scheduler(rng.below(instances as u64) as u32),
+            3 => Target::CacheManager(rng.below(nodes as u64) as u32),
+            4 => Target::Router,
             _ => Target::Node(rng.below(nodes as u64) as u32),
         };
         let step = rng.below(steps);
@@ -144,18 +159,16 @@ impl Faults {
         false
     }
 
-    /// Nodes to crash at the start of `step`, ascending.
-    pub fn node_kills(&self, step: u64) -> Vec<u32> {
+    /// Nodes, cache managers and the router to crash at the start of `step`, in order.
+    pub fn external_kills(&self, step: u64) -> Vec<Target> {
         let Some(plan) = &self.plan else { return Vec::new() };
-        let nodes: std::collections::BTreeSet<u32> = plan
+        let targets: std::collections::BTreeSet<Target> = plan
             .kills
             .iter()
-            .filter_map(|k| match k.target {
-                Target::Node(n) => Some(n),
-                _ => None,
-            })
+            .map(|k| k.target)
+            .filter(|t| matches!(t, Target::Node(_) | Target::CacheManager(_) | Target::Router))
             .collect();
-        nodes.into_iter().filter(|&n| self.kill_point(Target::Node(n), step, u32::MAX)).collect()
+        targets.into_iter().filter(|&t| self.kill_point(t, step, u32::MAX)).collect()
     }
 
     /// What the fabric should do with a frame of `kind` (first matching rule that triggers).

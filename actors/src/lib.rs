@@ -1,5 +1,6 @@
-//! The distributed runtime of deepinfer: GPU workers and expert shards as
-//! supervised ractor actors that talk in versioned rkyv frames over a
+//! The distributed runtime of deepinfer: routers, schedulers, cache
+//! managers, GPU workers and expert shards as supervised ractor actors that
+//! talk in versioned rkyv frames over a
 //! [`transport::Transport`], on a [`clock::Clock`] that is wall time in
 //! production and tokio's paused clock in simulation.
 //!
@@ -7,6 +8,7 @@
 //! randomness only from [`rng::Seed`] streams; ordered maps in every decision;
 //! no ractor named registry; in simulation one current-thread runtime.
 
+pub mod cache;
 pub mod clock;
 pub mod cluster;
 pub mod ctx;
@@ -14,6 +16,8 @@ pub mod events;
 pub mod faults;
 pub mod placement;
 pub mod rng;
+pub mod router;
+pub mod scheduler;
 pub mod shard;
 pub mod sim;
 pub mod supervisor;
@@ -22,6 +26,6 @@ pub mod wire;
 pub mod worker;
 
 pub use cluster::{
-    run, run_in_process, run_simulated, Cluster, ClusterConfig, ClusterError, Env, GenRequest, Generated,
-    RequestFailed, RunReport,
+    run, run_in_process, run_simulated, run_with, simulate, Cluster, ClusterConfig, ClusterError, Env, GenRequest,
+    Generated, LocalCluster, RequestFailed, RunReport, Update,
 };

@@ -116,9 +116,12 @@ impl Actor for ExpertShard {
 
     async fn pre_start(&self, myself: ActorRef<ShardMsg>, args: ShardArgs) -> Result<ShardState, ActorProcessingErr> {
         let addr = Addr::shard(args.device);
-        let placement = args.ctx.placement();
+        let topo = args.ctx.topology;
+        let serving = topo.instance_of(args.device);
+        let placement = args.ctx.placement(serving);
+        let local = args.device - topo.devices_of(serving).start;
         let mut state = ShardState { device: args.device, addr, epoch: 0, held: BTreeSet::new(), ctx: args.ctx };
-        state.load(placement.epoch(), placement.experts_on(args.device));
+        state.load(placement.epoch(), placement.experts_on(local));
         state.ctx.events.record(format_args!("{addr} up (incarnation {})", args.incarnation));
         pump(state.ctx.transport.bind(addr), myself, ShardMsg::Net);
         Ok(state)

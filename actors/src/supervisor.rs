@@ -36,6 +36,9 @@ impl Intensity {
 pub enum ChildKind {
     Worker,
     Shard,
+    Scheduler,
+    CacheManager,
+    Router,
     Supervisor,
 }
 
@@ -68,7 +71,8 @@ pub struct SupervisorArgs {
 }
 
 pub enum SupervisorMsg {
-    /// Crash the named child, as a fault would (restart policy applies).
+    /// Crash the named child, as a fault would (restart policy applies); a
+    /// path (`node0/cache0`) is passed down to the named child supervisor.
     KillChild(String),
     /// Crash this supervisor and its subtree.
     Crash(String),
@@ -157,7 +161,19 @@ impl Actor for Supervisor {
         state: &mut Self::State,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            SupervisorMsg::KillChild(name) => {
+            SupervisorMsg::KillChild(path) => {
+                let (name, rest) = match path.split_once('/') {
+                    Some((name, rest)) => (name.to_string(), Some(rest.to_string())),
+                    None => (path, None),
+                };
+                if let Some(rest) = rest {
+                    let child =
+                        state.children.iter().find(|c| c.spec.name == name && c.spec.kind == ChildKind::Supervisor);
+                    if let Some(cell) = child.and_then(|c| c.cell.as_ref()) {
+                        let _ = cell.send_message(SupervisorMsg::KillChild(rest));
+                    }
+                    return Ok(());
+                }
                 if let Some(c) = state.children.iter().find(|c| c.spec.name == name) {
                     if let Some(cell) = &c.cell {
                         state.env.events.record(format_args!("{} kills {name}", state.name));
@@ -223,6 +239,9 @@ impl Actor for Supervisor {
         let counter = match child.spec.kind {
             ChildKind::Worker => &state.env.metrics.worker_restarts,
             ChildKind::Shard => &state.env.metrics.shard_restarts,
+            ChildKind::Scheduler => &state.env.metrics.scheduler_restarts,
+            ChildKind::CacheManager => &state.env.metrics.cache_restarts,
+            ChildKind::Router => &state.env.metrics.router_restarts,
             ChildKind::Supervisor => &state.env.metrics.supervisor_restarts,
         };
         bump(counter);

@@ -25,7 +25,7 @@ use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// Version of the envelope layout; bumped on any change to the archived types.
-pub const WIRE_VERSION: u16 = 1;
+pub const WIRE_VERSION: u16 = 2;
 /// Largest payload a frame may declare (after the length prefix).
 pub const MAX_FRAME_BYTES: u32 = 64 << 20;
 /// "dINF" little-endian.
@@ -42,6 +42,8 @@ pub enum Role {
     Shard,
     Router,
     CacheManager,
+    /// Whoever submits requests (the API front end, the CLI).
+    Client,
 }
 
 /// An actor's address on the fabric: its role and index (device, instance).
@@ -65,6 +67,15 @@ impl Addr {
     pub const fn scheduler(instance: u32) -> Self {
         Self::new(Role::Scheduler, instance)
     }
+    pub const fn router(index: u32) -> Self {
+        Self::new(Role::Router, index)
+    }
+    pub const fn cache(node: u32) -> Self {
+        Self::new(Role::CacheManager, node)
+    }
+    pub const fn client(index: u32) -> Self {
+        Self::new(Role::Client, index)
+    }
 }
 
 impl std::fmt::Display for Addr {
@@ -75,6 +86,7 @@ impl std::fmt::Display for Addr {
             Role::Shard => "shard",
             Role::Router => "router",
             Role::CacheManager => "cache",
+            Role::Client => "client",
         };
         write!(f, "{role}{}", self.index)
     }
@@ -89,6 +101,8 @@ pub struct Sampling {
     pub top_p: f32,
     pub top_k: u32,
     pub seed: u64,
+    /// Most likely alternatives to report per token.
+    pub logprobs: u32,
 }
 
 /// The expert placement a step runs under: replicas (devices) per logical expert.
@@ -100,32 +114,54 @@ pub struct PlacementWire {
     pub replicas: Vec<Vec<u32>>,
 }
 
-/// One sequence's part of a step.
+/// One sequence's part of a step (one item of the engine scheduler's plan).
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[rkyv(derive(Debug))]
 pub struct StepItem {
     pub seq: u64,
-    /// Tokens the worker's state must already hold; `0` with `rebuild`.
+    /// Tokens the worker's state must already hold; `0` with `rebuild`; with
+    /// `restore`, where the restored state starts.
     pub position: u64,
     /// New tokens to feed (the whole history when rebuilding).
     pub tokens: Vec<u32>,
     /// Start from a fresh state (recompute after the worker lost it).
     pub rebuild: bool,
     pub sampling: Sampling,
+    /// The item reaches the end of its sequence: sample the next token.
+    pub sample: bool,
+    /// Return the sampled row's logits.
+    pub logits: bool,
+    /// Positions below this only rebuild window state (a prefix hit's replay).
+    pub replay_until: u64,
+    /// Start from these cached blocks' compressed state instead of a held
+    /// state: lengths of each block, values in the request body.
+    pub restore: Vec<Vec<u32>>,
+    /// Blocks whose compressed state to return once computed.
+    pub snapshots: Vec<u32>,
 }
 
 /// Scheduler → worker: run one forward step over these sequences and sample.
+/// Body: the values of every item's `restore` blocks, in item order.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[rkyv(derive(Debug))]
 pub struct StepRequest {
     pub step: u64,
     pub attempt: u32,
+    /// Instance number of the sending scheduler: a newer one means every
+    /// state the worker holds belongs to a scheduler that is gone.
+    pub scheduler: u64,
     pub placement: PlacementWire,
     pub items: Vec<StepItem>,
     /// Sequences that finished: drop their state.
     pub release: Vec<u64>,
-    /// Return each sampled row's logits in the body.
-    pub return_logits: bool,
+}
+
+/// A likely token and its log-probability.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct TopLogprob {
+    pub token: u32,
+    pub logprob: f32,
 }
 
 /// One sampled token.
@@ -137,13 +173,25 @@ pub struct SeqOutput {
     pub logprob: f32,
     /// Sequence length at which the token was sampled (the sampling position).
     pub position: u64,
+    pub top: Vec<TopLogprob>,
+}
+
+/// The compressed state of block `block` of `seq`, computed this step.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct BlockSnapshot {
+    pub seq: u64,
+    pub block: u32,
+    /// Lengths of the values (`BlockValues::to_parts`), which follow in the body.
+    pub lens: Vec<u32>,
 }
 
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[rkyv(derive(Debug))]
 pub enum StepOutcome {
-    /// One output per item, in item order; logits rows (if asked) in the body, same order.
-    Done(Vec<SeqOutput>),
+    /// One output per sampling item, in item order; the body holds the
+    /// logits rows of the items that asked (same order), then every snapshot's values.
+    Done { outputs: Vec<SeqOutput>, snapshots: Vec<BlockSnapshot> },
     /// The worker holds no (or a different) state for these sequences: resend them with `rebuild`.
     NeedsHistory(Vec<u64>),
     /// The step could not run; the worker dropped the states it touched.
@@ -237,6 +285,173 @@ pub enum Control {
     Shutdown,
 }
 
+/// A generation request as it travels client → router → scheduler.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct RequestSpec {
+    /// Chosen by the client, unique in the cluster; also the sequence id on workers.
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    pub sampling: Sampling,
+    pub stop_token_ids: Vec<u32>,
+    pub stop_sequences: Vec<Vec<u32>>,
+    pub ignore_eos: bool,
+    /// Return every generated token's logits row.
+    pub logits: bool,
+}
+
+/// "Make sure this request is running, and send me its output from token
+/// `generated.len()` on." Idempotent: a receiver that holds the request
+/// with exactly these tokens only acknowledges; one that holds it with a
+/// different count restarts it from `generated` (recompute is bit-identical,
+/// so tokens a lost message carried are produced again); one that does not
+/// hold it starts it, resumed after `generated`.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct Submit {
+    pub spec: RequestSpec,
+    pub generated: Vec<u32>,
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub enum FinishKind {
+    Stop,
+    Length,
+    Cancelled,
+    Error(String),
+}
+
+/// Mirror of the engine's `Finished`.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct FinishWire {
+    pub reason: FinishKind,
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub cached_tokens: u32,
+    pub preemptions: u32,
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub enum OutputEnd {
+    Finished(FinishWire),
+    /// The scheduler refused the request (it can never run): why.
+    Refused(String),
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct TokenOut {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<TopLogprob>,
+}
+
+/// New output of one request: tokens `from..from + tokens.len()` of its
+/// completion (a finish always travels with the last token).
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct OutputItem {
+    pub id: u64,
+    pub from: u32,
+    pub tokens: Vec<TokenOut>,
+    /// One logits row per token follows in the body.
+    pub logits: bool,
+    pub end: Option<OutputEnd>,
+}
+
+/// Scheduler → router → client, once per step. Body: the logits rows of the
+/// items that carry them, in item order.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct Outputs {
+    pub items: Vec<OutputItem>,
+}
+
+/// One cached block's identity and content, stored with its values.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct StoredBlock {
+    /// Key of the block: the engine's hash chain over every token up to its end.
+    pub hash: u64,
+    pub parent: u64,
+    pub tokens: Vec<u32>,
+    pub lens: Vec<u32>,
+}
+
+/// The leading blocks of one sequence, to fetch: keys and their tokens
+/// (`hashes.len()` blocks), which the cache compares before answering.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct FetchItem {
+    pub seq: u64,
+    pub hashes: Vec<u64>,
+    pub tokens: Vec<u32>,
+}
+
+/// The values of a fetched chain (lengths per block; values in the body),
+/// or nothing when any block is missing.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct FetchedItem {
+    pub seq: u64,
+    pub found: bool,
+    pub lens: Vec<Vec<u32>>,
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct InstanceMatch {
+    pub instance: u32,
+    pub blocks: u32,
+}
+
+/// The cache manager's protocol: schedulers store, evict and fetch block
+/// values; the router asks how much of a prompt each instance has cached.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub enum CacheMsg {
+    /// Body: each block's values, in order.
+    Store {
+        instance: u32,
+        step: u64,
+        blocks: Vec<StoredBlock>,
+    },
+    Evict {
+        instance: u32,
+        step: u64,
+        hashes: Vec<u64>,
+    },
+    /// A (re)started scheduler: forget the instance's blocks.
+    Clear {
+        instance: u32,
+    },
+    Fetch {
+        query: u64,
+        instance: u32,
+        step: u64,
+        items: Vec<FetchItem>,
+    },
+    /// Body: the values of the found items, in order.
+    Fetched {
+        query: u64,
+        items: Vec<FetchedItem>,
+    },
+    Lookup {
+        query: u64,
+        hashes: Vec<u64>,
+        tokens: Vec<u32>,
+    },
+    Matched {
+        query: u64,
+        node: u32,
+        matches: Vec<InstanceMatch>,
+    },
+}
+
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[rkyv(derive(Debug))]
 pub enum Message {
@@ -246,6 +461,16 @@ pub enum Message {
     ExpertResult(ExpertResultHeader),
     Heartbeat(Heartbeat),
     Control(Control),
+    Submit(Submit),
+    Cancel {
+        id: u64,
+    },
+    /// These requests are known and running (an answer to `Submit`).
+    Ack {
+        ids: Vec<u64>,
+    },
+    Outputs(Outputs),
+    Cache(CacheMsg),
 }
 
 /// The message kinds, as the preamble's `kind` byte names them.
@@ -258,16 +483,26 @@ pub enum MsgKind {
     ExpertResult = 4,
     Heartbeat = 5,
     Control = 6,
+    Submit = 7,
+    Cancel = 8,
+    Ack = 9,
+    Outputs = 10,
+    Cache = 11,
 }
 
 impl MsgKind {
-    pub const ALL: [MsgKind; 6] = [
+    pub const ALL: [MsgKind; 11] = [
         MsgKind::StepRequest,
         MsgKind::StepResult,
         MsgKind::Dispatch,
         MsgKind::ExpertResult,
         MsgKind::Heartbeat,
         MsgKind::Control,
+        MsgKind::Submit,
+        MsgKind::Cancel,
+        MsgKind::Ack,
+        MsgKind::Outputs,
+        MsgKind::Cache,
     ];
 
     pub fn from_u8(v: u8) -> Option<Self> {
@@ -276,7 +511,15 @@ impl MsgKind {
 
     /// Kinds that may carry a raw body.
     pub fn has_body(self) -> bool {
-        matches!(self, MsgKind::Dispatch | MsgKind::ExpertResult | MsgKind::StepResult)
+        matches!(
+            self,
+            MsgKind::Dispatch
+                | MsgKind::ExpertResult
+                | MsgKind::StepResult
+                | MsgKind::StepRequest
+                | MsgKind::Outputs
+                | MsgKind::Cache
+        )
     }
 
     pub fn name(self) -> &'static str {
@@ -287,6 +530,11 @@ impl MsgKind {
             MsgKind::ExpertResult => "expert-result",
             MsgKind::Heartbeat => "heartbeat",
             MsgKind::Control => "control",
+            MsgKind::Submit => "submit",
+            MsgKind::Cancel => "cancel",
+            MsgKind::Ack => "ack",
+            MsgKind::Outputs => "outputs",
+            MsgKind::Cache => "cache",
         }
     }
 }
@@ -300,6 +548,11 @@ impl Message {
             Message::ExpertResult(_) => MsgKind::ExpertResult,
             Message::Heartbeat(_) => MsgKind::Heartbeat,
             Message::Control(_) => MsgKind::Control,
+            Message::Submit(_) => MsgKind::Submit,
+            Message::Cancel { .. } => MsgKind::Cancel,
+            Message::Ack { .. } => MsgKind::Ack,
+            Message::Outputs(_) => MsgKind::Outputs,
+            Message::Cache(_) => MsgKind::Cache,
         }
     }
 }
@@ -313,6 +566,11 @@ impl ArchivedMessage {
             ArchivedMessage::ExpertResult(_) => MsgKind::ExpertResult,
             ArchivedMessage::Heartbeat(_) => MsgKind::Heartbeat,
             ArchivedMessage::Control(_) => MsgKind::Control,
+            ArchivedMessage::Submit(_) => MsgKind::Submit,
+            ArchivedMessage::Cancel { .. } => MsgKind::Cancel,
+            ArchivedMessage::Ack { .. } => MsgKind::Ack,
+            ArchivedMessage::Outputs(_) => MsgKind::Outputs,
+            ArchivedMessage::Cache(_) => MsgKind::Cache,
         }
     }
 }

@@ -9,23 +9,30 @@
 //! layer; after the last layer the worker samples and answers. Unanswered
 //! dispatches are re-sent on a timer; a late answer to an older pass (or an
 //! earlier incarnation) is recognised by its pass id and ignored.
+//!
+//! A step may take several passes ("waves"), cut exactly where the engine
+//! cuts them: at the end of a prefix hit's replay and at every block end
+//! whose compressed state the scheduler wants for the prefix cache. A state
+//! can start from cached blocks sent with the request instead of position 0.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+use deepinfer_engine::engine::{restore_state, step_segments, BlockValues};
 use deepinfer_engine::model::{Chunk, ExpertOutputs, LogitsWanted, Pass, SequenceState};
 use deepinfer_engine::sampling::{sample, SamplingParams};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
+use crate::cache::parts_len;
 use crate::ctx::{pump, Ctx};
 use crate::events::bump;
 use crate::faults::Target;
 use crate::placement::{row_key, Placement};
 use crate::transport::Delivery;
 use crate::wire::{
-    Addr, DispatchHeader, ExpertResultHeader, ExpertRows, Heartbeat, Message, ResultStatus, SeqOutput, StepOutcome,
-    StepRequest, StepResult,
+    Addr, BlockSnapshot, DispatchHeader, ExpertResultHeader, ExpertRows, Heartbeat, Message, ResultStatus, SeqOutput,
+    StepOutcome, StepRequest, StepResult, TopLogprob,
 };
 
 pub struct GpuWorker;
@@ -53,19 +60,46 @@ struct Part {
     frame: Vec<u8>,
 }
 
-/// A forward pass in flight.
+/// One sequence's share of a step.
+struct ItemRun {
+    seq: u64,
+    /// Position of the first of `tokens`.
+    from: usize,
+    tokens: Vec<u32>,
+    state: SequenceState,
+    params: SamplingParams,
+    sample: bool,
+    logits: bool,
+    /// `(start, end, replay)` per wave, absolute positions.
+    segments: Vec<(usize, usize, bool)>,
+    snapshots: Vec<usize>,
+    row: Option<Vec<f32>>,
+}
+
+/// The chunks of wave `wave`: every item that has a segment there.
+fn wave_chunks(items: &mut [ItemRun], wave: usize) -> Vec<Chunk<'_>> {
+    items
+        .iter_mut()
+        .filter_map(|it| {
+            let &(a, b, replay) = it.segments.get(wave)?;
+            Some(Chunk { tokens: &it.tokens[a - it.from..b - it.from], state: &mut it.state, replay })
+        })
+        .collect()
+}
+
+/// A step in flight.
 struct Running {
     step: u64,
     attempt: u32,
     reply_to: Addr,
-    pass_id: u64,
     placement: Placement,
-    seqs: Vec<u64>,
-    tokens: Vec<Vec<u32>>,
-    states: Vec<SequenceState>,
-    params: Vec<SamplingParams>,
+    items: Vec<ItemRun>,
+    wave: usize,
+    waves: usize,
+    /// Captured blocks: (item, block, values), in capture order.
+    snaps: Vec<(usize, usize, BlockValues)>,
+    pass_id: u64,
     row_keys: Vec<u64>,
-    return_logits: bool,
     pass: Pass,
     layer: u32,
     round: u32,
@@ -77,18 +111,29 @@ struct Running {
 pub struct WorkerState {
     device: u32,
     addr: Addr,
+    /// Global number of this instance's first device (placements are instance-local).
+    base: u32,
+    scheduler: Addr,
     /// Cluster-unique: pass ids built on it never collide with an earlier incarnation's.
     instance: u64,
     passes: u64,
+    /// Instance number of the scheduler whose sequences the states are.
+    owner: u64,
     seqs: BTreeMap<u64, SequenceState>,
     running: Option<Running>,
     /// The answer to the last completed step, re-sent to a duplicate request.
-    last: Option<(u64, Vec<u8>)>,
+    last: Option<(u64, u64, Vec<u8>)>,
     ctx: Arc<Ctx>,
 }
 
 fn params(s: &crate::wire::Sampling) -> SamplingParams {
-    SamplingParams { temperature: s.temperature, top_p: s.top_p, top_k: s.top_k as usize, seed: s.seed, logprobs: 0 }
+    SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k as usize,
+        seed: s.seed,
+        logprobs: s.logprobs as usize,
+    }
 }
 
 impl WorkerState {
@@ -97,7 +142,7 @@ impl WorkerState {
         self.ctx.send(self.addr, to, Message::StepResult(r), body)
     }
 
-    /// Abandon the pass in flight; its states are half advanced, so they go.
+    /// Abandon the step in flight; its states are half advanced, so they go.
     fn abort(&mut self, why: &str) {
         if let Some(run) = self.running.take() {
             if let Some(t) = run.timer {
@@ -108,59 +153,112 @@ impl WorkerState {
         }
     }
 
-    fn on_step_request(&mut self, from: Addr, req: StepRequest) {
-        if let Some(run) = &self.running {
-            if run.step == req.step {
-                return;
+    fn on_step_request(&mut self, from: Addr, req: StepRequest, body: Vec<f32>) {
+        if req.scheduler < self.owner {
+            return;
+        }
+        if req.scheduler > self.owner {
+            // A new scheduler incarnation starts every sequence over.
+            if self.owner != 0 {
+                self.ctx.events.record(format_args!("{} drops the states of an earlier scheduler", self.addr));
             }
-            if run.step > req.step {
+            self.abort("the scheduler restarted");
+            self.seqs.clear();
+            self.last = None;
+            self.owner = req.scheduler;
+        }
+        if let Some(run) = &self.running {
+            if run.step >= req.step {
                 return;
             }
             self.abort("superseded by a newer step");
         }
-        if let Some((step, frame)) = &self.last {
-            if *step == req.step {
+        if let Some((owner, step, frame)) = &self.last {
+            if *owner == req.scheduler && *step == req.step {
                 self.ctx.send_frame(self.addr, from, frame.clone());
                 return;
             }
-            if *step > req.step {
+            if *owner == req.scheduler && *step > req.step {
                 return;
             }
         }
         for seq in &req.release {
             self.seqs.remove(seq);
         }
+        let fail = |me: &Self, why: String| {
+            me.reply(from, req.step, req.attempt, StepOutcome::Failed(why), &[]);
+        };
         let cfg = &self.ctx.model.config;
+        let bt = self.ctx.block_tokens;
         let placement = match Placement::from_wire(&req.placement, cfg.n_routed_experts) {
-            Ok(p) => p,
-            Err(e) => {
-                self.reply(from, req.step, req.attempt, StepOutcome::Failed(format!("bad placement: {e}")), &[]);
-                return;
+            Ok(p) if p.devices() == self.ctx.topology.per_instance() => p,
+            Ok(p) => {
+                return fail(
+                    self,
+                    format!(
+                        "placement of {} devices for an instance of {}",
+                        p.devices(),
+                        self.ctx.topology.per_instance()
+                    ),
+                )
             }
+            Err(e) => return fail(self, format!("bad placement: {e}")),
         };
         let mut seen = BTreeSet::new();
         let mut missing = Vec::new();
+        let mut restored: Vec<Vec<BlockValues>> = Vec::with_capacity(req.items.len());
+        let mut at = 0usize;
         for it in &req.items {
+            let (position, len) = (it.position as usize, it.tokens.len());
+            let end = position.saturating_add(len);
+            let replay = it.replay_until as usize;
+            let n = it.restore.len();
+            let snaps_ok = it.snapshots.windows(2).all(|w| w[0] < w[1])
+                && it.snapshots.iter().all(|&k| {
+                    let b = (k as usize + 1) * bt;
+                    b > position.max(replay) && b <= end
+                });
             let bad = if it.tokens.is_empty() {
                 Some("no tokens".to_string())
             } else if !seen.insert(it.seq) {
                 Some("listed twice".to_string())
-            } else if it.rebuild && it.position != 0 {
-                Some("rebuild must start at position 0".to_string())
-            } else if it.position as usize + it.tokens.len() > cfg.max_position_embeddings {
+            } else if it.rebuild && (position != 0 || n != 0 || replay != 0) {
+                Some("a rebuild starts at position 0 from nothing".to_string())
+            } else if end > cfg.max_position_embeddings {
                 Some("exceeds the context".to_string())
+            } else if n > 0 && (replay != n * bt || position > replay) {
+                Some(format!("restores {n} blocks but replays to {replay} from {position}"))
+            } else if n == 0 && position == 0 && replay != 0 {
+                Some("replay without a restored state".to_string())
+            } else if !snaps_ok {
+                Some(format!("snapshots {:?} outside ({position}, {end}]", it.snapshots))
             } else {
                 params(&it.sampling).validate(cfg.vocab_size).err().map(|e| e.to_string())
             };
             if let Some(why) = bad {
-                let why = format!("sequence {}: {why}", it.seq);
-                self.reply(from, req.step, req.attempt, StepOutcome::Failed(why), &[]);
-                return;
+                return fail(self, format!("sequence {}: {why}", it.seq));
             }
-            // Position 0 is a new sequence; later positions need the state they continue.
-            if it.position > 0 && self.seqs.get(&it.seq).is_none_or(|s| s.position as u64 != it.position) {
+            let mut blocks = Vec::with_capacity(n);
+            for lens in &it.restore {
+                let size = parts_len(lens);
+                let parsed = body
+                    .get(at..at.saturating_add(size))
+                    .ok_or_else(|| "the body is too short".to_string())
+                    .and_then(|data| BlockValues::from_parts(&self.ctx.model, bt, lens, data));
+                match parsed {
+                    Ok(b) => blocks.push(b),
+                    Err(why) => return fail(self, format!("sequence {}: restored block: {why}", it.seq)),
+                }
+                at += size;
+            }
+            restored.push(blocks);
+            // Position 0 or a restore is a new state; later positions need the state they continue.
+            if position > 0 && n == 0 && self.seqs.get(&it.seq).is_none_or(|s| s.position != position) {
                 missing.push(it.seq);
             }
+        }
+        if at != body.len() {
+            return fail(self, format!("{} body values, {at} expected", body.len()));
         }
         if !missing.is_empty() {
             self.ctx.events.record(format_args!("{} needs history of {missing:?} for step {}", self.addr, req.step));
@@ -168,51 +266,60 @@ impl WorkerState {
             return;
         }
 
-        let n = req.items.len();
-        let (mut seqs, mut tokens, mut states, mut ps, mut row_keys) =
-            (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::new());
-        for it in req.items {
-            let state = if it.position == 0 {
+        let mut items = Vec::with_capacity(req.items.len());
+        for (it, blocks) in req.items.into_iter().zip(restored) {
+            let from = it.position as usize;
+            let state = if !blocks.is_empty() {
                 self.seqs.remove(&it.seq);
+                let refs: Vec<&BlockValues> = blocks.iter().collect();
+                restore_state(&self.ctx.model, &refs, from)
+            } else if from == 0 {
                 if it.rebuild {
                     bump(&self.ctx.metrics.sequences_rebuilt);
                 }
+                self.seqs.remove(&it.seq);
                 self.ctx.model.new_state()
             } else {
                 self.seqs.remove(&it.seq).expect("checked above")
             };
-            row_keys.extend((0..it.tokens.len() as u64).map(|j| row_key(it.seq, state.position as u64 + j)));
-            seqs.push(it.seq);
-            tokens.push(it.tokens);
-            states.push(state);
-            ps.push(params(&it.sampling));
+            let snapshots: Vec<usize> = it.snapshots.iter().map(|&k| k as usize).collect();
+            let to = from + it.tokens.len();
+            let segments = step_segments(from, to, it.replay_until as usize, &snapshots, bt);
+            items.push(ItemRun {
+                seq: it.seq,
+                from,
+                tokens: it.tokens,
+                state,
+                params: params(&it.sampling),
+                sample: it.sample,
+                logits: it.logits,
+                segments,
+                snapshots,
+                row: None,
+            });
         }
-        let pass = {
-            let chunks: Vec<Chunk> = states.iter_mut().zip(&tokens).map(|(s, t)| Chunk::new(t, s)).collect();
-            self.ctx.model.begin_pass(&chunks)
-        };
-        self.passes += 1;
-        bump(&self.ctx.metrics.passes);
-        let pass_id = (self.instance << 32) | self.passes;
+        let waves = items.iter().map(|it| it.segments.len()).max().unwrap_or(0);
         self.ctx.events.record(format_args!(
-            "{} step {} attempt {} pass {pass_id:#x}: {n} sequences, {} rows",
+            "{} step {} attempt {}: {} sequences, {} tokens, {waves} waves",
             self.addr,
             req.step,
             req.attempt,
-            row_keys.len()
+            items.len(),
+            items.iter().map(|it| it.tokens.len()).sum::<usize>()
         ));
+        let pass = self.ctx.model.begin_pass(&[]);
+        let empty = items.is_empty();
         self.running = Some(Running {
             step: req.step,
             attempt: req.attempt,
             reply_to: from,
-            pass_id,
             placement,
-            seqs,
-            tokens,
-            states,
-            params: ps,
-            row_keys,
-            return_logits: req.return_logits,
+            items,
+            wave: 0,
+            waves,
+            snaps: Vec::new(),
+            pass_id: 0,
+            row_keys: Vec::new(),
             pass,
             layer: 0,
             round: 0,
@@ -220,13 +327,38 @@ impl WorkerState {
             pending: BTreeMap::new(),
             timer: None,
         });
+        if empty {
+            self.finish();
+        } else {
+            self.begin_wave();
+        }
+    }
+
+    /// Start the pass of the current wave.
+    fn begin_wave(&mut self) {
+        let Some(run) = self.running.as_mut() else { return };
+        let wave = run.wave;
+        let mut row_keys = Vec::new();
+        for it in &run.items {
+            if let Some(&(a, b, _)) = it.segments.get(wave) {
+                row_keys.extend((a..b).map(|p| row_key(it.seq, p as u64)));
+            }
+        }
+        let chunks = wave_chunks(&mut run.items, wave);
+        run.pass = self.ctx.model.begin_pass(&chunks);
+        drop(chunks);
+        run.row_keys = row_keys;
+        run.outputs = None;
+        run.pending.clear();
+        self.passes += 1;
+        bump(&self.ctx.metrics.passes);
+        run.pass_id = (self.instance << 32) | self.passes;
     }
 
     /// Run attention and routing of the current layer and send its dispatches.
     async fn start_layer(&mut self, me: &ActorRef<WorkerMsg>) -> Result<(), ActorProcessingErr> {
         let ctx = Arc::clone(&self.ctx);
-        let addr = self.addr;
-        let device = self.device;
+        let (addr, device, base) = (self.addr, self.device, self.base);
         let Some(run) = self.running.as_mut() else { return Ok(()) };
         let layer = run.pass.layer() as u32;
         if ctx.faults.kill_point(Target::Worker(device), run.step, layer) {
@@ -237,14 +369,13 @@ impl WorkerState {
             ctx.clock.sleep(slow).await;
         }
         let dispatch = {
-            let mut chunks: Vec<Chunk> =
-                run.states.iter_mut().zip(&run.tokens).map(|(s, t)| Chunk::new(t, s)).collect();
+            let mut chunks = wave_chunks(&mut run.items, run.wave);
             ctx.model.attend(&mut run.pass, &mut chunks).clone()
         };
         let mut by_device: BTreeMap<u32, BTreeMap<u32, Vec<(usize, usize)>>> = BTreeMap::new();
         for e in dispatch.experts_hit() {
             for pair in dispatch.rows_for(e) {
-                let dev = run.placement.choose(e as u32, run.row_keys[pair.0]);
+                let dev = base + run.placement.choose(e as u32, run.row_keys[pair.0]);
                 by_device.entry(dev).or_default().entry(e as u32).or_default().push(pair);
             }
         }
@@ -288,7 +419,7 @@ impl WorkerState {
         }));
     }
 
-    /// Drive the pass as far as it goes without waiting: next layer, or the end.
+    /// Drive the step as far as it goes without waiting: next layer, next wave, or the end.
     async fn advance(&mut self, me: &ActorRef<WorkerMsg>) -> Result<(), ActorProcessingErr> {
         loop {
             let Some(run) = self.running.as_mut() else { return Ok(()) };
@@ -300,10 +431,43 @@ impl WorkerState {
                 bump(&self.ctx.metrics.layers);
             }
             if run.pass.is_done() {
-                self.finish();
-                return Ok(());
+                self.finish_wave();
+                let Some(run) = self.running.as_mut() else { return Ok(()) };
+                run.wave += 1;
+                if run.wave == run.waves {
+                    self.finish();
+                    return Ok(());
+                }
+                self.begin_wave();
+                continue;
             }
             self.start_layer(me).await?;
+        }
+    }
+
+    /// After the last layer of a wave: keep the logits rows to sample from and
+    /// copy the blocks that end here.
+    fn finish_wave(&mut self) {
+        let Some(run) = self.running.as_mut() else { return };
+        let (wave, bt) = (run.wave, self.ctx.block_tokens);
+        let wants = run.items.iter().any(|it| it.sample && it.segments.len() == wave + 1);
+        let wanted = if wants { LogitsWanted::Last } else { LogitsWanted::None };
+        let pass = std::mem::replace(&mut run.pass, self.ctx.model.begin_pass(&[]));
+        let outs = {
+            let mut chunks = wave_chunks(&mut run.items, wave);
+            self.ctx.model.finish_pass(pass, &mut chunks, wanted, false)
+        };
+        let members = run.items.iter().enumerate().filter(|(_, it)| it.segments.len() > wave).map(|(i, _)| i);
+        for (i, out) in members.collect::<Vec<_>>().into_iter().zip(outs) {
+            let it = &mut run.items[i];
+            let (_, end, _) = it.segments[wave];
+            if it.sample && wave + 1 == it.segments.len() {
+                it.row = Some(out.logits);
+            }
+            if end % bt == 0 && it.snapshots.contains(&(end / bt - 1)) {
+                let k = end / bt - 1;
+                run.snaps.push((i, k, BlockValues::capture(&self.ctx.model, &it.state, k, bt)));
+            }
         }
     }
 
@@ -312,29 +476,30 @@ impl WorkerState {
         if let Some(t) = run.timer.take() {
             t.abort();
         }
-        let vocab = self.ctx.model.config.vocab_size;
-        let outs = {
-            let mut chunks: Vec<Chunk> =
-                run.states.iter_mut().zip(&run.tokens).map(|(s, t)| Chunk::new(t, s)).collect();
-            self.ctx.model.finish_pass(run.pass, &mut chunks, LogitsWanted::Last, false)
-        };
-        let mut sampled = Vec::with_capacity(outs.len());
+        let mut outputs = Vec::new();
         let mut body = Vec::new();
-        for (i, out) in outs.iter().enumerate() {
-            let position = run.states[i].position as u64;
-            let s = sample(&out.logits, &run.params[i], position);
-            sampled.push(SeqOutput { seq: run.seqs[i], token: s.token, logprob: s.logprob, position });
-            if run.return_logits {
-                debug_assert_eq!(out.logits.len(), vocab);
-                body.extend_from_slice(&out.logits);
+        for it in &mut run.items {
+            let Some(row) = it.row.take() else { continue };
+            let position = it.state.position as u64;
+            let s = sample(&row, &it.params, position);
+            let top = s.top.iter().map(|&(token, logprob)| TopLogprob { token, logprob }).collect();
+            outputs.push(SeqOutput { seq: it.seq, token: s.token, logprob: s.logprob, position, top });
+            if it.logits {
+                body.extend_from_slice(&row);
             }
         }
-        for (seq, state) in run.seqs.iter().zip(run.states) {
-            self.seqs.insert(*seq, state);
+        let mut snapshots = Vec::with_capacity(run.snaps.len());
+        for (i, k, values) in &run.snaps {
+            let (lens, data) = values.to_parts();
+            body.extend_from_slice(&data);
+            snapshots.push(BlockSnapshot { seq: run.items[*i].seq, block: *k as u32, lens });
+        }
+        for it in run.items {
+            self.seqs.insert(it.seq, it.state);
         }
         self.ctx.events.record(format_args!("{} step {} done", self.addr, run.step));
-        let frame = self.reply(run.reply_to, run.step, run.attempt, StepOutcome::Done(sampled), &body);
-        self.last = frame.map(|f| (run.step, f));
+        let frame = self.reply(run.reply_to, run.step, run.attempt, StepOutcome::Done { outputs, snapshots }, &body);
+        self.last = frame.map(|f| (self.owner, run.step, f));
     }
 
     async fn on_expert_result(
@@ -419,6 +584,9 @@ impl Actor for GpuWorker {
         args: WorkerArgs,
     ) -> Result<WorkerState, ActorProcessingErr> {
         let addr = Addr::worker(args.device);
+        let topo = args.ctx.topology;
+        let serving = topo.instance_of(args.device);
+        let scheduler = Addr::scheduler(serving);
         let instance = args.ctx.new_instance();
         args.ctx.events.record(format_args!("{addr} up (incarnation {}, instance {instance})", args.incarnation));
         pump(args.ctx.transport.bind(addr), myself, WorkerMsg::Net);
@@ -426,12 +594,15 @@ impl Actor for GpuWorker {
         // lost is re-sent now rather than at its timeout.
         let hello =
             Heartbeat { instance, restarted: args.ctx.is_up(), time_ns: args.ctx.clock.now().as_nanos() as u64 };
-        args.ctx.send(addr, Addr::scheduler(0), Message::Heartbeat(hello), &[]);
+        args.ctx.send(addr, scheduler, Message::Heartbeat(hello), &[]);
         Ok(WorkerState {
             device: args.device,
             addr,
+            base: topo.devices_of(serving).start,
+            scheduler,
             instance,
             passes: 0,
+            owner: 0,
             seqs: BTreeMap::new(),
             running: None,
             last: None,
@@ -450,8 +621,8 @@ impl Actor for GpuWorker {
                 let Some(m) = state.ctx.open(state.addr, &d) else { return Ok(()) };
                 let from = m.envelope.from;
                 match m.envelope.msg {
-                    Message::StepRequest(req) => {
-                        state.on_step_request(from, req);
+                    Message::StepRequest(req) if from == state.scheduler => {
+                        state.on_step_request(from, req, m.body);
                         state.advance(&me).await
                     }
                     Message::ExpertResult(h) => state.on_expert_result(from, h, m.body, &me).await,

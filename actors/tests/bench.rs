@@ -17,9 +17,7 @@ const PROMPT: usize = 16;
 const TOKENS: usize = 32;
 
 fn reqs() -> Vec<GenRequest> {
-    (0..REQUESTS)
-        .map(|i| GenRequest { prompt: prompt(PROMPT, i as u32), max_tokens: TOKENS, params: SamplingParams::default() })
-        .collect()
+    (0..REQUESTS).map(|i| common::request(prompt(PROMPT, i as u32), TOKENS, SamplingParams::default())).collect()
 }
 
 /// The same work on one device, all sequences in one batch per step.
@@ -46,13 +44,13 @@ fn bench() {
     let base = (0..3).map(|_| engine_alone(&m, &reqs)).fold(f64::MAX, f64::min);
     let steps = TOKENS as f64;
     println!("tiny-v4, {REQUESTS} requests × ({PROMPT} prompt + {TOKENS} generated), best of 3\n");
-    println!("| runtime | devices × EP | wall ms/step | overhead ms/step | frames | frames/s |");
-    println!("|---|---|---:|---:|---:|---:|");
-    println!("| engine alone (one batch) | 1 | {:.3} | — | — | — |", base * 1e3 / steps);
+    println!("| runtime | devices × EP | steps | wall ms/token | overhead ms/token | frames | frames/s |");
+    println!("|---|---|---:|---:|---:|---:|---:|");
+    println!("| engine alone (one batch) | 1 | {TOKENS} | {:.3} | — | — | — |", base * 1e3 / steps);
     for (devices, ep) in [(1, 1), (2, 2), (4, 2), (8, 8)] {
         for sim in [false, true] {
             let mut best = f64::MAX;
-            let mut frames = 0;
+            let (mut frames, mut ran) = (0, 0);
             for _ in 0..3 {
                 let cfg = ClusterConfig::new(devices, ep);
                 let t = Instant::now();
@@ -63,11 +61,12 @@ fn bench() {
                 };
                 best = best.min(t.elapsed().as_secs_f64());
                 frames = r.metrics.frames_sent;
+                ran = r.steps;
                 assert!(r.outputs.iter().all(|o| o.is_ok()));
             }
             let name = if sim { "simulated (1 thread, virtual clock)" } else { "in-process (2 threads)" };
             println!(
-                "| {name} | {devices} × {ep} | {:.3} | {:.3} | {frames} | {:.0} |",
+                "| {name} | {devices} × {ep} | {ran} | {:.3} | {:.3} | {frames} | {:.0} |",
                 best * 1e3 / steps,
                 (best - base) * 1e3 / steps,
                 frames as f64 / best

@@ -20,7 +20,7 @@ fn run(seed: u64) -> RunReport {
     cfg.return_logits = true;
     cfg.keep_events = 200_000;
     cfg.fabric.duplicate = 0.01;
-    let mut plan = FaultPlan::random_kill(Seed(seed), 8, 2, 4, m.config.num_layers as u32);
+    let mut plan = FaultPlan::random_kill(Seed(seed), 8, 2, 1, 4, m.config.num_layers as u32);
     plan.messages.push(MessageRule {
         kind: MsgKind::ExpertResult,
         action: MessageAction::Delay(Duration::from_micros(40)),

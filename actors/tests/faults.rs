@@ -1,20 +1,23 @@
 //! A failed actor costs a replayed step, never a request: with a random
-//! worker, shard or node killed at a random step, every request completes
-//! with exactly the fault-free output. Past the restart intensity, the
-//! affected requests end with an error and the run still finishes.
+//! worker, shard, scheduler, cache manager, router or node killed at a
+//! random step, every request completes with exactly the fault-free output.
+//! Past the restart intensity, the affected requests end with an error and
+//! the run still finishes.
 
 mod common;
 
 use std::time::Duration;
 
-use common::{assert_same, model, reference, requests};
+use common::{assert_same, model, prompt, reference, request, requests};
 use deepinfer_actors::ctx::Timeouts;
 use deepinfer_actors::faults::{FaultPlan, KillRule, MessageAction, MessageRule, SlowDevice, Target};
 use deepinfer_actors::rng::Seed;
 use deepinfer_actors::sim::Partition;
 use deepinfer_actors::supervisor::Intensity;
 use deepinfer_actors::wire::MsgKind;
-use deepinfer_actors::{run_simulated, ClusterConfig};
+use deepinfer_actors::{run_simulated, ClusterConfig, GenRequest};
+use deepinfer_engine::engine::EngineConfig;
+use deepinfer_engine::sampling::SamplingParams;
 
 const STEPS: usize = 4;
 
@@ -27,21 +30,49 @@ fn config(seed: u64) -> ClusterConfig {
     cfg
 }
 
+/// Short requests, and three that share a 70-token prefix (one full prefix
+/// block) so that later ones start from the cached block.
+fn mixed_requests() -> Vec<GenRequest> {
+    let mut reqs = requests(5, STEPS);
+    let shared = prompt(70, 91);
+    for (i, tail) in [3usize, 7, 5].into_iter().enumerate() {
+        let params = if i == 1 {
+            SamplingParams { temperature: 0.7, top_p: 0.9, top_k: 40, seed: 77, logprobs: 0 }
+        } else {
+            SamplingParams::default()
+        };
+        reqs.push(request([shared.clone(), prompt(tail, 200 + i as u32)].concat(), STEPS, params));
+    }
+    reqs
+}
+
+/// Two instances of 2 devices (one per node), small steps: prefills are
+/// chunked and requests are admitted over several steps.
+fn two_instances(seed: u64) -> ClusterConfig {
+    let mut cfg = config(seed);
+    cfg.instances = 2;
+    cfg.engine = EngineConfig { max_batch_tokens: 32, ..EngineConfig::default() };
+    cfg
+}
+
 #[test]
 fn a_random_kill_in_each_of_60_seeds_never_changes_the_output() {
     let m = model();
-    let reqs = requests(6, STEPS);
+    let reqs = mixed_requests();
     let want = reference(&m, &reqs);
     let layers = m.config.num_layers as u32;
-    let (mut kills, mut restarts) = (0, 0);
-    let mut by_target = [0u32; 3];
+    let (mut kills, mut restarts, mut hits, mut resumed) = (0, 0, 0, 0);
+    let mut by_target = [0u32; 6];
     for seed in 0..60u64 {
-        let mut cfg = config(seed);
-        let plan = FaultPlan::random_kill(Seed(seed), 4, 2, STEPS as u64, layers);
+        let mut cfg = two_instances(seed);
+        let plan = FaultPlan::random_kill(Seed(seed), 4, 2, 2, 8, layers);
         by_target[match plan.kills[0].target {
             Target::Worker(_) => 0,
             Target::Shard(_) => 1,
-            Target::Node(_) => 2,
+            Target::Scheduler(_) => 2,
+            Target::CacheManager(_) => 3,
+            Target::Router => 4,
+            Target::Node(_) => 5,
         }] += 1;
         cfg.faults = Some(plan.clone());
         let report = run_simulated(m.clone(), cfg, &reqs).unwrap();
@@ -51,10 +82,16 @@ fn a_random_kill_in_each_of_60_seeds_never_changes_the_output() {
         assert_eq!(mx.escalations, 0, "seed {seed}");
         kills += mx.kills_injected;
         restarts += mx.restarts();
+        hits += mx.cache_hits;
+        resumed += mx.requests_resumed;
     }
-    println!("60 seeds: {kills} kills, {restarts} restarts; targets worker/shard/node = {by_target:?}");
+    println!(
+        "60 seeds: {kills} kills, {restarts} restarts, {hits} prefix hits, {resumed} requests resumed; \
+         targets worker/shard/scheduler/cache/router/node = {by_target:?}"
+    );
     assert!(by_target.iter().all(|&n| n > 0), "every kind of target drawn: {by_target:?}");
     assert!(kills >= 55, "most planned kills reach their actor: {kills} of 60");
+    assert!(hits > 0 && resumed > 0, "prefix hits and resumed requests happened");
 }
 
 #[test]

@@ -2,15 +2,17 @@
 //! oversized frames are rejected with a typed error; valid frames round-trip.
 
 use deepinfer_actors::wire::{
-    decode, decode_with_limit, encode, read_frame, Addr, Control, DispatchHeader, Envelope, ExpertResultHeader,
-    ExpertRows, Heartbeat, Message, PlacementWire, ResultStatus, Role, Sampling, SeqOutput, StepItem, StepOutcome,
-    StepRequest, StepResult, WireError, MAX_FRAME_BYTES,
+    decode, decode_with_limit, encode, read_frame, Addr, BlockSnapshot, CacheMsg, Control, DispatchHeader, Envelope,
+    ExpertResultHeader, ExpertRows, FetchItem, FinishKind, FinishWire, Heartbeat, Message, OutputEnd, OutputItem,
+    Outputs, PlacementWire, RequestSpec, ResultStatus, Role, Sampling, SeqOutput, StepItem, StepOutcome, StepRequest,
+    StepResult, StoredBlock, Submit, TokenOut, TopLogprob, WireError, MAX_FRAME_BYTES,
 };
 use proptest::prelude::*;
 
 fn addr() -> impl Strategy<Value = Addr> {
-    (0u8..5, any::<u32>()).prop_map(|(r, index)| {
-        let role = [Role::Scheduler, Role::Worker, Role::Shard, Role::Router, Role::CacheManager][r as usize];
+    (0u8..6, any::<u32>()).prop_map(|(r, index)| {
+        let role =
+            [Role::Scheduler, Role::Worker, Role::Shard, Role::Router, Role::CacheManager, Role::Client][r as usize];
         Addr { role, index }
     })
 }
@@ -39,25 +41,34 @@ fn message() -> impl Strategy<Value = Message> {
                 Message::StepRequest(StepRequest {
                     step,
                     attempt: 0,
+                    scheduler: 7,
                     placement: PlacementWire { epoch: 3, devices: 4, replicas },
                     items: vec![StepItem {
                         seq: 9,
                         position: 4,
                         tokens,
                         rebuild: false,
-                        sampling: Sampling { temperature: 0.5, top_p: 1.0, top_k: 0, seed: 1 },
+                        sampling: sampling(),
+                        sample: true,
+                        logits: step % 2 == 0,
+                        replay_until: 64,
+                        restore: vec![vec![1, 16, u32::MAX, u32::MAX]],
+                        snapshots: vec![1, 2],
                     }],
                     release: vec![1, 2],
-                    return_logits: true,
                 })
             }),
         (any::<u64>(), prop::collection::vec(any::<u64>(), 0..5), ".{0,10}").prop_map(|(step, ids, why)| {
             let outcome = match ids.len() % 3 {
                 0 => StepOutcome::Failed(why),
                 1 => StepOutcome::NeedsHistory(ids),
-                _ => StepOutcome::Done(
-                    ids.iter().map(|&seq| SeqOutput { seq, token: 5, logprob: -0.5, position: 7 }).collect(),
-                ),
+                _ => StepOutcome::Done {
+                    outputs: ids
+                        .iter()
+                        .map(|&seq| SeqOutput { seq, token: 5, logprob: -0.5, position: 7, top: top() })
+                        .collect(),
+                    snapshots: vec![BlockSnapshot { seq: 1, block: 0, lens: vec![1, 2, 3] }],
+                },
             };
             Message::StepResult(StepResult { step, attempt: 1, device: 0, outcome })
         }),
@@ -65,7 +76,66 @@ fn message() -> impl Strategy<Value = Message> {
             .prop_map(|(instance, restarted, time_ns)| Message::Heartbeat(Heartbeat { instance, restarted, time_ns })),
         prop::collection::vec(any::<u32>(), 0..9)
             .prop_map(|experts| Message::Control(Control::LoadExperts { epoch: 2, experts })),
+        (any::<u64>(), prop::collection::vec(any::<u32>(), 0..30), prop::collection::vec(any::<u32>(), 0..5)).prop_map(
+            |(id, prompt, generated)| {
+                let spec = RequestSpec {
+                    id,
+                    prompt,
+                    max_tokens: 9,
+                    sampling: sampling(),
+                    stop_token_ids: vec![1],
+                    stop_sequences: vec![vec![4, 5]],
+                    ignore_eos: false,
+                    logits: true,
+                };
+                Message::Submit(Submit { spec, generated })
+            }
+        ),
+        prop::collection::vec(any::<u64>(), 0..5).prop_map(|ids| Message::Ack { ids }),
+        any::<u64>().prop_map(|id| Message::Cancel { id }),
+        (any::<u64>(), any::<u32>(), ".{0,10}").prop_map(|(id, from, why)| {
+            let end = match why.len() % 3 {
+                0 => None,
+                1 => Some(OutputEnd::Refused(why)),
+                _ => Some(OutputEnd::Finished(FinishWire {
+                    reason: FinishKind::Error(why),
+                    prompt_tokens: 3,
+                    completion_tokens: from,
+                    cached_tokens: 0,
+                    preemptions: 1,
+                })),
+            };
+            let tokens = vec![TokenOut { token: 3, logprob: -1.0, top: top() }];
+            Message::Outputs(Outputs { items: vec![OutputItem { id, from, tokens, logits: false, end }] })
+        }),
+        (any::<u64>(), prop::collection::vec(any::<u64>(), 0..4), prop::collection::vec(any::<u32>(), 0..20)).prop_map(
+            |(query, hashes, tokens)| {
+                Message::Cache(match query % 4 {
+                    0 => CacheMsg::Lookup { query, hashes, tokens },
+                    1 => CacheMsg::Fetch {
+                        query,
+                        instance: 1,
+                        step: 2,
+                        items: vec![FetchItem { seq: 3, hashes, tokens }],
+                    },
+                    2 => CacheMsg::Store {
+                        instance: 0,
+                        step: query,
+                        blocks: vec![StoredBlock { hash: 1, parent: 0, tokens, lens: vec![0, 0] }],
+                    },
+                    _ => CacheMsg::Evict { instance: 2, step: 5, hashes },
+                })
+            }
+        ),
     ]
+}
+
+fn sampling() -> Sampling {
+    Sampling { temperature: 0.5, top_p: 1.0, top_k: 0, seed: 1, logprobs: 2 }
+}
+
+fn top() -> Vec<TopLogprob> {
+    vec![TopLogprob { token: 4, logprob: -0.25 }]
 }
 
 fn envelope() -> impl Strategy<Value = Envelope> {

@@ -25,10 +25,12 @@ use std::collections::BTreeMap;
 use std::ops::Deref;
 use std::sync::Arc;
 
+use crate::config::AttentionKind;
+use crate::constraint::TokenConstraint;
 use crate::kv_pool::BlockId;
 use crate::model::state::CompressorState;
 use crate::model::{Chunk, LogitsWanted, Model, SequenceState};
-use crate::request::{Finished, Request, RequestError, RequestId, RequestUpdate, TokenOutput};
+use crate::request::{FinishReason, Finished, Request, RequestError, RequestId, RequestUpdate, TokenOutput};
 use crate::sampling::sample;
 pub use crate::scheduler::{EngineConfig, EngineConfigError};
 use crate::scheduler::{Registration, SampledToken, ScheduledItem, Scheduler};
@@ -43,9 +45,9 @@ struct CompressorBlock {
     overlap_gate: Option<Vec<f32>>,
 }
 
-/// Stored values of one cached block, per layer.
+/// Stored values of one cached block, per layer: what a prefix hit restores.
 #[derive(Clone, Debug, Default, PartialEq)]
-struct BlockValues {
+pub struct BlockValues {
     layers: Vec<(Option<CompressorBlock>, Option<CompressorBlock>)>,
 }
 
@@ -91,12 +93,14 @@ pub struct Engine<M: Deref<Target = Model> = Arc<Model>> {
     states: BTreeMap<RequestId, SequenceState>,
     /// Values of cached blocks, by their compressed block.
     stored: BTreeMap<BlockId, BlockValues>,
+    /// Sampling constraints of the requests that have one.
+    constraints: BTreeMap<RequestId, Box<dyn TokenConstraint>>,
 }
 
 impl<M: Deref<Target = Model>> Engine<M> {
     pub fn new(model: M, config: EngineConfig) -> Result<Self, EngineConfigError> {
         let scheduler = Scheduler::new(&model.config, config)?;
-        Ok(Self { model, scheduler, states: BTreeMap::new(), stored: BTreeMap::new() })
+        Ok(Self { model, scheduler, states: BTreeMap::new(), stored: BTreeMap::new(), constraints: BTreeMap::new() })
     }
 
     pub fn model(&self) -> &Model {
@@ -112,10 +116,22 @@ impl<M: Deref<Target = Model>> Engine<M> {
         self.scheduler.add(request)
     }
 
+    /// Queue a request whose every sampled token must pass `constraint`.
+    pub fn add_constrained_request(
+        &mut self,
+        request: Request,
+        constraint: Box<dyn TokenConstraint>,
+    ) -> Result<RequestId, RequestError> {
+        let id = self.scheduler.add(request)?;
+        self.constraints.insert(id, constraint);
+        Ok(id)
+    }
+
     /// Cancel a request and free everything it holds.
     pub fn cancel(&mut self, id: RequestId) -> Result<Finished, RequestError> {
         let finished = self.scheduler.cancel(id)?;
         self.states.remove(&id);
+        self.constraints.remove(&id);
         Ok(finished)
     }
 
@@ -147,6 +163,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
         let mut updates: BTreeMap<RequestId, RequestUpdate> = BTreeMap::new();
         for (id, finished) in plan.failed {
             self.states.remove(&id);
+            self.constraints.remove(&id);
             updates.insert(id, RequestUpdate { id, tokens: Vec::new(), finished: Some(finished) });
         }
         let items = plan.items;
@@ -191,9 +208,18 @@ impl<M: Deref<Target = Model>> Engine<M> {
 
         let mut sampled = Vec::new();
         for (i, it) in items.iter().enumerate() {
-            let Some(row) = rows[i].take() else { continue };
+            let Some(mut row) = rows[i].take() else { continue };
+            let constraint = self.constraints.get_mut(&it.id);
             let request = self.scheduler.request(it.id);
-            let s = sample(&row, &request.params, it.to as u64);
+            let s = match constraint {
+                Some(c) => {
+                    c.allowed(&mut row);
+                    let s = sample(&row, &request.params, it.to as u64);
+                    c.accept(s.token);
+                    s
+                }
+                None => sample(&row, &request.params, it.to as u64),
+            };
             sampled.push(SampledToken { id: it.id, token: s.token, ok: s.logprob.is_finite() });
             let token = TokenOutput {
                 token: s.token,
@@ -211,8 +237,20 @@ impl<M: Deref<Target = Model>> Engine<M> {
                 self.stored.insert(b, values);
             }
         }
-        for (id, finished) in self.scheduler.complete(&sampled) {
+        let mut finished = self.scheduler.complete(&sampled);
+        // A constraint that admits nothing more ends its request as a stop.
+        for s in &sampled {
+            let done = self.constraints.get(&s.id).is_some_and(|c| c.is_done());
+            if done && !finished.iter().any(|(id, _)| *id == s.id) {
+                if let Ok(mut f) = self.scheduler.cancel(s.id) {
+                    f.reason = FinishReason::Stop;
+                    finished.push((s.id, f));
+                }
+            }
+        }
+        for (id, finished) in finished {
             self.states.remove(&id);
+            self.constraints.remove(&id);
             updates.entry(id).or_insert_with(|| RequestUpdate { id, tokens: Vec::new(), finished: None }).finished =
                 Some(finished);
         }
@@ -222,45 +260,64 @@ impl<M: Deref<Target = Model>> Engine<M> {
     /// A state holding the compressed state of the cached blocks `hit`,
     /// positioned at `position` (the start of the replay).
     fn restore(&self, hit: &[BlockId], position: usize) -> SequenceState {
-        let mut state = self.model.new_state();
-        if let Some(last) = hit.last() {
-            let blocks: Vec<&BlockValues> = hit.iter().map(|b| &self.stored[b]).collect();
-            let last = &self.stored[last];
-            for (l, layer) in state.layers.iter_mut().enumerate() {
-                let rebuild = |c: &mut CompressorState, part: fn(&BlockValues, usize) -> Option<&CompressorBlock>| {
-                    for b in &blocks {
-                        c.entries.extend_from_slice(&part(b, l).expect("cached block has this layer").entries);
-                    }
-                    let tail = part(last, l).expect("cached block has this layer");
-                    c.overlap_kv = tail.overlap_kv.clone();
-                    c.overlap_gate = tail.overlap_gate.clone();
-                };
-                if let Some(c) = &mut layer.compressor {
-                    rebuild(c, |b, l| b.layers[l].0.as_ref());
+        let blocks: Vec<&BlockValues> = hit.iter().map(|b| &self.stored[b]).collect();
+        restore_state(&self.model, &blocks, position)
+    }
+}
+
+/// A state holding the compressed state of `blocks` (consecutive cached
+/// blocks from position 0, as [`BlockValues::capture`] took them),
+/// positioned at `position` (the start of the replay).
+pub fn restore_state(model: &Model, blocks: &[&BlockValues], position: usize) -> SequenceState {
+    let mut state = model.new_state();
+    if let Some(last) = blocks.last() {
+        for (l, layer) in state.layers.iter_mut().enumerate() {
+            let rebuild = |c: &mut CompressorState, part: fn(&BlockValues, usize) -> Option<&CompressorBlock>| {
+                for b in blocks {
+                    c.entries.extend_from_slice(&part(b, l).expect("cached block has this layer").entries);
                 }
-                if let Some(c) = &mut layer.indexer {
-                    rebuild(c, |b, l| b.layers[l].1.as_ref());
-                }
+                let tail = part(last, l).expect("cached block has this layer");
+                c.overlap_kv = tail.overlap_kv.clone();
+                c.overlap_gate = tail.overlap_gate.clone();
+            };
+            if let Some(c) = &mut layer.compressor {
+                rebuild(c, |b, l| b.layers[l].0.as_ref());
+            }
+            if let Some(c) = &mut layer.indexer {
+                rebuild(c, |b, l| b.layers[l].1.as_ref());
             }
         }
-        state.position = position;
-        state
     }
+    state.position = position;
+    state
 }
 
 /// Cut an item's tokens at the replay's end and at the boundaries to snapshot.
 fn segments(it: &ScheduledItem, bt: usize) -> Vec<(usize, usize, bool)> {
-    let mut cuts: Vec<usize> = it.snapshots.iter().map(|k| (k + 1) * bt).collect();
-    cuts.push(it.replay_until);
-    cuts.retain(|&c| c > it.from && c < it.to);
+    step_segments(it.from, it.to, it.replay_until, &it.snapshots, bt)
+}
+
+/// The forward calls ("waves") one item of a step is cut into: `[from, to)`
+/// cut at `replay_until` and at the end of each block in `snapshots`; each
+/// piece is `(start, end, replay)`. A distributed worker runs the same cuts.
+pub fn step_segments(
+    from: usize,
+    to: usize,
+    replay_until: usize,
+    snapshots: &[usize],
+    bt: usize,
+) -> Vec<(usize, usize, bool)> {
+    let mut cuts: Vec<usize> = snapshots.iter().map(|k| (k + 1) * bt).collect();
+    cuts.push(replay_until);
+    cuts.retain(|&c| c > from && c < to);
     cuts.sort_unstable();
     cuts.dedup();
-    cuts.push(it.to);
-    let mut from = it.from;
+    cuts.push(to);
+    let mut start = from;
     cuts.into_iter()
-        .map(|to| {
-            let seg = (from, to, to <= it.replay_until);
-            from = to;
+        .map(|end| {
+            let seg = (start, end, end <= replay_until);
+            start = end;
             seg
         })
         .collect()
@@ -293,4 +350,95 @@ fn snapshot(model: &Model, state: &SequenceState, k: usize, bt: usize) -> BlockV
         })
         .collect();
     BlockValues { layers }
+}
+
+/// Absent overlap series in [`BlockValues::to_parts`] lengths.
+const ABSENT: u32 = u32::MAX;
+/// Lengths per layer in [`BlockValues::to_parts`]: for the compressor then
+/// the indexer, present (0/1), entries, overlap kv, overlap gate.
+const LENS_PER_LAYER: usize = 8;
+
+impl BlockValues {
+    /// The compressed state of block `k` of a state positioned at the block's end.
+    pub fn capture(model: &Model, state: &SequenceState, k: usize, block_tokens: usize) -> Self {
+        snapshot(model, state, k, block_tokens)
+    }
+
+    /// Flat form for a transport: lengths (8 per layer) and the values they measure.
+    pub fn to_parts(&self) -> (Vec<u32>, Vec<f32>) {
+        let mut lens = Vec::with_capacity(self.layers.len() * LENS_PER_LAYER);
+        let mut data = Vec::new();
+        for (c, ix) in &self.layers {
+            for part in [c, ix] {
+                match part {
+                    None => lens.extend([0, 0, ABSENT, ABSENT]),
+                    Some(b) => {
+                        lens.extend([1, b.entries.len() as u32]);
+                        data.extend_from_slice(&b.entries);
+                        for o in [&b.overlap_kv, &b.overlap_gate] {
+                            lens.push(o.as_ref().map_or(ABSENT, |v| v.len() as u32));
+                            data.extend_from_slice(o.as_deref().unwrap_or_default());
+                        }
+                    }
+                }
+            }
+        }
+        (lens, data)
+    }
+
+    /// The inverse of [`to_parts`](Self::to_parts), checked against the
+    /// model's layers and the block size: a malformed block is an error,
+    /// never a state that would trip the forward pass.
+    pub fn from_parts(model: &Model, block_tokens: usize, lens: &[u32], data: &[f32]) -> Result<Self, String> {
+        let cfg = &model.config;
+        if lens.len() != cfg.num_layers * LENS_PER_LAYER {
+            return Err(format!("{} lengths for {} layers", lens.len(), cfg.num_layers));
+        }
+        let mut at = 0usize;
+        let mut take = |n: usize| -> Result<Vec<f32>, String> {
+            let v = data.get(at..at + n).ok_or_else(|| format!("{} values, more needed", data.len()))?;
+            at += n;
+            Ok(v.to_vec())
+        };
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for (l, kind) in cfg.attention.iter().enumerate() {
+            let want = [
+                kind.compress_ratio().map(|r| (r, cfg.head_dim)),
+                matches!(kind, AttentionKind::Csa { .. })
+                    .then(|| (kind.compress_ratio().unwrap_or(1), cfg.index_head_dim)),
+            ];
+            let mut parts = [None, None];
+            for (p, want) in want.into_iter().enumerate() {
+                let [present, entries, okv, ogate] = lens[l * LENS_PER_LAYER + 4 * p..][..4] else { unreachable!() };
+                match (want, present) {
+                    (None, 0) if entries == 0 && okv == ABSENT && ogate == ABSENT => {}
+                    (Some((ratio, dim)), 1) if block_tokens.is_multiple_of(ratio) => {
+                        let per = block_tokens / ratio * dim;
+                        let overlap_ok = okv == ogate && (okv == ABSENT || okv as usize == ratio * dim);
+                        if entries as usize != per || !overlap_ok {
+                            return Err(format!("layer {l}: lengths {entries}/{okv}/{ogate} do not fit the model"));
+                        }
+                        let entries = take(per)?;
+                        let overlap = |n: u32, take: &mut dyn FnMut(usize) -> Result<Vec<f32>, String>| {
+                            if n == ABSENT {
+                                Ok(None)
+                            } else {
+                                take(n as usize).map(Some)
+                            }
+                        };
+                        let overlap_kv = overlap(okv, &mut take)?;
+                        let overlap_gate = overlap(ogate, &mut take)?;
+                        parts[p] = Some(CompressorBlock { entries, overlap_kv, overlap_gate });
+                    }
+                    _ => return Err(format!("layer {l}: part {p} does not fit the model")),
+                }
+            }
+            let [c, ix] = parts;
+            layers.push((c, ix));
+        }
+        if at != data.len() {
+            return Err(format!("{} values, {at} expected", data.len()));
+        }
+        Ok(Self { layers })
+    }
 }

@@ -9,6 +9,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod constraint;
 pub mod cost;
 pub mod engine;
 pub mod eplb;

@@ -321,6 +321,11 @@ impl Scheduler {
         self.seqs.get(&id).map(|s| &s.blocks)
     }
 
+    /// Prompt tokens of a live request whose state came from the prefix cache on its first admission.
+    pub fn cached_tokens(&self, id: RequestId) -> Option<usize> {
+        self.seqs.get(&id).map(|s| s.cached_tokens)
+    }
+
     /// Queue a request, or say why it can never run.
     pub fn add(&mut self, request: Request) -> Result<RequestId, RequestError> {
         self.validate(&request)?;
@@ -349,6 +354,42 @@ impl Scheduler {
         );
         self.waiting.push_back(id);
         Ok(id)
+    }
+
+    /// Queue a request that had already generated `generated` when the
+    /// instance serving it was lost: prompt and those tokens are recomputed
+    /// (bit-identical, the forward pass is chunking-invariant), stop
+    /// conditions and `max_tokens` count them as output. The caller keeps
+    /// `generated` shorter than `max_tokens` and inside the context.
+    pub fn add_resumed(&mut self, request: Request, generated: &[u32]) -> Result<RequestId, RequestError> {
+        let vocab = self.limits.vocab;
+        if let Some(&token) = generated.iter().find(|&&t| t as usize >= vocab) {
+            return Err(RequestError::TokenOutOfVocabulary { token, vocab });
+        }
+        let len = request.prompt.len() + generated.len();
+        if !generated.is_empty() && len >= self.limits.context {
+            return Err(RequestError::PromptTooLong { len, limit: self.limits.context });
+        }
+        let id = self.add(request)?;
+        self.seqs.get_mut(&id).expect("just added").tokens.extend_from_slice(generated);
+        Ok(id)
+    }
+
+    /// Forget every cached block, as when the store holding their values is
+    /// lost: unreferenced blocks are freed and returned (drop their values);
+    /// blocks that running requests hold stay theirs, no longer shared.
+    pub fn clear_prefix_cache(&mut self) -> Vec<BlockId> {
+        let mut old = std::mem::take(&mut self.cache);
+        let mut freed = Vec::new();
+        while let Some(b) = old.evict_lru() {
+            self.pool.free(b.compressed);
+            if let Some(ix) = b.indexer {
+                self.pool.free(ix);
+            }
+            freed.push(b.compressed);
+        }
+        self.cache.stats = old.stats;
+        freed
     }
 
     fn validate(&self, r: &Request) -> Result<(), RequestError> {
@@ -797,5 +838,54 @@ mod tests {
         assert_eq!(plan.items[0].snapshots, [0]);
         let plan = s.schedule();
         assert_eq!(plan.items[0].snapshots, [1, 2], "ends at 128 and 192 in (100, 200]");
+    }
+
+    #[test]
+    fn a_resumed_request_recomputes_its_output_and_counts_it() {
+        let mut s = scheduler(EngineConfig { prefix_mode: PrefixMode::Off, ..Default::default() });
+        let mut r = Request::new(prompt(5), 4);
+        r.stop_sequences = vec![vec![7, 8]];
+        let id = s.add_resumed(r, &[9, 7]).unwrap();
+        assert_eq!(s.tokens(id), [&prompt(5)[..], &[9, 7]].concat());
+        let (plan, done) = run(&mut s, 8);
+        assert_eq!(spans(&plan), [(id.0, 0, 7, true)], "prompt and resumed output in one prefill");
+        assert_eq!(done.len(), 1, "the stop sequence spans resumed and new output");
+        assert_eq!((done[0].1.reason.clone(), done[0].1.completion_tokens), (FinishReason::Stop, 3));
+        assert!(matches!(
+            s.add_resumed(Request::new(prompt(5), 4), &[5000]),
+            Err(RequestError::TokenOutOfVocabulary { .. })
+        ));
+    }
+
+    #[test]
+    fn clearing_the_prefix_cache_frees_unused_blocks_and_keeps_running_ones() {
+        // Execute a step, offering every computed block to the cache.
+        fn run(s: &mut Scheduler, token: u32) {
+            let plan = s.schedule();
+            for it in &plan.items {
+                for &k in &it.snapshots {
+                    s.register_block(it.id, k);
+                }
+            }
+            let sampled: Vec<SampledToken> =
+                plan.items.iter().filter(|i| i.sample).map(|i| SampledToken { id: i.id, token, ok: true }).collect();
+            s.complete(&sampled);
+        }
+        let mut s = scheduler(EngineConfig::default());
+        let free0 = s.pool_stats();
+        s.add(Request::new(prompt(200), 1)).unwrap();
+        run(&mut s, 5);
+        assert_eq!(s.cached_blocks(), 3);
+        let b = s.add(Request::new(prompt(200), 3)).unwrap();
+        run(&mut s, 5);
+        assert_eq!(s.prefix_stats().hits, 1);
+        assert_eq!(s.clear_prefix_cache().len(), 0, "the running request holds every cached block");
+        assert_eq!(s.cached_blocks(), 0);
+        s.cancel(b).unwrap();
+        assert_eq!(s.pool_stats(), free0, "released blocks are freed, not cached");
+        s.add(Request::new(prompt(200), 1)).unwrap();
+        run(&mut s, 5);
+        assert_eq!(s.clear_prefix_cache().len(), 3);
+        assert_eq!((s.pool_stats(), s.prefix_stats().hits), (free0, 1), "a miss after clearing");
     }
 }

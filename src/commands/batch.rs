@@ -7,6 +7,9 @@
 //! `logprobs` (alternatives per token, 0–20), `stop` (a string or a list)
 //! and `ignore_eos`. Each gets one result line, in input order. A line that
 //! cannot run gets an `error` in its result line; the others still run.
+//! With `--devices N` the requests run on the in-process actor cluster and
+//! the results are the same (`usage.cached_tokens` aside, which depends on
+//! when each request reached its instance).
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -15,6 +18,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
+use deepinfer_actors::{LocalCluster, Update};
 use deepinfer_engine::engine::{Engine, EngineConfig};
 use deepinfer_engine::prefix_cache::PrefixMode;
 use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId, TokenOutput};
@@ -22,9 +26,10 @@ use deepinfer_engine::sampling::SamplingParams;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use tokenizers::Tokenizer;
 
 use crate::cli::GenerateArgs;
-use crate::generation::{encode_chat, encode_prompt, load_model, ChatMessage, LoadedModel};
+use crate::generation::{encode_chat, encode_prompt, load_model, start_cluster, ChatMessage, LoadedModel};
 
 /// Longest accepted input line, in bytes.
 const MAX_LINE_BYTES: usize = 16 << 20;
@@ -147,13 +152,18 @@ pub struct BatchSummary {
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let input = args.input.as_deref().context("--input is required in batch mode")?;
     let output = args.output.as_deref().context("--output is required with --input")?;
+    crate::commands::generate::check_devices(args)?;
     let loaded = load_model(&args.model, args.model_seed, args.tokenizer.as_deref())?;
-    let summary = run_batch(&loaded, args, input, output, true)?;
+    let name = loaded.name.clone();
+    let summary = match args.devices {
+        1 => run_batch(&loaded, args, input, output, true)?,
+        _ => run_batch_on_cluster(loaded, args, input, output, true)?,
+    };
     let secs = summary.elapsed.as_secs_f64().max(1e-9);
     eprintln!(
         "{}: {} requests ({} failed) in {:.2} s; prompt {} tokens, generated {} tokens: {:.1} generated tokens/s, \
          {:.1} tokens/s in all",
-        loaded.name,
+        name,
         summary.requests,
         summary.failed,
         secs,
@@ -252,17 +262,17 @@ struct Live {
 }
 
 /// Text of the generated tokens, cut before the first stop string if one occurs.
-fn output_text(loaded: &LoadedModel, live: &Live) -> (String, bool) {
+fn output_text(tokenizer: &Tokenizer, live: &Live) -> (String, bool) {
     let ids: Vec<u32> = live.tokens.iter().map(|t| t.token).collect();
-    let text = loaded.tokenizer.decode(&ids, true).unwrap_or_default();
+    let text = tokenizer.decode(&ids, true).unwrap_or_default();
     match live.job.stops.iter().filter_map(|s| text.find(s.as_str())).min() {
         Some(cut) => (text[..cut].to_string(), true),
         None => (text, false),
     }
 }
 
-fn result_line(loaded: &LoadedModel, live: Live, finished: Finished) -> ResultLine {
-    let (text, stopped) = output_text(loaded, &live);
+fn result_line(tokenizer: &Tokenizer, live: Live, finished: Finished) -> ResultLine {
+    let (text, stopped) = output_text(tokenizer, &live);
     let reason = if stopped { FinishReason::Stop } else { finished.reason.clone() };
     let error = match &finished.reason {
         FinishReason::Error(e) => Some(e.clone()),
@@ -287,6 +297,130 @@ fn result_line(loaded: &LoadedModel, live: Live, finished: Finished) -> ResultLi
     }
 }
 
+/// Write results in input order as soon as they are contiguous.
+fn write_ready(
+    results: &mut [Option<ResultLine>],
+    written: &mut usize,
+    out: &mut impl Write,
+    summary: &mut BatchSummary,
+    bar: &ProgressBar,
+) -> anyhow::Result<()> {
+    while let Some(Some(r)) = results.get_mut(*written).map(Option::take) {
+        if r.finish_reason == "error" {
+            summary.failed += 1;
+        }
+        if let Some(u) = &r.usage {
+            summary.prompt_tokens += u.prompt_tokens;
+            summary.completion_tokens += u.completion_tokens;
+            summary.cached_tokens += u.cached_tokens;
+        }
+        serde_json::to_writer(&mut *out, &r)?;
+        out.write_all(b"\n")?;
+        *written += 1;
+        bar.inc(1);
+    }
+    Ok(())
+}
+
+fn progress_bar(progress: bool, total: usize) -> ProgressBar {
+    let bar = if progress { ProgressBar::new(total as u64) } else { ProgressBar::hidden() };
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} requests, {msg} (eta {eta})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar
+}
+
+/// [`run_batch`] on the in-process cluster of `--devices`: the model moves
+/// into it. Requests are kept about two batches deep in flight; a stop
+/// string cancels its request, and tokens after it are not kept.
+pub fn run_batch_on_cluster(
+    loaded: LoadedModel,
+    args: &GenerateArgs,
+    input: &Path,
+    output: &Path,
+    progress: bool,
+) -> anyhow::Result<BatchSummary> {
+    let config = engine_config(args)?;
+    let jobs = read_jobs(&loaded, args, input)?;
+    let LoadedModel { model, tokenizer, .. } = loaded;
+    let mut cluster: LocalCluster = start_cluster(model, args.devices, args.expert_parallel, config.clone())?;
+    let file = File::create(output).with_context(|| format!("cannot create {}", output.display()))?;
+    let mut out = BufWriter::new(file);
+    let total = jobs.len();
+    let bar = progress_bar(progress, total);
+    let started = Instant::now();
+    let mut summary = BatchSummary { requests: total, ..BatchSummary::default() };
+    let mut results: Vec<Option<ResultLine>> = (0..total).map(|_| None).collect();
+    let mut written = 0;
+    let mut live: BTreeMap<u64, (Live, bool)> = BTreeMap::new();
+    let mut pending = jobs.into_iter().enumerate();
+    let (mut generated, mut cached, mut prompts) = (0usize, 0usize, 0usize);
+    // Running plus waiting stays below what one scheduler queues without refusing.
+    let depth = config.max_batch_size + config.max_batch_size.min(config.max_waiting - 1);
+    loop {
+        while cluster.outstanding() < depth {
+            let Some((slot, job)) = pending.next() else { break };
+            match job {
+                Err(e) => results[slot] = Some(e.into()),
+                Ok(job) => {
+                    let id = cluster.submit(job.request.clone());
+                    live.insert(id, (Live { slot, job, tokens: Vec::new() }, false));
+                }
+            }
+        }
+        let update = cluster.next_update();
+        let idle = update.is_none();
+        match update {
+            None => {}
+            Some(Update::Tokens { id, tokens }) => {
+                if let Some((l, stopped)) = live.get_mut(&id) {
+                    for t in tokens {
+                        if *stopped {
+                            break;
+                        }
+                        generated += 1;
+                        l.tokens.push(t);
+                        if !l.job.stops.is_empty() && output_text(&tokenizer, l).1 {
+                            *stopped = true;
+                            cluster.cancel(id);
+                        }
+                    }
+                }
+            }
+            Some(Update::Finished { id, mut finished }) => {
+                if let Some((l, _)) = live.remove(&id) {
+                    finished.completion_tokens = l.tokens.len();
+                    cached += finished.cached_tokens;
+                    prompts += finished.prompt_tokens;
+                    summary.preemptions += u64::from(finished.preemptions);
+                    let slot = l.slot;
+                    results[slot] = Some(result_line(&tokenizer, l, finished));
+                }
+            }
+            Some(Update::Refused { id, reason }) => {
+                if let Some((l, _)) = live.remove(&id) {
+                    results[l.slot] = Some(ResultLine::error(l.job.line, l.job.id, reason));
+                }
+            }
+        }
+        write_ready(&mut results, &mut written, &mut out, &mut summary, &bar)?;
+        let secs = started.elapsed().as_secs_f64().max(1e-9);
+        bar.set_message(format!("{generated} tokens, {:.0} tokens/s", generated as f64 / secs));
+        if idle && pending.len() == 0 {
+            break;
+        }
+    }
+    cluster.shutdown();
+    anyhow::ensure!(written == total, "{} of {total} results were never produced", total - written);
+    out.flush()?;
+    bar.finish_and_clear();
+    summary.elapsed = started.elapsed();
+    summary.prefix_hit_rate = if prompts == 0 { 0.0 } else { cached as f64 / prompts as f64 };
+    Ok(summary)
+}
+
 /// Run every request of `input` and write `output`; `progress` shows a bar on stderr.
 pub fn run_batch(
     loaded: &LoadedModel,
@@ -302,12 +436,7 @@ pub fn run_batch(
     let mut out = BufWriter::new(file);
 
     let total = jobs.len();
-    let bar = if progress { ProgressBar::new(total as u64) } else { ProgressBar::hidden() };
-    bar.set_style(
-        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} requests, {msg} (eta {eta})")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    let bar = progress_bar(progress, total);
     let started = Instant::now();
     let mut summary = BatchSummary { requests: total, ..BatchSummary::default() };
     let mut results: Vec<Option<ResultLine>> = (0..total).map(|_| None).collect();
@@ -336,30 +465,16 @@ pub fn run_batch(
             generated += update.tokens.len();
             l.tokens.extend(update.tokens);
             let mut finished = update.finished;
-            if finished.is_none() && !l.job.stops.is_empty() && output_text(loaded, l).1 {
+            if finished.is_none() && !l.job.stops.is_empty() && output_text(&loaded.tokenizer, l).1 {
                 finished = Some(engine.cancel(update.id)?);
             }
             if let Some(f) = finished {
                 let l = live.remove(&update.id).expect("live request");
                 let slot = l.slot;
-                results[slot] = Some(result_line(loaded, l, f));
+                results[slot] = Some(result_line(&loaded.tokenizer, l, f));
             }
         }
-        // Write results in input order as soon as they are contiguous.
-        while let Some(Some(r)) = results.get_mut(written).map(Option::take) {
-            if r.finish_reason == "error" {
-                summary.failed += 1;
-            }
-            if let Some(u) = &r.usage {
-                summary.prompt_tokens += u.prompt_tokens;
-                summary.completion_tokens += u.completion_tokens;
-                summary.cached_tokens += u.cached_tokens;
-            }
-            serde_json::to_writer(&mut out, &r)?;
-            out.write_all(b"\n")?;
-            written += 1;
-            bar.inc(1);
-        }
+        write_ready(&mut results, &mut written, &mut out, &mut summary, &bar)?;
         let secs = started.elapsed().as_secs_f64().max(1e-9);
         bar.set_message(format!("{generated} tokens, {:.0} tokens/s", generated as f64 / secs));
         if !engine.has_work() && pending.len() == 0 {

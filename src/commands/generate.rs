@@ -1,14 +1,18 @@
-//! `deepinfer generate`: one prompt, printed as it is generated.
+//! `deepinfer generate`: one prompt, printed as it is generated; with
+//! `--devices N` on the in-process actor cluster, with the same output.
 
 use std::io::Write;
 use std::time::Instant;
 
+use deepinfer_engine::engine::EngineConfig;
+use deepinfer_engine::prefix_cache::PrefixMode;
 use deepinfer_engine::sampling::SamplingParams;
 
 use crate::cli::GenerateArgs;
-use crate::generation::{encode_prompt, generate, load_model};
+use crate::generation::{encode_prompt, generate, generate_on_cluster, load_model, start_cluster, LoadedModel};
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
+    check_devices(args)?;
     let loaded = load_model(&args.model, args.model_seed, args.tokenizer.as_deref())?;
     let text = args.prompt.as_deref().unwrap_or_default();
     let prompt = encode_prompt(&loaded.tokenizer, &loaded.model, text)?;
@@ -19,23 +23,41 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         seed: args.seed,
         ..SamplingParams::default()
     };
+    let LoadedModel { name, model, tokenizer } = loaded;
+    let (mut cluster, model) = match args.devices {
+        1 => (None, Some(model)),
+        n => {
+            let engine = EngineConfig { max_batch_size: 1, prefix_mode: PrefixMode::Off, ..EngineConfig::default() };
+            (Some(start_cluster(model, n, args.expert_parallel, engine)?), None)
+        }
+    };
     let started = Instant::now();
     let mut first_token_at = None;
     let mut stdout = std::io::stdout().lock();
     let mut text_so_far = String::new();
     let mut ids = Vec::new();
-    let completion = generate(&loaded.model, &prompt, &params, args.max_tokens, |token| {
+    let on_token = |token| {
         first_token_at.get_or_insert_with(Instant::now);
         ids.push(token);
         // Print the new suffix of the decoded text, so multi-byte characters appear whole.
-        if let Ok(text) = loaded.tokenizer.decode(&ids, true) {
+        if let Ok(text) = tokenizer.decode(&ids, true) {
             if text.len() > text_so_far.len() && text.starts_with(&text_so_far) {
                 let _ = write!(stdout, "{}", &text[text_so_far.len()..]);
                 let _ = stdout.flush();
                 text_so_far = text;
             }
         }
-    })?;
+    };
+    let completion = match cluster.as_mut() {
+        Some(c) => generate_on_cluster(c, &prompt, &params, args.max_tokens, on_token),
+        None => {
+            generate(model.as_ref().expect("one device keeps the model"), &prompt, &params, args.max_tokens, on_token)
+        }
+    };
+    if let Some(c) = cluster {
+        c.shutdown();
+    }
+    let completion = completion?;
     let total = started.elapsed().as_secs_f64();
     writeln!(stdout)?;
     if args.show_tokens {
@@ -46,13 +68,21 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let decode_secs = total - ttft;
     let reason = completion.finish.as_str();
     eprintln!(
-        "{}: prompt {} tokens, generated {} tokens ({reason}); prefill {:.1} ms ({:.0} tokens/s), decode {:.1} tokens/s",
-        loaded.name,
+        "{name}{}: prompt {} tokens, generated {} tokens ({reason}); prefill {:.1} ms ({:.0} tokens/s), decode {:.1} tokens/s",
+        if args.devices > 1 { format!(" on {} devices", args.devices) } else { String::new() },
         completion.prompt_tokens.len(),
         completion.tokens.len(),
         ttft * 1e3,
         completion.prompt_tokens.len() as f64 / ttft.max(1e-9),
         if decode_tokens > 0 { decode_tokens as f64 / decode_secs.max(1e-9) } else { 0.0 },
     );
+    Ok(())
+}
+
+/// `--expert-parallel` only means something with several devices.
+pub fn check_devices(args: &GenerateArgs) -> anyhow::Result<()> {
+    if args.devices == 1 && args.expert_parallel.is_some_and(|e| e != 1) {
+        anyhow::bail!("--expert-parallel {} needs --devices of at least that many", args.expert_parallel.unwrap_or(1));
+    }
     Ok(())
 }

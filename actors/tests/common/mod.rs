@@ -27,9 +27,16 @@ pub fn requests(n: usize, max_tokens: usize) -> Vec<GenRequest> {
             } else {
                 SamplingParams { temperature: 0.8, top_p: 0.95, top_k: 50, seed: 1000 + i as u64, logprobs: 0 }
             };
-            GenRequest { prompt: prompt(3 + (i * 5) % 11, i as u32), max_tokens, params }
+            request(prompt(3 + (i * 5) % 11, i as u32), max_tokens, params)
         })
         .collect()
+}
+
+/// A request that runs exactly `max_tokens` steps (EOS does not stop it), as the reference does.
+pub fn request(prompt: Vec<u32>, max_tokens: usize, params: SamplingParams) -> GenRequest {
+    let mut r = GenRequest::new(prompt, max_tokens).with_params(params);
+    r.ignore_eos = true;
+    r
 }
 
 /// Each request alone through `Model::forward` on one device.

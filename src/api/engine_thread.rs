@@ -1,0 +1,175 @@
+//! The engine thread: the only owner of the [`Engine`]. HTTP handlers submit
+//! requests over a bounded channel and read per-request events; a request
+//! whose event receiver is gone (the client left) is cancelled at the next
+//! step, which frees its KV blocks.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use deepinfer_engine::constraint::TokenConstraint;
+use deepinfer_engine::engine::{Engine, EngineConfig};
+use deepinfer_engine::model::Model;
+use deepinfer_engine::request::{FinishReason, Finished, Request, RequestError, RequestId, TokenOutput};
+use tokio::sync::mpsc;
+
+use super::metrics as m;
+
+/// A request for the engine thread.
+pub struct Submission {
+    pub request: Request,
+    pub constraint: Option<Box<dyn TokenConstraint>>,
+    pub events: mpsc::UnboundedSender<Event>,
+    /// When the HTTP request arrived, for time to first token.
+    pub arrived: Instant,
+}
+
+/// What the engine thread tells a handler about its request, in this order:
+/// `Queued` or `Rejected`; then `Tokens` (zero or more) and `Finished`.
+#[derive(Debug)]
+pub enum Event {
+    Queued,
+    Rejected(RequestError),
+    /// Tokens generated; `cached_tokens` is the prompt's prefix-cache hit,
+    /// known once the request is admitted.
+    Tokens {
+        tokens: Vec<TokenOutput>,
+        cached_tokens: usize,
+    },
+    /// The request ended. A final EOS is not among the tokens sent.
+    Finished(Finished),
+}
+
+/// Why a submission did not reach the engine.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SubmitError {
+    /// The submission queue is full.
+    Busy,
+    /// The engine thread has stopped.
+    Stopped,
+}
+
+/// Handle to the engine thread; dropping every clone stops it.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Submission>,
+}
+
+impl EngineHandle {
+    /// False once the engine thread has ended (it never does while serving,
+    /// unless it panicked).
+    pub fn is_alive(&self) -> bool {
+        !self.tx.is_closed()
+    }
+
+    pub fn submit(&self, submission: Submission) -> Result<(), SubmitError> {
+        self.tx.try_send(submission).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => SubmitError::Busy,
+            mpsc::error::TrySendError::Closed(_) => SubmitError::Stopped,
+        })
+    }
+}
+
+/// Start the engine thread. `queue` bounds the submissions not yet taken
+/// by the engine (and the engine's own waiting queue).
+pub fn spawn(model: Arc<Model>, config: EngineConfig) -> anyhow::Result<(EngineHandle, JoinHandle<()>)> {
+    // Validate the configuration here, where the error can still be reported.
+    Engine::new(model.clone(), config.clone())?;
+    let (tx, rx) = mpsc::channel(config.max_waiting);
+    let thread = std::thread::Builder::new().name("engine".into()).spawn(move || {
+        let engine = Engine::new(model, config).expect("validated above");
+        run(engine, rx);
+    })?;
+    Ok((EngineHandle { tx }, thread))
+}
+
+/// A request in the engine.
+struct Live {
+    events: mpsc::UnboundedSender<Event>,
+    arrived: Instant,
+    last_token: Option<Instant>,
+    eos: u32,
+}
+
+fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>) {
+    let eos = engine.model().config.eos_token_id;
+    let mut live: BTreeMap<RequestId, Live> = BTreeMap::new();
+    loop {
+        // Block only when there is nothing to step.
+        if !engine.has_work() {
+            match rx.blocking_recv() {
+                Some(s) => admit(&mut engine, &mut live, s, eos),
+                None => return,
+            }
+        }
+        while let Ok(s) = rx.try_recv() {
+            admit(&mut engine, &mut live, s, eos);
+        }
+        let gone: Vec<RequestId> = live.iter().filter(|(_, l)| l.events.is_closed()).map(|(&id, _)| id).collect();
+        for id in gone {
+            live.remove(&id);
+            if let Ok(f) = engine.cancel(id) {
+                m::finished(&f);
+            }
+        }
+        if engine.has_work() {
+            let updates = engine.step();
+            let now = Instant::now();
+            for u in updates {
+                let Some(l) = live.get_mut(&u.id) else { continue };
+                let mut tokens = u.tokens;
+                if !tokens.is_empty() {
+                    // Latency counts every sampled token, a final EOS included.
+                    match l.last_token {
+                        None => m::ttft(now - l.arrived),
+                        Some(prev) => m::inter_token(now - prev),
+                    }
+                    l.last_token = Some(now);
+                    m::generated(tokens.len());
+                }
+                if let Some(f) = &u.finished {
+                    // The stream processor must not see the EOS that ended a stop.
+                    if f.reason == FinishReason::Stop && tokens.last().is_some_and(|t| t.token == l.eos) {
+                        tokens.pop();
+                    }
+                }
+                if !tokens.is_empty() {
+                    let cached_tokens = engine
+                        .scheduler()
+                        .cached_tokens(u.id)
+                        .unwrap_or_else(|| u.finished.as_ref().map_or(0, |f| f.cached_tokens));
+                    let _ = l.events.send(Event::Tokens { tokens, cached_tokens });
+                }
+                if let Some(f) = u.finished {
+                    m::finished(&f);
+                    let l = live.remove(&u.id).expect("live request");
+                    let _ = l.events.send(Event::Finished(f));
+                }
+            }
+        }
+        m::engine_gauges(engine.scheduler());
+    }
+}
+
+fn admit(engine: &mut Engine, live: &mut BTreeMap<RequestId, Live>, s: Submission, eos: u32) {
+    if s.events.is_closed() {
+        return;
+    }
+    let prompt_tokens = s.request.prompt.len();
+    let added = match s.constraint {
+        Some(c) => engine.add_constrained_request(s.request, c),
+        None => engine.add_request(s.request),
+    };
+    match added {
+        Ok(id) => {
+            m::prompt(prompt_tokens);
+            let _ = s.events.send(Event::Queued);
+            live.insert(id, Live { events: s.events, arrived: s.arrived, last_token: None, eos });
+        }
+        Err(e) => {
+            m::rejected(&e);
+            let _ = s.events.send(Event::Rejected(e));
+        }
+    }
+}

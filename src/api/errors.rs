@@ -1,0 +1,121 @@
+//! Error responses in each protocol's own shape: OpenAI's
+//! `{"error": {"message", "type", "param", "code"}}` and Anthropic's
+//! `{"type": "error", "error": {"type", "message"}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use deepinfer_engine::request::RequestError;
+use deepseek_recipe::request::ConversionError;
+use serde_json::json;
+
+use super::metrics;
+
+/// Which protocol's error body to write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavor {
+    OpenAi,
+    Anthropic,
+}
+
+/// What went wrong, independent of the protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    InvalidRequest,
+    ContextLength,
+    Unauthorized,
+    ModelNotFound,
+    NotFound,
+    TooLarge,
+    RateLimited,
+    Internal,
+    Unavailable,
+}
+
+/// An error answer: its kind, message and the protocol to write it in.
+#[derive(Clone, Debug)]
+pub struct ApiError {
+    pub flavor: Flavor,
+    pub kind: Kind,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(flavor: Flavor, kind: Kind, message: impl Into<String>) -> Self {
+        Self { flavor, kind, message: message.into() }
+    }
+
+    pub fn bad_request(flavor: Flavor, message: impl Into<String>) -> Self {
+        Self::new(flavor, Kind::InvalidRequest, message)
+    }
+
+    pub fn conversion(flavor: Flavor, e: ConversionError) -> Self {
+        let kind = match &e {
+            ConversionError::BadRequest { detail } if detail.contains("maximum context length") => Kind::ContextLength,
+            ConversionError::BadRequest { .. } => Kind::InvalidRequest,
+            ConversionError::Internal { .. } => Kind::Internal,
+        };
+        Self::new(flavor, kind, e.to_string())
+    }
+
+    pub fn engine(flavor: Flavor, e: &RequestError) -> Self {
+        let kind = match e {
+            RequestError::QueueFull { .. } => Kind::RateLimited,
+            RequestError::PromptTooLong { .. } | RequestError::ExceedsKvBudget { .. } => Kind::ContextLength,
+            _ => Kind::InvalidRequest,
+        };
+        Self::new(flavor, kind, e.to_string())
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self.kind {
+            Kind::InvalidRequest | Kind::ContextLength => StatusCode::BAD_REQUEST,
+            Kind::Unauthorized => StatusCode::UNAUTHORIZED,
+            Kind::ModelNotFound | Kind::NotFound => StatusCode::NOT_FOUND,
+            Kind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Kind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+            Kind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+            Kind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The JSON body, also used for an error event inside a stream.
+    pub fn body(&self) -> serde_json::Value {
+        match self.flavor {
+            Flavor::OpenAi => {
+                let (kind, code) = match self.kind {
+                    Kind::InvalidRequest => ("invalid_request_error", None),
+                    Kind::ContextLength => ("invalid_request_error", Some("context_length_exceeded")),
+                    Kind::Unauthorized => ("invalid_request_error", Some("invalid_api_key")),
+                    Kind::ModelNotFound => ("invalid_request_error", Some("model_not_found")),
+                    Kind::NotFound => ("invalid_request_error", Some("unknown_url")),
+                    Kind::TooLarge => ("invalid_request_error", Some("request_too_large")),
+                    Kind::RateLimited => ("rate_limit_error", Some("rate_limit_exceeded")),
+                    Kind::Internal => ("server_error", None),
+                    Kind::Unavailable => ("server_error", Some("service_unavailable")),
+                };
+                json!({"error": {"message": self.message, "type": kind, "param": null, "code": code}})
+            }
+            Flavor::Anthropic => {
+                let kind = match self.kind {
+                    Kind::InvalidRequest | Kind::ContextLength => "invalid_request_error",
+                    Kind::Unauthorized => "authentication_error",
+                    Kind::ModelNotFound | Kind::NotFound => "not_found_error",
+                    Kind::TooLarge => "request_too_large",
+                    Kind::RateLimited => "rate_limit_error",
+                    Kind::Internal => "api_error",
+                    Kind::Unavailable => "overloaded_error",
+                };
+                json!({"type": "error", "error": {"type": kind, "message": self.message}})
+            }
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        metrics::http_error(status.as_u16());
+        (status, Json(self.body())).into_response()
+    }
+}

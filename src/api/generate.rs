@@ -1,0 +1,444 @@
+//! One generation request, whatever its protocol: parse and convert it with
+//! `deepseek-recipe`, encode the prompt, hand it to the engine thread, and
+//! feed the generated token ids to the recipe's `StreamProcessor`, which
+//! parses thinking, tool calls and stop sequences into protocol chunks that
+//! are sent as SSE events or accumulated into one response.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use deepinfer_engine::constraint::TokenConstraint;
+use deepinfer_engine::request::{FinishReason, Request};
+use deepinfer_engine::sampling::SamplingParams;
+use deepseek_recipe::anthropic::MessagesRequest;
+use deepseek_recipe::openai::{ChatCompletionRequest, ResponsesRequest};
+use deepseek_recipe::request::{ConversationRequest, OutputConstraint, ProtocolRequest};
+use deepseek_recipe::response::{Accumulate, ProtocolResponse};
+use deepseek_recipe::stream::{
+    ChunkGenerator, InferenceChunk, InferenceFinishReason, InferenceTokenLogprob, PromptUsage, StreamProcessor,
+};
+use deepseek_recipe_core::conversation::ResponseFormat;
+use deepseek_recipe_encoding::PromptEncoding;
+use futures_util::{stream, Stream, StreamExt};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+
+use super::constraint::{OutputFormat, MAX_GRAMMAR_BYTES};
+use super::engine_thread::{Event, Submission, SubmitError};
+use super::errors::{ApiError, Flavor, Kind};
+use super::AppState;
+
+/// A protocol chunk of request type `P`.
+pub type ChunkOf<P> = <<<P as ProtocolRequest>::Response as ProtocolResponse>::ChunkGenerator as ChunkGenerator>::Chunk;
+
+/// What differs between the three protocols besides the recipe's conversion.
+pub trait Api: ProtocolRequest + DeserializeOwned {
+    const FLAVOR: Flavor;
+    const ID_PREFIX: &'static str;
+    /// Take fields the recipe does not know out of the raw body.
+    fn extensions(_raw: &mut Value) -> Result<Option<OutputFormat>, String> {
+        Ok(None)
+    }
+}
+
+impl Api for ChatCompletionRequest {
+    const FLAVOR: Flavor = Flavor::OpenAi;
+    const ID_PREFIX: &'static str = "chatcmpl-";
+
+    /// `response_format: {"type": "grammar", "grammar": "<Lark>"}`: a grammar
+    /// form next to the recipe's `json_object`, `json_schema` and `regex`.
+    fn extensions(raw: &mut Value) -> Result<Option<OutputFormat>, String> {
+        let Some(format) = raw.get("response_format") else { return Ok(None) };
+        if format.get("type").and_then(Value::as_str) != Some("grammar") {
+            return Ok(None);
+        }
+        let Some(grammar) = format.get("grammar").and_then(Value::as_str) else {
+            return Err("response_format of type `grammar` needs a `grammar` string (Lark syntax)".into());
+        };
+        let grammar = grammar.to_string();
+        raw.as_object_mut().expect("checked to be an object").remove("response_format");
+        Ok(Some(OutputFormat::Lark(grammar)))
+    }
+}
+
+impl Api for ResponsesRequest {
+    const FLAVOR: Flavor = Flavor::OpenAi;
+    const ID_PREFIX: &'static str = "resp_";
+}
+
+impl Api for MessagesRequest {
+    const FLAVOR: Flavor = Flavor::Anthropic;
+    const ID_PREFIX: &'static str = "msg_";
+}
+
+/// A request converted, encoded and ready for the engine.
+struct Prepared {
+    converted: ConversationRequest,
+    request: Request,
+    constraint: Option<Box<dyn TokenConstraint>>,
+    logprobs: bool,
+}
+
+/// `POST` handler of every generation route.
+pub async fn handle<P>(State(state): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response
+where
+    P: Api,
+    ChunkOf<P>: Serialize + Send + 'static,
+{
+    match run::<P>(state, body).await {
+        Ok(response) => response,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn run<P>(state: Arc<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError>
+where
+    P: Api,
+    ChunkOf<P>: Serialize + Send + 'static,
+{
+    let arrived = Instant::now();
+    let flavor = P::FLAVOR;
+    let body = body.map_err(|e| {
+        let kind = if e.status().as_u16() == 413 { Kind::TooLarge } else { Kind::InvalidRequest };
+        let message = match kind {
+            Kind::TooLarge => format!("the request body is larger than {} bytes", state.config.max_body_bytes),
+            _ => e.body_text(),
+        };
+        ApiError::new(flavor, kind, message)
+    })?;
+    let permit = state.in_flight.clone().try_acquire_owned().map_err(|_| {
+        let limit = state.config.max_concurrent;
+        ApiError::new(flavor, Kind::RateLimited, format!("{limit} requests are in flight already; retry later"))
+    })?;
+    let prep_state = state.clone();
+    let prepared = tokio::task::spawn_blocking(move || prepare::<P>(&prep_state, &body))
+        .await
+        .map_err(|e| ApiError::new(flavor, Kind::Internal, format!("request preparation failed: {e}")))??;
+    let Prepared { converted, request, constraint, logprobs } = prepared;
+    let prompt_tokens = request.prompt.len();
+
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    state.engine.submit(Submission { request, constraint, events: tx, arrived }).map_err(|e| match e {
+        SubmitError::Busy => ApiError::new(flavor, Kind::RateLimited, "the request queue is full; retry later"),
+        SubmitError::Stopped => ApiError::new(flavor, Kind::Unavailable, "the engine has stopped"),
+    })?;
+    match rx.recv().await {
+        Some(Event::Queued) => {}
+        Some(Event::Rejected(e)) => return Err(ApiError::engine(flavor, &e)),
+        _ => return Err(ApiError::new(flavor, Kind::Unavailable, "the engine has stopped")),
+    }
+
+    let n = state.counter.fetch_add(1, Ordering::Relaxed);
+    let id = format!("{}{:016x}{:08x}", P::ID_PREFIX, mix(state.id_salt ^ n), n & 0xffff_ffff);
+    let model = state.config.model_name.clone();
+    let generator = P::chunk_generator(&converted, id.clone(), model.clone());
+    let processor = StreamProcessor::new(generator, converted.parsing_options).with_tokenizer(state.tokenizer.clone());
+    let failure = Arc::new(Mutex::new(None));
+    let inference = inference_stream(Inference {
+        rx,
+        queue: VecDeque::new(),
+        ready: false,
+        finished: false,
+        prompt_tokens,
+        logprobs,
+        eos: state.eos,
+        failure: failure.clone(),
+        _permit: permit,
+    });
+    let chunks = processor.into_protocol_stream(inference);
+
+    if converted.stream {
+        Ok(sse::<P>(chunks, failure).into_response())
+    } else {
+        let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let mut response = P::Response::new(id, model, created, prompt_tokens, 0);
+        let mut chunks = std::pin::pin!(chunks);
+        while let Some(chunk) = chunks.next().await {
+            let chunk = chunk.map_err(|e| ApiError::new(flavor, Kind::Internal, e.to_string()))?;
+            response.accumulate(chunk);
+        }
+        if let Some(message) = failure.lock().expect("not poisoned").take() {
+            return Err(ApiError::new(flavor, Kind::Internal, message));
+        }
+        Ok(Json(response).into_response())
+    }
+}
+
+/// Protocol chunks as server-sent events; an engine failure becomes an
+/// error event in the protocol's shape, and OpenAI chat ends with `[DONE]`.
+fn sse<P>(
+    chunks: impl Stream<Item = Result<ChunkOf<P>, deepseek_recipe::stream::StreamError>> + Send + 'static,
+    failure: Arc<Mutex<Option<String>>>,
+) -> impl IntoResponse
+where
+    P: Api,
+    ChunkOf<P>: Serialize + Send + 'static,
+{
+    let flavor = P::FLAVOR;
+    let failed = Arc::new(Mutex::new(false));
+    let failed_in = failed.clone();
+    let events = chunks.map(move |chunk| match chunk {
+        Ok(chunk) => {
+            let data = serde_json::to_string(&chunk).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
+            let event = SseEvent::default().data(data);
+            match P::Response::sse_event_name(&chunk) {
+                Some(name) => event.event(name),
+                None => event,
+            }
+        }
+        Err(e) => {
+            *failed_in.lock().expect("not poisoned") = true;
+            error_event(flavor, e.to_string())
+        }
+    });
+    let tail = stream::once(async move {
+        let mut out = Vec::new();
+        if let Some(message) = failure.lock().expect("not poisoned").take() {
+            out.push(error_event(flavor, message));
+        } else if !*failed.lock().expect("not poisoned") {
+            if let Some(done) = P::Response::sse_done_data() {
+                out.push(SseEvent::default().data(done));
+            }
+        }
+        stream::iter(out)
+    })
+    .flatten();
+    let all = events.chain(tail).map(Ok::<_, Infallible>);
+    Sse::new(all).keep_alive(KeepAlive::default())
+}
+
+fn error_event(flavor: Flavor, message: String) -> SseEvent {
+    let error = ApiError::new(flavor, Kind::Internal, message);
+    let event = SseEvent::default().data(error.body().to_string());
+    match flavor {
+        Flavor::Anthropic => event.event("error"),
+        Flavor::OpenAi => event,
+    }
+}
+
+/// Validate, convert and encode one request (CPU work, off the reactor).
+fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
+    let flavor = P::FLAVOR;
+    let bad = |m: String| ApiError::bad_request(flavor, m);
+    let mut raw: Value = serde_json::from_slice(body).map_err(|e| bad(format!("the body is not valid JSON: {e}")))?;
+    let Some(obj) = raw.as_object() else { return Err(bad("the body must be a JSON object".into())) };
+    if let Some(model) = obj.get("model").and_then(Value::as_str) {
+        if model != state.config.model_name {
+            let message =
+                format!("the model `{model}` does not exist; this server serves `{}`", state.config.model_name);
+            return Err(ApiError::new(flavor, Kind::ModelNotFound, message));
+        }
+    }
+    // Fields some protocols lack: `seed` (Messages, Responses), `top_k`, and
+    // `ignore_eos` (fixed output lengths for benchmarks, as in vLLM).
+    let seed_ext = obj.get("seed").and_then(Value::as_u64);
+    let ignore_eos = match obj.get("ignore_eos") {
+        None | Some(Value::Null) => false,
+        Some(v) => v.as_bool().ok_or_else(|| bad("`ignore_eos` must be a boolean".into()))?,
+    };
+    let top_k = match obj.get("top_k") {
+        None | Some(Value::Null) => 0,
+        Some(v) => v.as_u64().ok_or_else(|| bad("`top_k` must be a non-negative integer".into()))? as usize,
+    };
+    let grammar = P::extensions(&mut raw).map_err(bad)?;
+    let request: P = serde_json::from_value(raw).map_err(|e| bad(format!("invalid request: {e}")))?;
+    let converted = request.convert(state.conversion.clone()).map_err(|e| ApiError::conversion(flavor, e))?;
+    let prompt = state
+        .encoding
+        .encode(&converted.conversation)
+        .map_err(|e| bad(format!("cannot encode the conversation: {e}")))?;
+    let max_tokens = converted
+        .resolve_max_tokens(prompt.len().min(u32::MAX as usize) as u32, state.context.min(u32::MAX as usize) as u32)
+        .map_err(|e| ApiError::conversion(flavor, e))?;
+
+    let options = &converted.inference_options;
+    // Without a seed each request draws its own stream, as a hosted API does.
+    let seed =
+        options.seed.or(seed_ext).unwrap_or_else(|| mix(state.id_salt ^ state.counter.fetch_add(1, Ordering::Relaxed)));
+    let params = SamplingParams {
+        temperature: options.temperature.unwrap_or(1.0),
+        top_p: options.top_p.unwrap_or(1.0),
+        top_k,
+        seed,
+        logprobs: if options.logprobs { usize::from(options.top_logprobs.unwrap_or(0)) } else { 0 },
+    };
+    params.validate(state.vocab).map_err(|e| bad(e.to_string()))?;
+
+    let format = match (&options.output_constraint, grammar) {
+        (_, Some(g)) => Some(g),
+        (Some(OutputConstraint::Json { schema }), None) => {
+            Some(OutputFormat::Json(json_target(&converted.conversation.response_format, schema.as_ref())))
+        }
+        (Some(OutputConstraint::Regex(rx)), None) => Some(OutputFormat::Regex(rx.clone())),
+        // Tool calls are parsed from the output, not enforced.
+        (Some(OutputConstraint::ToolCalls { .. }) | None, None) => None,
+    };
+    let constraint: Option<Box<dyn TokenConstraint>> = match format {
+        None => None,
+        Some(format) => {
+            let size = match &format {
+                OutputFormat::Json(schema) => schema.as_ref().map_or(0, |s| s.to_string().len()),
+                OutputFormat::Regex(s) | OutputFormat::Lark(s) => s.len(),
+            };
+            if size > MAX_GRAMMAR_BYTES {
+                return Err(bad(format!("the output format is larger than {MAX_GRAMMAR_BYTES} bytes")));
+            }
+            let factory = state
+                .constraints
+                .as_ref()
+                .ok_or_else(|| bad("structured output is not available: the tokenizer is not byte-level".into()))?;
+            let parsing = &converted.parsing_options;
+            let thinking = !parsing.starts_in_tool_calls
+                && parsing.thinking_initial_stage.is_some_and(|s| s.starts_in_reasoning());
+            Some(Box::new(factory.build(&format, max_tokens as usize, thinking).map_err(bad)?))
+        }
+    };
+    let mut request = Request::new(prompt, max_tokens as usize).with_params(params);
+    request.ignore_eos = ignore_eos;
+    let logprobs = options.logprobs;
+    Ok(Prepared { converted, request, constraint, logprobs })
+}
+
+/// The schema to enforce: the one the client wrote (strict normalisation
+/// drops keywords such as `maxLength` that the client still validates
+/// against), closed to extra properties where strict mode closed them.
+fn json_target(written: &ResponseFormat, normalised: Option<&Value>) -> Option<Value> {
+    match (written, normalised) {
+        (ResponseFormat::JsonSchema(original), Some(n)) if n != original => {
+            let mut schema = original.clone();
+            close_objects(&mut schema);
+            Some(schema)
+        }
+        (ResponseFormat::JsonSchema(original), _) => Some(original.clone()),
+        (_, n) => n.cloned(),
+    }
+}
+
+/// Forbid properties an object schema does not list, unless it says otherwise.
+fn close_objects(schema: &mut Value) {
+    let Some(obj) = schema.as_object_mut() else { return };
+    if let Some(Value::Object(properties)) = obj.get_mut("properties") {
+        properties.values_mut().for_each(close_objects);
+        obj.entry("additionalProperties").or_insert(Value::Bool(false));
+    }
+    for key in ["items", "additionalProperties", "not"] {
+        if let Some(sub) = obj.get_mut(key) {
+            close_objects(sub);
+        }
+    }
+    for key in ["anyOf", "oneOf", "allOf", "prefixItems"] {
+        if let Some(Value::Array(subs)) = obj.get_mut(key) {
+            subs.iter_mut().for_each(close_objects);
+        }
+    }
+    for key in ["$defs", "definitions", "$def"] {
+        if let Some(Value::Object(defs)) = obj.get_mut(key) {
+            defs.values_mut().for_each(close_objects);
+        }
+    }
+}
+
+/// The engine's events for one request, as the recipe's inference chunks.
+struct Inference {
+    rx: mpsc::UnboundedReceiver<Event>,
+    queue: VecDeque<InferenceChunk>,
+    ready: bool,
+    finished: bool,
+    prompt_tokens: usize,
+    logprobs: bool,
+    /// EOS is never output text (it only appears with `ignore_eos`).
+    eos: u32,
+    /// Why generation failed, if it did; read after the stream ends.
+    failure: Arc<Mutex<Option<String>>>,
+    /// Held while the request lives: dropping the stream releases it.
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Inference {
+    fn ready(&mut self, prompt_tokens: usize, cached_tokens: usize) {
+        if !self.ready {
+            self.ready = true;
+            let prompt_usage = PromptUsage { prompt_tokens, prompt_cache_hit_tokens: cached_tokens };
+            self.queue.push_back(InferenceChunk::Ready { system_fingerprint: None, prompt_usage });
+        }
+    }
+
+    fn fail(&mut self, message: String) {
+        *self.failure.lock().expect("not poisoned") = Some(message);
+        self.finished = true;
+    }
+}
+
+fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChunk> + Send + 'static {
+    stream::unfold(inference, |mut s| async move {
+        loop {
+            if let Some(chunk) = s.queue.pop_front() {
+                return Some((chunk, s));
+            }
+            if s.finished {
+                return None;
+            }
+            match s.rx.recv().await {
+                Some(Event::Tokens { mut tokens, cached_tokens }) => {
+                    s.ready(s.prompt_tokens, cached_tokens);
+                    let generated = tokens.len();
+                    tokens.retain(|t| t.token != s.eos);
+                    let eos = generated - tokens.len();
+                    if eos > 0 {
+                        // Counted in usage, without text.
+                        s.queue.push_back(InferenceChunk::Text { content: String::new(), token_count: eos });
+                    }
+                    if tokens.is_empty() {
+                        continue;
+                    }
+                    let logprobs = s.logprobs.then(|| {
+                        tokens
+                            .iter()
+                            .map(|t| InferenceTokenLogprob { logprob: t.logprob, top_logprobs: t.top.clone() })
+                            .collect()
+                    });
+                    let token_ids = tokens.iter().map(|t| t.token).collect();
+                    s.queue.push_back(InferenceChunk::Tokens { token_ids, logprobs });
+                }
+                Some(Event::Finished(f)) => {
+                    s.ready(f.prompt_tokens, f.cached_tokens);
+                    let finish_reason = match f.reason {
+                        FinishReason::Stop => InferenceFinishReason::Stop,
+                        FinishReason::Length => InferenceFinishReason::Length,
+                        FinishReason::Cancelled => {
+                            s.fail("the request was cancelled".into());
+                            continue;
+                        }
+                        FinishReason::Error(message) => {
+                            s.fail(format!("generation failed: {message}"));
+                            continue;
+                        }
+                    };
+                    s.queue.push_back(InferenceChunk::Finish { finish_reason });
+                    s.finished = true;
+                }
+                Some(Event::Queued | Event::Rejected(_)) => {}
+                None => s.fail("the engine stopped".into()),
+            }
+        }
+    })
+}
+
+/// SplitMix64's finaliser: spreads a counter into an id or a seed.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}

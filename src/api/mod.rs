@@ -1,0 +1,261 @@
+//! The HTTP API: OpenAI Chat Completions and Responses, Anthropic Messages
+//! (each streamed as SSE or not), model list, health and Prometheus metrics.
+//!
+//! Only this module knows HTTP. A request is converted and its prompt encoded
+//! with `deepseek-recipe` ([`generate`]), run by the engine thread
+//! ([`engine_thread`]), and its generated token ids are turned back into
+//! protocol chunks by the recipe's `StreamProcessor`.
+
+pub mod constraint;
+pub mod engine_thread;
+pub mod errors;
+pub mod generate;
+pub mod metrics;
+
+use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use deepinfer_engine::engine::EngineConfig;
+use deepinfer_engine::model::Model;
+use deepseek_recipe::anthropic::MessagesRequest;
+use deepseek_recipe::openai::{ChatCompletionRequest, ResponsesRequest};
+use deepseek_recipe::request::{ConversionOptions, ModelVersion};
+use deepseek_recipe_encoding::dsv4::DeepseekV4Encoding;
+use deepseek_recipe_encoding::PromptTokenizer;
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde_json::json;
+use tokenizers::Tokenizer;
+use tokio::sync::Semaphore;
+
+use self::constraint::ConstraintFactory;
+use self::engine_thread::EngineHandle;
+use self::errors::{ApiError, Flavor, Kind};
+
+/// Settings of one server.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    /// The name clients pass as `model`.
+    pub model_name: String,
+    pub api_key: Option<String>,
+    /// Largest request body, in bytes.
+    pub max_body_bytes: usize,
+    /// Most generation requests held at once (queued, running or streaming).
+    pub max_concurrent: usize,
+    /// Largest `max_tokens` a request may ask for.
+    pub max_tokens_limit: u32,
+    /// Thinking mode for requests that do not choose.
+    pub default_thinking: bool,
+    /// Engine limits; `max_waiting` is the queue beyond which requests get 429.
+    pub engine: EngineConfig,
+}
+
+/// Everything a handler needs; shared by all of them.
+pub struct AppState {
+    pub config: ServeConfig,
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<Tokenizer>,
+    pub encoding: DeepseekV4Encoding,
+    pub conversion: ConversionOptions,
+    /// `None` when the tokenizer is not byte-level: structured output is refused.
+    pub constraints: Option<ConstraintFactory>,
+    /// The model's context, in tokens.
+    pub context: usize,
+    pub vocab: usize,
+    pub eos: u32,
+    pub metrics: PrometheusHandle,
+    /// Permits for generation requests in flight.
+    pub in_flight: Arc<Semaphore>,
+    /// Creation time reported by `/v1/models`.
+    pub created: u64,
+    /// Source of response ids and default seeds.
+    pub counter: AtomicU64,
+    pub id_salt: u64,
+}
+
+/// A bound server, ready to run.
+pub struct Server {
+    listener: tokio::net::TcpListener,
+    router: Router,
+    engine_thread: std::thread::JoinHandle<()>,
+}
+
+impl Server {
+    /// Start the engine thread and bind `addr` (port 0 picks a free port).
+    pub async fn bind(
+        model: Model,
+        tokenizer: Tokenizer,
+        config: ServeConfig,
+        addr: SocketAddr,
+    ) -> anyhow::Result<Self> {
+        let context = model.config.max_position_embeddings;
+        let vocab = model.config.vocab_size;
+        let eos = model.config.eos_token_id;
+        let constraints = match ConstraintFactory::new(&tokenizer, vocab, eos) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                eprintln!("deepinfer: structured output disabled: {e:#}");
+                None
+            }
+        };
+        let (engine, engine_thread) = engine_thread::spawn(Arc::new(model), config.engine.clone())?;
+        let conversion = ConversionOptions::new()
+            .with_model_versions_by_name([(config.model_name.clone(), ModelVersion::DeepseekV4Pro)])
+            .with_default_thinking_mode(config.default_thinking)
+            .with_thinking_max_tokens_upper_bound(config.max_tokens_limit)
+            .with_non_thinking_max_tokens_upper_bound(config.max_tokens_limit);
+        let encoding = DeepseekV4Encoding::new().with_tokenizer(PromptTokenizer::new(&tokenizer));
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        let state = Arc::new(AppState {
+            in_flight: Arc::new(Semaphore::new(config.max_concurrent)),
+            engine,
+            tokenizer: Arc::new(tokenizer),
+            encoding,
+            conversion,
+            constraints,
+            context,
+            vocab,
+            eos,
+            metrics: metrics::handle(),
+            created: now.as_secs(),
+            counter: AtomicU64::new(0),
+            id_salt: now.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32),
+            config,
+        });
+        let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        Ok(Self { listener, router: router(state), engine_thread })
+    }
+
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Serve until `shutdown` resolves, then let the engine thread finish.
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
+        axum::serve(self.listener, self.router).with_graceful_shutdown(shutdown).await?;
+        // The router (and with it every engine handle) is gone: the thread ends.
+        let _ = tokio::task::spawn_blocking(move || self.engine_thread.join()).await;
+        Ok(())
+    }
+}
+
+/// The routes, with the body limit and the API key check.
+pub fn router(state: Arc<AppState>) -> Router {
+    let max_body = state.config.max_body_bytes;
+    Router::new()
+        .route("/v1/chat/completions", post(generate::handle::<ChatCompletionRequest>))
+        .route("/v1/responses", post(generate::handle::<ResponsesRequest>))
+        .route("/v1/messages", post(generate::handle::<MessagesRequest>))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(render_metrics))
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(state)
+}
+
+/// The protocol of a path, for its error bodies.
+pub fn flavor_of(path: &str) -> Flavor {
+    if path.starts_with("/v1/messages") {
+        Flavor::Anthropic
+    } else {
+        Flavor::OpenAi
+    }
+}
+
+/// With `--api-key`, every route but `/health` and `/metrics` needs it, as
+/// `Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic).
+async fn require_api_key(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let Some(key) = &state.config.api_key else { return next.run(request).await };
+    let path = request.uri().path();
+    if path == "/health" || path == "/metrics" || presented_key(request.headers()) == Some(key.as_str()) {
+        return next.run(request).await;
+    }
+    let flavor = flavor_of(path);
+    ApiError::new(flavor, Kind::Unauthorized, "missing or invalid API key").into_response()
+}
+
+fn presented_key(headers: &HeaderMap) -> Option<&str> {
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    bearer.or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
+}
+
+/// The one model, in a shape both SDKs read: OpenAI's list (`object`,
+/// `created`, `owned_by`) and Anthropic's (`type`, `display_name`,
+/// `created_at`, `has_more`).
+async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    let name = &state.config.model_name;
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "deepinfer",
+            "type": "model",
+            "display_name": name,
+            "created_at": rfc3339(state.created),
+            "max_model_len": state.context,
+        }],
+        "has_more": false,
+        "first_id": name,
+        "last_id": name,
+    }))
+}
+
+/// `YYYY-MM-DDTHH:MM:SSZ` of a Unix time (days to civil date: H. Hinnant's algorithm).
+fn rfc3339(secs: u64) -> String {
+    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    if state.engine.is_alive() {
+        Json(json!({"status": "ok"})).into_response()
+    } else {
+        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "engine stopped"}))).into_response()
+    }
+}
+
+async fn render_metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    state.metrics.run_upkeep();
+    let text = state.metrics.render();
+    (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+}
+
+async fn not_found(request: Request) -> Response {
+    let path = request.uri().path().to_string();
+    ApiError::new(flavor_of(&path), Kind::NotFound, format!("no route for {} {path}", request.method())).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn rfc3339_dates() {
+        assert_eq!(super::rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(super::rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(super::rfc3339(1_796_050_954), "2026-11-30T15:02:34Z");
+    }
+}

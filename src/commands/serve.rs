@@ -1,0 +1,145 @@
+//! `deepinfer serve`: the HTTP API on one local engine.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{ArgAction, Args};
+use deepinfer_engine::engine::EngineConfig;
+use deepinfer_engine::prefix_cache::PrefixMode;
+
+use crate::api::{ServeConfig, Server};
+use crate::generation::load_model;
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// A Hugging Face model directory, or `builtin:tiny-v4` / `builtin:small-v4`.
+    #[arg(long, default_value = "builtin:tiny-v4")]
+    pub model: String,
+    /// Seed of a built-in model's random weights.
+    #[arg(long, default_value_t = 0)]
+    pub model_seed: u64,
+    /// tokenizer.json to use instead of the model directory's (or the built-in one).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Name clients pass as `model` (default: the preset's or the directory's name).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Cluster topology to serve through the actor runtime.
+    #[arg(long)]
+    pub topology: Option<PathBuf>,
+    /// Address to listen on; port 0 picks a free port (printed at start).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    pub listen: SocketAddr,
+    /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`).
+    #[arg(long, env = "DEEPINFER_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Thinking mode of requests that do not choose one.
+    #[arg(long, default_value_t = true, action = ArgAction::Set)]
+    pub default_thinking: bool,
+    /// Largest request body, in bytes (larger ones get 413).
+    #[arg(long, default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Most generation requests in flight (queued, running or streaming); more get 429.
+    #[arg(long, default_value_t = 1024)]
+    pub max_concurrent_requests: usize,
+    /// Most requests waiting for the engine; more get 429.
+    #[arg(long, default_value_t = 512)]
+    pub max_queue: usize,
+    /// Largest `max_tokens` a request may ask for (default: the model's context).
+    #[arg(long)]
+    pub max_tokens_limit: Option<u32>,
+    /// Most sequences per engine step.
+    #[arg(long, default_value_t = 256)]
+    pub max_batch_size: usize,
+    /// Most tokens per engine step (prompt chunks and decodes together).
+    #[arg(long, default_value_t = 2048)]
+    pub max_batch_tokens: usize,
+    /// KV cache budget in MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub kv_cache_mib: usize,
+    /// Prefix cache: `exact`, `bounded` or `off`.
+    #[arg(long, default_value = "exact", value_parser = ["off", "exact", "bounded"])]
+    pub prefix_cache: String,
+}
+
+pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    if let Some(topology) = &args.topology {
+        bail!(
+            "--topology {}: serving through the actor runtime is not available yet; \
+             run without --topology to serve on this machine's engine",
+            topology.display()
+        );
+    }
+    let loaded = load_model(&args.model, args.model_seed, args.tokenizer.as_deref())?;
+    let config = serve_config(args, &loaded.name, loaded.model.config.max_position_embeddings)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("http").build()?;
+    runtime.block_on(async move {
+        let name = config.model_name.clone();
+        let server = Server::bind(loaded.model, loaded.tokenizer, config, args.listen).await?;
+        let addr = server.local_addr()?;
+        eprintln!("deepinfer: serving `{name}` on http://{addr}");
+        server.run(shutdown_signal()).await
+    })
+}
+
+fn serve_config(args: &ServeArgs, loaded_name: &str, context: usize) -> anyhow::Result<ServeConfig> {
+    let prefix_mode = PrefixMode::from_name(&args.prefix_cache)
+        .with_context(|| format!("unknown --prefix-cache `{}` (off, exact, bounded)", args.prefix_cache))?;
+    let kv_budget_bytes = args
+        .kv_cache_mib
+        .checked_mul(1 << 20)
+        .with_context(|| format!("--kv-cache-mib {} is too large", args.kv_cache_mib))?;
+    if args.max_concurrent_requests == 0 || args.max_body_bytes == 0 || args.max_tokens_limit == Some(0) {
+        bail!("--max-concurrent-requests, --max-body-bytes and --max-tokens-limit must be at least 1");
+    }
+    Ok(ServeConfig {
+        model_name: args.served_model_name.clone().unwrap_or_else(|| served_name(loaded_name)),
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        max_body_bytes: args.max_body_bytes,
+        max_concurrent: args.max_concurrent_requests,
+        max_tokens_limit: args.max_tokens_limit.unwrap_or(context.min(u32::MAX as usize) as u32),
+        default_thinking: args.default_thinking,
+        engine: EngineConfig {
+            max_batch_size: args.max_batch_size,
+            max_batch_tokens: args.max_batch_tokens,
+            max_waiting: args.max_queue,
+            kv_budget_bytes,
+            prefix_mode,
+            ..EngineConfig::default()
+        },
+    })
+}
+
+/// `builtin:tiny-v4` → `tiny-v4`; a directory → its last component.
+fn served_name(loaded: &str) -> String {
+    match loaded.strip_prefix("builtin:") {
+        Some(preset) => preset.to_string(),
+        None => {
+            let path = std::path::Path::new(loaded);
+            path.file_name().map_or_else(|| loaded.to_string(), |n| n.to_string_lossy().into_owned())
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = terminate => {},
+    }
+    eprintln!("deepinfer: shutting down");
+}

@@ -1,0 +1,57 @@
+//! The official `openai` and `anthropic` Python SDKs against a real
+//! `deepinfer serve` (scripts in tests/sdk/). Without the packages the tests
+//! are skipped with a notice, unless `DEEPINFER_REQUIRE_SDK=1` (CI) makes
+//! that a failure.
+
+mod serve_support;
+
+use std::path::Path;
+use std::process::Command;
+
+use serve_support::Served;
+
+/// Whether `python3` can import the SDKs; panics if they are required.
+fn sdks_available() -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", "import openai, anthropic, jsonschema"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        if std::env::var("DEEPINFER_REQUIRE_SDK").as_deref() == Ok("1") {
+            panic!("DEEPINFER_REQUIRE_SDK=1 but python3 cannot import openai, anthropic and jsonschema");
+        }
+        eprintln!(
+            "skipped: python3 cannot import openai, anthropic and jsonschema \
+             (python3 -m pip install openai anthropic jsonschema)"
+        );
+    }
+    ok
+}
+
+fn run_script(script: &str) {
+    if !sdks_available() {
+        return;
+    }
+    let server = Served::start(&[]);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sdk").join(script);
+    let out = Command::new("python3")
+        .arg(&path)
+        .env("DEEPINFER_BASE_URL", &server.base)
+        .env("DEEPINFER_MODEL", "tiny-v4")
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{script} failed\n--- stdout\n{stdout}\n--- stderr\n{stderr}");
+    eprint!("{stdout}");
+}
+
+#[test]
+fn openai_sdk_chat_responses_tools_and_json_schema() {
+    run_script("openai_sdk.py");
+}
+
+#[test]
+fn anthropic_sdk_messages() {
+    run_script("anthropic_sdk.py");
+}

@@ -1,0 +1,87 @@
+//! A real `deepinfer serve` process on a free port, stopped when dropped.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct Served {
+    child: Child,
+    pub base: String,
+}
+
+impl Served {
+    /// Start the built binary on `builtin:tiny-v4` with `extra` flags and wait
+    /// until it listens.
+    pub fn start(extra: &[&str]) -> Self {
+        Self::start_with_env(extra, &[])
+    }
+
+    pub fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Self {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_deepinfer"));
+        cmd.args(["serve", "--model", "builtin:tiny-v4", "--listen", "127.0.0.1:0"]).args(extra);
+        cmd.env_remove("DEEPINFER_API_KEY");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("the binary starts");
+        let stderr = child.stderr.take().expect("piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut tx = Some(tx);
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(addr) = line.split("on http://").nth(1) {
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.send(addr.trim().to_string());
+                    }
+                }
+                // Keep reading so the server never blocks on a full pipe.
+            }
+        });
+        let addr = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(addr) => addr,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("the server did not start; {:?}", child.wait());
+            }
+        };
+        Self { child, base: format!("http://{addr}") }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// The value of a metric line `name` (with labels, if given) in `/metrics`.
+    pub async fn metric(&self, client: &reqwest::Client, name: &str) -> f64 {
+        let text = client.get(self.url("/metrics")).send().await.unwrap().text().await.unwrap();
+        metric_value(&text, name).unwrap_or(0.0)
+    }
+
+    /// Poll `/metrics` until `name` satisfies `ok`, or fail after `timeout`.
+    pub async fn wait_metric(&self, client: &reqwest::Client, name: &str, ok: impl Fn(f64) -> bool) -> f64 {
+        let start = Instant::now();
+        loop {
+            let v = self.metric(client, name).await;
+            if ok(v) {
+                return v;
+            }
+            assert!(start.elapsed() < Duration::from_secs(30), "{name} stayed at {v}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+pub fn metric_value(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
