@@ -21,3 +21,48 @@ fn shipped_topologies_are_valid() {
         vec![("b200-128.toml".to_string(), 128), ("local-1.toml".to_string(), 1), ("local-4.toml".to_string(), 4)]
     );
 }
+
+/// `serve --topology` takes the model and API address from a one-device
+/// topology, and refuses larger ones with a clear error.
+#[test]
+fn serve_takes_a_one_device_topology() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::process::{Command, Stdio};
+
+    let dir = std::env::temp_dir().join(format!("deepinfer-topology-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let local1 =
+        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cluster-configs/local-1.toml"))
+            .unwrap()
+            .replace("127.0.0.1:8000", "127.0.0.1:0");
+    let file = dir.join("one.toml");
+    std::fs::write(&file, local1).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args(["serve", "--topology", file.to_str().unwrap()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("server prints its address").unwrap();
+        if let Some(at) = line.find("http://") {
+            break line[at + 7..].trim().to_string();
+        }
+    };
+    let mut stream = std::net::TcpStream::connect(&addr).unwrap();
+    stream.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut reply = String::new();
+    stream.read_to_string(&mut reply).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+
+    let four = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cluster-configs/local-4.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args(["serve", "--topology", four.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("local-4.toml: 4 devices on 4 nodes"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

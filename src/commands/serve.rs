@@ -1,7 +1,7 @@
 //! `deepinfer serve`: the HTTP API on one local engine.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use clap::{ArgAction, Args};
@@ -10,6 +10,7 @@ use deepinfer_engine::prefix_cache::PrefixMode;
 
 use crate::api::{ServeConfig, Server};
 use crate::generation::load_model;
+use crate::topology::Topology;
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -25,7 +26,8 @@ pub struct ServeArgs {
     /// Name clients pass as `model` (default: the preset's or the directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// Cluster topology to serve through the actor runtime.
+    /// Serve the model and API address of a topology file (one-device topologies;
+    /// larger ones need the multi-process cluster).
     #[arg(long)]
     pub topology: Option<PathBuf>,
     /// Address to listen on; port 0 picks a free port (printed at start).
@@ -64,23 +66,44 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
-    if let Some(topology) = &args.topology {
-        bail!(
-            "--topology {}: serving through the actor runtime is not available yet; \
-             run without --topology to serve on this machine's engine",
-            topology.display()
-        );
-    }
-    let loaded = load_model(&args.model, args.model_seed, args.tokenizer.as_deref())?;
+    let (model_spec, listen) = match &args.topology {
+        None => (args.model.clone(), args.listen),
+        Some(path) => from_topology(path)?,
+    };
+    let loaded = load_model(&model_spec, args.model_seed, args.tokenizer.as_deref())?;
     let config = serve_config(args, &loaded.name, loaded.model.config.max_position_embeddings)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("http").build()?;
     runtime.block_on(async move {
         let name = config.model_name.clone();
-        let server = Server::bind(loaded.model, loaded.tokenizer, config, args.listen).await?;
+        let server = Server::bind(loaded.model, loaded.tokenizer, config, listen).await?;
         let addr = server.local_addr()?;
         eprintln!("deepinfer: serving `{name}` on http://{addr}");
         server.run(shutdown_signal()).await
     })
+}
+
+/// The model and API address of a topology. A one-device topology is served by
+/// this process's engine; larger ones need the multi-process cluster.
+fn from_topology(path: &Path) -> anyhow::Result<(String, SocketAddr)> {
+    let topology = Topology::from_file(path)?;
+    let devices = topology.total_devices();
+    if devices != 1 {
+        bail!(
+            "{}: {devices} devices on {} nodes need the multi-process cluster launcher, which is not available yet; \
+             serve a one-device topology (such as cluster-configs/local-1.toml) or run without --topology",
+            path.display(),
+            topology.nodes.len()
+        );
+    }
+    let model = &topology.cluster.model;
+    let model = if model.starts_with("builtin:") || Path::new(model).is_absolute() {
+        model.clone()
+    } else {
+        // Relative model directories are relative to the topology file.
+        path.parent().unwrap_or(Path::new(".")).join(model).display().to_string()
+    };
+    let listen = topology.cluster.api_listen.get_ref().parse().expect("checked when the topology was read");
+    Ok((model, listen))
 }
 
 fn serve_config(args: &ServeArgs, loaded_name: &str, context: usize) -> anyhow::Result<ServeConfig> {
