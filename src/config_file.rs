@@ -81,7 +81,11 @@ fn table_at(text: &str, offset: usize) -> Option<String> {
     // Headers up to and including the line at `offset`.
     let end = text[offset.min(text.len())..].find('\n').map_or(text.len(), |i| offset + i);
     let upto = &text[..end];
-    upto.lines().rev().map(str::trim).find(|l| l.starts_with('[')).map(|l| l.trim_matches(|c| c == '[' || c == ']').trim().to_string())
+    upto.lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .map(|l| l.trim_matches(|c| c == '[' || c == ']').trim().to_string())
 }
 
 /// The dotted key of the `key = value` line containing `offset`.

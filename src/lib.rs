@@ -3,7 +3,7 @@
 pub mod api;
 pub mod cli;
 pub mod commands;
+pub mod config_file;
 pub mod generation;
 pub mod tokenizer;
-pub mod config_file;
 pub mod topology;

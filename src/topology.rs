@@ -181,10 +181,7 @@ impl Topology {
                 if let Some(v) = value {
                     let n = *v.get_ref();
                     if n == 0 || n > devices || !devices.is_multiple_of(n) {
-                        return Err(err(
-                            v.span(),
-                            format!("{what} {n} must divide the instance's {devices} devices"),
-                        ));
+                        return Err(err(v.span(), format!("{what} {n} must divide the instance's {devices} devices")));
                     }
                 }
             }
@@ -203,7 +200,10 @@ impl Topology {
 }
 
 fn parse_addr(value: &Spanned<String>) -> Result<SocketAddr, String> {
-    value.get_ref().parse().map_err(|_| format!("`{}` is not a host:port address (e.g. 127.0.0.1:7100)", value.get_ref()))
+    value
+        .get_ref()
+        .parse()
+        .map_err(|_| format!("`{}` is not a host:port address (e.g. 127.0.0.1:7100)", value.get_ref()))
 }
 
 #[cfg(test)]
@@ -245,7 +245,10 @@ expert_parallel = 4
 
     #[test]
     fn an_unknown_key_is_named_with_its_line() {
-        let text = GOOD.replace("devices = 2\nbackend = \"cpu\"\n\n[[instance]]", "devices = 2\nbackend = \"cpu\"\ngpus = 3\n\n[[instance]]");
+        let text = GOOD.replace(
+            "devices = 2\nbackend = \"cpu\"\n\n[[instance]]",
+            "devices = 2\nbackend = \"cpu\"\ngpus = 3\n\n[[instance]]",
+        );
         let e = Topology::parse("t.toml", &text).unwrap_err();
         assert_eq!((e.line, e.key.as_deref()), (18, Some("node.gpus")), "{e}");
         assert!(e.to_string().starts_with("t.toml:18:1: key `node.gpus`: unknown field `gpus`"), "{e}");

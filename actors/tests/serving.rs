@@ -365,3 +365,41 @@ fn the_in_process_cluster_survives_a_scheduler_and_a_cache_manager_restart() {
     let mx = &report.metrics;
     assert_eq!((mx.kills_injected, mx.scheduler_restarts, mx.cache_restarts), (2, 1, 1), "{mx:?}");
 }
+
+/// Block values cross the wire as lengths and floats: they round-trip, and
+/// anything that does not fit the model is refused before it reaches a state.
+#[test]
+fn block_values_round_trip_and_malformed_ones_are_refused() {
+    use deepinfer_engine::engine::{restore_state, BlockValues};
+    use deepinfer_engine::model::{Chunk, LogitsWanted};
+    let m = model();
+    let bt = 64;
+    let mut state = m.new_state();
+    let tokens = prompt(bt, 3);
+    m.forward(&mut [Chunk::new(&tokens, &mut state)], LogitsWanted::None, false);
+    let block = BlockValues::capture(&m, &state, 0, bt);
+    let (lens, data) = block.to_parts();
+    assert_eq!(BlockValues::from_parts(&m, bt, &lens, &data).unwrap(), block);
+    let restored = restore_state(&m, &[&block], bt);
+    for (a, b) in restored.layers.iter().zip(&state.layers) {
+        let entries = |l: &deepinfer_engine::model::state::LayerState| l.compressor.as_ref().map(|c| bits(&c.entries));
+        assert_eq!(entries(a), entries(b));
+    }
+    let mut short = data.clone();
+    short.pop();
+    assert!(BlockValues::from_parts(&m, bt, &lens, &short).is_err());
+    let mut long = data.clone();
+    long.push(0.0);
+    assert!(BlockValues::from_parts(&m, bt, &lens, &long).is_err());
+    assert!(BlockValues::from_parts(&m, bt, &lens[..lens.len() - 8], &data).is_err());
+    assert!(BlockValues::from_parts(&m, 32, &lens, &data).is_err(), "another block size");
+    for i in 0..lens.len() {
+        for v in [0, 1, 7, u32::MAX, lens[i].wrapping_add(4)] {
+            let mut bad = lens.clone();
+            bad[i] = v;
+            if bad != lens {
+                let _ = BlockValues::from_parts(&m, bt, &bad, &data);
+            }
+        }
+    }
+}
