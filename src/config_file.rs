@@ -31,15 +31,17 @@ impl std::error::Error for FileError {}
 
 /// Read and parse a TOML file into `T`.
 pub fn read_toml<T: DeserializeOwned>(path: &Path) -> Result<T, FileError> {
-    let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| FileError {
-        file: file.clone(),
-        line: 0,
-        column: 0,
-        key: None,
-        message: format!("cannot read: {e}"),
-    })?;
+    let (file, text) = read_text(path)?;
     parse_toml(&file, &text)
+}
+
+/// The file's name as errors show it, and its text.
+pub fn read_text(path: &Path) -> Result<(String, String), FileError> {
+    let file = path.display().to_string();
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok((file, text)),
+        Err(e) => Err(FileError { file, line: 0, column: 0, key: None, message: format!("cannot read: {e}") }),
+    }
 }
 
 /// Parse TOML text into `T`; `file` names it in errors.

@@ -9,7 +9,7 @@ use std::path::Path;
 use serde::Deserialize;
 use toml::Spanned;
 
-use crate::config_file::{parse_toml, value_error, FileError};
+use crate::config_file::{parse_toml, read_text, value_error, FileError};
 
 /// Most devices one node may declare.
 pub const MAX_DEVICES_PER_NODE: usize = 64;
@@ -104,14 +104,7 @@ pub struct Topology {
 
 impl Topology {
     pub fn from_file(path: &Path) -> Result<Self, FileError> {
-        let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| FileError {
-            file: file.clone(),
-            line: 0,
-            column: 0,
-            key: None,
-            message: format!("cannot read: {e}"),
-        })?;
+        let (file, text) = read_text(path)?;
         Self::parse(&file, &text)
     }
 
