@@ -49,9 +49,9 @@ pub struct InitArgs {
     pub tokenizer: Option<PathBuf>,
 }
 
+/// Which model to load, shared by the commands that run one.
 #[derive(Args, Debug, Clone)]
-#[command(group(ArgGroup::new("source").required(true).args(["prompt", "input"])))]
-pub struct GenerateArgs {
+pub struct ModelArgs {
     /// A Hugging Face model directory, or `builtin:tiny-v4` / `builtin:small-v4`.
     #[arg(long, default_value = "builtin:tiny-v4")]
     pub model: String,
@@ -61,6 +61,13 @@ pub struct GenerateArgs {
     /// tokenizer.json to use instead of the model directory's (or the built-in one).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+}
+
+#[derive(Args, Debug, Clone)]
+#[command(group(ArgGroup::new("source").required(true).args(["prompt", "input"])))]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub source: ModelArgs,
     /// The prompt text.
     #[arg(long)]
     pub prompt: Option<String>,

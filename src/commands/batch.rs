@@ -153,7 +153,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let input = args.input.as_deref().context("--input is required in batch mode")?;
     let output = args.output.as_deref().context("--output is required with --input")?;
     crate::commands::generate::check_devices(args)?;
-    let loaded = load_model(&args.model, args.model_seed, args.tokenizer.as_deref())?;
+    let loaded = load_model(&args.source.model, args.source.model_seed, args.source.tokenizer.as_deref())?;
     let name = loaded.name.clone();
     let summary = match args.devices {
         1 => run_batch(&loaded, args, input, output, true)?,

@@ -13,7 +13,7 @@ use crate::generation::{encode_prompt, generate, generate_on_cluster, load_model
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     check_devices(args)?;
-    let loaded = load_model(&args.model, args.model_seed, args.tokenizer.as_deref())?;
+    let loaded = load_model(&args.source.model, args.source.model_seed, args.source.tokenizer.as_deref())?;
     let text = args.prompt.as_deref().unwrap_or_default();
     let prompt = encode_prompt(&loaded.tokenizer, &loaded.model, text)?;
     let params = SamplingParams {

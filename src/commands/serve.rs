@@ -9,20 +9,14 @@ use deepinfer_engine::engine::EngineConfig;
 use deepinfer_engine::prefix_cache::PrefixMode;
 
 use crate::api::{ServeConfig, Server};
+use crate::cli::ModelArgs;
 use crate::generation::load_model;
 use crate::topology::Topology;
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
-    /// A Hugging Face model directory, or `builtin:tiny-v4` / `builtin:small-v4`.
-    #[arg(long, default_value = "builtin:tiny-v4")]
-    pub model: String,
-    /// Seed of a built-in model's random weights.
-    #[arg(long, default_value_t = 0)]
-    pub model_seed: u64,
-    /// tokenizer.json to use instead of the model directory's (or the built-in one).
-    #[arg(long)]
-    pub tokenizer: Option<PathBuf>,
+    #[command(flatten)]
+    pub source: ModelArgs,
     /// Name clients pass as `model` (default: the preset's or the directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -67,10 +61,10 @@ pub struct ServeArgs {
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let (model_spec, listen) = match &args.topology {
-        None => (args.model.clone(), args.listen),
+        None => (args.source.model.clone(), args.listen),
         Some(path) => from_topology(path)?,
     };
-    let loaded = load_model(&model_spec, args.model_seed, args.tokenizer.as_deref())?;
+    let loaded = load_model(&model_spec, args.source.model_seed, args.source.tokenizer.as_deref())?;
     let config = serve_config(args, &loaded.name, loaded.model.config.max_position_embeddings)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("http").build()?;
     runtime.block_on(async move {
