@@ -308,9 +308,19 @@ impl ModelCost {
         per_token * new as f64
     }
 
-    /// KV bytes a sequence reads in one step (once per step, whatever `new` is).
+    /// KV bytes a sequence reads in one step (once per step, whatever `new` is):
+    /// its window, the CSA entries the indexer picks plus every indexer key, the HCA entries.
     pub fn kv_read_bytes(&self, new: usize, context: usize) -> f64 {
-        let visible = (context + new) as f64;
+        self.kv_bytes(context + new, true)
+    }
+
+    /// KV bytes held for a sequence of `context` tokens (all layers).
+    pub fn kv_bytes_per_sequence(&self, context: usize) -> f64 {
+        self.kv_bytes(context, false)
+    }
+
+    fn kv_bytes(&self, tokens: usize, only_selected: bool) -> f64 {
+        let visible = tokens as f64;
         let b = self.kv_element_bytes as f64;
         match self.attention {
             Attention::Mla { kv_lora, qk_rope, .. } => visible * (kv_lora + qk_rope) as f64 * b * self.layers as f64,
@@ -328,25 +338,9 @@ impl ModelCost {
                 let hd = head_dim as f64;
                 let win = visible.min(window as f64) * hd * b;
                 let csa_entries = visible / csa_ratio as f64;
-                let csa = win + csa_entries.min(index_topk as f64) * hd * b + csa_entries * index_dim as f64;
+                let csa_values = if only_selected { csa_entries.min(index_topk as f64) } else { csa_entries };
+                let csa = win + csa_values * hd * b + csa_entries * index_dim as f64;
                 let hca = win + visible / hca_ratio as f64 * hd * b;
-                let window_only = self.layers - csa_layers - hca_layers;
-                window_only as f64 * win + csa_layers as f64 * csa + hca_layers as f64 * hca
-            }
-        }
-    }
-
-    /// KV bytes held for a sequence of `context` tokens (all layers).
-    pub fn kv_bytes_per_sequence(&self, context: usize) -> f64 {
-        let ctx = context as f64;
-        let b = self.kv_element_bytes as f64;
-        match self.attention {
-            Attention::Mla { kv_lora, qk_rope, .. } => ctx * (kv_lora + qk_rope) as f64 * b * self.layers as f64,
-            Attention::V4 { head_dim, window, csa_layers, hca_layers, csa_ratio, hca_ratio, index_dim, .. } => {
-                let hd = head_dim as f64;
-                let win = ctx.min(window as f64) * hd * b;
-                let csa = win + ctx / csa_ratio as f64 * (hd * b + index_dim as f64);
-                let hca = win + ctx / hca_ratio as f64 * hd * b;
                 let window_only = self.layers - csa_layers - hca_layers;
                 window_only as f64 * win + csa_layers as f64 * csa + hca_layers as f64 * hca
             }
