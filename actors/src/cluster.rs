@@ -32,6 +32,7 @@ use tokio::task::JoinHandle;
 
 use crate::cache::{CacheArgs, CacheManager};
 use crate::clock::{Clock, RealClock, SimClock};
+use crate::cost::{DeviceCost, DeviceCostModel};
 use crate::ctx::{Ctx, Timeouts, Topology};
 use crate::events::{bump, EventLog, Metrics, MetricsSnapshot};
 use crate::faults::{FaultPlan, Faults};
@@ -75,6 +76,9 @@ pub struct ClusterConfig {
     pub return_logits: bool,
     /// Event-log lines kept for inspection (all are digested).
     pub keep_events: usize,
+    /// Simulation only: workers and shards advance the virtual clock by the
+    /// engine's device cost model; `None`: computation takes no time.
+    pub device_cost: Option<DeviceCostModel>,
 }
 
 impl ClusterConfig {
@@ -95,6 +99,7 @@ impl ClusterConfig {
             fabric: FabricConfig::default(),
             return_logits: false,
             keep_events: 0,
+            device_cost: None,
         }
     }
 
@@ -320,6 +325,10 @@ impl Cluster {
         }
         let timeouts =
             cfg.timeouts.unwrap_or(if env.clock.is_virtual() { Timeouts::simulated() } else { Timeouts::real() });
+        let device_cost = match cfg.device_cost {
+            Some(spec) if env.clock.is_virtual() => Some(DeviceCost::new(spec, topo, model.config.num_layers)),
+            _ => None,
+        };
         let block_tokens = cfg.engine.block_tokens.unwrap_or_else(|| KvLayout::default_block_tokens(&model.config));
         let ctx = Arc::new(Ctx {
             model,
@@ -335,6 +344,7 @@ impl Cluster {
             engine: cfg.engine.clone(),
             block_tokens,
             return_logits: cfg.return_logits,
+            device_cost,
             steps: (0..topo.instances).map(|_| AtomicU64::new(0)).collect(),
             root: OnceLock::new(),
             instances: AtomicU64::new(0),

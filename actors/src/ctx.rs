@@ -11,6 +11,7 @@ use deepinfer_engine::scheduler::EngineConfig;
 use ractor::ActorCell;
 
 use crate::clock::Clock;
+use crate::cost::DeviceCost;
 use crate::events::{bump, EventLog, Metrics};
 use crate::faults::Faults;
 use crate::placement::Placement;
@@ -39,8 +40,9 @@ pub struct Timeouts {
 }
 
 impl Timeouts {
-    /// For the virtual clock, where computation takes no time: a timeout only
-    /// fires when a message or an actor was really lost.
+    /// For the virtual clock, where computation takes no time (or, with a
+    /// device cost model, milliseconds per step): a timeout only fires when a
+    /// message or an actor was really lost.
     pub fn simulated() -> Self {
         Self {
             dispatch: Duration::from_millis(20),
@@ -135,6 +137,8 @@ pub struct Ctx {
     pub block_tokens: usize,
     /// Return every generated token's logits.
     pub return_logits: bool,
+    /// Device time of workers and shards; only on a virtual clock.
+    pub device_cost: Option<DeviceCost>,
     pub steps: Vec<AtomicU64>,
     /// The root supervisor, for faults that kill a whole subtree or a
     /// service actor from outside (`node1`, `node0/cache0`).

@@ -11,6 +11,7 @@
 pub mod cache;
 pub mod clock;
 pub mod cluster;
+pub mod cost;
 pub mod ctx;
 pub mod events;
 pub mod faults;
@@ -29,3 +30,4 @@ pub use cluster::{
     run, run_in_process, run_simulated, run_with, simulate, Cluster, ClusterConfig, ClusterError, Env, GenRequest,
     Generated, LocalCluster, RequestFailed, RunReport, Update,
 };
+pub use cost::DeviceCostModel;

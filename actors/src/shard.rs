@@ -95,6 +95,15 @@ impl ShardState {
                 (status, Vec::new())
             }
         };
+        // Simulated device time of these expert rows.
+        if let (ResultStatus::Ok, Some(cost)) = (&status, &self.ctx.device_cost) {
+            let rows: usize = h.experts.iter().map(|x| x.rows as usize).sum();
+            let experts = h.experts.iter().filter(|x| x.rows > 0).count();
+            let busy = cost.experts_time(rows, experts);
+            if !busy.is_zero() {
+                self.ctx.clock.sleep(busy).await;
+            }
+        }
         let reply = ExpertResultHeader {
             pass: h.pass,
             step: h.step,

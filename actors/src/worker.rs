@@ -18,6 +18,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
+use deepinfer_engine::cost::SeqWork;
 use deepinfer_engine::engine::{restore_state, step_segments, BlockValues};
 use deepinfer_engine::model::{Chunk, ExpertOutputs, LogitsWanted, Pass, SequenceState};
 use deepinfer_engine::sampling::{sample, SamplingParams};
@@ -433,6 +434,19 @@ impl WorkerState {
             if run.pass.is_done() {
                 self.finish_wave();
                 let Some(run) = self.running.as_mut() else { return Ok(()) };
+                // Simulated device time of the wave's attention and dense layers.
+                if let Some(cost) = &self.ctx.device_cost {
+                    let wave: Vec<SeqWork> = run
+                        .items
+                        .iter()
+                        .filter_map(|it| it.segments.get(run.wave))
+                        .map(|&(a, b, _)| SeqWork { new_tokens: b - a, context: a })
+                        .collect();
+                    let busy = cost.attention_time(&wave);
+                    if !busy.is_zero() {
+                        self.ctx.clock.sleep(busy).await;
+                    }
+                }
                 run.wave += 1;
                 if run.wave == run.waves {
                     self.finish();
