@@ -68,17 +68,18 @@ pub fn f32_to_fp8_e4m3(value: f32) -> u8 {
     }
     let sign = if value.is_sign_negative() { 0x80u8 } else { 0 };
     let magnitude = value.abs().min(FP8_E4M3_MAX);
-    // Search the 127 non-negative finite codes for the nearest; ties go to the even code.
-    let mut best = 0u8;
-    let mut best_err = f32::INFINITY;
-    for code in 0u8..=0x7e {
-        let err = (FP8_E4M3_TO_F32[code as usize] - magnitude).abs();
-        if err < best_err || (err == best_err && code % 2 == 0) {
-            best = code;
-            best_err = err;
-        }
+    // The 127 non-negative finite codes increase with their value: find the first
+    // at or above the magnitude, then the nearer of it and its predecessor; a tie
+    // goes to the even code (exactly one of two neighbours is even).
+    let codes = &FP8_E4M3_TO_F32[..=0x7e];
+    let above = codes.partition_point(|&v| v < magnitude).min(0x7e);
+    if above == 0 {
+        return sign;
     }
-    sign | best
+    let below = above - 1;
+    let (err_below, err_above) = (magnitude - codes[below], codes[above] - magnitude);
+    let best = if err_below < err_above || (err_below == err_above && below % 2 == 0) { below } else { above };
+    sign | best as u8
 }
 
 /// The 16 values of FP4 e2m1, indexed by the nibble (bit 3 is the sign).
@@ -146,6 +147,43 @@ mod tests {
                 continue;
             }
             assert_eq!(f32_to_fp8_e4m3(v), code, "code {code:#x}");
+        }
+    }
+
+    /// The search gives the same code as an exhaustive nearest-code scan.
+    #[test]
+    fn fp8_encoding_matches_an_exhaustive_scan() {
+        let scan = |value: f32| {
+            let sign = if value.is_sign_negative() { 0x80u8 } else { 0 };
+            let magnitude = value.abs().min(FP8_E4M3_MAX);
+            let mut best = 0u8;
+            let mut best_err = f32::INFINITY;
+            for code in 0u8..=0x7e {
+                let err = (FP8_E4M3_TO_F32[code as usize] - magnitude).abs();
+                if err < best_err || (err == best_err && code % 2 == 0) {
+                    best = code;
+                    best_err = err;
+                }
+            }
+            sign | best
+        };
+        let mut probes: Vec<f32> = (0..=0x7e)
+            .flat_map(|c| {
+                let v = FP8_E4M3_TO_F32[c];
+                let next = FP8_E4M3_TO_F32[(c + 1).min(0x7e)];
+                [v, (v + next) / 2.0, f32::from_bits(v.to_bits() + 1), v * 0.999, -v]
+            })
+            .collect();
+        probes.extend([0.0, -0.0, 1e-9, 500.0, -1e6, f32::INFINITY]);
+        let mut x = 0x1234_5678u32;
+        for _ in 0..20_000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            probes.push(f32::from_bits(x & 0x43ff_ffff) * if x & 1 == 0 { 1.0 } else { -1.0 });
+        }
+        for v in probes {
+            assert_eq!(f32_to_fp8_e4m3(v), scan(v), "{v:e}");
         }
     }
 
