@@ -2,7 +2,10 @@
 
 use std::path::PathBuf;
 
+use anyhow::Context;
 use clap::{ArgGroup, Args, Parser, Subcommand};
+use deepinfer_engine::engine::EngineConfig;
+use deepinfer_engine::prefix_cache::PrefixMode;
 
 use crate::commands;
 
@@ -47,6 +50,42 @@ pub struct InitArgs {
     /// (its vocabulary must fit the preset's).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+}
+
+/// The engine's batching and cache limits, shared by batch generation and `serve`.
+#[derive(Args, Debug, Clone)]
+pub struct EngineArgs {
+    /// Most sequences per engine step.
+    #[arg(long, default_value_t = 256)]
+    pub max_batch_size: usize,
+    /// Most tokens per engine step (prompt chunks and decodes together).
+    #[arg(long, default_value_t = 2048)]
+    pub max_batch_tokens: usize,
+    /// KV cache budget in MiB (requests beyond it are preempted and recomputed).
+    #[arg(long, default_value_t = 1024)]
+    pub kv_cache_mib: usize,
+    /// Prefix cache: `exact` (bit-identical to a cold run), `bounded` (replays one window, faster) or `off`.
+    #[arg(long, default_value = "exact", value_parser = ["off", "exact", "bounded"])]
+    pub prefix_cache: String,
+}
+
+impl EngineArgs {
+    /// The engine configuration these flags ask for (other fields at their defaults).
+    pub fn to_config(&self) -> anyhow::Result<EngineConfig> {
+        let prefix_mode = PrefixMode::from_name(&self.prefix_cache)
+            .with_context(|| format!("unknown --prefix-cache `{}` (off, exact, bounded)", self.prefix_cache))?;
+        let kv_budget_bytes = self
+            .kv_cache_mib
+            .checked_mul(1 << 20)
+            .with_context(|| format!("--kv-cache-mib {} is too large", self.kv_cache_mib))?;
+        Ok(EngineConfig {
+            max_batch_size: self.max_batch_size,
+            max_batch_tokens: self.max_batch_tokens,
+            kv_budget_bytes,
+            prefix_mode,
+            ..EngineConfig::default()
+        })
+    }
 }
 
 /// Which model to load, shared by the commands that run one.
@@ -94,18 +133,8 @@ pub struct GenerateArgs {
     /// Print the generated token ids too.
     #[arg(long)]
     pub show_tokens: bool,
-    /// Batch mode: most sequences per step.
-    #[arg(long, default_value_t = 256)]
-    pub max_batch_size: usize,
-    /// Batch mode: most tokens per step (prompt chunks and decodes together).
-    #[arg(long, default_value_t = 2048)]
-    pub max_batch_tokens: usize,
-    /// Batch mode: KV cache budget in MiB (requests beyond it are preempted and recomputed).
-    #[arg(long, default_value_t = 1024)]
-    pub kv_cache_mib: usize,
-    /// Batch mode: prefix cache: `exact` (bit-identical to a cold run), `bounded` (replays one window, faster) or `off`.
-    #[arg(long, default_value = "exact", value_parser = ["off", "exact", "bounded"])]
-    pub prefix_cache: String,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// Devices to run on: more than 1 runs the in-process actor cluster
     /// (one GPU worker and one expert shard per device); the output is the same.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]

@@ -19,8 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use deepinfer_actors::{LocalCluster, Update};
-use deepinfer_engine::engine::{Engine, EngineConfig};
-use deepinfer_engine::prefix_cache::PrefixMode;
+use deepinfer_engine::engine::Engine;
 use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId, TokenOutput};
 use deepinfer_engine::sampling::SamplingParams;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -174,29 +173,13 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     );
     eprintln!(
         "prefix cache ({}): {:.1}% hit rate, {} prompt tokens cached; {} preemptions; results in {}",
-        args.prefix_cache,
+        args.engine.prefix_cache,
         100.0 * summary.prefix_hit_rate,
         summary.cached_tokens,
         summary.preemptions,
         output.display(),
     );
     Ok(())
-}
-
-fn engine_config(args: &GenerateArgs) -> anyhow::Result<EngineConfig> {
-    let prefix_mode = PrefixMode::from_name(&args.prefix_cache)
-        .with_context(|| format!("unknown --prefix-cache `{}` (off, exact, bounded)", args.prefix_cache))?;
-    let kv_budget_bytes = args
-        .kv_cache_mib
-        .checked_mul(1 << 20)
-        .with_context(|| format!("--kv-cache-mib {} is too large", args.kv_cache_mib))?;
-    Ok(EngineConfig {
-        max_batch_size: args.max_batch_size,
-        max_batch_tokens: args.max_batch_tokens,
-        kv_budget_bytes,
-        prefix_mode,
-        ..EngineConfig::default()
-    })
 }
 
 /// Read the input file: one job or one error per non-blank line.
@@ -342,7 +325,7 @@ pub fn run_batch_on_cluster(
     output: &Path,
     progress: bool,
 ) -> anyhow::Result<BatchSummary> {
-    let config = engine_config(args)?;
+    let config = args.engine.to_config()?;
     let jobs = read_jobs(&loaded, args, input)?;
     let LoadedModel { model, tokenizer, .. } = loaded;
     let mut cluster: LocalCluster = start_cluster(model, args.devices, args.expert_parallel, config.clone())?;
@@ -429,7 +412,7 @@ pub fn run_batch(
     output: &Path,
     progress: bool,
 ) -> anyhow::Result<BatchSummary> {
-    let config = engine_config(args)?;
+    let config = args.engine.to_config()?;
     let mut engine = Engine::new(&loaded.model, config.clone())?;
     let jobs = read_jobs(loaded, args, input)?;
     let file = File::create(output).with_context(|| format!("cannot create {}", output.display()))?;

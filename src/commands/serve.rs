@@ -3,13 +3,12 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::{ArgAction, Args};
 use deepinfer_engine::engine::EngineConfig;
-use deepinfer_engine::prefix_cache::PrefixMode;
 
 use crate::api::{ServeConfig, Server};
-use crate::cli::ModelArgs;
+use crate::cli::{EngineArgs, ModelArgs};
 use crate::generation::load_model;
 use crate::topology::Topology;
 
@@ -45,18 +44,8 @@ pub struct ServeArgs {
     /// Largest `max_tokens` a request may ask for (default: the model's context).
     #[arg(long)]
     pub max_tokens_limit: Option<u32>,
-    /// Most sequences per engine step.
-    #[arg(long, default_value_t = 256)]
-    pub max_batch_size: usize,
-    /// Most tokens per engine step (prompt chunks and decodes together).
-    #[arg(long, default_value_t = 2048)]
-    pub max_batch_tokens: usize,
-    /// KV cache budget in MiB.
-    #[arg(long, default_value_t = 1024)]
-    pub kv_cache_mib: usize,
-    /// Prefix cache: `exact`, `bounded` or `off`.
-    #[arg(long, default_value = "exact", value_parser = ["off", "exact", "bounded"])]
-    pub prefix_cache: String,
+    #[command(flatten)]
+    pub engine: EngineArgs,
 }
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
@@ -101,12 +90,6 @@ fn from_topology(path: &Path) -> anyhow::Result<(String, SocketAddr)> {
 }
 
 fn serve_config(args: &ServeArgs, loaded_name: &str, context: usize) -> anyhow::Result<ServeConfig> {
-    let prefix_mode = PrefixMode::from_name(&args.prefix_cache)
-        .with_context(|| format!("unknown --prefix-cache `{}` (off, exact, bounded)", args.prefix_cache))?;
-    let kv_budget_bytes = args
-        .kv_cache_mib
-        .checked_mul(1 << 20)
-        .with_context(|| format!("--kv-cache-mib {} is too large", args.kv_cache_mib))?;
     if args.max_concurrent_requests == 0 || args.max_body_bytes == 0 || args.max_tokens_limit == Some(0) {
         bail!("--max-concurrent-requests, --max-body-bytes and --max-tokens-limit must be at least 1");
     }
@@ -117,14 +100,7 @@ fn serve_config(args: &ServeArgs, loaded_name: &str, context: usize) -> anyhow::
         max_concurrent: args.max_concurrent_requests,
         max_tokens_limit: args.max_tokens_limit.unwrap_or(context.min(u32::MAX as usize) as u32),
         default_thinking: args.default_thinking,
-        engine: EngineConfig {
-            max_batch_size: args.max_batch_size,
-            max_batch_tokens: args.max_batch_tokens,
-            max_waiting: args.max_queue,
-            kv_budget_bytes,
-            prefix_mode,
-            ..EngineConfig::default()
-        },
+        engine: EngineConfig { max_waiting: args.max_queue, ..args.engine.to_config()? },
     })
 }
 
