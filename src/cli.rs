@@ -27,6 +27,8 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Serve the OpenAI (Chat Completions, Responses) and Anthropic (Messages) HTTP APIs.
     Serve(commands::serve::ServeArgs),
+    /// Simulate a cluster scenario deterministically on this CPU and report what it did.
+    Simulate(commands::simulate::SimulateArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -153,5 +155,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             None => commands::generate::run(&args),
         },
         Command::Serve(args) => commands::serve::run(&args),
+        Command::Simulate(args) => commands::simulate::run_command(&args),
     }
 }

@@ -5,5 +5,7 @@ pub mod cli;
 pub mod commands;
 pub mod config_file;
 pub mod generation;
+pub mod scenario;
+pub mod simulate;
 pub mod tokenizer;
 pub mod topology;

@@ -37,15 +37,15 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
 use crate::cache::parts_len;
-use crate::ctx::{pump, Ctx};
+use crate::ctx::{pump, Ctx, InstanceRole};
 use crate::events::bump;
 use crate::faults::Target;
 use crate::router::end_item;
 use crate::transport::Delivery;
 use crate::wire::{
     Addr, BlockSnapshot, CacheMsg, Control, FetchItem, FetchedItem, FinishKind, FinishWire, Heartbeat, Message,
-    OutputEnd, OutputItem, Outputs, RequestSpec, Role, Sampling, SeqOutput, StepItem, StepOutcome, StepRequest,
-    StepResult, StoredBlock, Submit, TokenOut,
+    OutputEnd, OutputItem, Outputs, PlacementWire, RequestSpec, Role, Sampling, SeqOutput, StepItem, StepOutcome,
+    StepRequest, StepResult, StoredBlock, Submit, TokenOut,
 };
 
 pub struct Scheduler;
@@ -94,6 +94,8 @@ struct Item {
     values: Option<(Vec<Vec<u32>>, Vec<f32>)>,
     snapshots: Vec<usize>,
     rebuild: bool,
+    /// The state up to `from` comes from a prefill instance.
+    imported: bool,
 }
 
 struct Pending {
@@ -120,6 +122,11 @@ struct Snap {
 struct StepRun {
     step: u64,
     items: Vec<Item>,
+    /// Indices of each worker's items.
+    by_worker: BTreeMap<u32, Vec<usize>>,
+    placement: PlacementWire,
+    /// Tokens of the whole step.
+    batch_tokens: u64,
     pending: BTreeMap<u32, Pending>,
     answers: BTreeMap<u32, Answer>,
     /// Results received (the scheduler's fault-injection points).
@@ -155,7 +162,8 @@ pub struct SchedulerState {
     policy: Policy,
     live: BTreeMap<u64, Live>,
     by_rid: BTreeMap<RequestId, u64>,
-    load: BTreeMap<u32, usize>,
+    /// Requests and their prompt tokens per worker.
+    load: BTreeMap<u32, (usize, usize)>,
     /// Sequences whose worker state can go, sent with the worker's next step.
     release: BTreeMap<u32, Vec<u64>>,
     /// Key of every block the engine's prefix cache holds.
@@ -246,8 +254,9 @@ impl SchedulerState {
     fn forget(&mut self, id: u64) -> Option<Live> {
         let l = self.live.remove(&id)?;
         self.by_rid.remove(&l.rid);
-        if let Some(n) = self.load.get_mut(&l.worker) {
+        if let Some((n, tokens)) = self.load.get_mut(&l.worker) {
             *n = n.saturating_sub(1);
+            *tokens = tokens.saturating_sub(l.spec.prompt.len());
         }
         self.release.entry(l.worker).or_default().push(id);
         Some(l)
@@ -281,7 +290,7 @@ impl SchedulerState {
     }
 
     fn on_submit(&mut self, submit: Submit) {
-        let Submit { spec, generated } = submit;
+        let Submit { spec, generated, prefilled } = submit;
         let id = spec.id;
         let mut worker = None;
         if let Some(l) = self.live.get(&id) {
@@ -297,7 +306,7 @@ impl SchedulerState {
             self.ctx.events.record(format_args!("{} restarts request {id} at {} tokens", self.addr, generated.len()));
             worker = Some(l.worker);
         }
-        let context = self.ctx.model.config.max_position_embeddings;
+        let context = self.ctx.config.max_position_embeddings;
         if !generated.is_empty()
             && (generated.len() >= spec.max_tokens as usize || spec.prompt.len() + generated.len() >= context)
         {
@@ -308,6 +317,8 @@ impl SchedulerState {
         let request = request_of(&spec);
         let added = if generated.is_empty() {
             self.policy.add(request)
+        } else if prefilled {
+            self.policy.add_transferred(request, &generated)
         } else {
             bump(&self.ctx.metrics.requests_resumed);
             self.policy.add_resumed(request, &generated)
@@ -324,13 +335,25 @@ impl SchedulerState {
                 self.send_outputs(vec![item], &[]);
             }
             Ok(rid) => {
+                // Attention data parallelism: a prefill instance evens out
+                // prompt tokens per worker, others the requests per worker.
                 let devices = self.ctx.topology.devices_of(self.instance);
+                let by_tokens = self.ctx.role(self.instance) == InstanceRole::Prefill;
                 let worker = worker.unwrap_or_else(|| {
                     devices
-                        .min_by_key(|d| (self.load.get(d).copied().unwrap_or(0), *d))
+                        .min_by_key(|d| {
+                            let (n, tokens) = self.load.get(d).copied().unwrap_or((0, 0));
+                            if by_tokens {
+                                (tokens, n, *d)
+                            } else {
+                                (n, tokens, *d)
+                            }
+                        })
                         .expect("an instance has devices")
                 });
-                *self.load.entry(worker).or_default() += 1;
+                let load = self.load.entry(worker).or_default();
+                load.0 += 1;
+                load.1 += spec.prompt.len();
                 self.by_rid.insert(rid, id);
                 self.live.insert(id, Live { rid, worker, spec, hashes: Vec::new(), plain: false });
                 self.ctx.send(self.addr, self.router, Message::Ack { ids: vec![id] }, &[]);
@@ -411,6 +434,12 @@ impl SchedulerState {
 
     fn plan(&mut self, step: u64) {
         let plan = self.policy.schedule();
+        let pool = self.policy.pool_stats();
+        let g = &self.ctx.gauges[self.instance as usize];
+        g.kv_used_bytes.store(pool.used_bytes as u64, std::sync::atomic::Ordering::Relaxed);
+        g.kv_budget_bytes.store(pool.budget_bytes as u64, std::sync::atomic::Ordering::Relaxed);
+        g.running.store(self.policy.num_running() as u64, std::sync::atomic::Ordering::Relaxed);
+        g.waiting.store(self.policy.num_waiting() as u64, std::sync::atomic::Ordering::Relaxed);
         let mut ended = Vec::new();
         for (rid, f) in plan.failed {
             let Some(&id) = self.by_rid.get(&rid) else { continue };
@@ -464,9 +493,20 @@ impl SchedulerState {
                 restore: restore.unwrap_or_default(),
                 values: None,
                 snapshots: it.snapshots,
+                imported: it.imported,
             });
         }
-        let mut run = StepRun { step, items, pending: BTreeMap::new(), answers: BTreeMap::new(), received: 0, ended };
+        let mut run = StepRun {
+            step,
+            items,
+            by_worker: BTreeMap::new(),
+            placement: PlacementWire { epoch: 0, devices: 0, replicas: Vec::new() },
+            batch_tokens: 0,
+            pending: BTreeMap::new(),
+            answers: BTreeMap::new(),
+            received: 0,
+            ended,
+        };
         if run.items.is_empty() {
             // Nothing can run now: wait for new input rather than spin.
             self.send_outputs(run.ended, &[]);
@@ -551,7 +591,13 @@ impl SchedulerState {
                 l.plain = true;
             }
         }
-        let workers: BTreeSet<u32> = run.items.iter().map(|it| it.worker).collect();
+        run.by_worker.clear();
+        for (i, it) in run.items.iter().enumerate() {
+            run.by_worker.entry(it.worker).or_default().push(i);
+        }
+        run.placement = self.placement_wire();
+        run.batch_tokens = run.items.iter().map(|it| (it.to - it.from) as u64).sum();
+        let workers: Vec<u32> = run.by_worker.keys().copied().collect();
         let deadline = self.now() + self.ctx.timeouts.step;
         for w in workers {
             let release = self.release.remove(&w).unwrap_or_default();
@@ -573,14 +619,28 @@ impl SchedulerState {
         self.by_rid.get(&it.rid) == Some(&it.id)
     }
 
+    /// The table sent with step requests. Modelled devices price the
+    /// all-to-all from the expected expert loads and need no table.
+    fn placement_wire(&self) -> PlacementWire {
+        let p = self.ctx.placement(self.instance);
+        if self.ctx.modelled.is_some() {
+            PlacementWire { epoch: p.epoch(), devices: p.devices(), replicas: Vec::new() }
+        } else {
+            p.to_wire()
+        }
+    }
+
     /// Send (again) `worker`'s part of the step; false if none of it is still wanted.
     fn send_step(&self, run: &StepRun, worker: u32) -> bool {
         let p = &run.pending[&worker];
         let mut body = Vec::new();
         let items: Vec<StepItem> = run
-            .items
-            .iter()
-            .filter(|it| it.worker == worker && self.alive(it))
+            .by_worker
+            .get(&worker)
+            .into_iter()
+            .flatten()
+            .map(|&i| &run.items[i])
+            .filter(|it| self.alive(it))
             .map(|it| {
                 let tokens = self.policy.tokens(it.rid);
                 let plain = self.live.get(&it.id).is_some_and(|l| l.plain);
@@ -603,6 +663,7 @@ impl SchedulerState {
                     replay_until: replay_until as u64,
                     restore,
                     snapshots: it.snapshots.iter().map(|&k| k as u32).collect(),
+                    imported: it.imported && !it.rebuild,
                 }
             })
             .collect();
@@ -613,9 +674,10 @@ impl SchedulerState {
             step: run.step,
             attempt: p.attempt,
             scheduler: self.number,
-            placement: self.ctx.placement(self.instance).to_wire(),
+            placement: run.placement.clone(),
             items,
             release: p.release.clone(),
+            batch_tokens: run.batch_tokens,
         };
         self.ctx.send(self.addr, Addr::worker(worker), Message::StepRequest(req), &body);
         true
@@ -713,9 +775,9 @@ impl SchedulerState {
         snapshots: &[BlockSnapshot],
         body: usize,
     ) -> bool {
-        let vocab = self.ctx.model.config.vocab_size;
+        let vocab = self.ctx.config.vocab_size;
         let mine: BTreeMap<u64, &Item> =
-            run.items.iter().filter(|it| it.worker == worker).map(|it| (it.id, it)).collect();
+            run.by_worker.get(&worker).into_iter().flatten().map(|&i| (run.items[i].id, &run.items[i])).collect();
         let mut want_body = 0;
         let mut seen = BTreeSet::new();
         for o in outputs {
@@ -745,16 +807,19 @@ impl SchedulerState {
     }
 
     fn complete(&mut self, run: StepRun) {
-        let vocab = self.ctx.model.config.vocab_size;
+        let vocab = self.ctx.config.vocab_size;
         let bt = self.ctx.block_tokens;
         let StepRun { step, items, answers, mut ended, .. } = run;
+        // A sequence appears once per step.
+        let index: BTreeMap<u64, usize> = items.iter().enumerate().map(|(i, it)| (it.id, i)).collect();
+        let of = |seq: u64, worker: u32| index.get(&seq).copied().filter(|&i| items[i].worker == worker);
         // Per worker: outputs by sequence, with their logits rows; snapshots with their values.
         let mut sampled_rows: BTreeMap<u64, (SeqOutput, Option<Vec<f32>>)> = BTreeMap::new();
         let mut snaps: Vec<Snap> = Vec::new();
         for (worker, a) in answers {
             let mut at = 0;
             for o in a.outputs {
-                let wants = items.iter().any(|it| it.id == o.seq && it.worker == worker && it.logits);
+                let wants = of(o.seq, worker).is_some_and(|i| items[i].logits);
                 let row = wants.then(|| {
                     at += vocab;
                     a.body[at - vocab..at].to_vec()
@@ -765,7 +830,7 @@ impl SchedulerState {
                 let n = parts_len(&s.lens);
                 let values = a.body[at..at + n].to_vec();
                 at += n;
-                let Some(i) = items.iter().position(|it| it.id == s.seq && it.worker == worker) else { continue };
+                let Some(i) = of(s.seq, worker) else { continue };
                 let it = &items[i];
                 let k = s.block as usize;
                 let wave = step_segments(it.from, it.to, it.replay_until, &it.snapshots, bt)
@@ -940,7 +1005,7 @@ impl Actor for Scheduler {
     ) -> Result<SchedulerState, ActorProcessingErr> {
         let ctx = args.ctx;
         let addr = Addr::scheduler(args.instance);
-        let policy = Policy::new(&ctx.model.config, ctx.engine.clone()).map_err(|e| format!("{addr}: {e}"))?;
+        let policy = Policy::new(&ctx.config, ctx.engine_for(args.instance)).map_err(|e| format!("{addr}: {e}"))?;
         let number = ctx.new_instance();
         ctx.events.record(format_args!("{addr} up (incarnation {}, instance {number})", args.incarnation));
         pump(ctx.transport.bind(addr), myself.clone(), SchedulerMsg::Net);
@@ -1004,7 +1069,7 @@ impl Actor for Scheduler {
         };
         let Some(m) = state.ctx.open(state.addr, &d) else { return Ok(()) };
         let from = m.envelope.from;
-        let topo = state.ctx.topology;
+        let topo = &state.ctx.topology;
         let mine = |a: Addr| topo.devices_of(state.instance).contains(&a.index);
         match (from.role, m.envelope.msg) {
             (Role::Router, Message::Submit(s)) => state.on_submit(s),

@@ -4,3 +4,4 @@ pub mod batch;
 pub mod generate;
 pub mod model_init;
 pub mod serve;
+pub mod simulate;
