@@ -87,6 +87,10 @@ pub struct EngineSpec {
     /// Positions per KV block and prefix-cache block (Mooncake's hash blocks are 512).
     #[serde(default = "default_block")]
     pub block_tokens: Spanned<usize>,
+    /// Decode-only steps simulated as one event (1: exact; more: faster, with
+    /// admissions waiting for the event and tokens arriving in bursts).
+    #[serde(default = "default_steps_per_event")]
+    pub decode_steps_per_event: Spanned<u32>,
 }
 
 impl Default for EngineSpec {
@@ -96,6 +100,7 @@ impl Default for EngineSpec {
             batch_tokens_per_device: default_batch_tokens(),
             prefix_cache: default_prefix(),
             block_tokens: default_block(),
+            decode_steps_per_event: default_steps_per_event(),
         }
     }
 }
@@ -111,6 +116,9 @@ fn default_prefix() -> Spanned<String> {
 }
 fn default_block() -> Spanned<usize> {
     Spanned::new(0..0, 512)
+}
+fn default_steps_per_event() -> Spanned<u32> {
+    Spanned::new(0..0, 1)
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -331,6 +339,7 @@ pub struct Scenario {
     pub batch_tokens_per_device: usize,
     pub prefix_cache: bool,
     pub block_tokens: usize,
+    pub decode_steps_per_event: u32,
     pub popularity: Popularity,
     pub redundant_experts: usize,
     pub traffic: Traffic,
@@ -422,6 +431,10 @@ impl Scenario {
         if !(64..=4096).contains(&block_tokens) || !block_tokens.is_multiple_of(64) {
             return Err(err(e.block_tokens.span(), "must be a multiple of 64 from 64 to 4096".into()));
         }
+        let steps_per_event = *e.decode_steps_per_event.get_ref();
+        if !(1..=256).contains(&steps_per_event) {
+            return Err(err(e.decode_steps_per_event.span(), "must be 1 to 256".into()));
+        }
         let x = &f.experts;
         let popularity = match x.popularity.get_ref().as_str() {
             "uniform" => Popularity::Uniform,
@@ -457,6 +470,7 @@ impl Scenario {
             batch_tokens_per_device: batch_tokens,
             prefix_cache,
             block_tokens,
+            decode_steps_per_event: steps_per_event,
             popularity,
             redundant_experts: x.redundant,
             traffic,

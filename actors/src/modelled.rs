@@ -37,6 +37,10 @@ pub struct ModelledSpec {
     /// Sequences and tokens per device in one step (the instance's limits scale with its size).
     pub batch_per_device: usize,
     pub batch_tokens_per_device: usize,
+    /// Most decode steps a scheduler runs as one event when its step is
+    /// decode only (1: every step is an event; more: faster simulation,
+    /// admissions wait for the event to end and tokens arrive in bursts).
+    pub decode_steps_per_event: u32,
     pub seed: u64,
 }
 
@@ -150,6 +154,7 @@ impl Modelled {
             max_batch_tokens: (self.spec.batch_tokens_per_device * devices as usize)
                 .clamp(1, deepinfer_engine::scheduler::MAX_BATCH_TOKENS),
             max_chunk_tokens: Some(self.spec.batch_tokens_per_device.max(1)),
+            max_rank_tokens: Some(self.spec.batch_tokens_per_device.max(1)),
             kv_budget_bytes: budget.max(layout.sequence_bytes(1)),
             ..base.clone()
         }

@@ -23,7 +23,7 @@
 //! its requests again with the tokens they had produced, which are
 //! recomputed (bit-identical) and generation resumes.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -104,6 +104,9 @@ struct Pending {
     release: Vec<u64>,
 }
 
+/// A sampled token and, when asked for, its logits row.
+type SampledRow = (SeqOutput, Option<Vec<f32>>);
+
 struct Answer {
     outputs: Vec<SeqOutput>,
     snapshots: Vec<BlockSnapshot>,
@@ -127,6 +130,8 @@ struct StepRun {
     placement: PlacementWire,
     /// Tokens of the whole step.
     batch_tokens: u64,
+    /// Decode steps the workers run as one (modelled devices).
+    repeat: u32,
     pending: BTreeMap<u32, Pending>,
     answers: BTreeMap<u32, Answer>,
     /// Results received (the scheduler's fault-injection points).
@@ -354,6 +359,7 @@ impl SchedulerState {
                 let load = self.load.entry(worker).or_default();
                 load.0 += 1;
                 load.1 += spec.prompt.len();
+                self.policy.set_rank(rid, worker);
                 self.by_rid.insert(rid, id);
                 self.live.insert(id, Live { rid, worker, spec, hashes: Vec::new(), plain: false });
                 self.ctx.send(self.addr, self.router, Message::Ack { ids: vec![id] }, &[]);
@@ -502,6 +508,7 @@ impl SchedulerState {
             by_worker: BTreeMap::new(),
             placement: PlacementWire { epoch: 0, devices: 0, replicas: Vec::new() },
             batch_tokens: 0,
+            repeat: 1,
             pending: BTreeMap::new(),
             answers: BTreeMap::new(),
             received: 0,
@@ -597,6 +604,7 @@ impl SchedulerState {
         }
         run.placement = self.placement_wire();
         run.batch_tokens = run.items.iter().map(|it| (it.to - it.from) as u64).sum();
+        run.repeat = self.decode_repeat(&run.items);
         let workers: Vec<u32> = run.by_worker.keys().copied().collect();
         let deadline = self.now() + self.ctx.timeouts.step;
         for w in workers {
@@ -678,6 +686,7 @@ impl SchedulerState {
             items,
             release: p.release.clone(),
             batch_tokens: run.batch_tokens,
+            repeat: run.repeat,
         };
         self.ctx.send(self.addr, Addr::worker(worker), Message::StepRequest(req), &body);
         true
@@ -779,13 +788,17 @@ impl SchedulerState {
         let mine: BTreeMap<u64, &Item> =
             run.by_worker.get(&worker).into_iter().flatten().map(|&i| (run.items[i].id, &run.items[i])).collect();
         let mut want_body = 0;
-        let mut seen = BTreeSet::new();
+        // Each sampling item answers `repeat` tokens, at consecutive positions in order.
+        let repeat = run.repeat.max(1) as u64;
+        let mut seen: BTreeMap<u64, u64> = BTreeMap::new();
         for o in outputs {
             let Some(it) = mine.get(&o.seq).filter(|it| it.sample) else { return false };
-            let ok = o.position == it.to as u64
+            let n = seen.entry(o.seq).or_default();
+            let ok = o.position == it.to as u64 + *n
+                && *n < repeat
                 && (o.token as usize) < vocab
-                && o.top.iter().all(|t| (t.token as usize) < vocab)
-                && seen.insert(o.seq);
+                && o.top.iter().all(|t| (t.token as usize) < vocab);
+            *n += 1;
             if !ok {
                 return false;
             }
@@ -799,22 +812,21 @@ impl SchedulerState {
             }
             want_body += parts_len(&s.lens);
         }
-        let complete = mine
-            .values()
-            .filter(|it| self.alive(it))
-            .all(|it| (!it.sample || seen.contains(&it.id)) && it.snapshots.iter().all(|&k| got.contains(&(it.id, k))));
+        let complete = mine.values().filter(|it| self.alive(it)).all(|it| {
+            (!it.sample || seen.get(&it.id) == Some(&repeat)) && it.snapshots.iter().all(|&k| got.contains(&(it.id, k)))
+        });
         complete && body == want_body
     }
 
     fn complete(&mut self, run: StepRun) {
         let vocab = self.ctx.config.vocab_size;
         let bt = self.ctx.block_tokens;
-        let StepRun { step, items, answers, mut ended, .. } = run;
+        let StepRun { step, items, answers, mut ended, repeat, .. } = run;
         // A sequence appears once per step.
         let index: BTreeMap<u64, usize> = items.iter().enumerate().map(|(i, it)| (it.id, i)).collect();
         let of = |seq: u64, worker: u32| index.get(&seq).copied().filter(|&i| items[i].worker == worker);
         // Per worker: outputs by sequence, with their logits rows; snapshots with their values.
-        let mut sampled_rows: BTreeMap<u64, (SeqOutput, Option<Vec<f32>>)> = BTreeMap::new();
+        let mut sampled_rows: BTreeMap<u64, VecDeque<SampledRow>> = BTreeMap::new();
         let mut snaps: Vec<Snap> = Vec::new();
         for (worker, a) in answers {
             let mut at = 0;
@@ -824,7 +836,7 @@ impl SchedulerState {
                     at += vocab;
                     a.body[at - vocab..at].to_vec()
                 });
-                sampled_rows.insert(o.seq, (o, row));
+                sampled_rows.entry(o.seq).or_default().push_back((o, row));
             }
             for s in a.snapshots {
                 let n = parts_len(&s.lens);
@@ -868,25 +880,39 @@ impl SchedulerState {
             let msg = CacheMsg::Store { instance: self.instance, step, blocks: stores };
             self.ctx.send(self.addr, self.cache, Message::Cache(msg), &store_body);
         }
-        let mut sampled = Vec::new();
+        // Sampling items, then (modelled decode events) the further decode
+        // steps the workers ran as one: each is planned and completed here as
+        // the engine would have, step by step.
+        let mut current: Vec<(u64, RequestId)> =
+            items.iter().filter(|it| it.sample && self.alive(it)).map(|it| (it.id, it.rid)).collect();
         let mut outs: Vec<(OutputItem, Option<Vec<f32>>)> = Vec::new();
-        for it in items.iter().filter(|it| it.sample) {
-            if !self.alive(it) {
-                continue;
+        let mut slot: BTreeMap<u64, usize> = BTreeMap::new();
+        for sub in 0..repeat.max(1) {
+            if sub > 0 {
+                current = self.plan_decode_substep(step, &mut ended);
             }
-            let Some((o, row)) = sampled_rows.remove(&it.id) else { continue };
-            let from = self.generated(it.rid);
-            sampled.push(SampledToken { id: it.rid, token: o.token, ok: o.logprob.is_finite() });
-            let token = TokenOut { token: o.token, logprob: o.logprob, top: o.top };
-            let item =
-                OutputItem { id: it.id, from: from as u32, tokens: vec![token], logits: row.is_some(), end: None };
-            outs.push((item, row));
-        }
-        for (rid, f) in self.policy.complete(&sampled) {
-            let Some(&id) = self.by_rid.get(&rid) else { continue };
-            self.forget(id);
-            if let Some((item, _)) = outs.iter_mut().find(|(o, _)| o.id == id) {
-                item.end = Some(OutputEnd::Finished(finish_wire(&f)));
+            let mut sampled = Vec::with_capacity(current.len());
+            for &(id, rid) in &current {
+                let Some((o, row)) = sampled_rows.get_mut(&id).and_then(VecDeque::pop_front) else { continue };
+                let from = self.generated(rid);
+                sampled.push(SampledToken { id: rid, token: o.token, ok: o.logprob.is_finite() });
+                let token = TokenOut { token: o.token, logprob: o.logprob, top: o.top };
+                match slot.get(&id) {
+                    Some(&k) => outs[k].0.tokens.push(token),
+                    None => {
+                        slot.insert(id, outs.len());
+                        let item =
+                            OutputItem { id, from: from as u32, tokens: vec![token], logits: row.is_some(), end: None };
+                        outs.push((item, row));
+                    }
+                }
+            }
+            for (rid, f) in self.policy.complete(&sampled) {
+                let Some(&id) = self.by_rid.get(&rid) else { continue };
+                self.forget(id);
+                if let Some(&k) = slot.get(&id) {
+                    outs[k].0.end = Some(OutputEnd::Finished(finish_wire(&f)));
+                }
             }
         }
         let mut body = Vec::new();
@@ -899,6 +925,90 @@ impl SchedulerState {
         self.send_outputs(ended, &body);
         self.phase = Phase::Idle;
         self.tick();
+    }
+
+    /// The next decode step of a multi-step event: plan it (running
+    /// requests only), register the blocks it completes (valueless, as
+    /// modelled devices store them) and return its sampling items.
+    fn plan_decode_substep(&mut self, step: u64, ended: &mut Vec<OutputItem>) -> Vec<(u64, RequestId)> {
+        let bt = self.ctx.block_tokens;
+        let plan = self.policy.schedule_running();
+        for (rid, f) in plan.failed {
+            let Some(&id) = self.by_rid.get(&rid) else { continue };
+            self.forget(id);
+            ended.push(OutputItem {
+                id,
+                from: f.completion_tokens as u32,
+                tokens: Vec::new(),
+                logits: false,
+                end: Some(OutputEnd::Finished(finish_wire(&f))),
+            });
+        }
+        for rid in &plan.preempted {
+            if let Some(l) = self.by_rid.get(rid).and_then(|id| self.live.get(id)) {
+                self.release.entry(l.worker).or_default().push(l.spec.id);
+            }
+        }
+        let evicted: Vec<u64> = plan.evicted.iter().filter_map(|b| self.cached.remove(b)).collect();
+        if !evicted.is_empty() {
+            let msg = CacheMsg::Evict { instance: self.instance, step, hashes: evicted };
+            self.ctx.send(self.addr, self.cache, Message::Cache(msg), &[]);
+        }
+        let mut stores = Vec::new();
+        let mut current = Vec::with_capacity(plan.items.len());
+        for it in &plan.items {
+            let Some(&id) = self.by_rid.get(&it.id) else { continue };
+            for &k in &it.snapshots {
+                if let Registration::New(b) = self.policy.register_block(it.id, k) {
+                    let chain = self.chain(id, k + 1);
+                    self.cached.insert(b, chain[k]);
+                    stores.push(StoredBlock {
+                        hash: chain[k],
+                        parent: if k == 0 { 0 } else { chain[k - 1] },
+                        tokens: self.policy.tokens(it.id)[k * bt..(k + 1) * bt].to_vec(),
+                        lens: Vec::new(),
+                    });
+                }
+            }
+            if it.sample {
+                current.push((id, it.id));
+            }
+        }
+        if !stores.is_empty() {
+            let msg = CacheMsg::Store { instance: self.instance, step, blocks: stores };
+            self.ctx.send(self.addr, self.cache, Message::Cache(msg), &[]);
+        }
+        current
+    }
+
+    /// Decode steps to run as one event: more than one only for modelled
+    /// devices, a plan where every item decodes one token (transferred
+    /// requests included), and room in the KV budget.
+    fn decode_repeat(&self, items: &[Item]) -> u32 {
+        let Some(m) = &self.ctx.modelled else { return 1 };
+        let most = m.spec.decode_steps_per_event.max(1) as usize;
+        if most == 1 || items.is_empty() {
+            return 1;
+        }
+        let context = self.ctx.config.max_position_embeddings;
+        let mut repeat = most;
+        for it in items {
+            let plain = it.sample && it.to == it.from + 1 && it.restore.is_empty() && !it.rebuild;
+            // A request that finishes within the event drops out of the later
+            // steps (its extra tokens are discarded), so length is no limit.
+            let Some(l) = self.live.get(&it.id).filter(|_| plain) else { return 1 };
+            if !l.spec.ignore_eos || !l.spec.stop_token_ids.is_empty() || !l.spec.stop_sequences.is_empty() {
+                return 1;
+            }
+            repeat = repeat.min(context.saturating_sub(it.to + 1));
+        }
+        let pool = self.policy.pool_stats();
+        let layout = self.policy.layout();
+        let needed = items.len().saturating_mul(layout.sequence_bytes(repeat + layout.block_tokens));
+        if needed > pool.budget_bytes.saturating_sub(pool.used_bytes) {
+            return 1;
+        }
+        repeat.max(1) as u32
     }
 
     fn on_timeout(&mut self, serial: u64) {

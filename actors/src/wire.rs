@@ -161,6 +161,9 @@ pub struct StepRequest {
     /// Tokens of the whole instance's step (every worker's part): modelled
     /// devices price the expert all-to-all from it.
     pub batch_tokens: u64,
+    /// Modelled devices only: run this many decode steps as one (every item
+    /// decodes; each sampling item answers with this many tokens).
+    pub repeat: u32,
 }
 
 /// A likely token and its log-probability.

@@ -48,6 +48,10 @@ impl WorkerState {
         let fail = |me: &Self, why: String| {
             me.reply(from, req.step, req.attempt, StepOutcome::Failed(why), &[]);
         };
+        let repeat = req.repeat.max(1) as usize;
+        if repeat > 1 && req.items.iter().any(|it| it.tokens.len() != 1 || !it.sample) {
+            return fail(self, format!("{repeat} repeated steps need decode-only items"));
+        }
         let mut seen = BTreeSet::new();
         let mut missing = Vec::new();
         for it in &req.items {
@@ -90,18 +94,25 @@ impl WorkerState {
             if it.imported {
                 imported += position;
             }
-            work.push(SeqWork { new_tokens: it.tokens.len(), context: position });
-            self.positions.insert(it.seq, end);
+            // Repeated decode steps are priced at their middle context.
+            work.push(SeqWork { new_tokens: it.tokens.len(), context: position + (repeat - 1) / 2 });
+            self.positions.insert(it.seq, end + repeat - 1);
             if it.sample {
-                let token = placeholder(it.seq, end, cfg.vocab_size);
-                outputs.push(SeqOutput { seq: it.seq, token, logprob: 0.0, position: end as u64, top: Vec::new() });
+                for at in end..end + repeat {
+                    let token = placeholder(it.seq, at, cfg.vocab_size);
+                    outputs.push(SeqOutput { seq: it.seq, token, logprob: 0.0, position: at as u64, top: Vec::new() });
+                }
             }
             snapshots.extend(it.snapshots.iter().map(|&block| BlockSnapshot { seq: it.seq, block, lens: Vec::new() }));
         }
         let topo = &self.ctx.topology;
         let instance = topo.instance_of(self.device);
         let ep = topo.size_of(instance) as usize;
-        let cost = m.step(instance, ep, &work, req.batch_tokens as usize, imported);
+        let mut cost = m.step(instance, ep, &work, req.batch_tokens as usize, imported);
+        if repeat > 1 {
+            // Transferred state arrives once; the other steps only decode.
+            cost.total_us += (repeat - 1) as f64 * m.step(instance, ep, &work, req.batch_tokens as usize, 0).total_us;
+        }
         let slow = self.ctx.faults.slowdown(self.device) * m.model.layers as u32;
         let time: Duration = micros(cost.total_us * self.ctx.faults.slow_factor(self.device)) + slow;
         let result = StepResult {

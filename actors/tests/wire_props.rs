@@ -58,6 +58,7 @@ fn message() -> impl Strategy<Value = Message> {
                     }],
                     release: vec![1, 2],
                     batch_tokens: step % 4096,
+                    repeat: 1,
                 })
             }),
         (any::<u64>(), prop::collection::vec(any::<u64>(), 0..5), ".{0,10}").prop_map(|(step, ids, why)| {

@@ -30,6 +30,8 @@ pub const MAX_BATCH_TOKENS: usize = 1 << 20;
 pub const MAX_WAITING: usize = 1 << 20;
 /// Largest prefix block, in tokens.
 pub const MAX_BLOCK_TOKENS: usize = 4096;
+/// Waiting requests looked at for one admission when ranks limit a step.
+const ADMISSION_SCAN: usize = 256;
 
 /// Limits and policy of one serving instance.
 #[derive(Clone, Debug, PartialEq)]
@@ -42,6 +44,10 @@ pub struct EngineConfig {
     /// this size); `None`: up to `max_batch_tokens`. With attention data
     /// parallelism it keeps one long prompt from holding up a whole step.
     pub max_chunk_tokens: Option<usize>,
+    /// Most tokens per attention data-parallel rank per step (see
+    /// [`Scheduler::set_rank`]): the slowest rank paces the step, so ranks
+    /// are filled evenly. `None`: no per-rank limit.
+    pub max_rank_tokens: Option<usize>,
     /// Most requests waiting for admission; more are refused.
     pub max_waiting: usize,
     /// Bytes of KV state (all four block kinds, cached blocks included).
@@ -60,6 +66,7 @@ impl Default for EngineConfig {
             max_batch_size: 256,
             max_batch_tokens: 2048,
             max_chunk_tokens: None,
+            max_rank_tokens: None,
             max_waiting: 4096,
             kv_budget_bytes: 1 << 30,
             prefix_mode: PrefixMode::Exact,
@@ -181,6 +188,8 @@ struct Seq {
     /// Its state up to the last token was computed elsewhere (prefill
     /// disaggregation); cleared once admitted or preempted.
     transferred: bool,
+    /// Attention data-parallel rank that computes it.
+    rank: u32,
 }
 
 impl Seq {
@@ -267,6 +276,19 @@ impl Scheduler {
 
     pub fn config(&self) -> &EngineConfig {
         &self.config
+    }
+
+    /// Compute `id` on attention data-parallel rank `rank` (see `max_rank_tokens`).
+    pub fn set_rank(&mut self, id: RequestId, rank: u32) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.rank = rank;
+        }
+    }
+
+    fn remove_waiting(&mut self, id: RequestId) {
+        if let Some(at) = self.waiting.iter().position(|&w| w == id) {
+            self.waiting.remove(at);
+        }
     }
 
     fn chunk_tokens(&self) -> usize {
@@ -366,6 +388,7 @@ impl Scheduler {
                 cached_tokens: 0,
                 preemptions: 0,
                 transferred: false,
+                rank: 0,
             },
         );
         self.waiting.push_back(id);
@@ -454,29 +477,62 @@ impl Scheduler {
 
     /// Form the next step.
     pub fn schedule(&mut self) -> StepPlan {
+        self.plan_step(true)
+    }
+
+    /// Form the next step of the running requests only, admitting none (a
+    /// simulator that advances several decode steps as one event).
+    pub fn schedule_running(&mut self) -> StepPlan {
+        self.plan_step(false)
+    }
+
+    fn plan_step(&mut self, admit: bool) -> StepPlan {
         self.stats.steps += 1;
         let mut plan = StepPlan::default();
         let mut budget = self.config.max_batch_tokens;
+        let per_rank = self.config.max_rank_tokens.unwrap_or(usize::MAX).max(1);
+        let mut rank_used: BTreeMap<u32, usize> = BTreeMap::new();
+        let room = |used: &BTreeMap<u32, usize>, rank: u32| per_rank - used.get(&rank).copied().unwrap_or(0);
         let mut i = 0;
         while i < self.running.len() && budget > 0 && plan.items.len() < self.config.max_batch_size {
             let id = self.running[i];
             let seq = self.seq(id);
-            let from = seq.computed;
-            let to = from + (seq.tokens.len() - from).min(budget).min(self.chunk_tokens());
+            let (from, rank) = (seq.computed, seq.rank);
+            let cap = room(&rank_used, rank);
+            if cap == 0 {
+                // Its rank is full this step; it runs in the next.
+                i += 1;
+                continue;
+            }
+            let to = from + (seq.tokens.len() - from).min(budget).min(self.chunk_tokens()).min(cap);
             if !self.reserve(id, to, &mut plan) {
                 // It preempted itself: it was the newest, nothing follows it.
                 break;
             }
             plan.items.push(self.item(id, from, to, None));
             budget -= to - from;
+            *rank_used.entry(rank).or_default() += to - from;
             i += 1;
         }
         // Admitting while preempting would only thrash.
-        if plan.preempted.is_empty() && plan.failed.is_empty() {
+        if admit && plan.preempted.is_empty() && plan.failed.is_empty() {
             while budget > 0 && self.running.len() < self.config.max_batch_size {
-                let Some(&id) = self.waiting.front() else { break };
-                match self.admit(id, budget, &mut plan) {
-                    Some(n) => budget -= n,
+                // The first waiting request whose rank has room (FIFO without ranks).
+                let Some(id) = self
+                    .waiting
+                    .iter()
+                    .take(ADMISSION_SCAN)
+                    .copied()
+                    .find(|id| room(&rank_used, self.seq(*id).rank) > 0)
+                else {
+                    break;
+                };
+                let rank = self.seq(id).rank;
+                match self.admit(id, budget.min(room(&rank_used, rank)), &mut plan) {
+                    Some(n) => {
+                        budget -= n;
+                        *rank_used.entry(rank).or_default() += n;
+                    }
                     None => break,
                 }
             }
@@ -615,7 +671,7 @@ impl Scheduler {
                 return None;
             }
         }
-        self.waiting.pop_front();
+        self.remove_waiting(id);
         self.running.push(id);
         let stats = &mut self.cache.stats;
         let seq = self.seqs.get_mut(&id).expect("known request");
@@ -647,7 +703,7 @@ impl Scheduler {
                 return None;
             }
         }
-        self.waiting.pop_front();
+        self.remove_waiting(id);
         self.running.push(id);
         let seq = self.seqs.get_mut(&id).expect("known request");
         seq.transferred = false;

@@ -163,6 +163,7 @@ pub fn cluster_config(s: &Scenario, seed: u64) -> ClusterConfig {
         redundant_experts: s.redundant_experts,
         batch_per_device: s.batch_per_device,
         batch_tokens_per_device: s.batch_tokens_per_device,
+        decode_steps_per_event: s.decode_steps_per_event,
         seed,
     });
     // Modelled steps take up to seconds (long prefills): only a silence much

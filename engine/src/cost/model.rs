@@ -287,8 +287,12 @@ impl ModelCost {
         // Average visible length over the new tokens.
         let visible = context as f64 + (new as f64 + 1.0) / 2.0;
         let per_token = match self.attention {
-            Attention::Mla { heads, kv_lora, qk_rope, .. } => {
-                visible * (heads * (2 * kv_lora + qk_rope)) as f64 * 2.0 * self.layers as f64
+            // Decode attends in the absorbed (latent) form; prefill expands keys
+            // and values per head, which is cheaper per key (as DeepSeek serves it).
+            Attention::Mla { heads, kv_lora, qk_nope, qk_rope, v_head, .. } => {
+                let per_key =
+                    if new > 1 { heads * (qk_nope + qk_rope + v_head) } else { heads * (2 * kv_lora + qk_rope) };
+                visible * per_key as f64 * 2.0 * self.layers as f64
             }
             Attention::V4 {
                 heads,
