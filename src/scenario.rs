@@ -39,6 +39,9 @@ pub struct Header {
     /// After the last arrival, requests still running get this long to finish.
     #[serde(default = "default_drain_s")]
     pub drain_s: Spanned<f64>,
+    /// Throughput is measured from this time to `duration_s` (the cluster fills up before).
+    #[serde(default)]
+    pub warmup_s: Option<Spanned<f64>>,
     /// `H800`, `H100`, `H200`, `B200`, `GB200`, `Ascend950`.
     pub hardware: Spanned<String>,
     /// `DeepSeek-V3` (also R1), `V4-Flash`, `V4.1-Flash`.
@@ -329,6 +332,7 @@ pub struct Scenario {
     pub seed: u64,
     pub duration_s: f64,
     pub drain_s: f64,
+    pub warmup_s: f64,
     pub sample_s: f64,
     pub hardware: HardwareKind,
     pub model: ModelKind,
@@ -367,6 +371,11 @@ impl Scenario {
         if !(0.0..=MAX_DURATION_S).contains(&drain_s) {
             return Err(err(h.drain_s.span(), format!("must be in [0, {MAX_DURATION_S}] seconds")));
         }
+        let warmup_s = match &h.warmup_s {
+            None => 0.0,
+            Some(w) if (0.0..duration_s).contains(w.get_ref()) => *w.get_ref(),
+            Some(w) => return Err(err(w.span(), format!("must be in [0, duration_s = {duration_s})"))),
+        };
         let hardware = HardwareKind::from_name(h.hardware.get_ref()).ok_or_else(|| {
             err(
                 h.hardware.span(),
@@ -461,6 +470,7 @@ impl Scenario {
             seed: h.seed,
             duration_s,
             drain_s,
+            warmup_s,
             sample_s,
             hardware,
             model,

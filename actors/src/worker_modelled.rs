@@ -49,8 +49,8 @@ impl WorkerState {
             me.reply(from, req.step, req.attempt, StepOutcome::Failed(why), &[]);
         };
         let repeat = req.repeat.max(1) as usize;
-        if repeat > 1 && req.items.iter().any(|it| it.tokens.len() != 1 || !it.sample) {
-            return fail(self, format!("{repeat} repeated steps need decode-only items"));
+        if repeat > 1 && req.items.iter().any(|it| !it.sample) {
+            return fail(self, format!("{repeat} repeated steps need every item to sample"));
         }
         let mut seen = BTreeSet::new();
         let mut missing = Vec::new();
@@ -83,6 +83,7 @@ impl WorkerState {
             return;
         }
         let mut work = Vec::with_capacity(req.items.len());
+        let mut decode = Vec::with_capacity(req.items.len());
         let mut imported = 0;
         let mut outputs = Vec::new();
         let mut snapshots = Vec::new();
@@ -94,8 +95,9 @@ impl WorkerState {
             if it.imported {
                 imported += position;
             }
-            // Repeated decode steps are priced at their middle context.
-            work.push(SeqWork { new_tokens: it.tokens.len(), context: position + (repeat - 1) / 2 });
+            work.push(SeqWork { new_tokens: it.tokens.len(), context: position });
+            // The further steps of an event decode one token each, priced at their middle context.
+            decode.push(SeqWork { new_tokens: 1, context: end + (repeat - 1) / 2 });
             self.positions.insert(it.seq, end + repeat - 1);
             if it.sample {
                 for at in end..end + repeat {
@@ -110,8 +112,8 @@ impl WorkerState {
         let ep = topo.size_of(instance) as usize;
         let mut cost = m.step(instance, ep, &work, req.batch_tokens as usize, imported);
         if repeat > 1 {
-            // Transferred state arrives once; the other steps only decode.
-            cost.total_us += (repeat - 1) as f64 * m.step(instance, ep, &work, req.batch_tokens as usize, 0).total_us;
+            // Recomputed or transferred state comes once; the other steps only decode.
+            cost.total_us += (repeat - 1) as f64 * m.step(instance, ep, &decode, req.batch_tokens as usize, 0).total_us;
         }
         let slow = self.ctx.faults.slowdown(self.device) * m.model.layers as u32;
         let time: Duration = micros(cost.total_us * self.ctx.faults.slow_factor(self.device)) + slow;

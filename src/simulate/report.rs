@@ -59,9 +59,11 @@ pub struct Report {
     pub prefill_devices: u32,
     pub decode_devices: u32,
     pub duration_s: f64,
+    /// Throughput is measured over `[warmup_s, duration_s)`.
+    pub warmup_s: f64,
     pub simulated_s: f64,
     pub requests: Counts,
-    /// Over the arrival window: prompt tokens whose first token came out (cache hits included), per second.
+    /// Over the measured window: prompt tokens whose first token came out (cache hits included), per second.
     pub input_tok_s: f64,
     pub output_tok_s: f64,
     pub input_tok_s_per_prefill_gpu: f64,
@@ -114,7 +116,11 @@ impl Report {
     pub fn new(s: &Scenario, d: &RunData) -> Self {
         let window_s = s.duration_s;
         let sample_s = s.sample_s;
-        let in_window = |i: usize| (i as f64) * sample_s < window_s;
+        // Throughput over whole buckets inside [warmup, duration).
+        let first = (s.warmup_s / sample_s).ceil() as usize;
+        let last = ((s.duration_s / sample_s).floor() as usize).max(first + 1);
+        let measured_s = (last - first) as f64 * sample_s;
+        let in_window = |i: usize| (first..last).contains(&i);
         let input: u64 = d.buckets.iter().enumerate().filter(|(i, _)| in_window(*i)).map(|(_, b)| b.input_tokens).sum();
         let output: u64 =
             d.buckets.iter().enumerate().filter(|(i, _)| in_window(*i)).map(|(_, b)| b.output_tokens).sum();
@@ -123,7 +129,7 @@ impl Report {
         let prefill = devices_of(|r| r != Role::Decode);
         let decode = devices_of(|r| r != Role::Prefill);
         let per_node = s.devices_per_node as f64;
-        let (input_tok_s, output_tok_s) = (input as f64 / window_s, output as f64 / window_s);
+        let (input_tok_s, output_tok_s) = (input as f64 / measured_s, output as f64 / measured_s);
 
         let mut counts = Counts { submitted: d.traces.len() as u64, ..Counts::default() };
         let (mut ttft, mut tpot) = (Vec::new(), Vec::new());
@@ -206,6 +212,7 @@ impl Report {
             prefill_devices: prefill,
             decode_devices: decode,
             duration_s: s.duration_s,
+            warmup_s: s.warmup_s,
             simulated_s: d.simulated_s,
             requests: counts,
             input_tok_s,
