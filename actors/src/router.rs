@@ -1,6 +1,8 @@
 //! Router: the entry point. It picks a serving instance for each new
-//! request — the one whose cache manager holds the longest prefix of the
-//! prompt, then the least loaded, then the lowest index — and keeps the
+//! request with the engine's prefill balancer
+//! ([`deepinfer_engine::balance::choose_prefill`]: the longest cached prefix
+//! unless that instance is overloaded, then the least queued prefill work
+//! per GPU, then fewer requests, then the lowest index) and keeps the
 //! record of every request in flight: its instance and the tokens produced
 //! so far. That record is what makes a scheduler restart cost a replay, not a
 //! request: when a scheduler announces a new incarnation, every request of
@@ -17,6 +19,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use deepinfer_engine::balance::{choose_prefill, prefill_cost, Health, PrefillCandidate, PrefillPolicy};
 use deepinfer_engine::prefix_cache::{block_hash, PrefixMode};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
@@ -44,6 +47,8 @@ pub enum RouterMsg {
 struct Flight {
     spec: RequestSpec,
     instance: u32,
+    /// Prompt tokens cached on its instance when it was routed.
+    cached_tokens: usize,
     tokens: Vec<u32>,
     client: Addr,
     /// The client cancelled it: what is sent again is the cancel.
@@ -159,18 +164,32 @@ impl RouterState {
         }
     }
 
-    /// Longest cached prefix, then fewest requests in flight, then the lowest index.
+    /// The engine's prefill balancer over what the router knows: prompts
+    /// that have produced no token yet are the queued prefill work.
     fn decide(&mut self, query: u64) {
         let Some(r) = self.routing.remove(&query) else { return };
-        let mut load: BTreeMap<u32, usize> = BTreeMap::new();
-        for f in self.flights.values() {
-            *load.entry(f.instance).or_default() += 1;
-        }
-        let instance = (0..self.ctx.topology.instances)
-            .min_by_key(|i| {
-                (std::cmp::Reverse(r.matched.get(i).copied().unwrap_or(0)), load.get(i).copied().unwrap_or(0), *i)
+        let topo = self.ctx.topology;
+        let policy = PrefillPolicy::default();
+        let mut candidates: Vec<PrefillCandidate> = (0..topo.instances)
+            .map(|i| PrefillCandidate {
+                health: Health::Up,
+                gpus: topo.devices_of(i).len() as u32,
+                queued_cost: 0.0,
+                requests: 0,
+                cached_tokens: r.matched.get(&i).copied().unwrap_or(0) as usize * self.ctx.block_tokens,
             })
-            .unwrap_or(0);
+            .collect();
+        for f in self.flights.values() {
+            let Some(c) = candidates.get_mut(f.instance as usize) else { continue };
+            c.requests += 1;
+            if f.tokens.is_empty() {
+                let prompt = f.spec.prompt.len();
+                let cached = f.cached_tokens.min(prompt.saturating_sub(1));
+                c.queued_cost += prefill_cost(prompt - cached, cached, policy.attention_tokens);
+            }
+        }
+        let instance = choose_prefill(&policy, &candidates, r.submit.spec.prompt.len()).unwrap_or(0) as u32;
+        let cached_tokens = candidates.get(instance as usize).map_or(0, |c| c.cached_tokens);
         let id = r.submit.spec.id;
         self.ctx.events.record(format_args!(
             "router sends request {id} to scheduler{instance} ({} cached blocks)",
@@ -179,6 +198,7 @@ impl RouterState {
         let f = Flight {
             spec: r.submit.spec,
             instance,
+            cached_tokens,
             tokens: r.submit.generated,
             client: r.client,
             cancelled: false,

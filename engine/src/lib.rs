@@ -10,6 +10,7 @@
 pub mod checkpoint;
 pub mod config;
 pub mod constraint;
+pub mod balance;
 pub mod cost;
 pub mod engine;
 pub mod eplb;
