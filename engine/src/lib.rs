@@ -22,3 +22,4 @@ pub mod request;
 pub mod sampling;
 pub mod scheduler;
 pub mod traffic;
+pub mod transfer;

@@ -170,6 +170,8 @@ struct Seq {
     registered: usize,
     cached_tokens: usize,
     preemptions: u32,
+    /// Positions a state computed elsewhere holds (see `add_prefilled`); 0 once it is gone.
+    imported: usize,
 }
 
 impl Seq {
@@ -350,6 +352,7 @@ impl Scheduler {
                 registered: 0,
                 cached_tokens: 0,
                 preemptions: 0,
+                imported: 0,
             },
         );
         self.waiting.push_back(id);
@@ -372,6 +375,20 @@ impl Scheduler {
         }
         let id = self.add(request)?;
         self.seqs.get_mut(&id).expect("just added").tokens.extend_from_slice(generated);
+        Ok(id)
+    }
+
+    /// Queue a request whose state was computed on another instance
+    /// (prefill/decode disaggregation): the state handed over with it holds
+    /// every token of prompt + `generated` but the last. On admission it
+    /// starts there: an item from that position with `start: Some([])` (the
+    /// only admission past position 0 without cached blocks), so the caller
+    /// installs the state instead of computing. If it is preempted the state
+    /// is gone and it recomputes from position 0 like any request.
+    pub fn add_prefilled(&mut self, request: Request, generated: &[u32]) -> Result<RequestId, RequestError> {
+        let id = self.add_resumed(request, generated)?;
+        let seq = self.seqs.get_mut(&id).expect("just added");
+        seq.imported = seq.tokens.len() - 1;
         Ok(id)
     }
 
@@ -545,7 +562,8 @@ impl Scheduler {
         let len = seq.tokens.len();
         let mut hit = Vec::new();
         let mut short_match = false;
-        if self.mode != PrefixMode::Off {
+        let imported = seq.imported;
+        if self.mode != PrefixMode::Off && imported == 0 {
             // At least the last token is computed, for its logits.
             let blocks = (len - 1) / bt;
             seq.extend_hashes(blocks, bt);
@@ -566,7 +584,13 @@ impl Scheduler {
             }
         }
         seq.registered = hit.len();
-        seq.computed = if hit.is_empty() { 0 } else { boundary - replay };
+        seq.computed = if imported > 0 {
+            imported
+        } else if hit.is_empty() {
+            0
+        } else {
+            boundary - replay
+        };
         seq.replay_until = if hit.is_empty() { 0 } else { boundary };
         let from = seq.computed;
         let to = from + (len - from).min(budget);
@@ -580,7 +604,7 @@ impl Scheduler {
         self.running.push(id);
         let stats = &mut self.cache.stats;
         let seq = self.seqs.get_mut(&id).expect("known request");
-        if self.mode != PrefixMode::Off {
+        if self.mode != PrefixMode::Off && imported == 0 {
             stats.lookups += 1;
             stats.lookup_tokens += len as u64;
             stats.short_matches += u64::from(short_match);
@@ -633,6 +657,7 @@ impl Scheduler {
         self.waiting.push_front(id);
         let seq = self.seqs.get_mut(&id).expect("known request");
         seq.status = RequestStatus::Preempted;
+        seq.imported = 0;
         seq.preemptions += 1;
         self.stats.preemptions += 1;
         plan.preempted.push(id);
@@ -748,6 +773,25 @@ mod tests {
 
     fn spans(plan: &StepPlan) -> Vec<(u64, usize, usize, bool)> {
         plan.items.iter().map(|i| (i.id.0, i.from, i.to, i.sample)).collect()
+    }
+
+    #[test]
+    fn a_prefilled_request_starts_where_its_imported_state_ends() {
+        let mut s = scheduler(EngineConfig { prefix_mode: PrefixMode::Exact, ..EngineConfig::default() });
+        let id = s.add_prefilled(Request::new(prompt(100), 4), &[7]).unwrap();
+        let (plan, done) = run(&mut s, 9);
+        // Nothing recomputed: one decode token at position 100, from no cached blocks.
+        assert_eq!(spans(&plan), vec![(id.0, 100, 101, true)]);
+        assert_eq!(plan.items[0].start, Some(Vec::new()));
+        assert!(done.is_empty());
+        assert_eq!(s.tokens(id)[100..], [7, 9]);
+        assert_eq!(s.stats().computed_tokens, 1);
+        assert_eq!(s.prefix_stats().lookups, 0);
+        // Preempted, the state is gone: it is recomputed from position 0.
+        let mut plan = StepPlan::default();
+        s.preempt(id, &mut plan);
+        let (plan, _) = run(&mut s, 9);
+        assert_eq!(spans(&plan), vec![(id.0, 0, 102, true)]);
     }
 
     #[test]
