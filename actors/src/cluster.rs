@@ -34,6 +34,7 @@ use crate::cache::{CacheArgs, CacheManager};
 use crate::clock::{Clock, RealClock, SimClock};
 use crate::cost::{DeviceCost, DeviceCostModel};
 use crate::ctx::{Ctx, Timeouts, Topology};
+use crate::disagg::{EplbConfig, InstanceKind};
 use crate::events::{bump, EventLog, Metrics, MetricsSnapshot};
 use crate::faults::{FaultPlan, Faults};
 use crate::placement::{Placement, PlacementError};
@@ -79,6 +80,10 @@ pub struct ClusterConfig {
     /// Simulation only: workers and shards advance the virtual clock by the
     /// engine's device cost model; `None`: computation takes no time.
     pub device_cost: Option<DeviceCostModel>,
+    /// What each instance serves; empty: every instance prefills and decodes.
+    pub instance_kinds: Vec<InstanceKind>,
+    /// Rebalance each instance's experts from measured loads.
+    pub eplb: Option<EplbConfig>,
 }
 
 impl ClusterConfig {
@@ -100,6 +105,8 @@ impl ClusterConfig {
             return_logits: false,
             keep_events: 0,
             device_cost: None,
+            instance_kinds: Vec::new(),
+            eplb: None,
         }
     }
 
@@ -162,6 +169,8 @@ pub enum ClusterError {
     Placement(#[from] PlacementError),
     #[error("placement has {got} devices, an instance {want}")]
     PlacementDevices { got: u32, want: u32 },
+    #[error("{0}")]
+    Disaggregation(String),
     #[error("{devices} devices cannot be split into {instances} instances")]
     Instances { devices: u32, instances: u32 },
     #[error("engine configuration: {0}")]
@@ -323,6 +332,19 @@ impl Cluster {
                 return Err(ClusterError::PlacementDevices { got: p.devices(), want: per_instance });
             }
         }
+        let kinds = &cfg.instance_kinds;
+        if !kinds.is_empty()
+            && (kinds.len() != topo.instances as usize
+                || !kinds.iter().any(|k| k.prefills())
+                || !kinds.iter().any(|k| k.decodes()))
+        {
+            let why = format!(
+                "{} instance kinds for {} instances, some prefilling and some decoding",
+                kinds.len(),
+                topo.instances
+            );
+            return Err(ClusterError::Disaggregation(why));
+        }
         let timeouts =
             cfg.timeouts.unwrap_or(if env.clock.is_virtual() { Timeouts::simulated() } else { Timeouts::real() });
         let device_cost = match cfg.device_cost {
@@ -345,6 +367,8 @@ impl Cluster {
             block_tokens,
             return_logits: cfg.return_logits,
             device_cost,
+            kinds: cfg.instance_kinds.clone(),
+            eplb: cfg.eplb,
             steps: (0..topo.instances).map(|_| AtomicU64::new(0)).collect(),
             root: OnceLock::new(),
             instances: AtomicU64::new(0),
@@ -420,7 +444,7 @@ impl Cluster {
         let msg = if o.cancelled {
             Message::Cancel { id: o.spec.id }
         } else {
-            Message::Submit(Submit { spec: o.spec.clone(), generated: o.tokens.clone() })
+            Message::Submit(Submit { spec: o.spec.clone(), generated: o.tokens.clone(), decode: None })
         };
         self.ctx.send(self.addr, Addr::router(0), msg, &[]);
     }

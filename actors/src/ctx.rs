@@ -139,6 +139,10 @@ pub struct Ctx {
     pub return_logits: bool,
     /// Device time of workers and shards; only on a virtual clock.
     pub device_cost: Option<DeviceCost>,
+    /// What each instance serves (prefill/decode disaggregation).
+    pub kinds: Vec<crate::disagg::InstanceKind>,
+    /// Expert load balancing at run time; `None`: the table changes only as configured.
+    pub eplb: Option<crate::disagg::EplbConfig>,
     pub steps: Vec<AtomicU64>,
     /// The root supervisor, for faults that kill a whole subtree or a
     /// service actor from outside (`node1`, `node0/cache0`).
@@ -195,6 +199,11 @@ impl Ctx {
 
     pub fn is_up(&self) -> bool {
         self.up.load(Ordering::Relaxed)
+    }
+
+    /// What `instance` serves.
+    pub fn kind(&self, instance: u32) -> crate::disagg::InstanceKind {
+        self.kinds.get(instance as usize).copied().unwrap_or_default()
     }
 
     /// The current table of `instance`.

@@ -19,8 +19,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use deepinfer_engine::balance::{choose_prefill, prefill_cost, Health, PrefillCandidate, PrefillPolicy};
+use deepinfer_engine::balance::{
+    choose_decode, choose_prefill, prefill_cost, DecodeCandidate, DecodePolicy, Health, PrefillCandidate, PrefillPolicy,
+};
+use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::prefix_cache::{block_hash, PrefixMode};
+use deepinfer_engine::scheduler::Scheduler as Policy;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
@@ -28,8 +32,8 @@ use crate::ctx::{pump, Ctx};
 use crate::events::bump;
 use crate::transport::Delivery;
 use crate::wire::{
-    Addr, CacheMsg, FinishKind, FinishWire, Heartbeat, Message, OutputEnd, OutputItem, Outputs, RequestSpec, Role,
-    Submit,
+    Addr, CacheMsg, FinishKind, FinishWire, HandoffMsg, Heartbeat, Message, OutputEnd, OutputItem, Outputs,
+    RequestSpec, Role, Submit,
 };
 
 pub struct Router;
@@ -49,6 +53,10 @@ struct Flight {
     instance: u32,
     /// Prompt tokens cached on its instance when it was routed.
     cached_tokens: usize,
+    /// At a prefill instance: the decode instance it is to move to.
+    decode: Option<u32>,
+    /// The prefill instance it left (late outputs from there are still its own).
+    prefilled_on: Option<u32>,
     tokens: Vec<u32>,
     client: Addr,
     /// The client cancelled it: what is sent again is the cancel.
@@ -72,6 +80,8 @@ pub struct RouterState {
     routing: BTreeMap<u64, Routing>,
     next_query: u64,
     ticker: Option<JoinHandle<()>>,
+    /// KV sizes, for the decode balancer's view of each instance's use.
+    layout: Option<KvLayout>,
     ctx: Arc<Ctx>,
 }
 
@@ -115,7 +125,7 @@ impl RouterState {
         let msg = if f.cancelled {
             Message::Cancel { id: f.spec.id }
         } else {
-            Message::Submit(Submit { spec: f.spec.clone(), generated: f.tokens.clone() })
+            Message::Submit(Submit { spec: f.spec.clone(), generated: f.tokens.clone(), decode: f.decode })
         };
         self.ctx.send(self.addr, Addr::scheduler(f.instance), msg, &[]);
     }
@@ -172,7 +182,7 @@ impl RouterState {
         let policy = PrefillPolicy::default();
         let mut candidates: Vec<PrefillCandidate> = (0..topo.instances)
             .map(|i| PrefillCandidate {
-                health: Health::Up,
+                health: if self.ctx.kind(i).prefills() { Health::Up } else { Health::Draining },
                 gpus: topo.devices_of(i).len() as u32,
                 queued_cost: 0.0,
                 requests: 0,
@@ -190,6 +200,7 @@ impl RouterState {
         }
         let instance = choose_prefill(&policy, &candidates, r.submit.spec.prompt.len()).unwrap_or(0) as u32;
         let cached_tokens = candidates.get(instance as usize).map_or(0, |c| c.cached_tokens);
+        let decode = (!self.ctx.kind(instance).decodes()).then(|| self.choose_decode(None)).flatten();
         let id = r.submit.spec.id;
         self.ctx.events.record(format_args!(
             "router sends request {id} to scheduler{instance} ({} cached blocks)",
@@ -199,6 +210,8 @@ impl RouterState {
             spec: r.submit.spec,
             instance,
             cached_tokens,
+            decode,
+            prefilled_on: None,
             tokens: r.submit.generated,
             client: r.client,
             cancelled: false,
@@ -207,6 +220,76 @@ impl RouterState {
         };
         self.forward(&f);
         self.flights.insert(id, f);
+    }
+
+    /// The engine's decode balancer over the router's view: requests and
+    /// their KV per instance; `exclude` (a failed transfer's target) only if
+    /// another instance decodes.
+    fn choose_decode(&self, exclude: Option<u32>) -> Option<u32> {
+        let topo = self.ctx.topology;
+        let gpus = topo.per_instance().max(1);
+        let policy = DecodePolicy { max_requests_per_gpu: (self.ctx.engine.max_batch_size as u32).div_ceil(gpus) };
+        let mut candidates: Vec<DecodeCandidate> = (0..topo.instances)
+            .map(|i| DecodeCandidate {
+                health: if self.ctx.kind(i).decodes() { Health::Up } else { Health::Draining },
+                gpus,
+                kv_used: 0,
+                kv_capacity: self.ctx.engine.kv_budget_bytes as u64,
+                requests: 0,
+            })
+            .collect();
+        for f in self.flights.values() {
+            let Some(c) = candidates.get_mut(f.decode.unwrap_or(f.instance) as usize) else { continue };
+            c.requests += 1;
+            let tokens = f.spec.prompt.len() + f.tokens.len();
+            c.kv_used += self.layout.as_ref().map_or(0, |l| l.sequence_bytes(tokens)) as u64;
+        }
+        let pick = |c: &[DecodeCandidate]| choose_decode(&policy, c, 0).map(|i| i as u32);
+        let fallback = pick(&candidates);
+        if let Some(c) = exclude.and_then(|x| candidates.get_mut(x as usize)) {
+            c.health = Health::Down;
+        }
+        pick(&candidates).or(fallback)
+    }
+
+    /// The decode instance took the request over from its prefill instance.
+    fn on_adopted(&mut self, id: u64, instance: u32) {
+        let now = self.now();
+        let Some(f) = self.flights.get_mut(&id) else { return };
+        if f.decode != Some(instance) && f.instance != instance {
+            return;
+        }
+        if f.instance != instance {
+            f.prefilled_on = Some(f.instance);
+            f.instance = instance;
+        }
+        f.decode = None;
+        f.attempts = 0;
+        f.deadline = now + self.ctx.timeouts.request;
+        self.ctx.events.record(format_args!("router: request {id} decodes on scheduler{instance}"));
+        if f.cancelled {
+            let f = &self.flights[&id];
+            self.forward(f);
+        }
+    }
+
+    /// The prefill instance could not move the request: another decode instance recomputes it.
+    fn on_reroute(&mut self, from: u32, id: u64, failed: u32) {
+        let now = self.now();
+        if self.flights.get(&id).is_none_or(|f| f.instance != from) {
+            return;
+        }
+        let target = self.choose_decode(Some(failed)).unwrap_or(failed);
+        let f = self.flights.get_mut(&id).expect("checked");
+        f.prefilled_on = Some(from);
+        f.instance = target;
+        f.decode = None;
+        f.attempts = 0;
+        f.deadline = now + self.ctx.timeouts.request;
+        self.ctx.events.record(format_args!("router: request {id} rerouted to scheduler{target}"));
+        bump(&self.ctx.metrics.submits_resent);
+        let f = &self.flights[&id];
+        self.forward(f);
     }
 
     fn on_outputs(&mut self, from: Addr, out: Outputs, body: Vec<f32>) {
@@ -228,7 +311,10 @@ impl RouterState {
             // Not ours (any more): output of an earlier router's request, or
             // of a request routed again. It is not cancelled: the request may
             // be running there again by now; it ends by itself.
-            let Some(f) = self.flights.get_mut(&id).filter(|f| f.instance == from.index) else { continue };
+            let mine = |f: &&mut Flight| {
+                f.instance == from.index || f.decode == Some(from.index) || f.prefilled_on == Some(from.index)
+            };
+            let Some(f) = self.flights.get_mut(&id).filter(mine) else { continue };
             let cancelled = matches!(&item.end, Some(OutputEnd::Finished(w)) if w.reason == FinishKind::Cancelled);
             if cancelled && !f.cancelled {
                 // A scheduler's answer to a cancel meant for an earlier life of the request.
@@ -363,6 +449,7 @@ impl Actor for Router {
             routing: BTreeMap::new(),
             next_query: 0,
             ticker: Some(ticker),
+            layout: Policy::new(&ctx.model.config, ctx.engine.clone()).ok().map(|p| p.layout().clone()),
             ctx,
         })
     }
@@ -402,6 +489,12 @@ impl Actor for Router {
                 }
             }
             (Role::Scheduler, Message::Outputs(out)) => state.on_outputs(from, out, m.body),
+            (Role::Scheduler, Message::Handoff(HandoffMsg::Adopted { id, instance })) if instance == from.index => {
+                state.on_adopted(id, instance)
+            }
+            (Role::Scheduler, Message::Handoff(HandoffMsg::Reroute { id, instance })) => {
+                state.on_reroute(from.index, id, instance)
+            }
             (Role::Scheduler, Message::Heartbeat(h)) if h.restarted => {
                 let ids: Vec<u64> =
                     state.flights.iter().filter(|(_, f)| f.instance == from.index).map(|(id, _)| *id).collect();

@@ -80,9 +80,8 @@ pub fn choose_prefill(policy: &PrefillPolicy, candidates: &[PrefillCandidate], p
         .filter(|(_, c)| c.health == Health::Up)
         .map(|(i, c)| (i, load_after(c)))
         .collect();
-    let least = up
-        .iter()
-        .min_by(|a, b| a.1.total_cmp(&b.1).then(candidates[a.0].requests.cmp(&candidates[b.0].requests)))?;
+    let least =
+        up.iter().min_by(|a, b| a.1.total_cmp(&b.1).then(candidates[a.0].requests.cmp(&candidates[b.0].requests)))?;
     let affinity = up
         .iter()
         .filter(|(i, _)| candidates[*i].cached_tokens > 0)

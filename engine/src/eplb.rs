@@ -343,6 +343,19 @@ impl ExpertLoadTracker {
         self.last = self.steps;
         rebalance(&self.ema, num_physical, num_groups, num_nodes, num_gpus)
     }
+
+    /// One placement for every layer (a runtime whose table is shared by
+    /// all layers) from the loads summed over layers; the cadence restarts.
+    pub fn rebalance_summed(
+        &mut self,
+        num_physical: usize,
+        num_groups: usize,
+        num_nodes: usize,
+        num_gpus: usize,
+    ) -> Result<Placement, EplbError> {
+        self.last = self.steps;
+        rebalance(&[self.total_loads()], num_physical, num_groups, num_nodes, num_gpus)
+    }
 }
 
 #[cfg(test)]
@@ -361,7 +374,6 @@ mod tests {
         assert_eq!(p.phy_to_log[0], vec![5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1]);
         assert_eq!(p.phy_to_log[1], vec![7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]);
     }
-
 
     /// Worked by hand. 4 experts, loads [8, 4, 2, 2], 6 slots on 2 GPUs, global.
     /// Replicas (highest load per replica, ties to the lower index):

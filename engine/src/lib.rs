@@ -7,10 +7,10 @@
 // The preset configs are large `json!` literals.
 #![recursion_limit = "256"]
 
+pub mod balance;
 pub mod checkpoint;
 pub mod config;
 pub mod constraint;
-pub mod balance;
 pub mod cost;
 pub mod engine;
 pub mod eplb;
