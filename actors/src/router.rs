@@ -255,7 +255,11 @@ impl RouterState {
     /// The decode instance took the request over from its prefill instance.
     fn on_adopted(&mut self, id: u64, instance: u32) {
         let now = self.now();
-        let Some(f) = self.flights.get_mut(&id) else { return };
+        let Some(f) = self.flights.get_mut(&id) else {
+            // Cancelled (or ended) while its state was on the way: stop it there.
+            self.ctx.send(self.addr, Addr::scheduler(instance), Message::Cancel { id }, &[]);
+            return;
+        };
         if f.decode != Some(instance) && f.instance != instance {
             return;
         }

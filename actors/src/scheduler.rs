@@ -1049,6 +1049,14 @@ impl SchedulerState {
         }
         let cfg = &self.ctx.model.config;
         let position = spec.prompt.len() + generated.len();
+        if generated.len() >= spec.max_tokens as usize || position >= cfg.max_position_embeddings {
+            // Nothing is left to generate (a peer that should have finished it).
+            self.ctx.send(self.addr, from, adopted.clone(), &[]);
+            self.ctx.send(self.addr, self.router, adopted, &[]);
+            let item = end_item(id, generated.len(), spec.prompt.len(), FinishKind::Length);
+            self.send_outputs(vec![item], &[]);
+            return;
+        }
         let checked = if generated.is_empty() || parts_values(&lens) != Some(values.len()) {
             Err("lengths do not match the body".to_string())
         } else {

@@ -7,6 +7,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::{assert_same, model, prompt, reference, request, requests};
@@ -14,7 +15,8 @@ use deepinfer_actors::disagg::{EplbConfig, InstanceKind};
 use deepinfer_actors::faults::{FaultPlan, KillRule, MessageAction, MessageRule, Target};
 use deepinfer_actors::sim::Partition;
 use deepinfer_actors::wire::MsgKind;
-use deepinfer_actors::{run_in_process, run_simulated, ClusterConfig, GenRequest};
+use deepinfer_actors::{run_in_process, run_simulated, simulate, Cluster, ClusterConfig, GenRequest, Update};
+use deepinfer_engine::request::FinishReason;
 use deepinfer_engine::sampling::SamplingParams;
 
 /// Instance 0 prefills, instance 1 decodes; one device each, one node each.
@@ -52,8 +54,17 @@ fn prefill_on_one_instance_decode_on_another_matches_one_device() {
     assert_eq!(count(&sim.log, "adopts request"), reqs.len(), "adoptions");
     assert_eq!(count(&sim.log, "recomputes request"), 0);
     assert_eq!(count(&sim.log, "reroutes request"), 0);
-    // The decode instance never prefilled: its steps feed one token per sequence.
     assert!(sim.log.iter().any(|l| l.contains("scheduler0 transfers request")));
+    // The decode instance's worker never prefilled: one token per sequence in every step.
+    let decode_steps: Vec<&String> =
+        sim.log.iter().filter(|l| l.contains("worker1 step") && l.contains("tokens")).collect();
+    assert!(!decode_steps.is_empty());
+    for l in decode_steps {
+        let n: Vec<&str> = l.split(": ").nth(1).unwrap().split(' ').collect();
+        assert_eq!(n[0], n[2], "{l}");
+    }
+    // Same seed, same run.
+    assert_eq!(run_simulated(m.clone(), split(1), &reqs).unwrap().digest, sim.digest);
 
     let sim = run_simulated(m.clone(), split(2), &reqs).unwrap();
     assert_same(&sim.outputs, &want, "2 + 2 (EP 2) disaggregated, simulated");
@@ -143,4 +154,44 @@ fn run_time_eplb_moves_experts_and_keeps_the_bits() {
     assert_eq!(count(&on.log, "(epoch 1)"), 4);
     let real = run_in_process(m.clone(), cfg, &reqs, 2).unwrap();
     assert_same(&real.outputs, &want, "EPLB on, in-process");
+}
+
+#[test]
+fn a_request_cancelled_during_its_handoff_ends_and_the_others_do_not_change() {
+    let m = model();
+    let reqs = requests(3, 12);
+    let want = reference(&m, &reqs);
+    let (got, report) = simulate(m.clone(), split(1), async |c: &mut Cluster| {
+        let ids: Vec<u64> = reqs.iter().map(|r| c.submit(r.clone())).collect();
+        let mut tokens: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+        let mut ends = BTreeMap::new();
+        while let Some(u) = c.next_update().await {
+            match u {
+                Update::Tokens { id, tokens: t } => {
+                    let seen = tokens.entry(id).or_default();
+                    seen.extend(t.iter().map(|t| t.token));
+                    // The first token comes from the prefill instance, as the state leaves it.
+                    if id == ids[1] && !ends.contains_key(&id) {
+                        c.cancel(id);
+                        ends.insert(id, None);
+                    }
+                }
+                Update::Finished { id, finished } => {
+                    ends.insert(id, Some(finished.reason));
+                }
+                Update::Refused { .. } => unreachable!(),
+            }
+        }
+        (ids, tokens, ends)
+    })
+    .unwrap();
+    let (ids, tokens, ends) = got;
+    assert_eq!(ends[&ids[1]], Some(FinishReason::Cancelled));
+    let cancelled = &tokens[&ids[1]];
+    assert!(!cancelled.is_empty() && cancelled.len() < 12 && cancelled[..] == want[1].tokens[..cancelled.len()]);
+    for i in [0, 2] {
+        assert_eq!(tokens[&ids[i]], want[i].tokens);
+        assert_eq!(ends[&ids[i]], Some(FinishReason::Length));
+    }
+    assert!(count(&report.log, "adopts request") >= 2);
 }
