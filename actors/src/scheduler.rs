@@ -1038,14 +1038,12 @@ impl SchedulerState {
     fn on_transfer(&mut self, from: Addr, spec: RequestSpec, generated: Vec<u32>, lens: Vec<u32>, values: Vec<f32>) {
         let id = spec.id;
         let adopted = Message::Handoff(HandoffMsg::Adopted { id, instance: self.instance });
-        if let Some(l) = self.live.get(&id) {
-            if self.generated(l.rid) == generated.len() {
-                self.ctx.send(self.addr, from, adopted.clone(), &[]);
-                self.ctx.send(self.addr, self.router, adopted, &[]);
-                return;
-            }
-            let l = self.forget(id).expect("live");
-            let _ = self.policy.cancel(l.rid);
+        if self.live.contains_key(&id) {
+            // A repeated (or late) transfer of a request already running here:
+            // it may have moved on since; only the answer was lost.
+            self.ctx.send(self.addr, from, adopted.clone(), &[]);
+            self.ctx.send(self.addr, self.router, adopted, &[]);
+            return;
         }
         let cfg = &self.ctx.model.config;
         let position = spec.prompt.len() + generated.len();

@@ -13,6 +13,7 @@ use std::time::Duration;
 use common::{assert_same, model, prompt, reference, request, requests};
 use deepinfer_actors::disagg::{EplbConfig, InstanceKind};
 use deepinfer_actors::faults::{FaultPlan, KillRule, MessageAction, MessageRule, Target};
+use deepinfer_actors::rng::Seed;
 use deepinfer_actors::sim::Partition;
 use deepinfer_actors::wire::MsgKind;
 use deepinfer_actors::{run_in_process, run_simulated, simulate, Cluster, ClusterConfig, GenRequest, Update};
@@ -194,4 +195,25 @@ fn a_request_cancelled_during_its_handoff_ends_and_the_others_do_not_change() {
         assert_eq!(ends[&ids[i]], Some(FinishReason::Length));
     }
     assert!(count(&report.log, "adopts request") >= 2);
+}
+
+#[test]
+fn a_random_kill_in_each_of_24_seeds_never_changes_a_disaggregated_output() {
+    let m = model();
+    let reqs = workload();
+    let want = reference(&m, &reqs);
+    let layers = m.config.num_layers as u32;
+    let mut kills = 0;
+    for seed in 0..24u64 {
+        let mut cfg = split(2);
+        cfg.seed = seed;
+        cfg.keep_events = 0;
+        let plan = FaultPlan::random_kill(Seed(seed), 4, 2, 2, 6, layers);
+        cfg.faults = Some(plan.clone());
+        let report = run_simulated(m.clone(), cfg, &reqs).unwrap();
+        assert_same(&report.outputs, &want, &format!("seed {seed}, plan {plan:?}"));
+        assert_eq!(report.metrics.escalations, 0, "seed {seed}");
+        kills += report.metrics.kills_injected;
+    }
+    assert!(kills >= 18, "most planned kills reach their actor: {kills} of 24");
 }
