@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
+use deepinfer_actors::disagg::PrefillRouting;
 use deepinfer_engine::cost::experts::Popularity;
 use deepinfer_engine::cost::{HardwareKind, ModelKind};
 use deepinfer_engine::traffic::{Lengths, Pattern};
@@ -289,6 +290,14 @@ fn default_tpot() -> f64 {
     100.0
 }
 
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RoutingSpec {
+    /// How new requests pick their (prefill) instance: `cache_affinity` or `round_robin`.
+    #[serde(default)]
+    pub prefill: Option<Spanned<String>>,
+}
+
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 struct ScenarioFile {
@@ -304,6 +313,8 @@ struct ScenarioFile {
     faults: Vec<FaultSpec>,
     #[serde(default)]
     slo: SloSpec,
+    #[serde(default)]
+    routing: RoutingSpec,
 }
 
 /// Where requests come from.
@@ -350,6 +361,7 @@ pub struct Scenario {
     pub faults: Vec<Fault>,
     pub ttft_slo_ms: f64,
     pub tpot_slo_ms: f64,
+    pub prefill_routing: PrefillRouting,
 }
 
 impl Scenario {
@@ -456,6 +468,16 @@ impl Scenario {
             }
             other => return Err(err(x.popularity.span(), format!("unknown `{other}` (uniform, zipf)"))),
         };
+        let prefill_routing = match &f.routing.prefill {
+            None => PrefillRouting::CacheAffinity,
+            Some(p) => match p.get_ref().as_str() {
+                "cache_affinity" => PrefillRouting::CacheAffinity,
+                "round_robin" => PrefillRouting::RoundRobin,
+                other => {
+                    return Err(err(p.span(), format!("unknown `{other}` (cache_affinity, round_robin)")));
+                }
+            },
+        };
         let traffic = Self::traffic(&f.traffic, dir, &err)?;
         let devices_total = total as u32;
         let nodes_total = devices_total.div_ceil(per_node);
@@ -487,6 +509,7 @@ impl Scenario {
             faults,
             ttft_slo_ms: f.slo.ttft_ms,
             tpot_slo_ms: f.slo.tpot_ms,
+            prefill_routing,
         })
     }
 

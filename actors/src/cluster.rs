@@ -34,7 +34,7 @@ use crate::cache::{CacheArgs, CacheManager};
 use crate::clock::{Clock, RealClock, SimClock};
 use crate::cost::{DeviceCost, DeviceCostModel};
 use crate::ctx::{Ctx, InstanceGauges, Timeouts, Topology};
-use crate::disagg::{EplbConfig, InstanceKind};
+use crate::disagg::{EplbConfig, InstanceKind, PrefillRouting};
 use crate::events::{bump, EventLog, Metrics, MetricsSnapshot};
 use crate::faults::{FaultPlan, Faults};
 use crate::modelled::{Modelled, ModelledSpec};
@@ -87,6 +87,7 @@ pub struct ClusterConfig {
     pub instance_kinds: Vec<InstanceKind>,
     /// Rebalance each instance's experts from measured loads.
     pub eplb: Option<EplbConfig>,
+    pub prefill_routing: PrefillRouting,
     /// Simulation only: full-size modelled devices that compute nothing.
     pub modelled: Option<ModelledSpec>,
 }
@@ -113,6 +114,7 @@ impl ClusterConfig {
             instance_devices: Vec::new(),
             instance_kinds: Vec::new(),
             eplb: None,
+            prefill_routing: PrefillRouting::CacheAffinity,
             modelled: None,
         }
     }
@@ -402,6 +404,7 @@ impl Cluster {
             device_cost,
             kinds: cfg.instance_kinds.clone(),
             eplb: cfg.eplb,
+            prefill_routing: cfg.prefill_routing,
             steps: (0..topo.instances).map(|_| AtomicU64::new(0)).collect(),
             gauges: (0..topo.instances).map(|_| InstanceGauges::default()).collect(),
             root: OnceLock::new(),

@@ -185,6 +185,7 @@ pub struct Ctx {
     pub device_cost: Option<DeviceCost>,
     /// What each instance serves (prefill/decode disaggregation).
     pub kinds: Vec<crate::disagg::InstanceKind>,
+    pub prefill_routing: crate::disagg::PrefillRouting,
     /// Expert load balancing at run time; `None`: the table changes only as configured.
     pub eplb: Option<crate::disagg::EplbConfig>,
     pub steps: Vec<AtomicU64>,

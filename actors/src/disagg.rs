@@ -43,6 +43,17 @@ impl InstanceKind {
     }
 }
 
+/// How the router picks the instance that prefills a new request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum PrefillRouting {
+    /// The engine's prefill balancer: the longest cached prefix unless that
+    /// instance is overloaded, then the least prefill work per GPU.
+    #[default]
+    CacheAffinity,
+    /// Every instance in turn (the baseline).
+    RoundRobin,
+}
+
 /// Tries of one state transfer before the request is placed elsewhere and recomputed.
 pub const TRANSFER_ATTEMPTS: u32 = 3;
 /// Prefilled requests one prefill scheduler keeps waiting for adoption; past

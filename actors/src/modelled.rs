@@ -192,6 +192,10 @@ impl Modelled {
             devices_per_node: self.devices_per_node,
         };
         let mut cost = step_cost(&self.hardware, &self.model, &step, self.spec.efficiency);
+        // The all-to-all waits for its busiest receiver: skewed experts
+        // concentrate the dispatched rows on the devices holding hot ones.
+        cost.network_us *= shares.imbalance().max(1.0);
+        cost.total_us = cost.compute_us.max(cost.memory_us).max(cost.network_us) + cost.overhead_us;
         if imported_tokens > 0 {
             let bytes = self.model.kv_bytes_per_sequence(imported_tokens);
             cost.network_us += bytes / self.hardware.scale_out_bytes_per_s() / self.spec.efficiency.network * 1e6;

@@ -20,7 +20,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deepinfer_engine::balance::{
-    choose_decode, choose_prefill, prefill_cost, DecodeCandidate, DecodePolicy, Health, PrefillCandidate, PrefillPolicy,
+    choose_decode, choose_prefill, prefill_cost, DecodeCandidate, DecodePolicy, Health, PrefillCandidate,
+    PrefillPolicy, RoundRobin,
 };
 use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::prefix_cache::{block_hash, PrefixMode};
@@ -29,6 +30,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
 use crate::ctx::{pump, Ctx};
+use crate::disagg::PrefillRouting;
 use crate::events::bump;
 use crate::transport::Delivery;
 use crate::wire::{
@@ -82,6 +84,7 @@ pub struct RouterState {
     ticker: Option<JoinHandle<()>>,
     /// KV sizes, for the decode balancer's view of each instance's use.
     layout: Option<KvLayout>,
+    round_robin: RoundRobin,
     ctx: Arc<Ctx>,
 }
 
@@ -198,7 +201,13 @@ impl RouterState {
                 c.queued_cost += prefill_cost(prompt - cached, cached, policy.attention_tokens);
             }
         }
-        let instance = choose_prefill(&policy, &candidates, r.submit.spec.prompt.len()).unwrap_or(0) as u32;
+        let instance = match self.ctx.prefill_routing {
+            PrefillRouting::CacheAffinity => choose_prefill(&policy, &candidates, r.submit.spec.prompt.len()),
+            PrefillRouting::RoundRobin => {
+                self.round_robin.choose(&candidates.iter().map(|c| c.health).collect::<Vec<_>>())
+            }
+        }
+        .unwrap_or(0) as u32;
         let cached_tokens = candidates.get(instance as usize).map_or(0, |c| c.cached_tokens);
         let decode = (!self.ctx.kind(instance).decodes()).then(|| self.choose_decode(None)).flatten();
         let id = r.submit.spec.id;
@@ -460,6 +469,7 @@ impl Actor for Router {
             next_query: 0,
             ticker: Some(ticker),
             layout: Policy::new(&ctx.config, ctx.engine_for(0)).ok().map(|p| p.layout().clone()),
+            round_robin: RoundRobin::default(),
             ctx,
         })
     }

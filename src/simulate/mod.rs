@@ -148,6 +148,7 @@ pub fn cluster_config(s: &Scenario, seed: u64) -> ClusterConfig {
     cfg.instances = sizes.len() as u32;
     cfg.instance_devices = sizes;
     cfg.instance_kinds = kinds(s);
+    cfg.prefill_routing = s.prefill_routing;
     cfg.devices_per_node = s.devices_per_node;
     cfg.seed = seed;
     cfg.engine = EngineConfig {
