@@ -325,10 +325,12 @@ impl SchedulerState {
             }
             Ok(rid) => {
                 let devices = self.ctx.topology.devices_of(self.instance);
+                let first = devices.start;
                 let worker = worker.unwrap_or_else(|| {
                     devices
+                        .filter(|d| !self.ctx.is_lost(*d))
                         .min_by_key(|d| (self.load.get(d).copied().unwrap_or(0), *d))
-                        .expect("an instance has devices")
+                        .unwrap_or(first)
                 });
                 *self.load.entry(worker).or_default() += 1;
                 self.by_rid.insert(rid, id);
@@ -393,7 +395,8 @@ impl SchedulerState {
     /// Send the instance's current table to its shards and wait for every acknowledgement.
     fn load_placement(&mut self, step: Option<u64>) {
         let p = self.ctx.placement(self.instance);
-        let waiting: BTreeSet<u32> = self.ctx.topology.devices_of(self.instance).collect();
+        let waiting: BTreeSet<u32> =
+            self.ctx.topology.devices_of(self.instance).filter(|d| !self.ctx.is_lost(*d)).collect();
         self.send_tables(&waiting);
         let deadline = self.now() + self.ctx.timeouts.control;
         self.phase = Phase::Loading { epoch: p.epoch(), waiting, round: 0, deadline, step };
@@ -916,6 +919,34 @@ impl SchedulerState {
         }
     }
 
+    /// Membership declared `node` dead. If it held devices of this instance,
+    /// their copies of the experts move to survivors (a new placement epoch)
+    /// and this scheduler fails on purpose: its supervisor restarts it, the
+    /// router submits every request again, and they are recomputed on the
+    /// surviving workers, as after any scheduler crash.
+    fn on_node_down(&mut self, node: u32) -> Result<(), ActorProcessingErr> {
+        let topo = self.ctx.topology;
+        let lost: Vec<u32> = topo.devices_of(self.instance).filter(|&d| topo.node_of_device(d) == node).collect();
+        if lost.is_empty() || lost.iter().all(|&d| self.ctx.is_lost(d)) {
+            return Ok(());
+        }
+        self.ctx.mark_lost(&lost);
+        let base = topo.devices_of(self.instance).start;
+        let gone = topo.devices_of(self.instance).filter(|&d| self.ctx.is_lost(d)).map(|d| d - base).collect();
+        let current = self.ctx.placement(self.instance);
+        match current.without_devices(&gone) {
+            Ok(p) => self.ctx.set_placement(self.instance, p.with_epoch(current.epoch() + 1)),
+            Err(e) => {
+                let why = format!("node{node} is down and no device of instance {} is left: {e}", self.instance);
+                let ids: Vec<u64> = self.live.keys().copied().collect();
+                let items = ids.into_iter().filter_map(|id| self.fail(id, &why)).collect();
+                self.send_outputs(items, &[]);
+                return Ok(());
+            }
+        }
+        Err(format!("{}: node{node} is down (devices {lost:?}); restarting on the survivors", self.addr).into())
+    }
+
     fn on_cache_restarted(&mut self) {
         self.policy.clear_prefix_cache();
         self.cached.clear();
@@ -1026,6 +1057,11 @@ impl Actor for Scheduler {
                     };
                     state.fetched(run, items, m.body);
                 }
+            }
+            (Role::Node, Message::Control(Control::NodeDown { node }))
+                if from == Addr::node(topo.home_node(state.instance)) =>
+            {
+                return state.on_node_down(node)
             }
             (_, Message::Heartbeat(_)) => {}
             (_, other) => {
