@@ -10,9 +10,10 @@ use deepinfer_actors::wire::{
 use proptest::prelude::*;
 
 fn addr() -> impl Strategy<Value = Addr> {
-    (0u8..6, any::<u32>()).prop_map(|(r, index)| {
+    (0u8..7, any::<u32>()).prop_map(|(r, index)| {
         let role =
-            [Role::Scheduler, Role::Worker, Role::Shard, Role::Router, Role::CacheManager, Role::Client][r as usize];
+            [Role::Scheduler, Role::Worker, Role::Shard, Role::Router, Role::CacheManager, Role::Client, Role::Node]
+                [r as usize];
         Addr { role, index }
     })
 }
