@@ -913,6 +913,11 @@ impl LocalCluster {
         Ok(Self { rt, cluster })
     }
 
+    /// Drive `cluster` (started or connected on `rt`) from synchronous code.
+    pub fn from_runtime(rt: tokio::runtime::Runtime, cluster: Cluster) -> Self {
+        Self { rt, cluster }
+    }
+
     pub fn submit(&mut self, request: Request) -> u64 {
         let _guard = self.rt.enter();
         self.cluster.submit(request)
