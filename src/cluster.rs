@@ -52,7 +52,10 @@ impl ClusterPlan {
             if *n.devices.get_ref() != per_node {
                 return Err(err(
                     n.devices.span(),
-                    format!("every node needs the same number of devices to launch ({} has {per_node})", first.name.get_ref()),
+                    format!(
+                        "every node needs the same number of devices to launch ({} has {per_node})",
+                        first.name.get_ref()
+                    ),
                 ));
             }
         }
@@ -74,7 +77,10 @@ impl ClusterPlan {
             let devices = inst.nodes.len() * per_node;
             if let Some(dp) = &inst.attention_dp {
                 if *dp.get_ref() != devices {
-                    return Err(err(dp.span(), format!("attention runs on every device: attention_dp must be {devices}")));
+                    return Err(err(
+                        dp.span(),
+                        format!("attention runs on every device: attention_dp must be {devices}"),
+                    ));
                 }
             }
             let ep = inst.expert_parallel.as_ref().map_or(devices, |e| *e.get_ref());
@@ -237,7 +243,8 @@ pub fn connect(path: &Path, certs: Option<&Path>, model: Model) -> anyhow::Resul
         tokio::spawn(async move {
             while let Some(e) = members.recv().await {
                 if let MemberEvent::Down { node: 0, silent } = e {
-                    let why = format!("node {router_node} (the router) is unreachable: silent for {} ms", silent.as_millis());
+                    let why =
+                        format!("node {router_node} (the router) is unreachable: silent for {} ms", silent.as_millis());
                     let _ = down_tx.send(why);
                 }
             }
@@ -278,9 +285,10 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
     rt.block_on(async move {
         let (transport, clock) = start_transport(&plan, Member::Node(me), identity, &cfg)?;
         let mut members = transport.subscribe();
-        let mut actors = NodeRuntime::start(Arc::new(loaded.model), cfg.clone(), env(Arc::clone(&transport), clock), me)
-            .await
-            .with_context(|| format!("starting node `{name}`"))?;
+        let mut actors =
+            NodeRuntime::start(Arc::new(loaded.model), cfg.clone(), env(Arc::clone(&transport), clock), me)
+                .await
+                .with_context(|| format!("starting node `{name}`"))?;
         let devices = me * plan.devices_per_node..(me + 1) * plan.devices_per_node;
         eprintln!(
             "node {name}: listening on {} (QUIC), devices {}..{} of {}",

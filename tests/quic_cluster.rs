@@ -1,0 +1,259 @@
+//! Real clusters on 127.0.0.1: separate `deepinfer` processes talking QUIC
+//! with mutual TLS. Four processes generate the bytes one process does; the
+//! launcher stops cleanly on SIGTERM; a node killed with SIGKILL in the
+//! middle of a batch is detected by the survivors, and every request either
+//! completes exactly as in one process or ends with an error that says why.
+//! Every wait has a timeout and every child is killed when its guard drops.
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::UdpSocket;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_deepinfer");
+const FAILURE_TIMEOUT_MS: u64 = 600;
+
+/// A child process that is killed (if still running) when dropped; its
+/// stderr lines are collected with the time they arrived.
+struct Proc {
+    child: Child,
+    lines: Arc<Mutex<Vec<(Instant, String)>>>,
+}
+
+impl Proc {
+    fn spawn(args: &[&str], stdout: bool) -> Self {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(if stdout { Stdio::piped() } else { Stdio::null() })
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("binary starts");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        for stream in [
+            child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+            child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let lines = Arc::clone(&lines);
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    lines.lock().unwrap().push((Instant::now(), line));
+                }
+            });
+        }
+        Self { child, lines }
+    }
+
+    fn text(&self) -> String {
+        self.lines.lock().unwrap().iter().map(|(_, l)| l.as_str()).collect::<Vec<_>>().join("\n")
+    }
+
+    /// Wait until a line contains `needle`; panics with everything seen after `limit`.
+    fn wait_for(&self, needle: &str, limit: Duration) -> Instant {
+        let end = Instant::now() + limit;
+        loop {
+            if let Some((t, _)) = self.lines.lock().unwrap().iter().find(|(_, l)| l.contains(needle)) {
+                return *t;
+            }
+            assert!(Instant::now() < end, "no `{needle}` within {limit:?}:\n{}", self.text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let end = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(Instant::now() < end, "still running after {limit:?}:\n{}", self.text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run(args: &[&str]) -> Output {
+    let mut child = Proc::spawn(args, true);
+    let status = child.wait_exit(Duration::from_secs(120));
+    std::thread::sleep(Duration::from_millis(50)); // let the reader threads drain
+    let text = child.text();
+    Output { status, stdout: text.into_bytes(), stderr: Vec::new() }
+}
+
+fn run_plain(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("binary runs")
+}
+
+/// A directory with a four-node topology on free ports and its certificates.
+struct Site {
+    dir: PathBuf,
+    topology: PathBuf,
+}
+
+impl Site {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("deepinfer-quic-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // Ports that were free a moment ago (held together so they differ).
+        let sockets: Vec<UdpSocket> = (0..4).map(|_| UdpSocket::bind("127.0.0.1:0").unwrap()).collect();
+        let ports: Vec<u16> = sockets.iter().map(|s| s.local_addr().unwrap().port()).collect();
+        drop(sockets);
+        let mut text = format!(
+            "[cluster]\nname = \"{name}\"\nmodel = \"builtin:tiny-v4\"\napi_listen = \"127.0.0.1:0\"\n\
+             heartbeat_ms = 100\nfailure_timeout_ms = {FAILURE_TIMEOUT_MS}\ncerts_dir = \"certs\"\n"
+        );
+        for (i, port) in ports.iter().enumerate() {
+            text += &format!(
+                "\n[[node]]\nname = \"node{i}\"\naddress = \"127.0.0.1:{port}\"\ndevices = 1\nbackend = \"cpu\"\n"
+            );
+        }
+        text +=
+            "\n[[instance]]\nname = \"main\"\nrole = \"both\"\nnodes = [\"node0\", \"node1\", \"node2\", \"node3\"]\n\
+                 attention_dp = 4\nexpert_parallel = 4\n";
+        let topology = dir.join("cluster.toml");
+        std::fs::write(&topology, text).unwrap();
+        let o = run_plain(&["cluster", "init-certs", "--topology", s(&topology), "--out", s(&dir.join("certs"))]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        Self { dir, topology }
+    }
+
+    fn t(&self) -> &str {
+        s(&self.topology)
+    }
+}
+
+impl Drop for Site {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn four_processes_generate_what_one_process_does_and_the_launcher_stops_them() {
+    let site = Site::new("four");
+    let mut launcher = Proc::spawn(&["launch", site.t()], true);
+    launcher.wait_for("stop with Ctrl-C", Duration::from_secs(60));
+
+    for prompt in ["The quick brown fox", "Hello cluster"] {
+        let base = ["generate", "--prompt", prompt, "--max-tokens", "24", "--show-tokens"];
+        let one = run_plain(&[&base[..], &["--model", "builtin:tiny-v4"]].concat());
+        let four = run_plain(&[&base[..], &["--topology", site.t()]].concat());
+        assert!(one.status.success() && four.status.success(), "{}", String::from_utf8_lossy(&four.stderr));
+        assert!(String::from_utf8_lossy(&one.stdout).contains("tokens: ["));
+        assert_eq!(four.stdout, one.stdout, "{prompt}");
+        assert!(String::from_utf8_lossy(&four.stderr).contains("on the cluster of"));
+    }
+    let status = run(&["status", "--topology", site.t()]);
+    let text = String::from_utf8_lossy(&status.stdout).to_string();
+    assert!(status.status.success() && text.contains("4/4 nodes up"), "{text}");
+
+    // SIGTERM: every node stops in order and the launcher exits 0.
+    let kill = Command::new("kill").args(["-TERM", &launcher.child.id().to_string()]).status().unwrap();
+    assert!(kill.success());
+    let code = launcher.wait_exit(Duration::from_secs(30));
+    assert!(code.success(), "{code}\n{}", launcher.text());
+    let log = launcher.text();
+    for i in 0..4 {
+        assert!(log.contains(&format!("node node{i} stopped (exit status: 0)")), "{log}");
+    }
+    let after = run_plain(&["status", "--topology", site.t(), "--wait-ms", "300"]);
+    assert!(!after.status.success());
+}
+
+#[test]
+fn a_node_killed_mid_batch_is_detected_and_every_request_completes_or_fails_clearly() {
+    let site = Site::new("kill");
+    let mut nodes: Vec<Proc> = (0..4)
+        .map(|i| {
+            Proc::spawn(&["node", "--topology", site.t(), "--node", &format!("node{i}"), "--exit-with-stdin"], false)
+        })
+        .collect();
+    for n in &nodes {
+        n.wait_for("cluster ready", Duration::from_secs(60));
+    }
+    let lines: Vec<String> = (0..8)
+        .map(|i| {
+            serde_json::json!({"id": i, "prompt": format!("Request number {i} says"), "max_tokens": 160, "ignore_eos": true})
+                .to_string()
+        })
+        .collect();
+    let input = site.dir.join("in.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let (one_out, four_out) = (site.dir.join("one.jsonl"), site.dir.join("four.jsonl"));
+    let one = run_plain(&["generate", "--input", s(&input), "--output", s(&one_out)]);
+    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
+
+    let mut client =
+        Proc::spawn(&["generate", "--topology", site.t(), "--input", s(&input), "--output", s(&four_out)], true);
+    // Let the batch get going, then kill node2 outright.
+    std::thread::sleep(Duration::from_millis(400));
+    assert!(client.child.try_wait().unwrap().is_none(), "the batch ended before the kill:\n{}", client.text());
+    nodes[2].child.kill().unwrap();
+    let status = client.wait_exit(Duration::from_secs(120));
+    let client_done = Instant::now();
+
+    // Every survivor saw node2 go, within the failure timeout plus a few heartbeats.
+    for i in [0, 1, 3] {
+        let at = nodes[i].wait_for("node node2 down", Duration::from_secs(10));
+        let log = nodes[i].text();
+        let line = log.lines().find(|l| l.contains("node node2 down")).unwrap();
+        let silent: u64 = line.split("silent for ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        assert!(silent > FAILURE_TIMEOUT_MS && silent < FAILURE_TIMEOUT_MS + 2000, "{line}");
+        if i == 0 {
+            assert!(at < client_done, "detected while the batch ran");
+        }
+    }
+    assert!(status.success(), "{}", client.text());
+    let read = |p: &Path| -> Vec<Value> {
+        std::fs::read_to_string(p).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let (one, four) = (read(&one_out), read(&four_out));
+    assert_eq!(one.len(), 8);
+    assert_eq!(four.len(), 8);
+    let mut completed = 0;
+    for (a, b) in one.iter().zip(&four) {
+        if b.get("error").is_some() {
+            let e = b["error"].as_str().unwrap();
+            assert!(e.contains("node") || e.contains("worker") || e.contains("attempts"), "unclear error: {e}");
+            continue;
+        }
+        completed += 1;
+        for key in ["id", "finish_reason", "text", "token_ids"] {
+            assert_eq!(a[key], b[key], "{key} of {a}");
+        }
+    }
+    // Survivors serve: the same batch again completes in full, identically.
+    let again = run_plain(&["generate", "--topology", site.t(), "--input", s(&input), "--output", s(&four_out)]);
+    assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
+    for (a, b) in one.iter().zip(&read(&four_out)) {
+        assert_eq!(a["token_ids"], b["token_ids"]);
+    }
+    eprintln!("{completed}/8 requests completed across the kill");
+    for n in &mut nodes {
+        drop(n.child.stdin.take());
+    }
+    for i in [0, 1, 3] {
+        let code = nodes[i].wait_exit(Duration::from_secs(30));
+        assert!(code.success(), "node{i}: {code}\n{}", nodes[i].text());
+    }
+    let _ = std::io::stderr().flush();
+}
