@@ -192,7 +192,6 @@ struct Inner {
 /// The QUIC implementation of [`Transport`].
 pub struct QuicTransport {
     inner: Arc<Inner>,
-    /// Receivers of the peers' lanes until their writer tasks take them.
     local_addr: SocketAddr,
 }
 
@@ -476,16 +475,22 @@ impl Inner {
     /// Queue a frame for a remote address.
     fn route(&self, to: Addr, frame: Vec<u8>) -> Result<(), TransportError> {
         let control = wire::peek_kind(&frame).map(is_control)?;
-        let (tx, node) = if to.role == Role::Client {
+        let tx = if to.role == Role::Client {
             let clients = lock(&self.clients);
             let link = clients.get(&to.index).ok_or(TransportError::Unbound(to))?;
-            (if control { link.control.clone() } else { link.data.clone() }, None)
+            if control {
+                link.control.clone()
+            } else {
+                link.data.clone()
+            }
         } else {
-            let n = (self.node_of)(to);
-            let p = self.peers.get(n as usize).ok_or(TransportError::Unbound(to))?;
-            (if control { p.control.clone() } else { p.data.clone() }, Some(n))
+            let p = self.peers.get((self.node_of)(to) as usize).ok_or(TransportError::Unbound(to))?;
+            if control {
+                p.control.clone()
+            } else {
+                p.data.clone()
+            }
         };
-        let _ = node;
         match tx.try_send(frame) {
             Ok(()) => Ok(()),
             Err(mpsc::error::TrySendError::Full(_)) => {
