@@ -105,7 +105,9 @@ fn cluster_commands_name_the_file_line_and_key_of_a_bad_topology() {
         // Parses, but cannot be launched: nodes of different sizes.
         (
             "uneven",
-            local4.replacen(node1, "name = \"node1\"\naddress = \"127.0.0.1:7101\"\ndevices = 2\n", 1),
+            local4
+                .replacen(node1, "name = \"node1\"\naddress = \"127.0.0.1:7101\"\ndevices = 2\n", 1)
+                .replace("attention_dp = 4\nexpert_parallel = 4\n", ""),
             "devices = 2",
             "node.devices",
             "same number of devices",
