@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_deepinfer");
-const FAILURE_TIMEOUT_MS: u64 = 600;
+const FAILURE_TIMEOUT_MS: u64 = 1000;
 
 /// A child process that is killed (if still running) when dropped; its
 /// stderr lines are collected with the time they arrived.
@@ -256,4 +256,22 @@ fn a_node_killed_mid_batch_is_detected_and_every_request_completes_or_fails_clea
         assert!(code.success(), "node{i}: {code}\n{}", nodes[i].text());
     }
     let _ = std::io::stderr().flush();
+}
+
+#[test]
+fn a_launcher_killed_outright_takes_its_nodes_with_it() {
+    let site = Site::new("orphans");
+    let mut launcher = Proc::spawn(&["launch", site.t()], true);
+    launcher.wait_for("stop with Ctrl-C", Duration::from_secs(60));
+    let pids: Vec<String> =
+        launcher.text().lines().filter_map(|l| l.split(" pid ").nth(1).map(|p| p.trim().to_string())).collect();
+    assert_eq!(pids.len(), 4, "{}", launcher.text());
+    launcher.child.kill().unwrap(); // SIGKILL: no chance to stop anything
+    launcher.wait_exit(Duration::from_secs(10));
+    let alive = |pid: &str| Command::new("kill").args(["-0", pid]).stderr(Stdio::null()).status().unwrap().success();
+    let end = Instant::now() + Duration::from_secs(30);
+    while pids.iter().any(|p| alive(p)) {
+        assert!(Instant::now() < end, "nodes outlived their launcher: {pids:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
