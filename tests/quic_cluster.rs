@@ -104,8 +104,19 @@ struct Site {
     topology: PathBuf,
 }
 
+/// One instance over all four nodes, experts spread over all four.
+const ONE_INSTANCE: &str = "\n[[instance]]\nname = \"main\"\nrole = \"both\"\n\
+                            nodes = [\"node0\", \"node1\", \"node2\", \"node3\"]\nattention_dp = 4\nexpert_parallel = 4\n";
+/// Two instances of two nodes; the second's scheduler lives on node2.
+const TWO_INSTANCES: &str = "\n[[instance]]\nname = \"a\"\nrole = \"both\"\nnodes = [\"node0\", \"node1\"]\n\
+                             \n[[instance]]\nname = \"b\"\nrole = \"both\"\nnodes = [\"node2\", \"node3\"]\n";
+
 impl Site {
     fn new(name: &str) -> Self {
+        Self::with_instances(name, ONE_INSTANCE)
+    }
+
+    fn with_instances(name: &str, instances: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("deepinfer-quic-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -122,9 +133,7 @@ impl Site {
                 "\n[[node]]\nname = \"node{i}\"\naddress = \"127.0.0.1:{port}\"\ndevices = 1\nbackend = \"cpu\"\n"
             );
         }
-        text +=
-            "\n[[instance]]\nname = \"main\"\nrole = \"both\"\nnodes = [\"node0\", \"node1\", \"node2\", \"node3\"]\n\
-                 attention_dp = 4\nexpert_parallel = 4\n";
+        text += instances;
         let topology = dir.join("cluster.toml");
         std::fs::write(&topology, text).unwrap();
         let o = run_plain(&["cluster", "init-certs", "--topology", s(&topology), "--out", s(&dir.join("certs"))]);
@@ -181,7 +190,16 @@ fn four_processes_generate_what_one_process_does_and_the_launcher_stops_them() {
 
 #[test]
 fn a_node_killed_mid_batch_is_detected_and_every_request_completes_or_fails_clearly() {
-    let site = Site::new("kill");
+    kill_mid_batch(&Site::new("kill"));
+}
+
+/// node2 is the home of the second instance: its requests move to the first.
+#[test]
+fn requests_of_an_instance_whose_scheduler_node_dies_move_to_another_instance() {
+    kill_mid_batch(&Site::with_instances("kill-home", TWO_INSTANCES));
+}
+
+fn kill_mid_batch(site: &Site) {
     let mut nodes: Vec<Proc> = (0..4)
         .map(|i| {
             Proc::spawn(&["node", "--topology", site.t(), "--node", &format!("node{i}"), "--exit-with-stdin"], false)

@@ -402,11 +402,20 @@ impl NodeRuntime {
         Ok(Self { ctx, node, root, root_done, down_rx })
     }
 
-    /// Tell local actors that membership declared `node` dead: each
-    /// scheduler of this node whose instance has devices there re-places
-    /// their experts and restarts its requests on the survivors.
+    /// Tell local actors that membership declared `node` dead: its devices
+    /// get no more work; each scheduler of this node whose instance has
+    /// devices there re-places their experts and restarts its requests on
+    /// the survivors; the router moves the requests of instances whose
+    /// scheduler lived there to the others.
     pub fn node_down(&self, node: u32) {
         let topo = self.ctx.topology;
+        let devices: Vec<u32> = (0..topo.devices).filter(|&d| topo.node_of_device(d) == node).collect();
+        self.ctx.mark_lost(&devices);
+        if self.node == 0 {
+            // The router moves requests of instances whose scheduler was there.
+            let msg = Message::Control(crate::wire::Control::NodeDown { node });
+            self.ctx.send(Addr::node(self.node), Addr::router(0), msg, &[]);
+        }
         for i in topo.instances_on(self.node) {
             if topo.devices_of(i).any(|d| topo.node_of_device(d) == node) {
                 let msg = Message::Control(crate::wire::Control::NodeDown { node });

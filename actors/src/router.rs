@@ -166,7 +166,9 @@ impl RouterState {
         for f in self.flights.values() {
             *load.entry(f.instance).or_default() += 1;
         }
-        let instance = (0..self.ctx.topology.instances)
+        let topo = self.ctx.topology;
+        let instance = (0..topo.instances)
+            .filter(|&i| !self.ctx.is_lost(topo.devices_of(i).start))
             .min_by_key(|i| {
                 (std::cmp::Reverse(r.matched.get(i).copied().unwrap_or(0)), load.get(i).copied().unwrap_or(0), *i)
             })
@@ -290,6 +292,39 @@ impl RouterState {
         }
     }
 
+    /// Membership declared `node` dead: requests on instances whose
+    /// scheduler lived there go to the least loaded live instance with the
+    /// tokens they have (recomputed there, bit for bit), or end with an
+    /// error when none is left.
+    fn on_node_down(&mut self, node: u32) {
+        let topo = self.ctx.topology;
+        let dead = |i: u32| self.ctx.is_lost(topo.devices_of(i).start);
+        let moved: Vec<u64> = self.flights.iter().filter(|(_, f)| dead(f.instance)).map(|(id, _)| *id).collect();
+        for id in moved {
+            let mut load: BTreeMap<u32, usize> = BTreeMap::new();
+            for f in self.flights.values() {
+                *load.entry(f.instance).or_default() += 1;
+            }
+            let to = (0..topo.instances).filter(|&i| !dead(i)).min_by_key(|i| (load.get(i).copied().unwrap_or(0), *i));
+            let f = self.flights.get_mut(&id).expect("listed");
+            let Some(to) = to else {
+                let why = format!("node{node} is down and no serving instance is left");
+                let item = end_item(id, f.tokens.len(), f.spec.prompt.len(), FinishKind::Error(why));
+                let client = f.client;
+                self.flights.remove(&id);
+                self.to_client(client, vec![item], &[]);
+                continue;
+            };
+            self.ctx
+                .events
+                .record(format_args!("router moves request {id} from scheduler{} to scheduler{to}", f.instance));
+            f.instance = to;
+            f.deadline = self.ctx.clock.now() + self.ctx.timeouts.request;
+            let f = &self.flights[&id];
+            self.forward(f);
+        }
+    }
+
     fn on_cancel(&mut self, client: Addr, id: u64) {
         if let Some(f) = self.flights.get_mut(&id) {
             f.cancelled = true;
@@ -404,6 +439,9 @@ impl Actor for Router {
                         state.decide(query);
                     }
                 }
+            }
+            (Role::Node, Message::Control(crate::wire::Control::NodeDown { node })) if from == Addr::node(0) => {
+                state.on_node_down(node)
             }
             (_, Message::Heartbeat(_)) => {}
             (_, other) => {

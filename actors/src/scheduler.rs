@@ -927,14 +927,13 @@ impl SchedulerState {
     fn on_node_down(&mut self, node: u32) -> Result<(), ActorProcessingErr> {
         let topo = self.ctx.topology;
         let lost: Vec<u32> = topo.devices_of(self.instance).filter(|&d| topo.node_of_device(d) == node).collect();
-        if lost.is_empty() || lost.iter().all(|&d| self.ctx.is_lost(d)) {
-            return Ok(());
-        }
         self.ctx.mark_lost(&lost);
         let base = topo.devices_of(self.instance).start;
         let gone = topo.devices_of(self.instance).filter(|&d| self.ctx.is_lost(d)).map(|d| d - base).collect();
         let current = self.ctx.placement(self.instance);
         match current.without_devices(&gone) {
+            // Already running without them (a repeated report, or a restart after the change).
+            Ok(p) if p == current => return Ok(()),
             Ok(p) => self.ctx.set_placement(self.instance, p.with_epoch(current.epoch() + 1)),
             Err(e) => {
                 let why = format!("node{node} is down and no device of instance {} is left: {e}", self.instance);
