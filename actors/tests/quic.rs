@@ -116,7 +116,27 @@ async fn frames_cross_both_lanes_and_membership_tracks_peers() {
     )
     .await;
     assert_eq!(a.nodes_up(), vec![0]);
+
+    // Node 1 comes back on the same address: node 0 dials it again (with
+    // backoff), hears it, and frames flow again.
+    drop((b, inbox));
+    let b = loop {
+        let mut cfg = QuicConfig::new(Member::Node(1), net.nodes.clone(), node_of(), net.ca.issue("node1").unwrap());
+        cfg.heartbeat = Duration::from_millis(50);
+        let clock: Arc<dyn Clock> = Arc::new(RealClock::new());
+        match QuicTransport::start(cfg, clock, Arc::clone(&net.events), Arc::new(Metrics::default())) {
+            Ok(t) => break t,
+            // The closed endpoint's socket is released when its last task ends.
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    };
+    let mut inbox = b.bind(Addr::worker(1));
+    wait_for(&mut a_events, |e| *e == MemberEvent::Up { node: 1 }).await;
+    a.send(Addr::worker(0), Addr::worker(1), wire::encode(&ctl, &[]).unwrap()).unwrap();
+    let d = timeout(Duration::from_secs(10), inbox.recv()).await.unwrap().unwrap();
+    assert_eq!(wire::decode(&d.frame).unwrap().envelope, ctl);
     a.close();
+    b.close();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
