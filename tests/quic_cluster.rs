@@ -190,16 +190,27 @@ fn four_processes_generate_what_one_process_does_and_the_launcher_stops_them() {
 
 #[test]
 fn a_node_killed_mid_batch_is_detected_and_every_request_completes_or_fails_clearly() {
-    kill_mid_batch(&Site::new("kill"));
+    kill_mid_batch(&Site::new("kill"), 2);
+}
+
+/// node0 holds the router: requests cannot complete, and must say so
+/// instead of hanging; so must a client that connects afterwards.
+#[test]
+fn killing_the_router_node_ends_requests_with_a_clear_error() {
+    kill_mid_batch(&Site::new("kill-router"), 0);
 }
 
 /// node2 is the home of the second instance: its requests move to the first.
 #[test]
 fn requests_of_an_instance_whose_scheduler_node_dies_move_to_another_instance() {
-    kill_mid_batch(&Site::with_instances("kill-home", TWO_INSTANCES));
+    kill_mid_batch(&Site::with_instances("kill-home", TWO_INSTANCES), 2);
 }
 
-fn kill_mid_batch(site: &Site) {
+/// Kill node `victim` in the middle of an 8-request batch; check detection,
+/// the outcome of every request and that nothing hangs.
+fn kill_mid_batch(site: &Site, victim: usize) {
+    let survivors: Vec<usize> = (0..4).filter(|&i| i != victim).collect();
+    let down = format!("node node{victim} down");
     let mut nodes: Vec<Proc> = (0..4)
         .map(|i| {
             Proc::spawn(&["node", "--topology", site.t(), "--node", &format!("node{i}"), "--exit-with-stdin"], false)
@@ -222,23 +233,21 @@ fn kill_mid_batch(site: &Site) {
 
     let mut client =
         Proc::spawn(&["generate", "--topology", site.t(), "--input", s(&input), "--output", s(&four_out)], true);
-    // Let the batch get going, then kill node2 outright.
+    // Let the batch get going, then kill the node outright.
     std::thread::sleep(Duration::from_millis(400));
     assert!(client.child.try_wait().unwrap().is_none(), "the batch ended before the kill:\n{}", client.text());
-    nodes[2].child.kill().unwrap();
+    nodes[victim].child.kill().unwrap();
     let status = client.wait_exit(Duration::from_secs(120));
     let client_done = Instant::now();
 
-    // Every survivor saw node2 go, within the failure timeout plus a few heartbeats.
-    for i in [0, 1, 3] {
-        let at = nodes[i].wait_for("node node2 down", Duration::from_secs(10));
+    // Every survivor saw the node go, within the failure timeout plus a few heartbeats.
+    for &i in &survivors {
+        let at = nodes[i].wait_for(&down, Duration::from_secs(10));
         let log = nodes[i].text();
-        let line = log.lines().find(|l| l.contains("node node2 down")).unwrap();
+        let line = log.lines().find(|l| l.contains(&down)).unwrap();
         let silent: u64 = line.split("silent for ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
         assert!(silent > FAILURE_TIMEOUT_MS && silent < FAILURE_TIMEOUT_MS + 2000, "{line}");
-        if i == 0 {
-            assert!(at < client_done, "detected while the batch ran");
-        }
+        assert!(at < client_done, "detected while the batch ran");
     }
     assert!(status.success(), "{}", client.text());
     let read = |p: &Path| -> Vec<Value> {
@@ -259,17 +268,26 @@ fn kill_mid_batch(site: &Site) {
             assert_eq!(a[key], b[key], "{key} of {a}");
         }
     }
-    // Survivors serve: the same batch again completes in full, identically.
     let again = run_plain(&["generate", "--topology", site.t(), "--input", s(&input), "--output", s(&four_out)]);
     assert!(again.status.success(), "{}", String::from_utf8_lossy(&again.stderr));
-    for (a, b) in one.iter().zip(&read(&four_out)) {
-        assert_eq!(a["token_ids"], b["token_ids"]);
+    if victim == 0 {
+        // Without the router nothing completes, and a new client says why at once.
+        assert_eq!(completed, 0);
+        for b in read(&four_out) {
+            let e = b["error"].as_str().unwrap_or_default();
+            assert!(e.contains("node0 (the router) is unreachable"), "{b}");
+        }
+    } else {
+        // Survivors serve: the same batch again completes in full, identically.
+        for (a, b) in one.iter().zip(&read(&four_out)) {
+            assert_eq!(a["token_ids"], b["token_ids"]);
+        }
     }
-    eprintln!("{completed}/8 requests completed across the kill");
+    eprintln!("node{victim} killed: {completed}/8 requests completed across the kill");
     for n in &mut nodes {
         drop(n.child.stdin.take());
     }
-    for i in [0, 1, 3] {
+    for &i in &survivors {
         let code = nodes[i].wait_exit(Duration::from_secs(30));
         assert!(code.success(), "node{i}: {code}\n{}", nodes[i].text());
     }

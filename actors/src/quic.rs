@@ -32,7 +32,8 @@
 //!   every other node (clients to every node, which answer them). A peer
 //!   heard from is up; a peer that was up and is silent for longer than
 //!   `failure_timeout` is down (reported once, with how long it was silent),
-//!   and up again when heard from.
+//!   and up again when heard from. A client also reports a node it has not
+//!   heard from at all within `failure_timeout` of starting.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -668,6 +669,7 @@ async fn read_stream(inner: Arc<Inner>, conn: Connection, who: Arc<OnceLock<Peer
 
 /// Heartbeats out, failure detection in.
 async fn membership(inner: Arc<Inner>) {
+    let started = inner.now_ns();
     loop {
         inner.clock.sleep(inner.heartbeat).await;
         if inner.closed.load(Ordering::Relaxed) {
@@ -685,6 +687,16 @@ async fn membership(inner: Arc<Inner>) {
             if heard > 0 && silent > inner.failure_timeout && p.state.load(Ordering::Relaxed) == UP {
                 p.state.store(DOWN, Ordering::Relaxed);
                 inner.publish(MemberEvent::Down { node: n, silent });
+            }
+            // A client needs the cluster now: a node it has never heard from is down too.
+            // (Nodes wait for each other instead: they start in any order.)
+            let waited = Duration::from_nanos(now.saturating_sub(started));
+            if matches!(inner.me, Member::Client(_))
+                && heard == 0
+                && waited > inner.failure_timeout
+                && p.state.compare_exchange(UNKNOWN, DOWN, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+            {
+                inner.publish(MemberEvent::Down { node: n, silent: waited });
             }
         }
     }
