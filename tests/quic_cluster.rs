@@ -221,7 +221,7 @@ fn kill_mid_batch(site: &Site, victim: usize) {
     }
     let lines: Vec<String> = (0..8)
         .map(|i| {
-            serde_json::json!({"id": i, "prompt": format!("Request number {i} says"), "max_tokens": 160, "ignore_eos": true})
+            serde_json::json!({"id": i, "prompt": format!("Request number {i} says"), "max_tokens": 400, "ignore_eos": true})
                 .to_string()
         })
         .collect();
@@ -234,7 +234,7 @@ fn kill_mid_batch(site: &Site, victim: usize) {
     let mut client =
         Proc::spawn(&["generate", "--topology", site.t(), "--input", s(&input), "--output", s(&four_out)], true);
     // Let the batch get going, then kill the node outright.
-    std::thread::sleep(Duration::from_millis(400));
+    std::thread::sleep(Duration::from_millis(300));
     assert!(client.child.try_wait().unwrap().is_none(), "the batch ended before the kill:\n{}", client.text());
     nodes[victim].child.kill().unwrap();
     let status = client.wait_exit(Duration::from_secs(120));
@@ -246,8 +246,12 @@ fn kill_mid_batch(site: &Site, victim: usize) {
         let log = nodes[i].text();
         let line = log.lines().find(|l| l.contains(&down)).unwrap();
         let silent: u64 = line.split("silent for ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
-        assert!(silent > FAILURE_TIMEOUT_MS && silent < FAILURE_TIMEOUT_MS + 2000, "{line}");
-        assert!(at < client_done, "detected while the batch ran");
+        // Printed in whole milliseconds: more than the timeout reads as at least it.
+        assert!(silent >= FAILURE_TIMEOUT_MS && silent < FAILURE_TIMEOUT_MS + 2000, "{line}");
+        if victim != 0 {
+            // (Without the router the client stops at the same detection.)
+            assert!(at < client_done, "detected while the batch ran");
+        }
     }
     assert!(status.success(), "{}", client.text());
     let read = |p: &Path| -> Vec<Value> {
@@ -283,7 +287,8 @@ fn kill_mid_batch(site: &Site, victim: usize) {
             assert_eq!(a["token_ids"], b["token_ids"]);
         }
     }
-    eprintln!("node{victim} killed: {completed}/8 requests completed across the kill");
+    let summary = client.text().lines().find(|l| l.contains("requests (")).unwrap_or_default().to_string();
+    eprintln!("node{victim} killed: {completed}/8 requests completed across the kill; {summary}");
     for n in &mut nodes {
         drop(n.child.stdin.take());
     }
