@@ -27,6 +27,8 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Serve the OpenAI (Chat Completions, Responses) and Anthropic (Messages) HTTP APIs.
     Serve(commands::serve::ServeArgs),
+    /// Simulate a cluster scenario deterministically on this CPU and report what it did.
+    Simulate(commands::simulate::SimulateArgs),
     /// Cluster administration (certificates).
     Cluster {
         #[command(subcommand)]
@@ -183,5 +185,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Launch(args) => commands::cluster::launch(&args),
         Command::Node(args) => commands::cluster::node(&args),
         Command::Status(args) => commands::cluster::status(&args),
+        Command::Simulate(args) => commands::simulate::run_command(&args),
     }
 }

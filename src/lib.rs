@@ -6,5 +6,7 @@ pub mod cluster;
 pub mod commands;
 pub mod config_file;
 pub mod generation;
+pub mod scenario;
+pub mod simulate;
 pub mod tokenizer;
 pub mod topology;

@@ -33,9 +33,10 @@ use tokio::task::JoinHandle;
 use crate::cache::{CacheArgs, CacheManager};
 use crate::clock::{Clock, RealClock, SimClock};
 use crate::cost::{DeviceCost, DeviceCostModel};
-use crate::ctx::{Ctx, Timeouts, Topology};
+use crate::ctx::{Ctx, InstanceGauges, InstanceRole, Timeouts, Topology};
 use crate::events::{bump, EventLog, Metrics, MetricsSnapshot};
 use crate::faults::{FaultPlan, Faults};
+use crate::modelled::{Modelled, ModelledSpec};
 use crate::placement::{Placement, PlacementError};
 use crate::rng::Seed;
 use crate::router::{Router, RouterArgs};
@@ -79,6 +80,12 @@ pub struct ClusterConfig {
     /// Simulation only: workers and shards advance the virtual clock by the
     /// engine's device cost model; `None`: computation takes no time.
     pub device_cost: Option<DeviceCostModel>,
+    /// Devices of each instance when they differ (empty: `devices / instances` each).
+    pub instance_devices: Vec<u32>,
+    /// What each instance does (missing: `Both`).
+    pub roles: Vec<InstanceRole>,
+    /// Simulation only: full-size modelled devices that compute nothing.
+    pub modelled: Option<ModelledSpec>,
 }
 
 impl ClusterConfig {
@@ -100,11 +107,18 @@ impl ClusterConfig {
             return_logits: false,
             keep_events: 0,
             device_cost: None,
+            instance_devices: Vec::new(),
+            roles: Vec::new(),
+            modelled: None,
         }
     }
 
     pub fn topology(&self) -> Topology {
-        Topology { devices: self.devices, per_node: self.devices_per_node.max(1), instances: self.instances.max(1) }
+        if self.instance_devices.is_empty() {
+            Topology::uniform(self.devices, self.devices_per_node, self.instances)
+        } else {
+            Topology::with_sizes(self.devices_per_node, &self.instance_devices)
+        }
     }
 
     pub fn nodes(&self) -> u32 {
@@ -234,7 +248,7 @@ where
 fn node_spec(node: u32, ctx: &Arc<Ctx>, intensity: Intensity, env: SupervisorEnv) -> ChildSpec {
     let ctx = Arc::clone(ctx);
     let start: StartFn = Arc::new(move |parent, _| {
-        let topo = ctx.topology;
+        let topo = &ctx.topology;
         let devices = node * topo.per_node..((node + 1) * topo.per_node).min(topo.devices);
         let mut children = vec![spec(
             format!("cache{node}"),
@@ -305,51 +319,78 @@ fn finish_reason(k: FinishKind) -> FinishReason {
 /// Check the configuration and make what every actor shares.
 fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Result<Arc<Ctx>, ClusterError> {
     let topo = cfg.topology();
-    if cfg.devices == 0 || cfg.instances == 0 || !cfg.devices.is_multiple_of(cfg.instances) {
+    let sized = !cfg.instance_devices.is_empty() && cfg.instance_devices.len() as u32 == cfg.instances;
+    if cfg.devices == 0
+        || cfg.instances == 0
+        || topo.devices != cfg.devices
+        || (!sized && !cfg.devices.is_multiple_of(cfg.instances))
+        || (0..topo.instances).any(|i| topo.size_of(i) == 0)
+    {
         return Err(ClusterError::Instances { devices: cfg.devices, instances: cfg.instances });
     }
-    Policy::new(&model.config, cfg.engine.clone()).map_err(|e| ClusterError::Engine(e.to_string()))?;
-    let experts = model.config.n_routed_experts;
-    let per_instance = topo.per_instance();
-    let placement = match &cfg.placement {
-        Some(p) => p.clone(),
-        None => Placement::expert_parallel(experts as u32, per_instance, cfg.expert_parallel)?,
-    };
-    placement.check_experts(experts)?;
-    for p in std::iter::once(&placement).chain(cfg.placement_changes.iter().map(|(_, p)| p)) {
-        p.check_experts(experts)?;
-        if p.devices() != per_instance {
-            return Err(ClusterError::PlacementDevices { got: p.devices(), want: per_instance });
+    let modelled = match &cfg.modelled {
+        Some(spec) if env.clock.is_virtual() => {
+            Some(Arc::new(Modelled::new(spec.clone(), &topo).map_err(|e| ClusterError::Engine(e.to_string()))?))
         }
+        Some(_) => return Err(ClusterError::Engine("modelled devices need a virtual clock".into())),
+        None => None,
+    };
+    let config = match &modelled {
+        Some(m) => m.shape_config(&model.config),
+        None => model.config.clone(),
+    };
+    Policy::new(&config, cfg.engine.clone()).map_err(|e| ClusterError::Engine(e.to_string()))?;
+    let experts = config.n_routed_experts;
+    let mut placements = Vec::with_capacity(topo.instances as usize);
+    for instance in 0..topo.instances {
+        let size = topo.size_of(instance);
+        let placement = match &cfg.placement {
+            Some(p) => p.clone(),
+            None => Placement::expert_parallel(experts as u32, size, cfg.expert_parallel.min(size))?,
+        };
+        for p in std::iter::once(&placement).chain(cfg.placement_changes.iter().map(|(_, p)| p)) {
+            p.check_experts(experts)?;
+            if p.devices() != size {
+                return Err(ClusterError::PlacementDevices { got: p.devices(), want: size });
+            }
+        }
+        placements.push(RwLock::new(placement));
     }
     let timeouts =
         cfg.timeouts.unwrap_or(if env.clock.is_virtual() { Timeouts::simulated() } else { Timeouts::real() });
     let device_cost = match cfg.device_cost {
-        Some(spec) if env.clock.is_virtual() => Some(DeviceCost::new(spec, topo, model.config.num_layers)),
+        Some(spec) if env.clock.is_virtual() => Some(DeviceCost::new(spec, &topo, model.config.num_layers)),
         _ => None,
     };
-    let block_tokens = cfg.engine.block_tokens.unwrap_or_else(|| KvLayout::default_block_tokens(&model.config));
+    let block_tokens = cfg.engine.block_tokens.unwrap_or_else(|| KvLayout::default_block_tokens(&config));
     let ctx = Arc::new(Ctx {
         model,
+        config,
+        modelled,
+        roles: (0..topo.instances).map(|i| cfg.roles.get(i as usize).copied().unwrap_or(InstanceRole::Both)).collect(),
         transport: env.transport,
         clock: env.clock,
         events: env.events,
         metrics: env.metrics,
         faults: env.faults,
         timeouts,
-        topology: topo,
-        placements: (0..topo.instances).map(|_| RwLock::new(placement.clone())).collect(),
+        topology: topo.clone(),
+        placements,
         placement_changes: cfg.placement_changes.clone(),
         engine: cfg.engine.clone(),
         block_tokens,
         return_logits: cfg.return_logits,
         device_cost,
         steps: (0..topo.instances).map(|_| AtomicU64::new(0)).collect(),
+        gauges: (0..topo.instances).map(|_| InstanceGauges::default()).collect(),
         root: OnceLock::new(),
         instances: AtomicU64::new(0),
         up: AtomicBool::new(false),
         lost_devices: RwLock::new(Default::default()),
     });
+    for instance in 0..topo.instances {
+        Policy::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| ClusterError::Engine(e.to_string()))?;
+    }
     Ok(ctx)
 }
 
@@ -408,7 +449,7 @@ impl NodeRuntime {
     /// the survivors; the router moves the requests of instances whose
     /// scheduler lived there to the others.
     pub fn node_down(&self, node: u32) {
-        let topo = self.ctx.topology;
+        let topo = &self.ctx.topology;
         let devices: Vec<u32> = (0..topo.devices).filter(|&d| topo.node_of_device(d) == node).collect();
         self.ctx.mark_lost(&devices);
         if self.node == 0 {
@@ -441,7 +482,7 @@ impl Cluster {
     /// Check the configuration and start the supervision tree and every actor.
     pub async fn start(model: Arc<Model>, cfg: ClusterConfig, env: Env) -> Result<Self, ClusterError> {
         let ctx = build_ctx(model, &cfg, env)?;
-        let topo = ctx.topology;
+        let topo = ctx.topology.clone();
         let addr = Addr::client(0);
         let inbox = ctx.transport.bind(addr);
         let (tx, down_rx) = mpsc::unbounded_channel();
@@ -499,6 +540,37 @@ impl Cluster {
         self.ctx.metrics.snapshot()
     }
 
+    /// The cluster's clock (virtual in simulation).
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.ctx.clock)
+    }
+
+    pub fn topology(&self) -> &Topology {
+        &self.ctx.topology
+    }
+
+    /// The modelled devices' figures, in a modelled simulation.
+    pub fn modelled(&self) -> Option<Arc<Modelled>> {
+        self.ctx.modelled.clone()
+    }
+
+    /// Each instance's KV use, running and waiting requests after its last step.
+    pub fn gauges(&self) -> &[InstanceGauges] {
+        &self.ctx.gauges
+    }
+
+    /// Crash the actor at `path` (`node3`, `node0/worker2`), as a fault would: its supervisor restarts it.
+    pub fn kill(&self, path: &str) {
+        self.ctx.events.record(format_args!("fault: kill {path}"));
+        bump(&self.ctx.metrics.kills_injected);
+        self.ctx.kill(path);
+    }
+
+    /// Record a line in the event log (and its digest).
+    pub fn record(&self, line: std::fmt::Arguments<'_>) {
+        self.ctx.events.record(line);
+    }
+
     /// The current expert placement of `instance`.
     pub fn placement(&self, instance: u32) -> Placement {
         self.ctx.placement(instance)
@@ -514,6 +586,11 @@ impl Cluster {
         self.outstanding.len()
     }
 
+    /// Requests still running, or updates not yet taken by [`Self::next_update`].
+    pub fn has_updates(&self) -> bool {
+        !self.outstanding.is_empty() || !self.ready.is_empty()
+    }
+
     /// Why the cluster went down, if it did.
     pub fn down_reason(&self) -> Option<&str> {
         self.down.as_deref()
@@ -523,7 +600,7 @@ impl Cluster {
         let msg = if o.cancelled {
             Message::Cancel { id: o.spec.id }
         } else {
-            Message::Submit(Submit { spec: o.spec.clone(), generated: o.tokens.clone() })
+            Message::Submit(Submit { spec: o.spec.clone(), generated: o.tokens.clone(), prefilled: false })
         };
         self.ctx.send(self.addr, Addr::router(0), msg, &[]);
     }
@@ -674,7 +751,7 @@ impl Cluster {
                 }
             }
             Message::Outputs(out) => {
-                let vocab = self.ctx.model.config.vocab_size;
+                let vocab = self.ctx.config.vocab_size;
                 let rows: usize = out.items.iter().filter(|i| i.logits).map(|i| i.tokens.len()).sum();
                 if rows * vocab != body.len() {
                     bump(&self.ctx.metrics.frames_rejected);

@@ -42,7 +42,7 @@ pub struct DeviceCost {
 }
 
 /// Microseconds as a whole number of nanoseconds.
-fn micros(us: f64) -> Duration {
+pub(crate) fn micros(us: f64) -> Duration {
     if us.is_finite() && us > 0.0 {
         Duration::from_nanos((us * 1e3).round() as u64)
     } else {
@@ -51,12 +51,12 @@ fn micros(us: f64) -> Duration {
 }
 
 impl DeviceCost {
-    pub fn new(spec: DeviceCostModel, topology: Topology, layers: usize) -> Self {
+    pub fn new(spec: DeviceCostModel, topology: &Topology, layers: usize) -> Self {
         Self {
             spec,
             hardware: spec.hardware.spec(),
             model: spec.model.cost(),
-            expert_parallel: topology.per_instance().max(1) as usize,
+            expert_parallel: topology.size_of(0).max(1) as usize,
             devices_per_node: topology.per_node.max(1) as usize,
             layers: layers.max(1),
         }

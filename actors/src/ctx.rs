@@ -6,6 +6,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 use std::time::Duration;
 
+use deepinfer_engine::config::ModelConfig;
+use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::model::Model;
 use deepinfer_engine::scheduler::EngineConfig;
 use ractor::ActorCell;
@@ -14,6 +16,7 @@ use crate::clock::Clock;
 use crate::cost::DeviceCost;
 use crate::events::{bump, EventLog, Metrics};
 use crate::faults::Faults;
+use crate::modelled::Modelled;
 use crate::placement::Placement;
 use crate::transport::{Delivery, Inbox, Transport};
 use crate::wire::{self, Addr, Decoded, Envelope, Message};
@@ -72,32 +75,57 @@ impl Timeouts {
 }
 
 /// Where everything lives. Devices are numbered globally and cut into
-/// `instances` equal serving instances (each one expert-parallel group with
-/// its own scheduler) and into nodes of `per_node` devices.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// serving instances (each one expert-parallel group with its own scheduler)
+/// of consecutive devices, and into nodes of `per_node` devices. Instances
+/// may differ in size (a prefill instance of 32 devices, a decode one of 144).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
     pub devices: u32,
     pub per_node: u32,
     pub instances: u32,
+    /// First device of each instance, then `devices`.
+    starts: Arc<[u32]>,
 }
 
 impl Topology {
+    /// `instances` instances of equal size.
+    pub fn uniform(devices: u32, per_node: u32, instances: u32) -> Self {
+        let instances = instances.max(1);
+        let size = devices / instances;
+        Self::with_sizes(per_node, &vec![size; instances as usize])
+    }
+
+    /// Instances of the given sizes, in order.
+    pub fn with_sizes(per_node: u32, sizes: &[u32]) -> Self {
+        let mut starts = Vec::with_capacity(sizes.len() + 1);
+        let mut at = 0u32;
+        for &n in sizes {
+            starts.push(at);
+            at += n;
+        }
+        starts.push(at);
+        Self { devices: at, per_node: per_node.max(1), instances: sizes.len() as u32, starts: starts.into() }
+    }
+
     pub fn nodes(&self) -> u32 {
         self.devices.div_ceil(self.per_node.max(1))
     }
 
-    pub fn per_instance(&self) -> u32 {
-        self.devices / self.instances.max(1)
+    /// Devices of `instance`.
+    pub fn size_of(&self, instance: u32) -> u32 {
+        let r = self.devices_of(instance);
+        r.end - r.start
     }
 
     pub fn instance_of(&self, device: u32) -> u32 {
-        device / self.per_instance().max(1)
+        let i = self.starts.partition_point(|&s| s <= device);
+        (i.saturating_sub(1) as u32).min(self.instances.saturating_sub(1))
     }
 
     /// The instance's devices (global numbers).
     pub fn devices_of(&self, instance: u32) -> Range<u32> {
-        let n = self.per_instance();
-        instance * n..(instance + 1) * n
+        let i = (instance as usize).min(self.starts.len().saturating_sub(2));
+        self.starts[i]..self.starts[i + 1]
     }
 
     pub fn node_of_device(&self, device: u32) -> u32 {
@@ -115,12 +143,50 @@ impl Topology {
     }
 }
 
+/// An instance's occupancy after its last planned step.
+#[derive(Debug, Default)]
+pub struct InstanceGauges {
+    /// Bytes of the engine's KV block pool in use (cached blocks included), and its budget.
+    pub kv_used_bytes: AtomicU64,
+    pub kv_budget_bytes: AtomicU64,
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+}
+
+/// What a serving instance does with a request (prefill/decode disaggregation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum InstanceRole {
+    /// Computes prompts and their first token, then hands the request to a decode instance.
+    Prefill,
+    /// Continues requests prefilled elsewhere (and any request when no prefill instance is up).
+    Decode,
+    Both,
+}
+
+impl InstanceRole {
+    pub fn prefills(self) -> bool {
+        matches!(self, Self::Prefill | Self::Both)
+    }
+
+    pub fn decodes(self) -> bool {
+        matches!(self, Self::Decode | Self::Both)
+    }
+}
+
 /// Shared by the actors of a cluster. The placement cells are the current
 /// table of each instance (in instance-local device numbers), read by a shard
 /// when it (re)starts; the step counters outlive a restarted scheduler so a
 /// step id is never reused.
 pub struct Ctx {
+    /// The model that computes (unused by modelled devices).
     pub model: Arc<Model>,
+    /// The model the actors serve: `model`'s configuration, or a modelled
+    /// full-size model's shape (experts, vocabulary, context).
+    pub config: ModelConfig,
+    /// Full-size modelled devices: workers price steps instead of computing them.
+    pub modelled: Option<Arc<Modelled>>,
+    /// What each instance serves.
+    pub roles: Vec<InstanceRole>,
     pub transport: Arc<dyn Transport>,
     pub clock: Arc<dyn Clock>,
     pub events: Arc<EventLog>,
@@ -140,6 +206,8 @@ pub struct Ctx {
     /// Device time of workers and shards; only on a virtual clock.
     pub device_cost: Option<DeviceCost>,
     pub steps: Vec<AtomicU64>,
+    /// What each instance's scheduler last reported, for observers.
+    pub gauges: Vec<InstanceGauges>,
     /// The root supervisor, for faults that kill a whole subtree or a
     /// service actor from outside (`node1`, `node0/cache0`).
     pub root: OnceLock<ActorCell>,
@@ -152,6 +220,25 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    /// The role of `instance`.
+    pub fn role(&self, instance: u32) -> InstanceRole {
+        self.roles.get(instance as usize).copied().unwrap_or(InstanceRole::Both)
+    }
+
+    /// The batching policy of `instance`'s scheduler.
+    pub fn engine_for(&self, instance: u32) -> EngineConfig {
+        match &self.modelled {
+            None => self.engine.clone(),
+            Some(m) => {
+                let bt = self.block_tokens;
+                match KvLayout::new(&self.config, bt, self.engine.window_block_tokens) {
+                    Ok(layout) => m.engine_for(&self.engine, &layout, self.topology.size_of(instance), instance),
+                    Err(_) => self.engine.clone(),
+                }
+            }
+        }
+    }
+
     /// Encode and send; a failure is logged and treated as a lost message.
     pub fn send(&self, from: Addr, to: Addr, msg: Message, body: &[f32]) -> Option<Vec<u8>> {
         let env = Envelope { from, to, msg };

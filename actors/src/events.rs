@@ -17,6 +17,24 @@ struct Inner {
     kept: Vec<String>,
 }
 
+/// Folds formatted text into an FNV-1a digest, optionally keeping it.
+struct Digesting {
+    digest: u64,
+    line: Option<String>,
+}
+
+impl std::fmt::Write for Digesting {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        for b in s.bytes() {
+            self.digest = (self.digest ^ b as u64).wrapping_mul(FNV_PRIME);
+        }
+        if let Some(line) = &mut self.line {
+            line.push_str(s);
+        }
+        Ok(())
+    }
+}
+
 /// Ordered record of what happened, folded into a 64-bit FNV-1a digest.
 /// Lines carry the clock's time, so with a virtual clock they are reproducible.
 pub struct EventLog {
@@ -32,15 +50,16 @@ impl EventLog {
     }
 
     pub fn record(&self, what: std::fmt::Arguments<'_>) {
-        let mut line = String::new();
         let t = self.clock.now();
-        let _ = write!(line, "{:>12} {}", t.as_nanos(), what);
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        for b in line.bytes().chain(std::iter::once(b'\n')) {
-            inner.digest = (inner.digest ^ b as u64).wrapping_mul(FNV_PRIME);
-        }
+        let keep = inner.kept.len() < self.keep;
+        // The line is hashed as it is formatted; it is only kept as text when asked.
+        let mut w = Digesting { digest: inner.digest, line: keep.then(String::new) };
+        let _ = writeln!(w, "{:>12} {}", t.as_nanos(), what);
+        inner.digest = w.digest;
         inner.count += 1;
-        if inner.kept.len() < self.keep {
+        if let Some(mut line) = w.line {
+            line.pop();
             inner.kept.push(line);
         }
     }
@@ -91,6 +110,8 @@ pub struct Metrics {
     pub router_restarts: AtomicU64,
     pub submits_resent: AtomicU64,
     pub requests_resumed: AtomicU64,
+    /// Requests moved from a prefill instance to a decode instance.
+    pub handovers: AtomicU64,
     pub requests_restarted: AtomicU64,
     pub cache_hits: AtomicU64,
     pub cache_misses: AtomicU64,
@@ -123,6 +144,7 @@ pub struct MetricsSnapshot {
     pub router_restarts: u64,
     pub submits_resent: u64,
     pub requests_resumed: u64,
+    pub handovers: u64,
     pub requests_restarted: u64,
     pub cache_hits: u64,
     pub cache_misses: u64,
@@ -171,6 +193,7 @@ impl Metrics {
             router_restarts: g(&self.router_restarts),
             submits_resent: g(&self.submits_resent),
             requests_resumed: g(&self.requests_resumed),
+            handovers: g(&self.handovers),
             requests_restarted: g(&self.requests_restarted),
             cache_hits: g(&self.cache_hits),
             cache_misses: g(&self.cache_misses),

@@ -80,6 +80,8 @@ pub struct FaultPlan {
     pub kills: Vec<KillRule>,
     pub messages: Vec<MessageRule>,
     pub slow: Vec<SlowDevice>,
+    /// Modelled devices that take this many times longer per step (stragglers).
+    pub stragglers: Vec<(u32, f64)>,
 }
 
 impl FaultPlan {
@@ -182,6 +184,12 @@ impl Faults {
             }
         }
         None
+    }
+
+    /// How many times longer a modelled step of `device` takes (1.0: no straggler).
+    pub fn slow_factor(&self, device: u32) -> f64 {
+        let Some(plan) = &self.plan else { return 1.0 };
+        plan.stragglers.iter().filter(|(d, _)| *d == device).map(|(_, f)| f.max(1.0)).product()
     }
 
     /// Extra time each compute step of `device` takes.

@@ -15,6 +15,7 @@ pub mod cost;
 pub mod ctx;
 pub mod events;
 pub mod faults;
+pub mod modelled;
 pub mod placement;
 pub mod quic;
 pub mod rng;

@@ -21,7 +21,7 @@ use deepinfer_engine::prefix_cache::{block_hash, PrefixMode};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
-use crate::ctx::{pump, Ctx};
+use crate::ctx::{pump, Ctx, InstanceRole};
 use crate::events::bump;
 use crate::transport::Delivery;
 use crate::wire::{
@@ -44,6 +44,12 @@ pub enum RouterMsg {
 struct Flight {
     spec: RequestSpec,
     instance: u32,
+    /// On a prefill instance: run to the first token only, then move to a decode instance.
+    prefill_only: bool,
+    /// Moved from a prefill instance, which computed the state up to the last token.
+    prefilled: bool,
+    /// Prompt tokens the prefill instance found in its prefix cache.
+    cached_tokens: u32,
     tokens: Vec<u32>,
     client: Addr,
     /// The client cancelled it: what is sent again is the cancel.
@@ -110,7 +116,11 @@ impl RouterState {
         let msg = if f.cancelled {
             Message::Cancel { id: f.spec.id }
         } else {
-            Message::Submit(Submit { spec: f.spec.clone(), generated: f.tokens.clone() })
+            let mut spec = f.spec.clone();
+            if f.prefill_only {
+                spec.max_tokens = 1;
+            }
+            Message::Submit(Submit { spec, generated: f.tokens.clone(), prefilled: f.prefilled })
         };
         self.ctx.send(self.addr, Addr::scheduler(f.instance), msg, &[]);
     }
@@ -133,7 +143,7 @@ impl RouterState {
         if self.routing.values().any(|r| r.submit.spec.id == id) {
             return;
         }
-        let topo = self.ctx.topology;
+        let topo = &self.ctx.topology;
         let chain = prompt_chain(&submit.spec.prompt, self.ctx.block_tokens);
         let query = self.next_query;
         self.next_query += 1;
@@ -159,16 +169,45 @@ impl RouterState {
         }
     }
 
-    /// Longest cached prefix, then fewest requests in flight, then the lowest index.
-    fn decide(&mut self, query: u64) {
-        let Some(r) = self.routing.remove(&query) else { return };
+    /// Requests in flight per device of each instance, scaled by 1000.
+    fn loads(&self) -> BTreeMap<u32, usize> {
         let mut load: BTreeMap<u32, usize> = BTreeMap::new();
         for f in self.flights.values() {
             *load.entry(f.instance).or_default() += 1;
         }
-        let topo = self.ctx.topology;
-        let instance = (0..topo.instances)
-            .filter(|&i| !self.ctx.is_lost(topo.devices_of(i).start))
+        for (i, n) in load.iter_mut() {
+            *n = *n * 1000 / self.ctx.topology.size_of(*i).max(1) as usize;
+        }
+        load
+    }
+
+    /// Instances that can take a request at this stage (all of them if none can).
+    fn eligible(&self, decode: bool) -> Vec<u32> {
+        let topo = &self.ctx.topology;
+        // Not instances whose scheduler's node membership declared dead.
+        let all: Vec<u32> = (0..topo.instances).filter(|&i| !self.ctx.is_lost(topo.devices_of(i).start)).collect();
+        let fit: Vec<u32> = all
+            .iter()
+            .copied()
+            .filter(|&i| if decode { self.ctx.role(i).decodes() } else { self.ctx.role(i).prefills() })
+            .collect();
+        if fit.is_empty() {
+            all
+        } else {
+            fit
+        }
+    }
+
+    /// Longest cached prefix, then fewest requests in flight per device, then
+    /// the lowest index, among the instances for the request's stage: a new
+    /// request is prefilled, one with output is decoded.
+    fn decide(&mut self, query: u64) {
+        let Some(r) = self.routing.remove(&query) else { return };
+        let load = self.loads();
+        let decode = !r.submit.generated.is_empty();
+        let instance = self
+            .eligible(decode)
+            .into_iter()
             .min_by_key(|i| {
                 (std::cmp::Reverse(r.matched.get(i).copied().unwrap_or(0)), load.get(i).copied().unwrap_or(0), *i)
             })
@@ -178,9 +217,13 @@ impl RouterState {
             "router sends request {id} to scheduler{instance} ({} cached blocks)",
             r.matched.get(&instance).copied().unwrap_or(0)
         ));
+        let prefill_only = self.ctx.role(instance) == InstanceRole::Prefill && r.submit.spec.max_tokens > 1;
         let f = Flight {
             spec: r.submit.spec,
             instance,
+            prefill_only,
+            prefilled: r.submit.prefilled,
+            cached_tokens: 0,
             tokens: r.submit.generated,
             client: r.client,
             cancelled: false,
@@ -191,8 +234,26 @@ impl RouterState {
         self.flights.insert(id, f);
     }
 
+    /// A prefill instance produced the first token of `id`: continue it on the
+    /// least loaded decode instance, which imports the state.
+    fn hand_over(&mut self, id: u64) {
+        let load = self.loads();
+        let to = self.eligible(true).into_iter().min_by_key(|i| (load.get(i).copied().unwrap_or(0), *i)).unwrap_or(0);
+        let Some(f) = self.flights.get_mut(&id) else { return };
+        let from = f.instance;
+        f.instance = to;
+        f.prefill_only = false;
+        f.prefilled = true;
+        f.attempts = 0;
+        f.deadline = self.ctx.clock.now() + self.ctx.timeouts.request;
+        bump(&self.ctx.metrics.handovers);
+        self.ctx.events.record(format_args!("router hands request {id} from scheduler{from} to scheduler{to}"));
+        let f = &self.flights[&id];
+        self.forward(f);
+    }
+
     fn on_outputs(&mut self, from: Addr, out: Outputs, body: Vec<f32>) {
-        let vocab = self.ctx.model.config.vocab_size;
+        let vocab = self.ctx.config.vocab_size;
         let rows: usize = out.items.iter().filter(|i| i.logits).map(|i| i.tokens.len()).sum();
         if rows * vocab != body.len() {
             bump(&self.ctx.metrics.frames_rejected);
@@ -241,7 +302,23 @@ impl RouterState {
                 logits: item.logits,
                 end: item.end.clone(),
             };
-            if item.end.is_some() {
+            let prefilled = f.prefill_only
+                && f.tokens.len() < f.spec.max_tokens as usize
+                && matches!(&item.end, Some(OutputEnd::Finished(w)) if w.reason == FinishKind::Length);
+            let mut new = if prefilled { OutputItem { end: None, ..new } } else { new };
+            match &mut new.end {
+                // The prefill's cache hits count for the request.
+                Some(OutputEnd::Finished(w)) => w.cached_tokens = w.cached_tokens.max(f.cached_tokens),
+                _ if prefilled => {
+                    if let Some(OutputEnd::Finished(w)) = &item.end {
+                        f.cached_tokens = w.cached_tokens;
+                    }
+                }
+                _ => {}
+            }
+            if prefilled {
+                self.hand_over(id);
+            } else if item.end.is_some() {
                 self.flights.remove(&id);
             }
             if new.tokens.is_empty() && new.end.is_none() {
@@ -293,19 +370,21 @@ impl RouterState {
     }
 
     /// Membership declared `node` dead: requests on instances whose
-    /// scheduler lived there go to the least loaded live instance with the
-    /// tokens they have (recomputed there, bit for bit), or end with an
-    /// error when none is left.
+    /// scheduler lived there go to the least loaded live instance for their
+    /// stage with the tokens they have (recomputed there, bit for bit), or
+    /// end with an error when none is left.
     fn on_node_down(&mut self, node: u32) {
-        let topo = self.ctx.topology;
+        let topo = &self.ctx.topology;
         let dead = |i: u32| self.ctx.is_lost(topo.devices_of(i).start);
         let moved: Vec<u64> = self.flights.iter().filter(|(_, f)| dead(f.instance)).map(|(id, _)| *id).collect();
         for id in moved {
-            let mut load: BTreeMap<u32, usize> = BTreeMap::new();
-            for f in self.flights.values() {
-                *load.entry(f.instance).or_default() += 1;
-            }
-            let to = (0..topo.instances).filter(|&i| !dead(i)).min_by_key(|i| (load.get(i).copied().unwrap_or(0), *i));
+            let load = self.loads();
+            let decode = !self.flights[&id].tokens.is_empty();
+            let to = self
+                .eligible(decode)
+                .into_iter()
+                .filter(|&i| !dead(i))
+                .min_by_key(|i| (load.get(i).copied().unwrap_or(0), *i));
             let f = self.flights.get_mut(&id).expect("listed");
             let Some(to) = to else {
                 let why = format!("node{node} is down and no serving instance is left");

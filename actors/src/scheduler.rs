@@ -23,7 +23,7 @@
 //! its requests again with the tokens they had produced, which are
 //! recomputed (bit-identical) and generation resumes.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -37,15 +37,15 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
 use crate::cache::parts_len;
-use crate::ctx::{pump, Ctx};
+use crate::ctx::{pump, Ctx, InstanceRole};
 use crate::events::bump;
 use crate::faults::Target;
 use crate::router::end_item;
 use crate::transport::Delivery;
 use crate::wire::{
     Addr, BlockSnapshot, CacheMsg, Control, FetchItem, FetchedItem, FinishKind, FinishWire, Heartbeat, Message,
-    OutputEnd, OutputItem, Outputs, RequestSpec, Role, Sampling, SeqOutput, StepItem, StepOutcome, StepRequest,
-    StepResult, StoredBlock, Submit, TokenOut,
+    OutputEnd, OutputItem, Outputs, PlacementWire, RequestSpec, Role, Sampling, SeqOutput, StepItem, StepOutcome,
+    StepRequest, StepResult, StoredBlock, Submit, TokenOut,
 };
 
 pub struct Scheduler;
@@ -94,6 +94,8 @@ struct Item {
     values: Option<(Vec<Vec<u32>>, Vec<f32>)>,
     snapshots: Vec<usize>,
     rebuild: bool,
+    /// The state up to `from` comes from a prefill instance.
+    imported: bool,
 }
 
 struct Pending {
@@ -101,6 +103,9 @@ struct Pending {
     deadline: Duration,
     release: Vec<u64>,
 }
+
+/// A sampled token and, when asked for, its logits row.
+type SampledRow = (SeqOutput, Option<Vec<f32>>);
 
 struct Answer {
     outputs: Vec<SeqOutput>,
@@ -120,6 +125,13 @@ struct Snap {
 struct StepRun {
     step: u64,
     items: Vec<Item>,
+    /// Indices of each worker's items.
+    by_worker: BTreeMap<u32, Vec<usize>>,
+    placement: PlacementWire,
+    /// Tokens of the whole step.
+    batch_tokens: u64,
+    /// Decode steps the workers run as one (modelled devices).
+    repeat: u32,
     pending: BTreeMap<u32, Pending>,
     answers: BTreeMap<u32, Answer>,
     /// Results received (the scheduler's fault-injection points).
@@ -155,7 +167,8 @@ pub struct SchedulerState {
     policy: Policy,
     live: BTreeMap<u64, Live>,
     by_rid: BTreeMap<RequestId, u64>,
-    load: BTreeMap<u32, usize>,
+    /// Requests and their prompt tokens per worker.
+    load: BTreeMap<u32, (usize, usize)>,
     /// Sequences whose worker state can go, sent with the worker's next step.
     release: BTreeMap<u32, Vec<u64>>,
     /// Key of every block the engine's prefix cache holds.
@@ -246,8 +259,9 @@ impl SchedulerState {
     fn forget(&mut self, id: u64) -> Option<Live> {
         let l = self.live.remove(&id)?;
         self.by_rid.remove(&l.rid);
-        if let Some(n) = self.load.get_mut(&l.worker) {
+        if let Some((n, tokens)) = self.load.get_mut(&l.worker) {
             *n = n.saturating_sub(1);
+            *tokens = tokens.saturating_sub(l.spec.prompt.len());
         }
         self.release.entry(l.worker).or_default().push(id);
         Some(l)
@@ -281,7 +295,7 @@ impl SchedulerState {
     }
 
     fn on_submit(&mut self, submit: Submit) {
-        let Submit { spec, generated } = submit;
+        let Submit { spec, generated, prefilled } = submit;
         let id = spec.id;
         let mut worker = None;
         if let Some(l) = self.live.get(&id) {
@@ -297,7 +311,7 @@ impl SchedulerState {
             self.ctx.events.record(format_args!("{} restarts request {id} at {} tokens", self.addr, generated.len()));
             worker = Some(l.worker);
         }
-        let context = self.ctx.model.config.max_position_embeddings;
+        let context = self.ctx.config.max_position_embeddings;
         if !generated.is_empty()
             && (generated.len() >= spec.max_tokens as usize || spec.prompt.len() + generated.len() >= context)
         {
@@ -308,6 +322,8 @@ impl SchedulerState {
         let request = request_of(&spec);
         let added = if generated.is_empty() {
             self.policy.add(request)
+        } else if prefilled {
+            self.policy.add_transferred(request, &generated)
         } else {
             bump(&self.ctx.metrics.requests_resumed);
             self.policy.add_resumed(request, &generated)
@@ -324,15 +340,28 @@ impl SchedulerState {
                 self.send_outputs(vec![item], &[]);
             }
             Ok(rid) => {
+                // Attention data parallelism: a prefill instance evens out
+                // prompt tokens per worker, others the requests per worker.
                 let devices = self.ctx.topology.devices_of(self.instance);
+                let by_tokens = self.ctx.role(self.instance) == InstanceRole::Prefill;
                 let first = devices.start;
                 let worker = worker.unwrap_or_else(|| {
                     devices
                         .filter(|d| !self.ctx.is_lost(*d))
-                        .min_by_key(|d| (self.load.get(d).copied().unwrap_or(0), *d))
+                        .min_by_key(|d| {
+                            let (n, tokens) = self.load.get(d).copied().unwrap_or((0, 0));
+                            if by_tokens {
+                                (tokens, n, *d)
+                            } else {
+                                (n, tokens, *d)
+                            }
+                        })
                         .unwrap_or(first)
                 });
-                *self.load.entry(worker).or_default() += 1;
+                let load = self.load.entry(worker).or_default();
+                load.0 += 1;
+                load.1 += spec.prompt.len();
+                self.policy.set_rank(rid, worker);
                 self.by_rid.insert(rid, id);
                 self.live.insert(id, Live { rid, worker, spec, hashes: Vec::new(), plain: false });
                 self.ctx.send(self.addr, self.router, Message::Ack { ids: vec![id] }, &[]);
@@ -414,6 +443,12 @@ impl SchedulerState {
 
     fn plan(&mut self, step: u64) {
         let plan = self.policy.schedule();
+        let pool = self.policy.pool_stats();
+        let g = &self.ctx.gauges[self.instance as usize];
+        g.kv_used_bytes.store(pool.used_bytes as u64, std::sync::atomic::Ordering::Relaxed);
+        g.kv_budget_bytes.store(pool.budget_bytes as u64, std::sync::atomic::Ordering::Relaxed);
+        g.running.store(self.policy.num_running() as u64, std::sync::atomic::Ordering::Relaxed);
+        g.waiting.store(self.policy.num_waiting() as u64, std::sync::atomic::Ordering::Relaxed);
         let mut ended = Vec::new();
         for (rid, f) in plan.failed {
             let Some(&id) = self.by_rid.get(&rid) else { continue };
@@ -467,9 +502,21 @@ impl SchedulerState {
                 restore: restore.unwrap_or_default(),
                 values: None,
                 snapshots: it.snapshots,
+                imported: it.imported,
             });
         }
-        let mut run = StepRun { step, items, pending: BTreeMap::new(), answers: BTreeMap::new(), received: 0, ended };
+        let mut run = StepRun {
+            step,
+            items,
+            by_worker: BTreeMap::new(),
+            placement: PlacementWire { epoch: 0, devices: 0, replicas: Vec::new() },
+            batch_tokens: 0,
+            repeat: 1,
+            pending: BTreeMap::new(),
+            answers: BTreeMap::new(),
+            received: 0,
+            ended,
+        };
         if run.items.is_empty() {
             // Nothing can run now: wait for new input rather than spin.
             self.send_outputs(run.ended, &[]);
@@ -554,7 +601,14 @@ impl SchedulerState {
                 l.plain = true;
             }
         }
-        let workers: BTreeSet<u32> = run.items.iter().map(|it| it.worker).collect();
+        run.by_worker.clear();
+        for (i, it) in run.items.iter().enumerate() {
+            run.by_worker.entry(it.worker).or_default().push(i);
+        }
+        run.placement = self.placement_wire();
+        run.batch_tokens = run.items.iter().map(|it| (it.to - it.from) as u64).sum();
+        run.repeat = self.decode_repeat(&run.items);
+        let workers: Vec<u32> = run.by_worker.keys().copied().collect();
         let deadline = self.now() + self.ctx.timeouts.step;
         for w in workers {
             let release = self.release.remove(&w).unwrap_or_default();
@@ -576,14 +630,28 @@ impl SchedulerState {
         self.by_rid.get(&it.rid) == Some(&it.id)
     }
 
+    /// The table sent with step requests. Modelled devices price the
+    /// all-to-all from the expected expert loads and need no table.
+    fn placement_wire(&self) -> PlacementWire {
+        let p = self.ctx.placement(self.instance);
+        if self.ctx.modelled.is_some() {
+            PlacementWire { epoch: p.epoch(), devices: p.devices(), replicas: Vec::new() }
+        } else {
+            p.to_wire()
+        }
+    }
+
     /// Send (again) `worker`'s part of the step; false if none of it is still wanted.
     fn send_step(&self, run: &StepRun, worker: u32) -> bool {
         let p = &run.pending[&worker];
         let mut body = Vec::new();
         let items: Vec<StepItem> = run
-            .items
-            .iter()
-            .filter(|it| it.worker == worker && self.alive(it))
+            .by_worker
+            .get(&worker)
+            .into_iter()
+            .flatten()
+            .map(|&i| &run.items[i])
+            .filter(|it| self.alive(it))
             .map(|it| {
                 let tokens = self.policy.tokens(it.rid);
                 let plain = self.live.get(&it.id).is_some_and(|l| l.plain);
@@ -606,6 +674,7 @@ impl SchedulerState {
                     replay_until: replay_until as u64,
                     restore,
                     snapshots: it.snapshots.iter().map(|&k| k as u32).collect(),
+                    imported: it.imported && !it.rebuild,
                 }
             })
             .collect();
@@ -616,9 +685,11 @@ impl SchedulerState {
             step: run.step,
             attempt: p.attempt,
             scheduler: self.number,
-            placement: self.ctx.placement(self.instance).to_wire(),
+            placement: run.placement.clone(),
             items,
             release: p.release.clone(),
+            batch_tokens: run.batch_tokens,
+            repeat: run.repeat,
         };
         self.ctx.send(self.addr, Addr::worker(worker), Message::StepRequest(req), &body);
         true
@@ -716,17 +787,21 @@ impl SchedulerState {
         snapshots: &[BlockSnapshot],
         body: usize,
     ) -> bool {
-        let vocab = self.ctx.model.config.vocab_size;
+        let vocab = self.ctx.config.vocab_size;
         let mine: BTreeMap<u64, &Item> =
-            run.items.iter().filter(|it| it.worker == worker).map(|it| (it.id, it)).collect();
+            run.by_worker.get(&worker).into_iter().flatten().map(|&i| (run.items[i].id, &run.items[i])).collect();
         let mut want_body = 0;
-        let mut seen = BTreeSet::new();
+        // Each sampling item answers `repeat` tokens, at consecutive positions in order.
+        let repeat = run.repeat.max(1) as u64;
+        let mut seen: BTreeMap<u64, u64> = BTreeMap::new();
         for o in outputs {
             let Some(it) = mine.get(&o.seq).filter(|it| it.sample) else { return false };
-            let ok = o.position == it.to as u64
+            let n = seen.entry(o.seq).or_default();
+            let ok = o.position == it.to as u64 + *n
+                && *n < repeat
                 && (o.token as usize) < vocab
-                && o.top.iter().all(|t| (t.token as usize) < vocab)
-                && seen.insert(o.seq);
+                && o.top.iter().all(|t| (t.token as usize) < vocab);
+            *n += 1;
             if !ok {
                 return false;
             }
@@ -740,35 +815,37 @@ impl SchedulerState {
             }
             want_body += parts_len(&s.lens);
         }
-        let complete = mine
-            .values()
-            .filter(|it| self.alive(it))
-            .all(|it| (!it.sample || seen.contains(&it.id)) && it.snapshots.iter().all(|&k| got.contains(&(it.id, k))));
+        let complete = mine.values().filter(|it| self.alive(it)).all(|it| {
+            (!it.sample || seen.get(&it.id) == Some(&repeat)) && it.snapshots.iter().all(|&k| got.contains(&(it.id, k)))
+        });
         complete && body == want_body
     }
 
     fn complete(&mut self, run: StepRun) {
-        let vocab = self.ctx.model.config.vocab_size;
+        let vocab = self.ctx.config.vocab_size;
         let bt = self.ctx.block_tokens;
-        let StepRun { step, items, answers, mut ended, .. } = run;
+        let StepRun { step, items, answers, mut ended, repeat, .. } = run;
+        // A sequence appears once per step.
+        let index: BTreeMap<u64, usize> = items.iter().enumerate().map(|(i, it)| (it.id, i)).collect();
+        let of = |seq: u64, worker: u32| index.get(&seq).copied().filter(|&i| items[i].worker == worker);
         // Per worker: outputs by sequence, with their logits rows; snapshots with their values.
-        let mut sampled_rows: BTreeMap<u64, (SeqOutput, Option<Vec<f32>>)> = BTreeMap::new();
+        let mut sampled_rows: BTreeMap<u64, VecDeque<SampledRow>> = BTreeMap::new();
         let mut snaps: Vec<Snap> = Vec::new();
         for (worker, a) in answers {
             let mut at = 0;
             for o in a.outputs {
-                let wants = items.iter().any(|it| it.id == o.seq && it.worker == worker && it.logits);
+                let wants = of(o.seq, worker).is_some_and(|i| items[i].logits);
                 let row = wants.then(|| {
                     at += vocab;
                     a.body[at - vocab..at].to_vec()
                 });
-                sampled_rows.insert(o.seq, (o, row));
+                sampled_rows.entry(o.seq).or_default().push_back((o, row));
             }
             for s in a.snapshots {
                 let n = parts_len(&s.lens);
                 let values = a.body[at..at + n].to_vec();
                 at += n;
-                let Some(i) = items.iter().position(|it| it.id == s.seq && it.worker == worker) else { continue };
+                let Some(i) = of(s.seq, worker) else { continue };
                 let it = &items[i];
                 let k = s.block as usize;
                 let wave = step_segments(it.from, it.to, it.replay_until, &it.snapshots, bt)
@@ -806,25 +883,39 @@ impl SchedulerState {
             let msg = CacheMsg::Store { instance: self.instance, step, blocks: stores };
             self.ctx.send(self.addr, self.cache, Message::Cache(msg), &store_body);
         }
-        let mut sampled = Vec::new();
+        // Sampling items, then (modelled decode events) the further decode
+        // steps the workers ran as one: each is planned and completed here as
+        // the engine would have, step by step.
+        let mut current: Vec<(u64, RequestId)> =
+            items.iter().filter(|it| it.sample && self.alive(it)).map(|it| (it.id, it.rid)).collect();
         let mut outs: Vec<(OutputItem, Option<Vec<f32>>)> = Vec::new();
-        for it in items.iter().filter(|it| it.sample) {
-            if !self.alive(it) {
-                continue;
+        let mut slot: BTreeMap<u64, usize> = BTreeMap::new();
+        for sub in 0..repeat.max(1) {
+            if sub > 0 {
+                current = self.plan_decode_substep(step, &mut ended);
             }
-            let Some((o, row)) = sampled_rows.remove(&it.id) else { continue };
-            let from = self.generated(it.rid);
-            sampled.push(SampledToken { id: it.rid, token: o.token, ok: o.logprob.is_finite() });
-            let token = TokenOut { token: o.token, logprob: o.logprob, top: o.top };
-            let item =
-                OutputItem { id: it.id, from: from as u32, tokens: vec![token], logits: row.is_some(), end: None };
-            outs.push((item, row));
-        }
-        for (rid, f) in self.policy.complete(&sampled) {
-            let Some(&id) = self.by_rid.get(&rid) else { continue };
-            self.forget(id);
-            if let Some((item, _)) = outs.iter_mut().find(|(o, _)| o.id == id) {
-                item.end = Some(OutputEnd::Finished(finish_wire(&f)));
+            let mut sampled = Vec::with_capacity(current.len());
+            for &(id, rid) in &current {
+                let Some((o, row)) = sampled_rows.get_mut(&id).and_then(VecDeque::pop_front) else { continue };
+                let from = self.generated(rid);
+                sampled.push(SampledToken { id: rid, token: o.token, ok: o.logprob.is_finite() });
+                let token = TokenOut { token: o.token, logprob: o.logprob, top: o.top };
+                match slot.get(&id) {
+                    Some(&k) => outs[k].0.tokens.push(token),
+                    None => {
+                        slot.insert(id, outs.len());
+                        let item =
+                            OutputItem { id, from: from as u32, tokens: vec![token], logits: row.is_some(), end: None };
+                        outs.push((item, row));
+                    }
+                }
+            }
+            for (rid, f) in self.policy.complete(&sampled) {
+                let Some(&id) = self.by_rid.get(&rid) else { continue };
+                self.forget(id);
+                if let Some(&k) = slot.get(&id) {
+                    outs[k].0.end = Some(OutputEnd::Finished(finish_wire(&f)));
+                }
             }
         }
         let mut body = Vec::new();
@@ -837,6 +928,90 @@ impl SchedulerState {
         self.send_outputs(ended, &body);
         self.phase = Phase::Idle;
         self.tick();
+    }
+
+    /// The next decode step of a multi-step event: plan it (running
+    /// requests only), register the blocks it completes (valueless, as
+    /// modelled devices store them) and return its sampling items.
+    fn plan_decode_substep(&mut self, step: u64, ended: &mut Vec<OutputItem>) -> Vec<(u64, RequestId)> {
+        let bt = self.ctx.block_tokens;
+        let plan = self.policy.schedule_running();
+        for (rid, f) in plan.failed {
+            let Some(&id) = self.by_rid.get(&rid) else { continue };
+            self.forget(id);
+            ended.push(OutputItem {
+                id,
+                from: f.completion_tokens as u32,
+                tokens: Vec::new(),
+                logits: false,
+                end: Some(OutputEnd::Finished(finish_wire(&f))),
+            });
+        }
+        for rid in &plan.preempted {
+            if let Some(l) = self.by_rid.get(rid).and_then(|id| self.live.get(id)) {
+                self.release.entry(l.worker).or_default().push(l.spec.id);
+            }
+        }
+        let evicted: Vec<u64> = plan.evicted.iter().filter_map(|b| self.cached.remove(b)).collect();
+        if !evicted.is_empty() {
+            let msg = CacheMsg::Evict { instance: self.instance, step, hashes: evicted };
+            self.ctx.send(self.addr, self.cache, Message::Cache(msg), &[]);
+        }
+        let mut stores = Vec::new();
+        let mut current = Vec::with_capacity(plan.items.len());
+        for it in &plan.items {
+            let Some(&id) = self.by_rid.get(&it.id) else { continue };
+            for &k in &it.snapshots {
+                if let Registration::New(b) = self.policy.register_block(it.id, k) {
+                    let chain = self.chain(id, k + 1);
+                    self.cached.insert(b, chain[k]);
+                    stores.push(StoredBlock {
+                        hash: chain[k],
+                        parent: if k == 0 { 0 } else { chain[k - 1] },
+                        tokens: self.policy.tokens(it.id)[k * bt..(k + 1) * bt].to_vec(),
+                        lens: Vec::new(),
+                    });
+                }
+            }
+            if it.sample {
+                current.push((id, it.id));
+            }
+        }
+        if !stores.is_empty() {
+            let msg = CacheMsg::Store { instance: self.instance, step, blocks: stores };
+            self.ctx.send(self.addr, self.cache, Message::Cache(msg), &[]);
+        }
+        current
+    }
+
+    /// Decode steps to run as one event: more than one only for modelled
+    /// devices, a plan where every item decodes one token (transferred
+    /// requests included), and room in the KV budget.
+    fn decode_repeat(&self, items: &[Item]) -> u32 {
+        let Some(m) = &self.ctx.modelled else { return 1 };
+        let most = m.spec.decode_steps_per_event.max(1) as usize;
+        if most == 1 || items.is_empty() {
+            return 1;
+        }
+        let context = self.ctx.config.max_position_embeddings;
+        let mut repeat = most;
+        for it in items {
+            let plain = it.sample && it.to == it.from + 1 && it.restore.is_empty() && !it.rebuild;
+            // A request that finishes within the event drops out of the later
+            // steps (its extra tokens are discarded), so length is no limit.
+            let Some(l) = self.live.get(&it.id).filter(|_| plain) else { return 1 };
+            if !l.spec.ignore_eos || !l.spec.stop_token_ids.is_empty() || !l.spec.stop_sequences.is_empty() {
+                return 1;
+            }
+            repeat = repeat.min(context.saturating_sub(it.to + 1));
+        }
+        let pool = self.policy.pool_stats();
+        let layout = self.policy.layout();
+        let needed = items.len().saturating_mul(layout.sequence_bytes(repeat + layout.block_tokens));
+        if needed > pool.budget_bytes.saturating_sub(pool.used_bytes) {
+            return 1;
+        }
+        repeat.max(1) as u32
     }
 
     fn on_timeout(&mut self, serial: u64) {
@@ -925,7 +1100,7 @@ impl SchedulerState {
     /// router submits every request again, and they are recomputed on the
     /// surviving workers, as after any scheduler crash.
     fn on_node_down(&mut self, node: u32) -> Result<(), ActorProcessingErr> {
-        let topo = self.ctx.topology;
+        let topo = &self.ctx.topology;
         let lost: Vec<u32> = topo.devices_of(self.instance).filter(|&d| topo.node_of_device(d) == node).collect();
         self.ctx.mark_lost(&lost);
         let base = topo.devices_of(self.instance).start;
@@ -970,7 +1145,7 @@ impl Actor for Scheduler {
     ) -> Result<SchedulerState, ActorProcessingErr> {
         let ctx = args.ctx;
         let addr = Addr::scheduler(args.instance);
-        let policy = Policy::new(&ctx.model.config, ctx.engine.clone()).map_err(|e| format!("{addr}: {e}"))?;
+        let policy = Policy::new(&ctx.config, ctx.engine_for(args.instance)).map_err(|e| format!("{addr}: {e}"))?;
         let number = ctx.new_instance();
         ctx.events.record(format_args!("{addr} up (incarnation {}, instance {number})", args.incarnation));
         pump(ctx.transport.bind(addr), myself.clone(), SchedulerMsg::Net);
@@ -1034,7 +1209,7 @@ impl Actor for Scheduler {
         };
         let Some(m) = state.ctx.open(state.addr, &d) else { return Ok(()) };
         let from = m.envelope.from;
-        let topo = state.ctx.topology;
+        let topo = &state.ctx.topology;
         let mine = |a: Addr| topo.devices_of(state.instance).contains(&a.index);
         match (from.role, m.envelope.msg) {
             (Role::Router, Message::Submit(s)) => state.on_submit(s),

@@ -125,7 +125,7 @@ impl Actor for ExpertShard {
 
     async fn pre_start(&self, myself: ActorRef<ShardMsg>, args: ShardArgs) -> Result<ShardState, ActorProcessingErr> {
         let addr = Addr::shard(args.device);
-        let topo = args.ctx.topology;
+        let topo = &args.ctx.topology;
         let serving = topo.instance_of(args.device);
         let placement = args.ctx.placement(serving);
         let local = args.device - topo.devices_of(serving).start;

@@ -144,6 +144,10 @@ pub struct StepItem {
     pub restore: Vec<Vec<u32>>,
     /// Blocks whose compressed state to return once computed.
     pub snapshots: Vec<u32>,
+    /// The state up to `position` was computed by another (prefill)
+    /// instance and is transferred; a worker that cannot obtain it answers
+    /// `NeedsHistory` and the sequence is recomputed.
+    pub imported: bool,
 }
 
 /// Scheduler → worker: run one forward step over these sequences and sample.
@@ -160,6 +164,12 @@ pub struct StepRequest {
     pub items: Vec<StepItem>,
     /// Sequences that finished: drop their state.
     pub release: Vec<u64>,
+    /// Tokens of the whole instance's step (every worker's part): modelled
+    /// devices price the expert all-to-all from it.
+    pub batch_tokens: u64,
+    /// Modelled devices only: run this many decode steps as one (every item
+    /// decodes; each sampling item answers with this many tokens).
+    pub repeat: u32,
 }
 
 /// A likely token and its log-probability.
@@ -323,6 +333,9 @@ pub struct RequestSpec {
 pub struct Submit {
     pub spec: RequestSpec,
     pub generated: Vec<u32>,
+    /// A prefill instance computed the state of `prompt + generated[..-1]`:
+    /// the receiver imports it instead of recomputing.
+    pub prefilled: bool,
 }
 
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]

@@ -36,6 +36,9 @@ use crate::wire::{
     StepOutcome, StepRequest, StepResult, TopLogprob,
 };
 
+#[path = "worker_modelled.rs"]
+mod modelled;
+
 pub struct GpuWorker;
 
 pub struct WorkerArgs {
@@ -124,6 +127,9 @@ pub struct WorkerState {
     running: Option<Running>,
     /// The answer to the last completed step, re-sent to a duplicate request.
     last: Option<(u64, u64, Vec<u8>)>,
+    /// Modelled devices: each sequence's position, and the step being "computed".
+    positions: BTreeMap<u64, usize>,
+    modelled_run: Option<modelled::ModelledRun>,
     ctx: Arc<Ctx>,
 }
 
@@ -138,6 +144,12 @@ fn params(s: &crate::wire::Sampling) -> SamplingParams {
 }
 
 impl WorkerState {
+    /// Devices of this worker's instance.
+    fn instance_devices(&self) -> u32 {
+        let topo = &self.ctx.topology;
+        topo.size_of(topo.instance_of(self.device))
+    }
+
     fn reply(&self, to: Addr, step: u64, attempt: u32, outcome: StepOutcome, body: &[f32]) -> Option<Vec<u8>> {
         let r = StepResult { step, attempt, device: self.device, outcome };
         self.ctx.send(self.addr, to, Message::StepResult(r), body)
@@ -165,6 +177,8 @@ impl WorkerState {
             }
             self.abort("the scheduler restarted");
             self.seqs.clear();
+            self.positions.clear();
+            self.modelled_run = None;
             self.last = None;
             self.owner = req.scheduler;
         }
@@ -173,6 +187,11 @@ impl WorkerState {
                 return;
             }
             self.abort("superseded by a newer step");
+        }
+        if let Some(run) = &self.modelled_run {
+            if run.step >= req.step && run.pending() {
+                return;
+            }
         }
         if let Some((owner, step, frame)) = &self.last {
             if *owner == req.scheduler && *step == req.step {
@@ -185,22 +204,22 @@ impl WorkerState {
         }
         for seq in &req.release {
             self.seqs.remove(seq);
+            self.positions.remove(seq);
+        }
+        if let Some(m) = self.ctx.modelled.clone() {
+            return self.modelled_step(from, req, &m);
         }
         let fail = |me: &Self, why: String| {
             me.reply(from, req.step, req.attempt, StepOutcome::Failed(why), &[]);
         };
-        let cfg = &self.ctx.model.config;
+        let cfg = &self.ctx.config;
         let bt = self.ctx.block_tokens;
         let placement = match Placement::from_wire(&req.placement, cfg.n_routed_experts) {
-            Ok(p) if p.devices() == self.ctx.topology.per_instance() => p,
+            Ok(p) if p.devices() == self.instance_devices() => p,
             Ok(p) => {
                 return fail(
                     self,
-                    format!(
-                        "placement of {} devices for an instance of {}",
-                        p.devices(),
-                        self.ctx.topology.per_instance()
-                    ),
+                    format!("placement of {} devices for an instance of {}", p.devices(), self.instance_devices()),
                 )
             }
             Err(e) => return fail(self, format!("bad placement: {e}")),
@@ -598,7 +617,7 @@ impl Actor for GpuWorker {
         args: WorkerArgs,
     ) -> Result<WorkerState, ActorProcessingErr> {
         let addr = Addr::worker(args.device);
-        let topo = args.ctx.topology;
+        let topo = &args.ctx.topology;
         let serving = topo.instance_of(args.device);
         let scheduler = Addr::scheduler(serving);
         let instance = args.ctx.new_instance();
@@ -620,8 +639,21 @@ impl Actor for GpuWorker {
             seqs: BTreeMap::new(),
             running: None,
             last: None,
+            positions: BTreeMap::new(),
+            modelled_run: None,
             ctx: args.ctx,
         })
+    }
+
+    async fn post_stop(&self, _me: ActorRef<WorkerMsg>, state: &mut WorkerState) -> Result<(), ActorProcessingErr> {
+        // A crashed device answers nothing: its pending modelled reply dies with it.
+        state.modelled_run = None;
+        if let Some(run) = state.running.take() {
+            if let Some(t) = run.timer {
+                t.abort();
+            }
+        }
+        Ok(())
     }
 
     async fn handle(

@@ -84,7 +84,7 @@ fn a_decode_step_lasts_at_least_its_device_cost() {
     let report = run_simulated(m.clone(), cfg.clone(), &reqs).unwrap();
     assert_same(&report.outputs, &want, "1 device, H800");
 
-    let cost = DeviceCost::new(spec, cfg.topology(), m.config.num_layers);
+    let cost = DeviceCost::new(spec, &cfg.topology(), m.config.num_layers);
     let k = m.config.experts_per_token;
     let layers = m.config.num_layers as u32;
     let decodes = decode_steps(&report.log);

@@ -113,6 +113,7 @@ fn dropped_delayed_duplicated_messages_slow_devices_and_partitions_do_not_change
                 rule(MsgKind::StepRequest, MessageAction::Duplicate, 0.2, 10),
             ],
             slow: vec![SlowDevice { device: (seed % 4) as u32, per_layer: Duration::from_micros(300) }],
+            stragglers: Vec::new(),
         });
         cfg.fabric.drop = 0.002;
         cfg.fabric.duplicate = 0.01;

@@ -55,8 +55,11 @@ fn message() -> impl Strategy<Value = Message> {
                         replay_until: 64,
                         restore: vec![vec![1, 16, u32::MAX, u32::MAX]],
                         snapshots: vec![1, 2],
+                        imported: step % 3 == 0,
                     }],
                     release: vec![1, 2],
+                    batch_tokens: step % 4096,
+                    repeat: 1,
                 })
             }),
         (any::<u64>(), prop::collection::vec(any::<u64>(), 0..5), ".{0,10}").prop_map(|(step, ids, why)| {
@@ -89,7 +92,8 @@ fn message() -> impl Strategy<Value = Message> {
                     ignore_eos: false,
                     logits: true,
                 };
-                Message::Submit(Submit { spec, generated })
+                let prefilled = generated.len() == 1;
+                Message::Submit(Submit { spec, generated, prefilled })
             }
         ),
         prop::collection::vec(any::<u64>(), 0..5).prop_map(|ids| Message::Ack { ids }),

@@ -23,13 +23,15 @@ use crate::request::{
 };
 
 /// Most sequences one step may carry.
-pub const MAX_BATCH_SIZE: usize = 4096;
+pub const MAX_BATCH_SIZE: usize = 1 << 16;
 /// Most tokens one step may carry.
 pub const MAX_BATCH_TOKENS: usize = 1 << 20;
 /// Longest waiting queue.
 pub const MAX_WAITING: usize = 1 << 20;
 /// Largest prefix block, in tokens.
 pub const MAX_BLOCK_TOKENS: usize = 4096;
+/// Waiting requests looked at for one admission when ranks limit a step.
+const ADMISSION_SCAN: usize = 256;
 
 /// Limits and policy of one serving instance.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,6 +40,14 @@ pub struct EngineConfig {
     pub max_batch_size: usize,
     /// Most tokens per step: decodes, prompt chunks and replays together.
     pub max_batch_tokens: usize,
+    /// Most tokens of one sequence per step (its prompt is cut into chunks of
+    /// this size); `None`: up to `max_batch_tokens`. With attention data
+    /// parallelism it keeps one long prompt from holding up a whole step.
+    pub max_chunk_tokens: Option<usize>,
+    /// Most tokens per attention data-parallel rank per step (see
+    /// [`Scheduler::set_rank`]): the slowest rank paces the step, so ranks
+    /// are filled evenly. `None`: no per-rank limit.
+    pub max_rank_tokens: Option<usize>,
     /// Most requests waiting for admission; more are refused.
     pub max_waiting: usize,
     /// Bytes of KV state (all four block kinds, cached blocks included).
@@ -55,6 +65,8 @@ impl Default for EngineConfig {
         Self {
             max_batch_size: 256,
             max_batch_tokens: 2048,
+            max_chunk_tokens: None,
+            max_rank_tokens: None,
             max_waiting: 4096,
             kv_budget_bytes: 1 << 30,
             prefix_mode: PrefixMode::Exact,
@@ -97,6 +109,9 @@ pub struct ScheduledItem {
     /// Blocks `k` whose end `(k + 1) · block_tokens` lies in `(from, to]`
     /// and that should be offered to the prefix cache once computed.
     pub snapshots: Vec<usize>,
+    /// Set on admission of a transferred request: positions `0..from` were
+    /// computed by another instance and its state arrives from there.
+    pub imported: bool,
 }
 
 /// What one step does.
@@ -170,6 +185,11 @@ struct Seq {
     registered: usize,
     cached_tokens: usize,
     preemptions: u32,
+    /// Its state up to the last token was computed elsewhere (prefill
+    /// disaggregation); cleared once admitted or preempted.
+    transferred: bool,
+    /// Attention data-parallel rank that computes it.
+    rank: u32,
 }
 
 impl Seq {
@@ -256,6 +276,23 @@ impl Scheduler {
 
     pub fn config(&self) -> &EngineConfig {
         &self.config
+    }
+
+    /// Compute `id` on attention data-parallel rank `rank` (see `max_rank_tokens`).
+    pub fn set_rank(&mut self, id: RequestId, rank: u32) {
+        if let Some(seq) = self.seqs.get_mut(&id) {
+            seq.rank = rank;
+        }
+    }
+
+    fn remove_waiting(&mut self, id: RequestId) {
+        if let Some(at) = self.waiting.iter().position(|&w| w == id) {
+            self.waiting.remove(at);
+        }
+    }
+
+    fn chunk_tokens(&self) -> usize {
+        self.config.max_chunk_tokens.unwrap_or(usize::MAX).max(1)
     }
 
     pub fn prefix_mode(&self) -> PrefixMode {
@@ -350,9 +387,22 @@ impl Scheduler {
                 registered: 0,
                 cached_tokens: 0,
                 preemptions: 0,
+                transferred: false,
+                rank: 0,
             },
         );
         self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    /// Queue a request prefilled by another instance, which produced
+    /// `generated` (at least its first token): its state up to the last token
+    /// is transferred, so admission computes only that token. If the
+    /// request is preempted before it runs, it is recomputed instead.
+    pub fn add_transferred(&mut self, request: Request, generated: &[u32]) -> Result<RequestId, RequestError> {
+        let id = self.add_resumed(request, generated)?;
+        let seq = self.seqs.get_mut(&id).expect("just added");
+        seq.transferred = !generated.is_empty();
         Ok(id)
     }
 
@@ -427,29 +477,62 @@ impl Scheduler {
 
     /// Form the next step.
     pub fn schedule(&mut self) -> StepPlan {
+        self.plan_step(true)
+    }
+
+    /// Form the next step of the running requests only, admitting none (a
+    /// simulator that advances several decode steps as one event).
+    pub fn schedule_running(&mut self) -> StepPlan {
+        self.plan_step(false)
+    }
+
+    fn plan_step(&mut self, admit: bool) -> StepPlan {
         self.stats.steps += 1;
         let mut plan = StepPlan::default();
         let mut budget = self.config.max_batch_tokens;
+        let per_rank = self.config.max_rank_tokens.unwrap_or(usize::MAX).max(1);
+        let mut rank_used: BTreeMap<u32, usize> = BTreeMap::new();
+        let room = |used: &BTreeMap<u32, usize>, rank: u32| per_rank - used.get(&rank).copied().unwrap_or(0);
         let mut i = 0;
         while i < self.running.len() && budget > 0 && plan.items.len() < self.config.max_batch_size {
             let id = self.running[i];
             let seq = self.seq(id);
-            let from = seq.computed;
-            let to = from + (seq.tokens.len() - from).min(budget);
+            let (from, rank) = (seq.computed, seq.rank);
+            let cap = room(&rank_used, rank);
+            if cap == 0 {
+                // Its rank is full this step; it runs in the next.
+                i += 1;
+                continue;
+            }
+            let to = from + (seq.tokens.len() - from).min(budget).min(self.chunk_tokens()).min(cap);
             if !self.reserve(id, to, &mut plan) {
                 // It preempted itself: it was the newest, nothing follows it.
                 break;
             }
             plan.items.push(self.item(id, from, to, None));
             budget -= to - from;
+            *rank_used.entry(rank).or_default() += to - from;
             i += 1;
         }
         // Admitting while preempting would only thrash.
-        if plan.preempted.is_empty() && plan.failed.is_empty() {
+        if admit && plan.preempted.is_empty() && plan.failed.is_empty() {
             while budget > 0 && self.running.len() < self.config.max_batch_size {
-                let Some(&id) = self.waiting.front() else { break };
-                match self.admit(id, budget, &mut plan) {
-                    Some(n) => budget -= n,
+                // The first waiting request whose rank has room (FIFO without ranks).
+                let Some(id) = self
+                    .waiting
+                    .iter()
+                    .take(ADMISSION_SCAN)
+                    .copied()
+                    .find(|id| room(&rank_used, self.seq(*id).rank) > 0)
+                else {
+                    break;
+                };
+                let rank = self.seq(id).rank;
+                match self.admit(id, budget.min(room(&rank_used, rank)), &mut plan) {
+                    Some(n) => {
+                        budget -= n;
+                        *rank_used.entry(rank).or_default() += n;
+                    }
                     None => break,
                 }
             }
@@ -472,7 +555,16 @@ impl Scheduler {
             // replay lies inside cached blocks).
             (from / bt + 1..=to / bt).filter(|&b| b > seq.registered).map(|b| b - 1).collect()
         };
-        ScheduledItem { id, from, to, replay_until: seq.replay_until, sample: to == seq.tokens.len(), start, snapshots }
+        ScheduledItem {
+            id,
+            from,
+            to,
+            replay_until: seq.replay_until,
+            sample: to == seq.tokens.len(),
+            start,
+            snapshots,
+            imported: false,
+        }
     }
 
     /// Allocate `id`'s blocks for `to` positions, evicting cached blocks and
@@ -543,6 +635,9 @@ impl Scheduler {
         let replay = self.limits.replay;
         let seq = self.seqs.get_mut(&id).expect("queued request is known");
         let len = seq.tokens.len();
+        if seq.transferred {
+            return self.admit_transferred(id, plan);
+        }
         let mut hit = Vec::new();
         let mut short_match = false;
         if self.mode != PrefixMode::Off {
@@ -569,14 +664,14 @@ impl Scheduler {
         seq.computed = if hit.is_empty() { 0 } else { boundary - replay };
         seq.replay_until = if hit.is_empty() { 0 } else { boundary };
         let from = seq.computed;
-        let to = from + (len - from).min(budget);
+        let to = from + (len - from).min(budget).min(self.config.max_chunk_tokens.unwrap_or(usize::MAX).max(1));
         while !self.try_grow(id, to) {
             if !self.evict_one(plan) {
                 self.release_blocks(id);
                 return None;
             }
         }
-        self.waiting.pop_front();
+        self.remove_waiting(id);
         self.running.push(id);
         let stats = &mut self.cache.stats;
         let seq = self.seqs.get_mut(&id).expect("known request");
@@ -597,6 +692,28 @@ impl Scheduler {
         self.stats.admissions += 1;
         plan.items.push(self.item(id, from, to, Some(hit.iter().map(|b| b.compressed).collect())));
         Some(to - from)
+    }
+
+    /// Admit a transferred request: blocks for its whole length, one token computed.
+    fn admit_transferred(&mut self, id: RequestId, plan: &mut StepPlan) -> Option<usize> {
+        let len = self.seq(id).tokens.len();
+        while !self.try_grow(id, len) {
+            if !self.evict_one(plan) {
+                self.release_blocks(id);
+                return None;
+            }
+        }
+        self.remove_waiting(id);
+        self.running.push(id);
+        let seq = self.seqs.get_mut(&id).expect("known request");
+        seq.transferred = false;
+        seq.computed = len - 1;
+        seq.status = RequestStatus::Prefilling;
+        self.stats.admissions += 1;
+        let mut item = self.item(id, len - 1, len, Some(Vec::new()));
+        item.imported = true;
+        plan.items.push(item);
+        Some(1)
     }
 
     /// Drop all of `id`'s block references, tail first, so the tail of a
@@ -629,6 +746,7 @@ impl Scheduler {
 
     fn preempt(&mut self, id: RequestId, plan: &mut StepPlan) {
         self.release_blocks(id);
+        self.seqs.get_mut(&id).expect("known request").transferred = false;
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
         let seq = self.seqs.get_mut(&id).expect("known request");
@@ -855,6 +973,19 @@ mod tests {
             s.add_resumed(Request::new(prompt(5), 4), &[5000]),
             Err(RequestError::TokenOutOfVocabulary { .. })
         ));
+    }
+
+    #[test]
+    fn a_transferred_request_computes_only_its_last_token_unless_preempted() {
+        let mut s = scheduler(EngineConfig { prefix_mode: PrefixMode::Off, ..Default::default() });
+        let id = s.add_transferred(Request::new(prompt(300), 4), &[9]).unwrap();
+        let (plan, _) = run(&mut s, 8);
+        assert_eq!(spans(&plan), [(id.0, 300, 301, true)]);
+        assert!(plan.items[0].imported && plan.items[0].start == Some(Vec::new()));
+        let (plan, _) = run(&mut s, 8);
+        assert_eq!(spans(&plan), [(id.0, 301, 302, true)]);
+        assert!(!plan.items[0].imported);
+        assert!(s.pool_stats().used_bytes >= s.layout().sequence_bytes(302), "blocks for the whole length");
     }
 
     #[test]

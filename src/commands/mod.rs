@@ -5,3 +5,4 @@ pub mod cluster;
 pub mod generate;
 pub mod model_init;
 pub mod serve;
+pub mod simulate;

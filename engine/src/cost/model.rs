@@ -55,7 +55,12 @@ pub struct ModelCost {
     pub dense_bits: u32,
     /// Bytes per cached KV element.
     pub kv_element_bytes: usize,
+    /// Longest context (`max_position_embeddings`).
+    pub context: usize,
 }
+
+/// The V4 models' context (1M tokens); V3's is set where it is built.
+const CONTEXT: usize = 1 << 20;
 
 impl ModelKind {
     pub const ALL: [ModelKind; 3] = [Self::DeepSeekV3, Self::V4Flash, Self::V41Flash];
@@ -135,6 +140,7 @@ impl ModelKind {
                 expert_bits: 8,
                 dense_bits: 8,
                 kv_element_bytes: 2,
+                context: 163_840,
             },
             // 43 layers: 2 window-only, then CSA and HCA alternating (21 + 20).
             ModelKind::V4Flash => ModelCost {
@@ -153,6 +159,7 @@ impl ModelKind {
                 expert_bits: 4,
                 dense_bits: 8,
                 kv_element_bytes: 2,
+                context: CONTEXT,
             },
             ModelKind::V41Flash => ModelCost {
                 kind: self,
@@ -170,6 +177,7 @@ impl ModelKind {
                 expert_bits: 4,
                 dense_bits: 8,
                 kv_element_bytes: 2,
+                context: CONTEXT,
             },
         }
     }
@@ -279,8 +287,12 @@ impl ModelCost {
         // Average visible length over the new tokens.
         let visible = context as f64 + (new as f64 + 1.0) / 2.0;
         let per_token = match self.attention {
-            Attention::Mla { heads, kv_lora, qk_rope, .. } => {
-                visible * (heads * (2 * kv_lora + qk_rope)) as f64 * 2.0 * self.layers as f64
+            // Decode attends in the absorbed (latent) form; prefill expands keys
+            // and values per head, which is cheaper per key (as DeepSeek serves it).
+            Attention::Mla { heads, kv_lora, qk_nope, qk_rope, v_head, .. } => {
+                let per_key =
+                    if new > 1 { heads * (qk_nope + qk_rope + v_head) } else { heads * (2 * kv_lora + qk_rope) };
+                visible * per_key as f64 * 2.0 * self.layers as f64
             }
             Attention::V4 {
                 heads,

@@ -1,0 +1,621 @@
+//! Simulation scenarios (`simulations/*.toml`): the deployment (hardware,
+//! model, instances), the engine's limits, expert popularity, traffic
+//! (synthetic or a Mooncake trace), faults at given times, SLOs, seed and
+//! duration. Errors name the file, line and key.
+
+use std::path::{Path, PathBuf};
+
+use deepinfer_engine::cost::experts::Popularity;
+use deepinfer_engine::cost::{HardwareKind, ModelKind};
+use deepinfer_engine::traffic::{Lengths, Pattern};
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::config_file::{parse_toml, read_text, value_error, FileError};
+
+/// Most devices one scenario may simulate.
+pub const MAX_DEVICES: u32 = 4096;
+/// Longest simulated time, seconds.
+pub const MAX_DURATION_S: f64 = 86_400.0;
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Prefill,
+    Decode,
+    Both,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Header {
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub seed: u64,
+    /// Arrivals stop after this many simulated seconds.
+    pub duration_s: Spanned<f64>,
+    /// After the last arrival, requests still running get this long to finish.
+    #[serde(default = "default_drain_s")]
+    pub drain_s: Spanned<f64>,
+    /// Throughput is measured from this time to `duration_s` (the cluster fills up before).
+    #[serde(default)]
+    pub warmup_s: Option<Spanned<f64>>,
+    /// `H800`, `H100`, `H200`, `B200`, `GB200`, `Ascend950`.
+    pub hardware: Spanned<String>,
+    /// `DeepSeek-V3` (also R1), `V4-Flash`, `V4.1-Flash`.
+    pub model: Spanned<String>,
+    #[serde(default = "default_devices_per_node")]
+    pub devices_per_node: Spanned<u32>,
+    /// Width of the time series' buckets (default: duration / 120).
+    #[serde(default)]
+    pub sample_s: Option<Spanned<f64>>,
+}
+
+fn default_drain_s() -> Spanned<f64> {
+    Spanned::new(0..0, 300.0)
+}
+
+fn default_devices_per_node() -> Spanned<u32> {
+    Spanned::new(0..0, 8)
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct InstanceSpec {
+    pub role: Role,
+    /// Devices of each instance (its expert-parallel degree); a multiple of `devices_per_node`.
+    pub devices: Spanned<u32>,
+    #[serde(default = "one")]
+    pub count: Spanned<u32>,
+}
+
+fn one() -> Spanned<u32> {
+    Spanned::new(0..0, 1)
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct EngineSpec {
+    /// Sequences per device in one step.
+    #[serde(default = "default_batch")]
+    pub batch_per_device: Spanned<usize>,
+    /// Tokens (prompt chunks and decodes) per device in one step.
+    #[serde(default = "default_batch_tokens")]
+    pub batch_tokens_per_device: Spanned<usize>,
+    /// `exact` or `off`.
+    #[serde(default = "default_prefix")]
+    pub prefix_cache: Spanned<String>,
+    /// Positions per KV block and prefix-cache block (Mooncake's hash blocks are 512).
+    #[serde(default = "default_block")]
+    pub block_tokens: Spanned<usize>,
+    /// Decode-only steps simulated as one event (1: exact; more: faster, with
+    /// admissions waiting for the event and tokens arriving in bursts).
+    #[serde(default = "default_steps_per_event")]
+    pub decode_steps_per_event: Spanned<u32>,
+}
+
+impl Default for EngineSpec {
+    fn default() -> Self {
+        Self {
+            batch_per_device: default_batch(),
+            batch_tokens_per_device: default_batch_tokens(),
+            prefix_cache: default_prefix(),
+            block_tokens: default_block(),
+            decode_steps_per_event: default_steps_per_event(),
+        }
+    }
+}
+
+fn default_batch() -> Spanned<usize> {
+    Spanned::new(0..0, 128)
+}
+fn default_batch_tokens() -> Spanned<usize> {
+    Spanned::new(0..0, 8192)
+}
+fn default_prefix() -> Spanned<String> {
+    Spanned::new(0..0, "exact".into())
+}
+fn default_block() -> Spanned<usize> {
+    Spanned::new(0..0, 512)
+}
+fn default_steps_per_event() -> Spanned<u32> {
+    Spanned::new(0..0, 1)
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ExpertsSpec {
+    /// `uniform` or `zipf`.
+    #[serde(default = "default_popularity")]
+    pub popularity: Spanned<String>,
+    #[serde(default = "default_zipf")]
+    pub zipf_s: Spanned<f64>,
+    /// Redundant expert slots per instance, placed by EPLB (0: contiguous experts, no EPLB).
+    #[serde(default)]
+    pub redundant: usize,
+}
+
+impl Default for ExpertsSpec {
+    fn default() -> Self {
+        Self { popularity: default_popularity(), zipf_s: default_zipf(), redundant: 0 }
+    }
+}
+
+fn default_popularity() -> Spanned<String> {
+    Spanned::new(0..0, "uniform".into())
+}
+fn default_zipf() -> Spanned<f64> {
+    Spanned::new(0..0, 1.2)
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, tag = "dist", rename_all = "lowercase")]
+pub enum LengthSpec {
+    Fixed { value: usize },
+    Uniform { min: usize, max: usize },
+    LogNormal { median: f64, sigma: f64, min: usize, max: usize },
+}
+
+impl LengthSpec {
+    fn lengths(&self) -> Lengths {
+        match *self {
+            LengthSpec::Fixed { value } => Lengths::Fixed(value),
+            LengthSpec::Uniform { min, max } => Lengths::Uniform { min, max },
+            LengthSpec::LogNormal { median, sigma, min, max } => Lengths::LogNormal { median, sigma, min, max },
+        }
+    }
+
+    fn check(&self) -> Result<(), String> {
+        let ok = match *self {
+            LengthSpec::Fixed { value } => value >= 1,
+            LengthSpec::Uniform { min, max } => min >= 1 && min <= max,
+            LengthSpec::LogNormal { median, sigma, min, max } => {
+                median.is_finite() && median >= 1.0 && sigma.is_finite() && sigma >= 0.0 && min >= 1 && min <= max
+            }
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err("lengths must be at least 1 with min ≤ max (and a finite median and sigma)".into())
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum TrafficKind {
+    Poisson,
+    Bursty,
+    Mooncake,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TrafficSpec {
+    pub kind: TrafficKind,
+    #[serde(default)]
+    pub rate_per_s: Option<Spanned<f64>>,
+    #[serde(default = "default_burst")]
+    pub burst_factor: f64,
+    #[serde(default = "default_on_off")]
+    pub on_s: f64,
+    #[serde(default = "default_on_off")]
+    pub off_s: f64,
+    #[serde(default)]
+    pub input: Option<Spanned<LengthSpec>>,
+    #[serde(default)]
+    pub output: Option<Spanned<LengthSpec>>,
+    #[serde(default)]
+    pub shared_prefix_tokens: usize,
+    #[serde(default)]
+    pub shared_fraction: f64,
+    /// Mooncake trace (JSON Lines), relative to the scenario file.
+    #[serde(default)]
+    pub trace: Option<Spanned<String>>,
+    /// Stretch the trace's time (2.0 = half the rate).
+    #[serde(default = "default_scale")]
+    pub time_scale: Spanned<f64>,
+    /// Replay the trace this many times back to back (its ids stay shared: later rounds hit the cache).
+    #[serde(default = "one")]
+    pub repeat: Spanned<u32>,
+}
+
+fn default_burst() -> f64 {
+    4.0
+}
+fn default_on_off() -> f64 {
+    10.0
+}
+fn default_scale() -> Spanned<f64> {
+    Spanned::new(0..0, 1.0)
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    /// Crash a node (`node`) or one device (`device`) at `at_s`; a node stays unreachable until `until_s`.
+    Crash,
+    /// Nodes `nodes` cannot reach the others during `[at_s, until_s)`.
+    Partition,
+    /// Links between nodes `nodes` and the others get `latency_us` and `gb_per_s` (for the whole run).
+    SlowLink,
+    /// Device `device` is `slowdown` times slower (for the whole run).
+    Straggler,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct FaultSpec {
+    pub kind: FaultKind,
+    #[serde(default)]
+    pub at_s: Option<Spanned<f64>>,
+    #[serde(default)]
+    pub until_s: Option<Spanned<f64>>,
+    #[serde(default)]
+    pub node: Option<Spanned<u32>>,
+    #[serde(default)]
+    pub device: Option<Spanned<u32>>,
+    #[serde(default)]
+    pub nodes: Vec<u32>,
+    #[serde(default)]
+    pub latency_us: Option<f64>,
+    #[serde(default)]
+    pub gb_per_s: Option<f64>,
+    #[serde(default)]
+    pub slowdown: Option<Spanned<f64>>,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SloSpec {
+    #[serde(default = "default_ttft")]
+    pub ttft_ms: f64,
+    #[serde(default = "default_tpot")]
+    pub tpot_ms: f64,
+}
+
+impl Default for SloSpec {
+    fn default() -> Self {
+        Self { ttft_ms: default_ttft(), tpot_ms: default_tpot() }
+    }
+}
+
+fn default_ttft() -> f64 {
+    2000.0
+}
+fn default_tpot() -> f64 {
+    100.0
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+struct ScenarioFile {
+    scenario: Header,
+    #[serde(rename = "instance")]
+    instances: Vec<InstanceSpec>,
+    #[serde(default)]
+    engine: EngineSpec,
+    #[serde(default)]
+    experts: ExpertsSpec,
+    traffic: TrafficSpec,
+    #[serde(default, rename = "fault")]
+    faults: Vec<FaultSpec>,
+    #[serde(default)]
+    slo: SloSpec,
+}
+
+/// Where requests come from.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Traffic {
+    Synthetic { pattern: Pattern, input: Lengths, output: Lengths, shared_prefix_tokens: usize, shared_fraction: f64 },
+    Mooncake { path: PathBuf, time_scale: f64, repeat: u32 },
+}
+
+/// A fault at a simulated time.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Fault {
+    CrashNode { node: u32, at_s: f64, until_s: Option<f64> },
+    CrashDevice { device: u32, at_s: f64 },
+    Partition { nodes: Vec<u32>, at_s: f64, until_s: f64 },
+    SlowLink { nodes: Vec<u32>, latency_us: f64, gb_per_s: f64 },
+    Straggler { device: u32, slowdown: f64 },
+}
+
+/// A checked scenario.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scenario {
+    pub file: String,
+    pub name: String,
+    pub description: String,
+    pub seed: u64,
+    pub duration_s: f64,
+    pub drain_s: f64,
+    pub warmup_s: f64,
+    pub sample_s: f64,
+    pub hardware: HardwareKind,
+    pub model: ModelKind,
+    pub devices_per_node: u32,
+    /// One entry per instance, in order.
+    pub instances: Vec<(Role, u32)>,
+    pub batch_per_device: usize,
+    pub batch_tokens_per_device: usize,
+    pub prefix_cache: bool,
+    pub block_tokens: usize,
+    pub decode_steps_per_event: u32,
+    pub popularity: Popularity,
+    pub redundant_experts: usize,
+    pub traffic: Traffic,
+    pub faults: Vec<Fault>,
+    pub ttft_slo_ms: f64,
+    pub tpot_slo_ms: f64,
+}
+
+impl Scenario {
+    pub fn from_file(path: &Path) -> Result<Self, FileError> {
+        let (file, text) = read_text(path)?;
+        Self::parse(&file, &text, path.parent().unwrap_or(Path::new(".")))
+    }
+
+    /// Parse and check a scenario; `file` names it in errors, `dir` resolves its trace path.
+    pub fn parse(file: &str, text: &str, dir: &Path) -> Result<Self, FileError> {
+        let f: ScenarioFile = parse_toml(file, text)?;
+        let err = |span: std::ops::Range<usize>, message: String| value_error(file, text, span, message);
+        let h = &f.scenario;
+        let duration_s = *h.duration_s.get_ref();
+        if duration_s.is_nan() || duration_s <= 0.0 || duration_s > MAX_DURATION_S {
+            return Err(err(h.duration_s.span(), format!("must be in (0, {MAX_DURATION_S}] seconds")));
+        }
+        let drain_s = *h.drain_s.get_ref();
+        if !(0.0..=MAX_DURATION_S).contains(&drain_s) {
+            return Err(err(h.drain_s.span(), format!("must be in [0, {MAX_DURATION_S}] seconds")));
+        }
+        let warmup_s = match &h.warmup_s {
+            None => 0.0,
+            Some(w) if (0.0..duration_s).contains(w.get_ref()) => *w.get_ref(),
+            Some(w) => return Err(err(w.span(), format!("must be in [0, duration_s = {duration_s})"))),
+        };
+        let hardware = HardwareKind::from_name(h.hardware.get_ref()).ok_or_else(|| {
+            err(
+                h.hardware.span(),
+                format!("unknown hardware `{}` (H800, H100, H200, B200, GB200, Ascend950)", h.hardware.get_ref()),
+            )
+        })?;
+        let model = ModelKind::from_name(h.model.get_ref()).ok_or_else(|| {
+            err(h.model.span(), format!("unknown model `{}` (DeepSeek-V3, V4-Flash, V4.1-Flash)", h.model.get_ref()))
+        })?;
+        let per_node = *h.devices_per_node.get_ref();
+        if !(1..=72).contains(&per_node) {
+            return Err(err(h.devices_per_node.span(), "must be 1 to 72".into()));
+        }
+        let sample_s = match &h.sample_s {
+            Some(s) if s.get_ref().is_nan() || *s.get_ref() <= 0.0 => {
+                return Err(err(s.span(), "must be positive".into()))
+            }
+            Some(s) => *s.get_ref(),
+            None => duration_s / 120.0,
+        };
+        if f.instances.is_empty() {
+            return Err(err(0..0, "a scenario needs at least one [[instance]] table".into()));
+        }
+        let mut instances = Vec::new();
+        for inst in &f.instances {
+            let devices = *inst.devices.get_ref();
+            if devices == 0 || !devices.is_multiple_of(per_node) {
+                return Err(err(
+                    inst.devices.span(),
+                    format!("must be a positive multiple of devices_per_node ({per_node})"),
+                ));
+            }
+            let count = *inst.count.get_ref();
+            if count == 0 {
+                return Err(err(inst.count.span(), "must be at least 1".into()));
+            }
+            instances.extend(std::iter::repeat_n((inst.role, devices), count as usize));
+        }
+        let total: u64 = instances.iter().map(|&(_, d)| d as u64).sum();
+        if total > MAX_DEVICES as u64 {
+            return Err(err(0..0, format!("{total} devices; a scenario simulates at most {MAX_DEVICES}")));
+        }
+        if instances.iter().all(|&(r, _)| r == Role::Prefill) || instances.iter().all(|&(r, _)| r == Role::Decode) {
+            let first = &f.instances[0];
+            return Err(err(first.devices.span(), "instances must be able to prefill and to decode".into()));
+        }
+        let e = &f.engine;
+        let batch = *e.batch_per_device.get_ref();
+        if !(1..=4096).contains(&batch) {
+            return Err(err(e.batch_per_device.span(), "must be 1 to 4096".into()));
+        }
+        let batch_tokens = *e.batch_tokens_per_device.get_ref();
+        if !(1..=65536).contains(&batch_tokens) {
+            return Err(err(e.batch_tokens_per_device.span(), "must be 1 to 65536".into()));
+        }
+        let prefix_cache = match e.prefix_cache.get_ref().as_str() {
+            "exact" => true,
+            "off" => false,
+            other => return Err(err(e.prefix_cache.span(), format!("unknown `{other}` (exact, off)"))),
+        };
+        let block_tokens = *e.block_tokens.get_ref();
+        if !(64..=4096).contains(&block_tokens) || !block_tokens.is_multiple_of(64) {
+            return Err(err(e.block_tokens.span(), "must be a multiple of 64 from 64 to 4096".into()));
+        }
+        let steps_per_event = *e.decode_steps_per_event.get_ref();
+        if !(1..=256).contains(&steps_per_event) {
+            return Err(err(e.decode_steps_per_event.span(), "must be 1 to 256".into()));
+        }
+        let x = &f.experts;
+        let popularity = match x.popularity.get_ref().as_str() {
+            "uniform" => Popularity::Uniform,
+            "zipf" => {
+                let s = *x.zipf_s.get_ref();
+                if !(s.is_finite() && (0.0..=4.0).contains(&s)) {
+                    return Err(err(x.zipf_s.span(), "must be in [0, 4]".into()));
+                }
+                Popularity::Zipf { s }
+            }
+            other => return Err(err(x.popularity.span(), format!("unknown `{other}` (uniform, zipf)"))),
+        };
+        let traffic = Self::traffic(&f.traffic, dir, &err)?;
+        let devices_total = total as u32;
+        let nodes_total = devices_total.div_ceil(per_node);
+        let mut faults = Vec::new();
+        for fs in &f.faults {
+            faults.push(Self::fault(fs, devices_total, nodes_total, duration_s + drain_s, &err)?);
+        }
+        Ok(Self {
+            file: file.to_string(),
+            name: h.name.clone(),
+            description: h.description.clone(),
+            seed: h.seed,
+            duration_s,
+            drain_s,
+            warmup_s,
+            sample_s,
+            hardware,
+            model,
+            devices_per_node: per_node,
+            instances,
+            batch_per_device: batch,
+            batch_tokens_per_device: batch_tokens,
+            prefix_cache,
+            block_tokens,
+            decode_steps_per_event: steps_per_event,
+            popularity,
+            redundant_experts: x.redundant,
+            traffic,
+            faults,
+            ttft_slo_ms: f.slo.ttft_ms,
+            tpot_slo_ms: f.slo.tpot_ms,
+        })
+    }
+
+    fn traffic(
+        t: &TrafficSpec,
+        dir: &Path,
+        err: &dyn Fn(std::ops::Range<usize>, String) -> FileError,
+    ) -> Result<Traffic, FileError> {
+        if t.kind == TrafficKind::Mooncake {
+            let Some(trace) = &t.trace else {
+                return Err(err(0..0, "key `traffic.trace`: a mooncake replay needs a trace file".into()));
+            };
+            let scale = *t.time_scale.get_ref();
+            if !(scale.is_finite() && scale > 0.0) {
+                return Err(err(t.time_scale.span(), "must be positive".into()));
+            }
+            let repeat = *t.repeat.get_ref();
+            if !(1..=1000).contains(&repeat) {
+                return Err(err(t.repeat.span(), "must be 1 to 1000".into()));
+            }
+            return Ok(Traffic::Mooncake { path: dir.join(trace.get_ref()), time_scale: scale, repeat });
+        }
+        let Some(rate) = &t.rate_per_s else {
+            return Err(err(0..0, "key `traffic.rate_per_s`: synthetic traffic needs a rate".into()));
+        };
+        if !(rate.get_ref().is_finite() && *rate.get_ref() > 0.0) {
+            return Err(err(rate.span(), "must be positive".into()));
+        }
+        let lengths = |l: &Option<Spanned<LengthSpec>>, what: &str| -> Result<Lengths, FileError> {
+            let Some(l) = l else {
+                return Err(err(0..0, format!("key `traffic.{what}`: synthetic traffic needs {what} lengths")));
+            };
+            l.get_ref().check().map_err(|m| err(l.span(), m))?;
+            Ok(l.get_ref().lengths())
+        };
+        let pattern = match t.kind {
+            TrafficKind::Poisson => Pattern::Poisson { rate_per_s: *rate.get_ref() },
+            _ => Pattern::Bursty {
+                rate_per_s: *rate.get_ref(),
+                burst_factor: t.burst_factor.max(1.0),
+                on_s: t.on_s.max(0.001),
+                off_s: t.off_s.max(0.0),
+            },
+        };
+        if !(0.0..=1.0).contains(&t.shared_fraction) {
+            return Err(err(0..0, "key `traffic.shared_fraction`: must be in [0, 1]".into()));
+        }
+        Ok(Traffic::Synthetic {
+            pattern,
+            input: lengths(&t.input, "input")?,
+            output: lengths(&t.output, "output")?,
+            shared_prefix_tokens: t.shared_prefix_tokens,
+            shared_fraction: t.shared_fraction,
+        })
+    }
+
+    fn fault(
+        f: &FaultSpec,
+        devices: u32,
+        nodes: u32,
+        end_s: f64,
+        err: &dyn Fn(std::ops::Range<usize>, String) -> FileError,
+    ) -> Result<Fault, FileError> {
+        let time = |v: &Option<Spanned<f64>>, what: &str| -> Result<Option<f64>, FileError> {
+            match v {
+                None => Ok(None),
+                Some(t) if t.get_ref().is_finite() && (0.0..=end_s).contains(t.get_ref()) => Ok(Some(*t.get_ref())),
+                Some(t) => Err(err(t.span(), format!("{what} must be within the run (0 to {end_s} s)"))),
+            }
+        };
+        let at = time(&f.at_s, "at_s")?;
+        let until = time(&f.until_s, "until_s")?;
+        let need_at = || at.ok_or_else(|| err(0..0, format!("key `fault.at_s`: a {:?} fault needs a time", f.kind)));
+        if let (Some(a), Some(u), Some(s)) = (at, until, &f.until_s) {
+            if u <= a {
+                return Err(err(s.span(), "must be after at_s".into()));
+            }
+        }
+        let check_nodes = |list: &[u32]| -> Result<Vec<u32>, FileError> {
+            if list.is_empty() || list.iter().any(|&n| n >= nodes) {
+                return Err(err(0..0, format!("key `fault.nodes`: name 1 or more of the {nodes} nodes (0-based)")));
+            }
+            Ok(list.to_vec())
+        };
+        Ok(match f.kind {
+            FaultKind::Crash => match (&f.node, &f.device) {
+                (Some(n), None) if *n.get_ref() < nodes => {
+                    Fault::CrashNode { node: *n.get_ref(), at_s: need_at()?, until_s: until }
+                }
+                (Some(n), None) => return Err(err(n.span(), format!("the scenario has {nodes} nodes (0-based)"))),
+                (None, Some(d)) if *d.get_ref() < devices => {
+                    Fault::CrashDevice { device: *d.get_ref(), at_s: need_at()? }
+                }
+                (None, Some(d)) => return Err(err(d.span(), format!("the scenario has {devices} devices (0-based)"))),
+                _ => return Err(err(0..0, "key `fault`: a crash names either `node` or `device`".into())),
+            },
+            FaultKind::Partition => {
+                let (Some(a), Some(u)) = (at, until) else {
+                    return Err(err(0..0, "key `fault`: a partition needs at_s and until_s".into()));
+                };
+                Fault::Partition { nodes: check_nodes(&f.nodes)?, at_s: a, until_s: u }
+            }
+            FaultKind::SlowLink => Fault::SlowLink {
+                nodes: check_nodes(&f.nodes)?,
+                latency_us: f.latency_us.unwrap_or(10.0).max(0.0),
+                gb_per_s: f.gb_per_s.unwrap_or(25.0).max(0.001),
+            },
+            FaultKind::Straggler => {
+                let Some(d) = &f.device else {
+                    return Err(err(0..0, "key `fault.device`: a straggler names its device".into()));
+                };
+                if *d.get_ref() >= devices {
+                    return Err(err(d.span(), format!("the scenario has {devices} devices (0-based)")));
+                }
+                let slowdown = f.slowdown.as_ref().map_or(2.0, |s| *s.get_ref());
+                if !(slowdown.is_finite() && slowdown >= 1.0) {
+                    let span = f.slowdown.as_ref().map_or(0..0, |s| s.span());
+                    return Err(err(span, "must be at least 1".into()));
+                }
+                Fault::Straggler { device: *d.get_ref(), slowdown }
+            }
+        })
+    }
+
+    pub fn devices(&self) -> u32 {
+        self.instances.iter().map(|&(_, d)| d).sum()
+    }
+
+    pub fn nodes(&self) -> u32 {
+        self.devices().div_ceil(self.devices_per_node)
+    }
+}

@@ -1,0 +1,451 @@
+//! `deepinfer simulate`: run a scenario on the deterministic cluster
+//! simulation — the real router, schedulers, cache managers, workers and
+//! shards on one current-thread runtime with a virtual clock, a simulated
+//! fabric and modelled full-size devices — and report what it did.
+
+pub mod plots;
+pub mod report;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use deepinfer_actors::cluster::simulate;
+use deepinfer_actors::ctx::{InstanceRole, Timeouts};
+use deepinfer_actors::faults::FaultPlan;
+use deepinfer_actors::modelled::ModelledSpec;
+use deepinfer_actors::sim::{Link, Partition};
+use deepinfer_actors::{Cluster, ClusterConfig, Update};
+use deepinfer_engine::cost::Efficiency;
+use deepinfer_engine::prefix_cache::PrefixMode;
+use deepinfer_engine::presets::{build, Preset};
+use deepinfer_engine::request::{FinishReason, Request};
+use deepinfer_engine::scheduler::EngineConfig;
+use deepinfer_engine::traffic::{parse_mooncake, Arrival, Synthetic, MOONCAKE_BLOCK_TOKENS};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::scenario::{Fault, Role, Scenario, Traffic};
+pub use report::Report;
+
+/// How one request went, in simulated microseconds.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Trace {
+    pub arrival_us: u64,
+    pub input_tokens: usize,
+    pub output_wanted: usize,
+    pub first_token_us: Option<u64>,
+    pub last_token_us: u64,
+    pub tokens: usize,
+    pub cached_tokens: usize,
+    pub end: Option<End>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum End {
+    Completed,
+    Failed(String),
+    Refused(String),
+}
+
+/// Tokens and requests of one slice of simulated time.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Bucket {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub completed: u64,
+    pub failed: u64,
+    /// Highest KV use of any instance seen in the slice (fraction of its budget).
+    pub kv_use_max: f64,
+}
+
+/// Everything a run produced, before it is summarised.
+pub struct RunData {
+    pub traces: Vec<Trace>,
+    pub buckets: Vec<Bucket>,
+    /// `(time s, what)` of every fault.
+    pub faults: Vec<(f64, String)>,
+    /// Per instance: highest and mean KV use (fraction of its budget).
+    pub kv_use: Vec<(f64, f64)>,
+    pub kv_budget_gib: Vec<f64>,
+    /// Per instance: max/mean expert load per device, and the mean device shares per layer.
+    pub expert_imbalance: Vec<f64>,
+    pub expert_shares: Vec<Vec<Vec<f64>>>,
+    pub simulated_s: f64,
+    pub steps: u64,
+    pub digest: u64,
+    pub handovers: u64,
+    pub restarts: u64,
+}
+
+/// The requests of a scenario, in arrival order.
+pub fn arrivals(s: &Scenario) -> anyhow::Result<Vec<Arrival>> {
+    let until_us = (s.duration_s * 1e6) as u64;
+    let mut out = match &s.traffic {
+        Traffic::Synthetic { pattern, input, output, shared_prefix_tokens, shared_fraction } => Synthetic {
+            pattern: *pattern,
+            input: *input,
+            output: *output,
+            shared_prefix_tokens: *shared_prefix_tokens,
+            shared_fraction: *shared_fraction,
+            duration_s: s.duration_s,
+            seed: s.seed,
+        }
+        .arrivals(),
+        Traffic::Mooncake { path, time_scale, repeat } => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("{}: cannot read the trace {}", s.file, path.display()))?;
+            let one = parse_mooncake(&text, &path.display().to_string(), *time_scale)?;
+            let span = one.last().map_or(0, |a| a.at_us) + 1_000_000;
+            let mut all = Vec::with_capacity(one.len() * *repeat as usize);
+            for r in 0..*repeat as u64 {
+                all.extend(one.iter().map(|a| Arrival { at_us: a.at_us + r * span, ..a.clone() }));
+            }
+            all
+        }
+    };
+    out.retain(|a| a.at_us < until_us);
+    Ok(out)
+}
+
+/// Prompt tokens for an arrival: each 512-token block's content is a function
+/// of its id, so equal id prefixes are equal token prefixes (prefix-cache hits).
+pub fn prompt_of(a: &Arrival, vocab: usize, unique: u64) -> Vec<u32> {
+    let span = vocab.saturating_sub(2000).max(1) as u64;
+    let token = |block: u64, i: usize| {
+        let h = deepinfer_actors::rng::mix64(block.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64);
+        (1000 + h % span) as u32
+    };
+    let mut p = Vec::with_capacity(a.input_tokens);
+    let mut j = 0;
+    while p.len() < a.input_tokens {
+        // Ids past the trace's list are unique to this request.
+        let block = a.prefix_blocks.get(j).copied().unwrap_or(u64::MAX - unique * 4096 - j as u64);
+        let n = MOONCAKE_BLOCK_TOKENS.min(a.input_tokens - p.len());
+        p.extend((0..n).map(|i| token(block, i)));
+        j += 1;
+    }
+    p
+}
+
+fn roles(s: &Scenario) -> Vec<InstanceRole> {
+    s.instances
+        .iter()
+        .map(|(r, _)| match r {
+            Role::Prefill => InstanceRole::Prefill,
+            Role::Decode => InstanceRole::Decode,
+            Role::Both => InstanceRole::Both,
+        })
+        .collect()
+}
+
+/// The cluster a scenario describes.
+pub fn cluster_config(s: &Scenario, seed: u64) -> ClusterConfig {
+    let devices = s.devices();
+    let sizes: Vec<u32> = s.instances.iter().map(|&(_, d)| d).collect();
+    let mut cfg = ClusterConfig::new(devices, sizes.iter().copied().max().unwrap_or(1));
+    cfg.instances = sizes.len() as u32;
+    cfg.instance_devices = sizes;
+    cfg.roles = roles(s);
+    cfg.devices_per_node = s.devices_per_node;
+    cfg.seed = seed;
+    cfg.engine = EngineConfig {
+        prefix_mode: if s.prefix_cache { PrefixMode::Exact } else { PrefixMode::Off },
+        block_tokens: Some(s.block_tokens),
+        max_waiting: 1 << 20,
+        ..EngineConfig::default()
+    };
+    cfg.modelled = Some(ModelledSpec {
+        hardware: s.hardware,
+        model: s.model,
+        efficiency: Efficiency::default(),
+        popularity: s.popularity,
+        redundant_experts: s.redundant_experts,
+        batch_per_device: s.batch_per_device,
+        batch_tokens_per_device: s.batch_tokens_per_device,
+        decode_steps_per_event: s.decode_steps_per_event,
+        seed,
+    });
+    // Modelled steps take up to seconds (long prefills): only a silence much
+    // longer than that is a lost message or a dead actor.
+    cfg.timeouts = Some(Timeouts {
+        dispatch: Duration::from_secs(2),
+        dispatch_attempts: 5,
+        step: Duration::from_secs(20),
+        step_attempts: 12,
+        control: Duration::from_secs(1),
+        control_attempts: 8,
+        request: Duration::from_secs(60),
+        request_attempts: 10,
+    });
+    let nodes: Vec<u32> = (0..s.nodes()).collect();
+    let mut plan = FaultPlan::default();
+    for f in &s.faults {
+        match f {
+            Fault::CrashNode { node, at_s, until_s: Some(until) } => cfg.fabric.partitions.push(Partition {
+                a: vec![*node],
+                b: nodes.iter().copied().filter(|n| n != node).collect(),
+                from: Duration::from_secs_f64(*at_s),
+                until: Duration::from_secs_f64(*until),
+            }),
+            Fault::Partition { nodes: cut, at_s, until_s } => cfg.fabric.partitions.push(Partition {
+                a: cut.clone(),
+                b: nodes.iter().copied().filter(|n| !cut.contains(n)).collect(),
+                from: Duration::from_secs_f64(*at_s),
+                until: Duration::from_secs_f64(*until_s),
+            }),
+            Fault::SlowLink { nodes: slow, latency_us, gb_per_s } => {
+                let link = Link {
+                    latency: Duration::from_secs_f64(latency_us / 1e6),
+                    bandwidth: (gb_per_s * 1e9) as u64,
+                    jitter: Duration::ZERO,
+                };
+                for &a in slow {
+                    for &b in nodes.iter().filter(|n| !slow.contains(n)) {
+                        cfg.fabric.links.insert((a, b), link);
+                        cfg.fabric.links.insert((b, a), link);
+                    }
+                }
+            }
+            Fault::Straggler { device, slowdown } => plan.stragglers.push((*device, *slowdown)),
+            Fault::CrashNode { .. } | Fault::CrashDevice { .. } => {}
+        }
+    }
+    cfg.faults = Some(plan);
+    cfg
+}
+
+/// Kills to perform at their time: `(µs, path, label)`, in time order.
+fn timed_kills(s: &Scenario) -> Vec<(u64, Vec<String>, String)> {
+    let per_node = s.devices_per_node;
+    let mut kills: Vec<(u64, Vec<String>, String)> = s
+        .faults
+        .iter()
+        .filter_map(|f| match *f {
+            Fault::CrashNode { node, at_s, until_s } => {
+                let label = match until_s {
+                    Some(u) => format!("node{node} crashes (down until {u} s)"),
+                    None => format!("node{node} crashes"),
+                };
+                Some(((at_s * 1e6) as u64, vec![format!("node{node}")], label))
+            }
+            Fault::CrashDevice { device, at_s } => {
+                let node = device / per_node;
+                let paths = vec![format!("node{node}/worker{device}"), format!("node{node}/shard{device}")];
+                Some(((at_s * 1e6) as u64, paths, format!("device {device} crashes")))
+            }
+            _ => None,
+        })
+        .collect();
+    kills.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.2.cmp(&b.2)));
+    kills
+}
+
+/// Faults with a time, for the report's timeline.
+fn fault_marks(s: &Scenario) -> Vec<(f64, String)> {
+    let mut marks: Vec<(f64, String)> = Vec::new();
+    for f in &s.faults {
+        match f {
+            Fault::CrashNode { node, at_s, until_s } => {
+                marks.push((*at_s, format!("node{node} down")));
+                if let Some(u) = until_s {
+                    marks.push((*u, format!("node{node} back")));
+                }
+            }
+            Fault::CrashDevice { device, at_s } => marks.push((*at_s, format!("device {device} crash"))),
+            Fault::Partition { nodes, at_s, until_s } => {
+                marks.push((*at_s, format!("partition {nodes:?}")));
+                marks.push((*until_s, "partition healed".to_string()));
+            }
+            _ => {}
+        }
+    }
+    marks.sort_by(|a, b| a.0.total_cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+    marks
+}
+
+fn progress_bar(show: bool, seconds: u64) -> ProgressBar {
+    let bar = if show { ProgressBar::new(seconds) } else { ProgressBar::hidden() };
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} simulated s, {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar
+}
+
+/// Run `s` (with `seed` instead of its own, if given).
+pub fn run(s: &Scenario, seed: Option<u64>, progress: bool) -> anyhow::Result<Report> {
+    let seed = seed.unwrap_or(s.seed);
+    let s = &Scenario { seed, ..s.clone() };
+    let arrivals = arrivals(s)?;
+    // The shape the actors see; modelled devices never run it.
+    let model = Arc::new(build(Preset::TinyV4, 0)?);
+    let cfg = cluster_config(s, seed);
+    let bar = progress_bar(progress, (s.duration_s + s.drain_s).ceil() as u64);
+    let kills = timed_kills(s);
+    let (data, sim) = simulate(model, cfg, async |c: &mut Cluster| drive(c, s, &arrivals, &kills, &bar).await)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", s.file))?;
+    bar.finish_and_clear();
+    let mut data = data;
+    data.steps = sim.steps;
+    data.digest = sim.digest;
+    data.handovers = sim.metrics.handovers;
+    let m = &sim.metrics;
+    data.restarts = m.worker_restarts
+        + m.shard_restarts
+        + m.scheduler_restarts
+        + m.cache_restarts
+        + m.router_restarts
+        + m.supervisor_restarts;
+    Ok(Report::new(s, &data))
+}
+
+async fn drive(
+    c: &mut Cluster,
+    s: &Scenario,
+    arrivals: &[Arrival],
+    kills: &[(u64, Vec<String>, String)],
+    bar: &ProgressBar,
+) -> RunData {
+    let clock = c.clock();
+    let vocab = 129_280;
+    let us = |d: Duration| d.as_micros() as u64;
+    let sample_us = ((s.sample_s * 1e6) as u64).max(1000);
+    let end_us = ((s.duration_s + s.drain_s) * 1e6) as u64;
+    let instances = c.topology().instances as usize;
+    let mut traces: Vec<Trace> = Vec::with_capacity(arrivals.len());
+    let mut ids: BTreeMap<u64, usize> = BTreeMap::new();
+    let mut buckets: Vec<Bucket> = Vec::new();
+    let mut kv_max = vec![0.0f64; instances];
+    let mut kv_sum = vec![0.0f64; instances];
+    let mut kv_samples = 0u64;
+    let (mut next, mut next_kill, mut next_sample) = (0usize, 0usize, 0u64);
+    loop {
+        let now = us(clock.now());
+        while next_kill < kills.len() && kills[next_kill].0 <= now {
+            let (_, paths, label) = &kills[next_kill];
+            c.record(format_args!("scenario fault at {now} us: {label}"));
+            for p in paths {
+                c.kill(p);
+            }
+            next_kill += 1;
+        }
+        while next < arrivals.len() && arrivals[next].at_us <= now {
+            let a = &arrivals[next];
+            let mut r = Request::new(prompt_of(a, vocab, next as u64), a.output_tokens.max(1));
+            r.ignore_eos = true;
+            let id = c.submit(r);
+            ids.insert(id, traces.len());
+            traces.push(Trace {
+                arrival_us: a.at_us,
+                input_tokens: a.input_tokens,
+                output_wanted: a.output_tokens.max(1),
+                ..Trace::default()
+            });
+            next += 1;
+        }
+        while next_sample <= now {
+            let slot = (next_sample / sample_us) as usize;
+            if buckets.len() <= slot {
+                buckets.resize(slot + 1, Bucket::default());
+            }
+            for (i, g) in c.gauges().iter().enumerate() {
+                let used = g.kv_used_bytes.load(std::sync::atomic::Ordering::Relaxed) as f64;
+                let budget = g.kv_budget_bytes.load(std::sync::atomic::Ordering::Relaxed).max(1) as f64;
+                let f = used / budget;
+                kv_max[i] = kv_max[i].max(f);
+                kv_sum[i] += f;
+                buckets[slot].kv_use_max = buckets[slot].kv_use_max.max(f);
+            }
+            kv_samples += 1;
+            next_sample += sample_us;
+            bar.set_position(next_sample / 1_000_000);
+            bar.set_message(format!("{} requests, {} running", traces.len(), c.outstanding()));
+        }
+        if (next == arrivals.len() && !c.has_updates()) || now >= end_us {
+            break;
+        }
+        let mut wake = end_us.min(next_sample);
+        if let Some(a) = arrivals.get(next) {
+            wake = wake.min(a.at_us);
+        }
+        if let Some(k) = kills.get(next_kill) {
+            wake = wake.min(k.0);
+        }
+        let sleep = clock.sleep(Duration::from_micros(wake.saturating_sub(now)));
+        let update = if c.has_updates() {
+            tokio::select! {
+                u = c.next_update() => u,
+                _ = sleep => None,
+            }
+        } else {
+            sleep.await;
+            None
+        };
+        let Some(u) = update else { continue };
+        let now = us(clock.now());
+        let slot = (now / sample_us) as usize;
+        if buckets.len() <= slot {
+            buckets.resize(slot + 1, Bucket::default());
+        }
+        match u {
+            Update::Tokens { id, tokens } => {
+                let Some(&i) = ids.get(&id) else { continue };
+                let t = &mut traces[i];
+                if t.first_token_us.is_none() {
+                    t.first_token_us = Some(now);
+                    buckets[slot].input_tokens += t.input_tokens as u64;
+                }
+                t.tokens += tokens.len();
+                t.last_token_us = now;
+                buckets[slot].output_tokens += tokens.len() as u64;
+            }
+            Update::Finished { id, finished } => {
+                let Some(&i) = ids.get(&id) else { continue };
+                let t = &mut traces[i];
+                t.cached_tokens = finished.cached_tokens;
+                t.end = Some(match finished.reason {
+                    FinishReason::Error(e) => {
+                        buckets[slot].failed += 1;
+                        End::Failed(e)
+                    }
+                    _ => {
+                        buckets[slot].completed += 1;
+                        End::Completed
+                    }
+                });
+            }
+            Update::Refused { id, reason } => {
+                let Some(&i) = ids.get(&id) else { continue };
+                buckets[slot].failed += 1;
+                traces[i].end = Some(End::Refused(reason));
+            }
+        }
+    }
+    let simulated_s = clock.now().as_secs_f64();
+    let (mut imbalance, mut shares, mut budgets) = (Vec::new(), Vec::new(), Vec::new());
+    if let Some(m) = c.modelled() {
+        for i in 0..instances as u32 {
+            let sh = m.shares(i);
+            imbalance.push(sh.imbalance());
+            shares.push(sh.shares.clone());
+            budgets.push(m.kv_bytes_per_device(i) * c.topology().size_of(i) as f64 / (1u64 << 30) as f64);
+        }
+    }
+    let samples = kv_samples.max(1) as f64;
+    RunData {
+        traces,
+        buckets,
+        faults: fault_marks(s),
+        kv_use: kv_max.iter().zip(&kv_sum).map(|(&m, &sum)| (m, sum / samples)).collect(),
+        kv_budget_gib: budgets,
+        expert_imbalance: imbalance,
+        expert_shares: shares,
+        simulated_s,
+        steps: 0,
+        digest: 0,
+        handovers: 0,
+        restarts: 0,
+    }
+}

@@ -1,0 +1,336 @@
+//! What a simulation reports: throughput per GPU and per node, latency
+//! percentiles, goodput under the SLOs, prefix hit rate, expert balance, KV
+//! use, and the requests that completed, failed or were lost — as JSON, as a
+//! Markdown table and (see [`super::plots`]) as plots.
+
+use serde::Serialize;
+
+use super::{End, RunData};
+use crate::scenario::{Role, Scenario};
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct Percentiles {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub mean: f64,
+}
+
+impl Percentiles {
+    /// Nearest-rank percentiles of sorted values.
+    fn of(sorted: &[f64]) -> Self {
+        if sorted.is_empty() {
+            return Self::default();
+        }
+        let at = |p: f64| sorted[((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1];
+        Self { p50: at(0.5), p90: at(0.9), p99: at(0.99), mean: sorted.iter().sum::<f64>() / sorted.len() as f64 }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct InstanceReport {
+    pub role: String,
+    pub devices: u32,
+    pub kv_budget_gib: f64,
+    pub kv_use_max: f64,
+    pub kv_use_mean: f64,
+    /// Max over mean expert load per device (1.0 is perfect balance).
+    pub expert_imbalance: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SeriesPoint {
+    pub t_s: f64,
+    pub input_tok_s: f64,
+    pub output_tok_s: f64,
+    pub completed: u64,
+    pub failed: u64,
+    pub kv_use_max: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Report {
+    pub scenario: String,
+    pub seed: u64,
+    pub hardware: String,
+    pub model: String,
+    pub devices: u32,
+    pub nodes: u32,
+    pub prefill_devices: u32,
+    pub decode_devices: u32,
+    pub duration_s: f64,
+    /// Throughput is measured over `[warmup_s, duration_s)`.
+    pub warmup_s: f64,
+    pub simulated_s: f64,
+    pub requests: Counts,
+    /// Over the measured window: prompt tokens whose first token came out (cache hits included), per second.
+    pub input_tok_s: f64,
+    pub output_tok_s: f64,
+    pub input_tok_s_per_prefill_gpu: f64,
+    pub input_tok_s_per_prefill_node: f64,
+    pub output_tok_s_per_decode_gpu: f64,
+    pub output_tok_s_per_decode_node: f64,
+    pub ttft_ms: Percentiles,
+    pub tpot_ms: Percentiles,
+    pub slo_ttft_ms: f64,
+    pub slo_tpot_ms: f64,
+    /// Completed requests within both SLOs, per second of the arrival window.
+    pub goodput_req_s: f64,
+    pub slo_attainment: f64,
+    pub prefix_hit_rate: f64,
+    pub instances: Vec<InstanceReport>,
+    pub faults: Vec<(f64, String)>,
+    pub series: Vec<SeriesPoint>,
+    pub steps: u64,
+    pub actor_restarts: u64,
+    pub handovers: u64,
+    /// Digest of the run's event log: equal for equal runs.
+    pub event_digest: String,
+    /// Sorted latencies, for the CDF plots.
+    #[serde(skip)]
+    pub ttft_sorted_ms: Vec<f64>,
+    #[serde(skip)]
+    pub tpot_sorted_ms: Vec<f64>,
+    /// `[layer][device]` expert load shares of the first decoding instance, for the heatmap.
+    #[serde(skip)]
+    pub expert_heatmap: Vec<Vec<f64>>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Counts {
+    pub submitted: u64,
+    pub completed: u64,
+    /// Ended with an error by the cluster (it says why).
+    pub failed: u64,
+    pub refused: u64,
+    /// Still running when the drain time ran out.
+    pub unfinished: u64,
+    /// Neither completed, failed, refused nor running: must be 0.
+    pub lost: u64,
+    /// Completed with a different number of tokens than asked for: must be 0.
+    pub token_mismatches: u64,
+    pub first_errors: Vec<String>,
+}
+
+impl Report {
+    pub fn new(s: &Scenario, d: &RunData) -> Self {
+        let window_s = s.duration_s;
+        let sample_s = s.sample_s;
+        // Throughput over whole buckets inside [warmup, duration).
+        let first = (s.warmup_s / sample_s).ceil() as usize;
+        let last = ((s.duration_s / sample_s).floor() as usize).max(first + 1);
+        let measured_s = (last - first) as f64 * sample_s;
+        let in_window = |i: usize| (first..last).contains(&i);
+        let input: u64 = d.buckets.iter().enumerate().filter(|(i, _)| in_window(*i)).map(|(_, b)| b.input_tokens).sum();
+        let output: u64 =
+            d.buckets.iter().enumerate().filter(|(i, _)| in_window(*i)).map(|(_, b)| b.output_tokens).sum();
+        let devices_of =
+            |want: fn(Role) -> bool| -> u32 { s.instances.iter().filter(|(r, _)| want(*r)).map(|&(_, n)| n).sum() };
+        let prefill = devices_of(|r| r != Role::Decode);
+        let decode = devices_of(|r| r != Role::Prefill);
+        let per_node = s.devices_per_node as f64;
+        let (input_tok_s, output_tok_s) = (input as f64 / measured_s, output as f64 / measured_s);
+
+        let mut counts = Counts { submitted: d.traces.len() as u64, ..Counts::default() };
+        let (mut ttft, mut tpot) = (Vec::new(), Vec::new());
+        let (mut good, mut prompt_tokens, mut cached_tokens) = (0u64, 0u64, 0u64);
+        for t in &d.traces {
+            let ttft_ms = t.first_token_us.map(|f| (f.saturating_sub(t.arrival_us)) as f64 / 1e3);
+            let tpot_ms = match t.first_token_us {
+                Some(f) if t.tokens > 1 => {
+                    Some((t.last_token_us.saturating_sub(f)) as f64 / 1e3 / (t.tokens - 1) as f64)
+                }
+                _ => None,
+            };
+            match &t.end {
+                Some(End::Completed) => {
+                    counts.completed += 1;
+                    if t.tokens != t.output_wanted {
+                        counts.token_mismatches += 1;
+                    }
+                    prompt_tokens += t.input_tokens as u64;
+                    cached_tokens += t.cached_tokens as u64;
+                    ttft.extend(ttft_ms);
+                    tpot.extend(tpot_ms);
+                    let ok = ttft_ms.is_some_and(|x| x <= s.ttft_slo_ms) && tpot_ms.is_none_or(|x| x <= s.tpot_slo_ms);
+                    if ok && t.arrival_us < (window_s * 1e6) as u64 {
+                        good += 1;
+                    }
+                }
+                Some(End::Failed(why)) => {
+                    counts.failed += 1;
+                    if counts.first_errors.len() < 5 {
+                        counts.first_errors.push(why.clone());
+                    }
+                }
+                Some(End::Refused(why)) => {
+                    counts.refused += 1;
+                    if counts.first_errors.len() < 5 {
+                        counts.first_errors.push(why.clone());
+                    }
+                }
+                None => counts.unfinished += 1,
+            }
+        }
+        counts.lost = counts.submitted - counts.completed - counts.failed - counts.refused - counts.unfinished;
+        ttft.sort_by(f64::total_cmp);
+        tpot.sort_by(f64::total_cmp);
+        let instances = s
+            .instances
+            .iter()
+            .enumerate()
+            .map(|(i, &(role, devices))| InstanceReport {
+                role: format!("{role:?}").to_lowercase(),
+                devices,
+                kv_budget_gib: d.kv_budget_gib.get(i).copied().unwrap_or(0.0),
+                kv_use_max: d.kv_use.get(i).map_or(0.0, |k| k.0),
+                kv_use_mean: d.kv_use.get(i).map_or(0.0, |k| k.1),
+                expert_imbalance: d.expert_imbalance.get(i).copied().unwrap_or(1.0),
+            })
+            .collect();
+        let heat = s.instances.iter().position(|(r, _)| *r != Role::Prefill).unwrap_or(0);
+        let series = d
+            .buckets
+            .iter()
+            .enumerate()
+            .map(|(i, b)| SeriesPoint {
+                t_s: i as f64 * sample_s,
+                input_tok_s: b.input_tokens as f64 / sample_s,
+                output_tok_s: b.output_tokens as f64 / sample_s,
+                completed: b.completed,
+                failed: b.failed,
+                kv_use_max: b.kv_use_max,
+            })
+            .collect();
+        Self {
+            scenario: s.name.clone(),
+            seed: s.seed,
+            hardware: s.hardware.name().to_string(),
+            model: s.model.cost().name.to_string(),
+            devices: s.devices(),
+            nodes: s.nodes(),
+            prefill_devices: prefill,
+            decode_devices: decode,
+            duration_s: s.duration_s,
+            warmup_s: s.warmup_s,
+            simulated_s: d.simulated_s,
+            requests: counts,
+            input_tok_s,
+            output_tok_s,
+            input_tok_s_per_prefill_gpu: input_tok_s / prefill.max(1) as f64,
+            input_tok_s_per_prefill_node: input_tok_s / prefill.max(1) as f64 * per_node,
+            output_tok_s_per_decode_gpu: output_tok_s / decode.max(1) as f64,
+            output_tok_s_per_decode_node: output_tok_s / decode.max(1) as f64 * per_node,
+            ttft_ms: Percentiles::of(&ttft),
+            tpot_ms: Percentiles::of(&tpot),
+            slo_ttft_ms: s.ttft_slo_ms,
+            slo_tpot_ms: s.tpot_slo_ms,
+            goodput_req_s: good as f64 / window_s,
+            slo_attainment: if ttft.is_empty() { 0.0 } else { good as f64 / ttft.len() as f64 },
+            prefix_hit_rate: if prompt_tokens == 0 { 0.0 } else { cached_tokens as f64 / prompt_tokens as f64 },
+            instances,
+            faults: d.faults.clone(),
+            series,
+            steps: d.steps,
+            actor_restarts: d.restarts,
+            handovers: d.handovers,
+            event_digest: format!("{:016x}", d.digest),
+            ttft_sorted_ms: ttft,
+            tpot_sorted_ms: tpot,
+            expert_heatmap: d.expert_shares.get(heat).cloned().unwrap_or_default(),
+        }
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a report serialises") + "\n"
+    }
+
+    pub fn to_markdown(&self) -> String {
+        let r = &self.requests;
+        let mut md = format!(
+            "# Simulation: {}\n\n{} × {} running {}, {} nodes ({} prefill + {} decode devices), seed {}, {:.0} s of arrivals ({:.0} s simulated).\n\n",
+            self.scenario,
+            self.devices,
+            self.hardware,
+            self.model,
+            self.nodes,
+            self.prefill_devices,
+            self.decode_devices,
+            self.seed,
+            self.duration_s,
+            self.simulated_s
+        );
+        md += "| metric | value |\n|---|---|\n";
+        let mut row = |k: &str, v: String| md += &format!("| {k} | {v} |\n");
+        row(
+            "requests",
+            format!(
+                "{} submitted, {} completed, {} failed, {} refused, {} unfinished, **{} lost**",
+                r.submitted, r.completed, r.failed, r.refused, r.unfinished, r.lost
+            ),
+        );
+        row(
+            "input tok/s (cache hits included)",
+            format!(
+                "{:.0} total, {:.0} per prefill GPU, {:.0} per prefill node",
+                self.input_tok_s, self.input_tok_s_per_prefill_gpu, self.input_tok_s_per_prefill_node
+            ),
+        );
+        row(
+            "output tok/s",
+            format!(
+                "{:.0} total, {:.0} per decode GPU, {:.0} per decode node",
+                self.output_tok_s, self.output_tok_s_per_decode_gpu, self.output_tok_s_per_decode_node
+            ),
+        );
+        row(
+            "TTFT ms p50 / p90 / p99",
+            format!("{:.0} / {:.0} / {:.0}", self.ttft_ms.p50, self.ttft_ms.p90, self.ttft_ms.p99),
+        );
+        row(
+            "TPOT ms p50 / p90 / p99",
+            format!("{:.1} / {:.1} / {:.1}", self.tpot_ms.p50, self.tpot_ms.p90, self.tpot_ms.p99),
+        );
+        row(
+            "goodput (TTFT ≤ SLO and TPOT ≤ SLO)",
+            format!(
+                "{:.2} req/s, {:.1}% of completed (SLO {:.0} ms / {:.0} ms)",
+                self.goodput_req_s,
+                self.slo_attainment * 100.0,
+                self.slo_ttft_ms,
+                self.slo_tpot_ms
+            ),
+        );
+        row("prefix hit rate", format!("{:.1}%", self.prefix_hit_rate * 100.0));
+        row(
+            "steps / actor restarts / prefill→decode handovers",
+            format!("{} / {} / {}", self.steps, self.actor_restarts, self.handovers),
+        );
+        md += "\n| instance | role | devices | KV budget GiB | KV use max | KV use mean | expert load max/mean |\n|---|---|---|---|---|---|---|\n";
+        for (i, x) in self.instances.iter().enumerate() {
+            md += &format!(
+                "| {i} | {} | {} | {:.0} | {:.1}% | {:.1}% | {:.2} |\n",
+                x.role,
+                x.devices,
+                x.kv_budget_gib,
+                x.kv_use_max * 100.0,
+                x.kv_use_mean * 100.0,
+                x.expert_imbalance
+            );
+        }
+        if !self.faults.is_empty() {
+            md += "\n| t (s) | fault |\n|---|---|\n";
+            for (t, what) in &self.faults {
+                md += &format!("| {t:.1} | {what} |\n");
+            }
+        }
+        if !r.first_errors.is_empty() {
+            md += "\nFirst errors:\n\n";
+            for e in &r.first_errors {
+                md += &format!("- {e}\n");
+            }
+        }
+        md += "\nPlots: `throughput.svg` (faults marked), `latency_cdf.svg`, `expert_load.svg`.\n";
+        md
+    }
+}
