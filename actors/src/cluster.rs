@@ -33,7 +33,8 @@ use tokio::task::JoinHandle;
 use crate::cache::{CacheArgs, CacheManager};
 use crate::clock::{Clock, RealClock, SimClock};
 use crate::cost::{DeviceCost, DeviceCostModel};
-use crate::ctx::{Ctx, InstanceGauges, InstanceRole, Timeouts, Topology};
+use crate::ctx::{Ctx, InstanceGauges, Timeouts, Topology};
+use crate::disagg::{EplbConfig, InstanceKind};
 use crate::events::{bump, EventLog, Metrics, MetricsSnapshot};
 use crate::faults::{FaultPlan, Faults};
 use crate::modelled::{Modelled, ModelledSpec};
@@ -82,8 +83,10 @@ pub struct ClusterConfig {
     pub device_cost: Option<DeviceCostModel>,
     /// Devices of each instance when they differ (empty: `devices / instances` each).
     pub instance_devices: Vec<u32>,
-    /// What each instance does (missing: `Both`).
-    pub roles: Vec<InstanceRole>,
+    /// What each instance serves; empty: every instance prefills and decodes.
+    pub instance_kinds: Vec<InstanceKind>,
+    /// Rebalance each instance's experts from measured loads.
+    pub eplb: Option<EplbConfig>,
     /// Simulation only: full-size modelled devices that compute nothing.
     pub modelled: Option<ModelledSpec>,
 }
@@ -108,7 +111,8 @@ impl ClusterConfig {
             keep_events: 0,
             device_cost: None,
             instance_devices: Vec::new(),
-            roles: Vec::new(),
+            instance_kinds: Vec::new(),
+            eplb: None,
             modelled: None,
         }
     }
@@ -176,6 +180,8 @@ pub enum ClusterError {
     Placement(#[from] PlacementError),
     #[error("placement has {got} devices, an instance {want}")]
     PlacementDevices { got: u32, want: u32 },
+    #[error("{0}")]
+    Disaggregation(String),
     #[error("{devices} devices cannot be split into {instances} instances")]
     Instances { devices: u32, instances: u32 },
     #[error("engine configuration: {0}")]
@@ -356,6 +362,19 @@ fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Result<Arc<Ctx
         }
         placements.push(RwLock::new(placement));
     }
+    let kinds = &cfg.instance_kinds;
+    if !kinds.is_empty()
+        && (kinds.len() != topo.instances as usize
+            || !kinds.iter().any(|k| k.prefills())
+            || !kinds.iter().any(|k| k.decodes()))
+    {
+        let why = format!(
+            "{} instance kinds for {} instances, some prefilling and some decoding",
+            kinds.len(),
+            topo.instances
+        );
+        return Err(ClusterError::Disaggregation(why));
+    }
     let timeouts =
         cfg.timeouts.unwrap_or(if env.clock.is_virtual() { Timeouts::simulated() } else { Timeouts::real() });
     let device_cost = match cfg.device_cost {
@@ -367,7 +386,6 @@ fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Result<Arc<Ctx
         model,
         config,
         modelled,
-        roles: (0..topo.instances).map(|i| cfg.roles.get(i as usize).copied().unwrap_or(InstanceRole::Both)).collect(),
         transport: env.transport,
         clock: env.clock,
         events: env.events,
@@ -381,6 +399,8 @@ fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Result<Arc<Ctx
         block_tokens,
         return_logits: cfg.return_logits,
         device_cost,
+        kinds: cfg.instance_kinds.clone(),
+        eplb: cfg.eplb,
         steps: (0..topo.instances).map(|_| AtomicU64::new(0)).collect(),
         gauges: (0..topo.instances).map(|_| InstanceGauges::default()).collect(),
         root: OnceLock::new(),
@@ -600,7 +620,7 @@ impl Cluster {
         let msg = if o.cancelled {
             Message::Cancel { id: o.spec.id }
         } else {
-            Message::Submit(Submit { spec: o.spec.clone(), generated: o.tokens.clone(), prefilled: false })
+            Message::Submit(Submit { spec: o.spec.clone(), generated: o.tokens.clone(), decode: None })
         };
         self.ctx.send(self.addr, Addr::router(0), msg, &[]);
     }

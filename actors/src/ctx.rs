@@ -153,26 +153,6 @@ pub struct InstanceGauges {
     pub waiting: AtomicU64,
 }
 
-/// What a serving instance does with a request (prefill/decode disaggregation).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum InstanceRole {
-    /// Computes prompts and their first token, then hands the request to a decode instance.
-    Prefill,
-    /// Continues requests prefilled elsewhere (and any request when no prefill instance is up).
-    Decode,
-    Both,
-}
-
-impl InstanceRole {
-    pub fn prefills(self) -> bool {
-        matches!(self, Self::Prefill | Self::Both)
-    }
-
-    pub fn decodes(self) -> bool {
-        matches!(self, Self::Decode | Self::Both)
-    }
-}
-
 /// Shared by the actors of a cluster. The placement cells are the current
 /// table of each instance (in instance-local device numbers), read by a shard
 /// when it (re)starts; the step counters outlive a restarted scheduler so a
@@ -185,8 +165,6 @@ pub struct Ctx {
     pub config: ModelConfig,
     /// Full-size modelled devices: workers price steps instead of computing them.
     pub modelled: Option<Arc<Modelled>>,
-    /// What each instance serves.
-    pub roles: Vec<InstanceRole>,
     pub transport: Arc<dyn Transport>,
     pub clock: Arc<dyn Clock>,
     pub events: Arc<EventLog>,
@@ -205,6 +183,10 @@ pub struct Ctx {
     pub return_logits: bool,
     /// Device time of workers and shards; only on a virtual clock.
     pub device_cost: Option<DeviceCost>,
+    /// What each instance serves (prefill/decode disaggregation).
+    pub kinds: Vec<crate::disagg::InstanceKind>,
+    /// Expert load balancing at run time; `None`: the table changes only as configured.
+    pub eplb: Option<crate::disagg::EplbConfig>,
     pub steps: Vec<AtomicU64>,
     /// What each instance's scheduler last reported, for observers.
     pub gauges: Vec<InstanceGauges>,
@@ -220,11 +202,6 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    /// The role of `instance`.
-    pub fn role(&self, instance: u32) -> InstanceRole {
-        self.roles.get(instance as usize).copied().unwrap_or(InstanceRole::Both)
-    }
-
     /// The batching policy of `instance`'s scheduler.
     pub fn engine_for(&self, instance: u32) -> EngineConfig {
         match &self.modelled {
@@ -284,6 +261,11 @@ impl Ctx {
 
     pub fn is_up(&self) -> bool {
         self.up.load(Ordering::Relaxed)
+    }
+
+    /// What `instance` serves.
+    pub fn kind(&self, instance: u32) -> crate::disagg::InstanceKind {
+        self.kinds.get(instance as usize).copied().unwrap_or_default()
     }
 
     /// The current table of `instance`.

@@ -13,6 +13,7 @@ pub mod clock;
 pub mod cluster;
 pub mod cost;
 pub mod ctx;
+pub mod disagg;
 pub mod events;
 pub mod faults;
 pub mod modelled;

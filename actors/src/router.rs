@@ -1,6 +1,8 @@
 //! Router: the entry point. It picks a serving instance for each new
-//! request — the one whose cache manager holds the longest prefix of the
-//! prompt, then the least loaded, then the lowest index — and keeps the
+//! request with the engine's prefill balancer
+//! ([`deepinfer_engine::balance::choose_prefill`]: the longest cached prefix
+//! unless that instance is overloaded, then the least queued prefill work
+//! per GPU, then fewer requests, then the lowest index) and keeps the
 //! record of every request in flight: its instance and the tokens produced
 //! so far. That record is what makes a scheduler restart cost a replay, not a
 //! request: when a scheduler announces a new incarnation, every request of
@@ -17,16 +19,21 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use deepinfer_engine::balance::{
+    choose_decode, choose_prefill, prefill_cost, DecodeCandidate, DecodePolicy, Health, PrefillCandidate, PrefillPolicy,
+};
+use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::prefix_cache::{block_hash, PrefixMode};
+use deepinfer_engine::scheduler::Scheduler as Policy;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
-use crate::ctx::{pump, Ctx, InstanceRole};
+use crate::ctx::{pump, Ctx};
 use crate::events::bump;
 use crate::transport::Delivery;
 use crate::wire::{
-    Addr, CacheMsg, FinishKind, FinishWire, Heartbeat, Message, OutputEnd, OutputItem, Outputs, RequestSpec, Role,
-    Submit,
+    Addr, CacheMsg, FinishKind, FinishWire, HandoffMsg, Heartbeat, Message, OutputEnd, OutputItem, Outputs,
+    RequestSpec, Role, Submit,
 };
 
 pub struct Router;
@@ -44,12 +51,12 @@ pub enum RouterMsg {
 struct Flight {
     spec: RequestSpec,
     instance: u32,
-    /// On a prefill instance: run to the first token only, then move to a decode instance.
-    prefill_only: bool,
-    /// Moved from a prefill instance, which computed the state up to the last token.
-    prefilled: bool,
-    /// Prompt tokens the prefill instance found in its prefix cache.
-    cached_tokens: u32,
+    /// Prompt tokens cached on its instance when it was routed.
+    cached_tokens: usize,
+    /// At a prefill instance: the decode instance it is to move to.
+    decode: Option<u32>,
+    /// The prefill instance it left (late outputs from there are still its own).
+    prefilled_on: Option<u32>,
     tokens: Vec<u32>,
     client: Addr,
     /// The client cancelled it: what is sent again is the cancel.
@@ -73,6 +80,8 @@ pub struct RouterState {
     routing: BTreeMap<u64, Routing>,
     next_query: u64,
     ticker: Option<JoinHandle<()>>,
+    /// KV sizes, for the decode balancer's view of each instance's use.
+    layout: Option<KvLayout>,
     ctx: Arc<Ctx>,
 }
 
@@ -116,11 +125,7 @@ impl RouterState {
         let msg = if f.cancelled {
             Message::Cancel { id: f.spec.id }
         } else {
-            let mut spec = f.spec.clone();
-            if f.prefill_only {
-                spec.max_tokens = 1;
-            }
-            Message::Submit(Submit { spec, generated: f.tokens.clone(), prefilled: f.prefilled })
+            Message::Submit(Submit { spec: f.spec.clone(), generated: f.tokens.clone(), decode: f.decode })
         };
         self.ctx.send(self.addr, Addr::scheduler(f.instance), msg, &[]);
     }
@@ -169,61 +174,50 @@ impl RouterState {
         }
     }
 
-    /// Requests in flight per device of each instance, scaled by 1000.
-    fn loads(&self) -> BTreeMap<u32, usize> {
-        let mut load: BTreeMap<u32, usize> = BTreeMap::new();
-        for f in self.flights.values() {
-            *load.entry(f.instance).or_default() += 1;
-        }
-        for (i, n) in load.iter_mut() {
-            *n = *n * 1000 / self.ctx.topology.size_of(*i).max(1) as usize;
-        }
-        load
-    }
-
-    /// Instances that can take a request at this stage (all of them if none can).
-    fn eligible(&self, decode: bool) -> Vec<u32> {
-        let topo = &self.ctx.topology;
-        // Not instances whose scheduler's node membership declared dead.
-        let all: Vec<u32> = (0..topo.instances).filter(|&i| !self.ctx.is_lost(topo.devices_of(i).start)).collect();
-        let fit: Vec<u32> = all
-            .iter()
-            .copied()
-            .filter(|&i| if decode { self.ctx.role(i).decodes() } else { self.ctx.role(i).prefills() })
-            .collect();
-        if fit.is_empty() {
-            all
-        } else {
-            fit
-        }
-    }
-
-    /// Longest cached prefix, then fewest requests in flight per device, then
-    /// the lowest index, among the instances for the request's stage: a new
-    /// request is prefilled, one with output is decoded.
+    /// The engine's prefill balancer over what the router knows: prompts
+    /// that have produced no token yet are the queued prefill work.
     fn decide(&mut self, query: u64) {
         let Some(r) = self.routing.remove(&query) else { return };
-        let load = self.loads();
-        let decode = !r.submit.generated.is_empty();
-        let instance = self
-            .eligible(decode)
-            .into_iter()
-            .min_by_key(|i| {
-                (std::cmp::Reverse(r.matched.get(i).copied().unwrap_or(0)), load.get(i).copied().unwrap_or(0), *i)
+        let topo = &self.ctx.topology;
+        let policy = PrefillPolicy::default();
+        let mut candidates: Vec<PrefillCandidate> = (0..topo.instances)
+            .map(|i| PrefillCandidate {
+                health: if self.ctx.is_lost(topo.devices_of(i).start) {
+                    Health::Down
+                } else if self.ctx.kind(i).prefills() {
+                    Health::Up
+                } else {
+                    Health::Draining
+                },
+                gpus: topo.devices_of(i).len() as u32,
+                queued_cost: 0.0,
+                requests: 0,
+                cached_tokens: r.matched.get(&i).copied().unwrap_or(0) as usize * self.ctx.block_tokens,
             })
-            .unwrap_or(0);
+            .collect();
+        for f in self.flights.values() {
+            let Some(c) = candidates.get_mut(f.instance as usize) else { continue };
+            c.requests += 1;
+            if f.tokens.is_empty() {
+                let prompt = f.spec.prompt.len();
+                let cached = f.cached_tokens.min(prompt.saturating_sub(1));
+                c.queued_cost += prefill_cost(prompt - cached, cached, policy.attention_tokens);
+            }
+        }
+        let instance = choose_prefill(&policy, &candidates, r.submit.spec.prompt.len()).unwrap_or(0) as u32;
+        let cached_tokens = candidates.get(instance as usize).map_or(0, |c| c.cached_tokens);
+        let decode = (!self.ctx.kind(instance).decodes()).then(|| self.choose_decode(None)).flatten();
         let id = r.submit.spec.id;
         self.ctx.events.record(format_args!(
             "router sends request {id} to scheduler{instance} ({} cached blocks)",
             r.matched.get(&instance).copied().unwrap_or(0)
         ));
-        let prefill_only = self.ctx.role(instance) == InstanceRole::Prefill && r.submit.spec.max_tokens > 1;
         let f = Flight {
             spec: r.submit.spec,
             instance,
-            prefill_only,
-            prefilled: r.submit.prefilled,
-            cached_tokens: 0,
+            cached_tokens,
+            decode,
+            prefilled_on: None,
             tokens: r.submit.generated,
             client: r.client,
             cancelled: false,
@@ -234,20 +228,83 @@ impl RouterState {
         self.flights.insert(id, f);
     }
 
-    /// A prefill instance produced the first token of `id`: continue it on the
-    /// least loaded decode instance, which imports the state.
-    fn hand_over(&mut self, id: u64) {
-        let load = self.loads();
-        let to = self.eligible(true).into_iter().min_by_key(|i| (load.get(i).copied().unwrap_or(0), *i)).unwrap_or(0);
-        let Some(f) = self.flights.get_mut(&id) else { return };
-        let from = f.instance;
-        f.instance = to;
-        f.prefill_only = false;
-        f.prefilled = true;
+    /// The engine's decode balancer over the router's view: requests and
+    /// their KV per instance; `exclude` (a failed transfer's target) only if
+    /// another instance decodes.
+    fn choose_decode(&self, exclude: Option<u32>) -> Option<u32> {
+        let topo = &self.ctx.topology;
+        let first = self.ctx.engine_for(0);
+        let policy =
+            DecodePolicy { max_requests_per_gpu: (first.max_batch_size as u32).div_ceil(topo.size_of(0).max(1)) };
+        let mut candidates: Vec<DecodeCandidate> = (0..topo.instances)
+            .map(|i| DecodeCandidate {
+                health: if self.ctx.is_lost(topo.devices_of(i).start) {
+                    Health::Down
+                } else if self.ctx.kind(i).decodes() {
+                    Health::Up
+                } else {
+                    Health::Draining
+                },
+                gpus: topo.size_of(i).max(1),
+                kv_used: 0,
+                kv_capacity: self.ctx.engine_for(i).kv_budget_bytes as u64,
+                requests: 0,
+            })
+            .collect();
+        for f in self.flights.values() {
+            let Some(c) = candidates.get_mut(f.decode.unwrap_or(f.instance) as usize) else { continue };
+            c.requests += 1;
+            let tokens = f.spec.prompt.len() + f.tokens.len();
+            c.kv_used += self.layout.as_ref().map_or(0, |l| l.sequence_bytes(tokens)) as u64;
+        }
+        let pick = |c: &[DecodeCandidate]| choose_decode(&policy, c, 0).map(|i| i as u32);
+        let fallback = pick(&candidates);
+        if let Some(c) = exclude.and_then(|x| candidates.get_mut(x as usize)) {
+            c.health = Health::Down;
+        }
+        pick(&candidates).or(fallback)
+    }
+
+    /// The decode instance took the request over from its prefill instance.
+    fn on_adopted(&mut self, id: u64, instance: u32) {
+        let now = self.now();
+        let Some(f) = self.flights.get_mut(&id) else {
+            // Cancelled (or ended) while its state was on the way: stop it there.
+            self.ctx.send(self.addr, Addr::scheduler(instance), Message::Cancel { id }, &[]);
+            return;
+        };
+        if f.decode != Some(instance) && f.instance != instance {
+            return;
+        }
+        if f.instance != instance {
+            f.prefilled_on = Some(f.instance);
+            f.instance = instance;
+        }
+        f.decode = None;
         f.attempts = 0;
-        f.deadline = self.ctx.clock.now() + self.ctx.timeouts.request;
-        bump(&self.ctx.metrics.handovers);
-        self.ctx.events.record(format_args!("router hands request {id} from scheduler{from} to scheduler{to}"));
+        f.deadline = now + self.ctx.timeouts.request;
+        self.ctx.events.record(format_args!("router: request {id} decodes on scheduler{instance}"));
+        if f.cancelled {
+            let f = &self.flights[&id];
+            self.forward(f);
+        }
+    }
+
+    /// The prefill instance could not move the request: another decode instance recomputes it.
+    fn on_reroute(&mut self, from: u32, id: u64, failed: u32) {
+        let now = self.now();
+        if self.flights.get(&id).is_none_or(|f| f.instance != from) {
+            return;
+        }
+        let target = self.choose_decode(Some(failed)).unwrap_or(failed);
+        let f = self.flights.get_mut(&id).expect("checked");
+        f.prefilled_on = Some(from);
+        f.instance = target;
+        f.decode = None;
+        f.attempts = 0;
+        f.deadline = now + self.ctx.timeouts.request;
+        self.ctx.events.record(format_args!("router: request {id} rerouted to scheduler{target}"));
+        bump(&self.ctx.metrics.submits_resent);
         let f = &self.flights[&id];
         self.forward(f);
     }
@@ -271,7 +328,10 @@ impl RouterState {
             // Not ours (any more): output of an earlier router's request, or
             // of a request routed again. It is not cancelled: the request may
             // be running there again by now; it ends by itself.
-            let Some(f) = self.flights.get_mut(&id).filter(|f| f.instance == from.index) else { continue };
+            let mine = |f: &&mut Flight| {
+                f.instance == from.index || f.decode == Some(from.index) || f.prefilled_on == Some(from.index)
+            };
+            let Some(f) = self.flights.get_mut(&id).filter(mine) else { continue };
             let cancelled = matches!(&item.end, Some(OutputEnd::Finished(w)) if w.reason == FinishKind::Cancelled);
             if cancelled && !f.cancelled {
                 // A scheduler's answer to a cancel meant for an earlier life of the request.
@@ -295,30 +355,19 @@ impl RouterState {
             f.attempts = 0;
             f.deadline = now + self.ctx.timeouts.request;
             let client = f.client;
-            let new = OutputItem {
+            let mut new = OutputItem {
                 id,
                 from: have as u32,
                 tokens: item.tokens[skip..].to_vec(),
                 logits: item.logits,
                 end: item.end.clone(),
             };
-            let prefilled = f.prefill_only
-                && f.tokens.len() < f.spec.max_tokens as usize
-                && matches!(&item.end, Some(OutputEnd::Finished(w)) if w.reason == FinishKind::Length);
-            let mut new = if prefilled { OutputItem { end: None, ..new } } else { new };
-            match &mut new.end {
-                // The prefill's cache hits count for the request.
-                Some(OutputEnd::Finished(w)) => w.cached_tokens = w.cached_tokens.max(f.cached_tokens),
-                _ if prefilled => {
-                    if let Some(OutputEnd::Finished(w)) = &item.end {
-                        f.cached_tokens = w.cached_tokens;
-                    }
-                }
-                _ => {}
+            // A request decoded elsewhere than it was prefilled reports the
+            // prefill's cache hits (the lookup at routing time).
+            if let (Some(OutputEnd::Finished(w)), Some(_)) = (&mut new.end, f.prefilled_on) {
+                w.cached_tokens = w.cached_tokens.max(f.cached_tokens as u32);
             }
-            if prefilled {
-                self.hand_over(id);
-            } else if item.end.is_some() {
+            if item.end.is_some() {
                 self.flights.remove(&id);
             }
             if new.tokens.is_empty() && new.end.is_none() {
@@ -369,38 +418,36 @@ impl RouterState {
         }
     }
 
-    /// Membership declared `node` dead: requests on instances whose
-    /// scheduler lived there go to the least loaded live instance for their
-    /// stage with the tokens they have (recomputed there, bit for bit), or
-    /// end with an error when none is left.
+    /// Membership declared `node` dead (node0's transport says so):
+    /// requests on an instance whose scheduler lived there, or bound to
+    /// decode on one, are routed again as if just submitted with the tokens
+    /// they have (recomputed on the new instance, bit for bit); the dead
+    /// instances are `Down` to both balancers. With no instance left they
+    /// end with an error.
     fn on_node_down(&mut self, node: u32) {
         let topo = &self.ctx.topology;
-        let dead = |i: u32| self.ctx.is_lost(topo.devices_of(i).start);
-        let moved: Vec<u64> = self.flights.iter().filter(|(_, f)| dead(f.instance)).map(|(id, _)| *id).collect();
+        let dead: Vec<bool> = (0..topo.instances).map(|i| self.ctx.is_lost(topo.devices_of(i).start)).collect();
+        let is_dead = |i: u32| dead.get(i as usize).copied().unwrap_or(false);
+        let moved: Vec<u64> = self
+            .flights
+            .iter()
+            .filter(|(_, f)| is_dead(f.instance) || f.decode.is_some_and(is_dead))
+            .map(|(id, _)| *id)
+            .collect();
+        let none_left = dead.iter().all(|&d| d);
         for id in moved {
-            let load = self.loads();
-            let decode = !self.flights[&id].tokens.is_empty();
-            let to = self
-                .eligible(decode)
-                .into_iter()
-                .filter(|&i| !dead(i))
-                .min_by_key(|i| (load.get(i).copied().unwrap_or(0), *i));
-            let f = self.flights.get_mut(&id).expect("listed");
-            let Some(to) = to else {
+            let f = self.flights.remove(&id).expect("listed");
+            let (from, prompt) = (f.tokens.len(), f.spec.prompt.len());
+            if f.cancelled || none_left {
                 let why = format!("node{node} is down and no serving instance is left");
-                let item = end_item(id, f.tokens.len(), f.spec.prompt.len(), FinishKind::Error(why));
-                let client = f.client;
-                self.flights.remove(&id);
-                self.to_client(client, vec![item], &[]);
+                let reason = if f.cancelled { FinishKind::Cancelled } else { FinishKind::Error(why) };
+                self.to_client(f.client, vec![end_item(id, from, prompt, reason)], &[]);
                 continue;
-            };
+            }
             self.ctx
                 .events
-                .record(format_args!("router moves request {id} from scheduler{} to scheduler{to}", f.instance));
-            f.instance = to;
-            f.deadline = self.ctx.clock.now() + self.ctx.timeouts.request;
-            let f = &self.flights[&id];
-            self.forward(f);
+                .record(format_args!("router moves request {id} off scheduler{} (node{node} down)", f.instance));
+            self.on_submit(f.client, Submit { spec: f.spec, generated: f.tokens, decode: None });
         }
     }
 
@@ -457,6 +504,7 @@ impl Actor for Router {
             routing: BTreeMap::new(),
             next_query: 0,
             ticker: Some(ticker),
+            layout: Policy::new(&ctx.config, ctx.engine_for(0)).ok().map(|p| p.layout().clone()),
             ctx,
         })
     }
@@ -496,6 +544,12 @@ impl Actor for Router {
                 }
             }
             (Role::Scheduler, Message::Outputs(out)) => state.on_outputs(from, out, m.body),
+            (Role::Scheduler, Message::Handoff(HandoffMsg::Adopted { id, instance })) if instance == from.index => {
+                state.on_adopted(id, instance)
+            }
+            (Role::Scheduler, Message::Handoff(HandoffMsg::Reroute { id, instance })) => {
+                state.on_reroute(from.index, id, instance)
+            }
             (Role::Scheduler, Message::Heartbeat(h)) if h.restarted => {
                 let ids: Vec<u64> =
                     state.flights.iter().filter(|(_, f)| f.instance == from.index).map(|(id, _)| *id).collect();

@@ -28,24 +28,27 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deepinfer_engine::engine::step_segments;
+use deepinfer_engine::eplb::ExpertLoadTracker;
 use deepinfer_engine::kv_pool::BlockId;
 use deepinfer_engine::prefix_cache::block_hash;
 use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId};
 use deepinfer_engine::sampling::SamplingParams;
 use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler as Policy};
+use deepinfer_engine::transfer::{parts_values, state_from_parts};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
 use crate::cache::parts_len;
-use crate::ctx::{pump, Ctx, InstanceRole};
+use crate::ctx::{pump, Ctx};
+use crate::disagg::{eplb_table, InstanceKind, MAX_PENDING_TRANSFERS, TRANSFER_ATTEMPTS};
 use crate::events::bump;
 use crate::faults::Target;
 use crate::router::end_item;
 use crate::transport::Delivery;
 use crate::wire::{
-    Addr, BlockSnapshot, CacheMsg, Control, FetchItem, FetchedItem, FinishKind, FinishWire, Heartbeat, Message,
-    OutputEnd, OutputItem, Outputs, PlacementWire, RequestSpec, Role, Sampling, SeqOutput, StepItem, StepOutcome,
-    StepRequest, StepResult, StoredBlock, Submit, TokenOut,
+    Addr, BlockSnapshot, CacheMsg, Control, ExpertLoad, FetchItem, FetchedItem, FinishKind, FinishWire, HandoffMsg,
+    Heartbeat, Message, OutputEnd, OutputItem, Outputs, PlacementWire, RequestSpec, Role, Sampling, SeqOutput,
+    StateExport, StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, TokenOut,
 };
 
 pub struct Scheduler;
@@ -62,6 +65,11 @@ pub enum SchedulerMsg {
     Tick,
     /// The timer armed with this serial number fired.
     Timeout(u64),
+    /// Attempt `attempt` of request `id`'s state transfer was not adopted in time.
+    TransferTimeout {
+        id: u64,
+        attempt: u32,
+    },
 }
 
 /// A request this incarnation serves.
@@ -75,6 +83,21 @@ struct Live {
     /// rebuild), so its compressors hold everything: a prefix hit's
     /// remaining replay must be computed normally instead.
     plain: bool,
+    /// Hand it to this decode instance once it has sampled (prefill/decode disaggregation).
+    decode: Option<u32>,
+    /// Its state as a prefill instance computed it (lengths, values), until admitted.
+    import: Option<(Vec<u32>, Vec<f32>)>,
+}
+
+/// A prefilled request waiting for its decode instance to adopt it.
+struct Handoff {
+    spec: RequestSpec,
+    generated: Vec<u32>,
+    lens: Vec<u32>,
+    values: Vec<f32>,
+    target: u32,
+    attempt: u32,
+    timer: Option<JoinHandle<()>>,
 }
 
 /// One item of the plan as it is sent.
@@ -94,8 +117,10 @@ struct Item {
     values: Option<(Vec<Vec<u32>>, Vec<f32>)>,
     snapshots: Vec<usize>,
     rebuild: bool,
-    /// The state up to `from` comes from a prefill instance.
-    imported: bool,
+    /// Start from this imported state (admitted at `from` > 0 without cached blocks).
+    import: Option<(Vec<u32>, Vec<f32>)>,
+    /// Return the state after the step: it moves to a decode instance.
+    export: bool,
 }
 
 struct Pending {
@@ -110,6 +135,8 @@ type SampledRow = (SeqOutput, Option<Vec<f32>>);
 struct Answer {
     outputs: Vec<SeqOutput>,
     snapshots: Vec<BlockSnapshot>,
+    loads: Vec<ExpertLoad>,
+    exports: Vec<StateExport>,
     body: Vec<f32>,
 }
 
@@ -182,6 +209,10 @@ pub struct SchedulerState {
     queries: u64,
     router: Addr,
     cache: Addr,
+    /// Measured expert loads (EPLB at run time).
+    eplb: Option<ExpertLoadTracker>,
+    /// Prefilled requests on their way to a decode instance.
+    handoffs: BTreeMap<u64, Handoff>,
     ctx: Arc<Ctx>,
 }
 
@@ -255,6 +286,32 @@ impl SchedulerState {
         }
     }
 
+    /// The worker (attention data-parallel rank) for a new request: a prefill
+    /// instance evens out prompt tokens per worker, others requests per worker.
+    fn pick_worker(&self) -> u32 {
+        let by_tokens = self.ctx.kind(self.instance) == InstanceKind::Prefill;
+        let devices = self.ctx.topology.devices_of(self.instance);
+        let first = devices.start;
+        devices
+            .filter(|d| !self.ctx.is_lost(*d))
+            .min_by_key(|d| {
+                let (n, tokens) = self.load.get(d).copied().unwrap_or((0, 0));
+                if by_tokens {
+                    (tokens, n, *d)
+                } else {
+                    (n, tokens, *d)
+                }
+            })
+            .unwrap_or(first)
+    }
+
+    fn assign(&mut self, rid: RequestId, worker: u32, prompt: usize) {
+        let load = self.load.entry(worker).or_default();
+        load.0 += 1;
+        load.1 += prompt;
+        self.policy.set_rank(rid, worker);
+    }
+
     /// Forget a request this incarnation served; its worker state can go.
     fn forget(&mut self, id: u64) -> Option<Live> {
         let l = self.live.remove(&id)?;
@@ -295,10 +352,17 @@ impl SchedulerState {
     }
 
     fn on_submit(&mut self, submit: Submit) {
-        let Submit { spec, generated, prefilled } = submit;
+        let Submit { spec, generated, decode } = submit;
         let id = spec.id;
         let mut worker = None;
-        if let Some(l) = self.live.get(&id) {
+        if self.handoffs.contains_key(&id) {
+            // Prefilled and on its way to a decode instance: that is progress.
+            self.ctx.send(self.addr, self.router, Message::Ack { ids: vec![id] }, &[]);
+            return;
+        }
+        if let Some(l) = self.live.get_mut(&id) {
+            l.decode = decode;
+            let l = &self.live[&id];
             if self.generated(l.rid) == generated.len() {
                 self.ctx.send(self.addr, self.router, Message::Ack { ids: vec![id] }, &[]);
                 self.tick();
@@ -322,8 +386,6 @@ impl SchedulerState {
         let request = request_of(&spec);
         let added = if generated.is_empty() {
             self.policy.add(request)
-        } else if prefilled {
-            self.policy.add_transferred(request, &generated)
         } else {
             bump(&self.ctx.metrics.requests_resumed);
             self.policy.add_resumed(request, &generated)
@@ -340,30 +402,11 @@ impl SchedulerState {
                 self.send_outputs(vec![item], &[]);
             }
             Ok(rid) => {
-                // Attention data parallelism: a prefill instance evens out
-                // prompt tokens per worker, others the requests per worker.
-                let devices = self.ctx.topology.devices_of(self.instance);
-                let by_tokens = self.ctx.role(self.instance) == InstanceRole::Prefill;
-                let first = devices.start;
-                let worker = worker.unwrap_or_else(|| {
-                    devices
-                        .filter(|d| !self.ctx.is_lost(*d))
-                        .min_by_key(|d| {
-                            let (n, tokens) = self.load.get(d).copied().unwrap_or((0, 0));
-                            if by_tokens {
-                                (tokens, n, *d)
-                            } else {
-                                (n, tokens, *d)
-                            }
-                        })
-                        .unwrap_or(first)
-                });
-                let load = self.load.entry(worker).or_default();
-                load.0 += 1;
-                load.1 += spec.prompt.len();
-                self.policy.set_rank(rid, worker);
+                let worker = worker.unwrap_or_else(|| self.pick_worker());
+                self.assign(rid, worker, spec.prompt.len());
                 self.by_rid.insert(rid, id);
-                self.live.insert(id, Live { rid, worker, spec, hashes: Vec::new(), plain: false });
+                self.live
+                    .insert(id, Live { rid, worker, spec, hashes: Vec::new(), plain: false, decode, import: None });
                 self.ctx.send(self.addr, self.router, Message::Ack { ids: vec![id] }, &[]);
                 self.tick();
             }
@@ -371,6 +414,14 @@ impl SchedulerState {
     }
 
     fn on_cancel(&mut self, id: u64) {
+        if let Some(h) = self.handoffs.remove(&id) {
+            if let Some(t) = h.timer {
+                t.abort();
+            }
+            let item = end_item(id, h.generated.len(), h.spec.prompt.len(), FinishKind::Cancelled);
+            self.send_outputs(vec![item], &[]);
+            return;
+        }
         let item = match self.forget(id) {
             Some(l) => {
                 let from = self.generated(l.rid);
@@ -405,7 +456,10 @@ impl SchedulerState {
             };
             self.ctx.kill(&path);
         }
-        let change = self.ctx.placement_changes.iter().find(|(s, _)| *s == step).map(|(_, p)| p.clone());
+        let mut change = self.ctx.placement_changes.iter().find(|(s, _)| *s == step).map(|(_, p)| p.clone());
+        if change.is_none() {
+            change = self.eplb_change();
+        }
         if let Some(p) = change {
             let epoch = self.ctx.placement(self.instance).epoch() + 1;
             self.ctx.set_placement(self.instance, p.with_epoch(epoch));
@@ -419,6 +473,24 @@ impl SchedulerState {
             self.plan(step);
         }
         Ok(())
+    }
+
+    /// A new table from the measured loads when one is due and differs from the current one.
+    fn eplb_change(&mut self) -> Option<crate::placement::Placement> {
+        let cfg = self.ctx.eplb?;
+        let tracker = self.eplb.as_mut().filter(|t| t.should_rebalance())?;
+        let current = self.ctx.placement(self.instance);
+        match eplb_table(tracker, current.devices(), cfg.redundant) {
+            Ok(p) if p.clone().with_epoch(current.epoch()) != current => {
+                self.ctx.events.record(format_args!("{} eplb: new expert table", self.addr));
+                Some(p)
+            }
+            Ok(_) => None,
+            Err(e) => {
+                self.ctx.events.record(format_args!("{} eplb: {e}", self.addr));
+                None
+            }
+        }
     }
 
     /// Send the instance's current table to its shards and wait for every acknowledgement.
@@ -478,11 +550,20 @@ impl SchedulerState {
                 // (Re)admitted: a fresh or restored state.
                 self.live.get_mut(&id).expect("live").plain = false;
             }
+            // Admitted past 0 without cached blocks: from a state another instance computed.
+            let imported = it.from > 0 && it.start.as_ref().is_some_and(Vec::is_empty);
+            let import = if imported { self.live.get_mut(&id).and_then(|l| l.import.take()) } else { None };
             let l = &self.live[&id];
             let hit = it.start.as_deref().unwrap_or_default();
-            let restore: Option<Vec<u64>> = hit.iter().map(|b| self.cached.get(b).copied()).collect();
+            let mut restore: Option<Vec<u64>> = hit.iter().map(|b| self.cached.get(b).copied()).collect();
+            if imported && import.is_none() {
+                restore = None;
+            }
             let s = &l.spec.sampling;
+            let export = it.sample && l.decode.is_some();
             items.push(Item {
+                import,
+                export,
                 logits: it.sample && self.wants_logits(&l.spec),
                 sampling: Sampling {
                     temperature: s.temperature,
@@ -502,7 +583,6 @@ impl SchedulerState {
                 restore: restore.unwrap_or_default(),
                 values: None,
                 snapshots: it.snapshots,
-                imported: it.imported,
             });
         }
         let mut run = StepRun {
@@ -630,6 +710,7 @@ impl SchedulerState {
         self.by_rid.get(&it.rid) == Some(&it.id)
     }
 
+    /// Send (again) `worker`'s part of the step; false if none of it is still wanted.
     /// The table sent with step requests. Modelled devices price the
     /// all-to-all from the expected expert loads and need no table.
     fn placement_wire(&self) -> PlacementWire {
@@ -641,7 +722,6 @@ impl SchedulerState {
         }
     }
 
-    /// Send (again) `worker`'s part of the step; false if none of it is still wanted.
     fn send_step(&self, run: &StepRun, worker: u32) -> bool {
         let p = &run.pending[&worker];
         let mut body = Vec::new();
@@ -663,6 +743,13 @@ impl SchedulerState {
                     }
                     (None, false) => (it.from, Vec::new(), if plain { 0 } else { it.replay_until }),
                 };
+                let import = match (&it.import, it.rebuild) {
+                    (Some((lens, data)), false) => {
+                        body.extend_from_slice(data);
+                        lens.clone()
+                    }
+                    _ => Vec::new(),
+                };
                 StepItem {
                     seq: it.id,
                     position: position as u64,
@@ -674,7 +761,8 @@ impl SchedulerState {
                     replay_until: replay_until as u64,
                     restore,
                     snapshots: it.snapshots.iter().map(|&k| k as u32).collect(),
-                    imported: it.imported && !it.rebuild,
+                    export: it.export,
+                    import,
                 }
             })
             .collect();
@@ -744,10 +832,10 @@ impl SchedulerState {
             return Err(format!("{}: injected crash at step {} result {}", self.addr, run.step, run.received).into());
         }
         match r.outcome {
-            StepOutcome::Done { outputs, snapshots } => {
-                if self.check_answer(&run, worker, &outputs, &snapshots, body.len()) {
+            StepOutcome::Done { outputs, snapshots, loads, exports } => {
+                if self.check_answer(&run, worker, &outputs, &snapshots, &exports, body.len()) {
                     run.pending.remove(&worker);
-                    run.answers.insert(worker, Answer { outputs, snapshots, body });
+                    run.answers.insert(worker, Answer { outputs, snapshots, loads, exports, body });
                 } else {
                     self.ctx
                         .events
@@ -785,6 +873,7 @@ impl SchedulerState {
         worker: u32,
         outputs: &[SeqOutput],
         snapshots: &[BlockSnapshot],
+        exports: &[StateExport],
         body: usize,
     ) -> bool {
         let vocab = self.ctx.config.vocab_size;
@@ -815,6 +904,13 @@ impl SchedulerState {
             }
             want_body += parts_len(&s.lens);
         }
+        // Exports may be left out (too large): the request is then recomputed where it goes.
+        let mut exported = BTreeSet::new();
+        for x in exports {
+            let asked = mine.get(&x.seq).is_some_and(|it| it.export);
+            let Some(n) = parts_values(&x.lens).filter(|_| asked && exported.insert(x.seq)) else { return false };
+            want_body += n;
+        }
         let complete = mine.values().filter(|it| self.alive(it)).all(|it| {
             (!it.sample || seen.get(&it.id) == Some(&repeat)) && it.snapshots.iter().all(|&k| got.contains(&(it.id, k)))
         });
@@ -825,9 +921,11 @@ impl SchedulerState {
         let vocab = self.ctx.config.vocab_size;
         let bt = self.ctx.block_tokens;
         let StepRun { step, items, answers, mut ended, repeat, .. } = run;
+        self.record_loads(&answers);
         // A sequence appears once per step.
         let index: BTreeMap<u64, usize> = items.iter().enumerate().map(|(i, it)| (it.id, i)).collect();
         let of = |seq: u64, worker: u32| index.get(&seq).copied().filter(|&i| items[i].worker == worker);
+        let mut exported: BTreeMap<u64, (Vec<u32>, Vec<f32>)> = BTreeMap::new();
         // Per worker: outputs by sequence, with their logits rows; snapshots with their values.
         let mut sampled_rows: BTreeMap<u64, VecDeque<SampledRow>> = BTreeMap::new();
         let mut snaps: Vec<Snap> = Vec::new();
@@ -853,6 +951,12 @@ impl SchedulerState {
                     .position(|&(_, end, _)| end == (k + 1) * bt)
                     .unwrap_or(usize::MAX);
                 snaps.push(Snap { wave, item: i, block: k, lens: s.lens, values });
+            }
+            for x in a.exports {
+                let n = parts_values(&x.lens).unwrap_or(0);
+                let values = a.body[at..at + n].to_vec();
+                at += n;
+                exported.insert(x.seq, (x.lens, values));
             }
         }
         // The order the engine registers blocks in: wave by wave, items in plan order.
@@ -926,8 +1030,171 @@ impl SchedulerState {
             ended.push(item);
         }
         self.send_outputs(ended, &body);
+        // After the outputs: the router has the first token before the decode instance speaks.
+        let leaving: Vec<u64> = items.iter().filter(|it| it.export && self.alive(it)).map(|it| it.id).collect();
+        for id in leaving {
+            let state = exported.remove(&id);
+            self.hand_off(id, state);
+        }
         self.phase = Phase::Idle;
         self.tick();
+    }
+
+    /// Fold the step's routed rows into the load tracker (malformed entries are ignored).
+    fn record_loads(&mut self, answers: &BTreeMap<u32, Answer>) {
+        let Some(tracker) = self.eplb.as_mut() else { return };
+        let (layers, experts) = (self.ctx.model.config.num_layers, self.ctx.model.config.n_routed_experts);
+        let mut rows = vec![0u32; layers * experts];
+        for x in answers.values().flat_map(|a| &a.loads) {
+            if (x.layer as usize) < layers && (x.expert as usize) < experts {
+                let r = &mut rows[x.layer as usize * experts + x.expert as usize];
+                *r = r.saturating_add(x.rows);
+            }
+        }
+        if rows.iter().any(|&r| r > 0) {
+            let _ = tracker.record_step(&rows);
+        }
+    }
+
+    /// A request prefilled here leaves for its decode instance with its state;
+    /// without one (too large to export) the router places it for recompute.
+    fn hand_off(&mut self, id: u64, state: Option<(Vec<u32>, Vec<f32>)>) {
+        let Some(target) = self.live.get(&id).and_then(|l| l.decode) else { return };
+        let Some(l) = self.forget(id) else { return };
+        let generated = self.policy.tokens(l.rid)[l.spec.prompt.len()..].to_vec();
+        let _ = self.policy.cancel(l.rid);
+        match state {
+            Some((lens, values)) if self.handoffs.len() < MAX_PENDING_TRANSFERS => {
+                let h = Handoff { spec: l.spec, generated, lens, values, target, attempt: 0, timer: None };
+                bump(&self.ctx.metrics.handovers);
+                self.handoffs.insert(id, h);
+                self.send_transfer(id);
+            }
+            _ => self.reroute(id, target, "no state to transfer"),
+        }
+    }
+
+    fn send_transfer(&mut self, id: u64) {
+        let Some(h) = self.handoffs.get_mut(&id) else { return };
+        let msg = HandoffMsg::Transfer {
+            spec: h.spec.clone(),
+            generated: h.generated.clone(),
+            lens: h.lens.clone(),
+            attempt: h.attempt,
+        };
+        let to = Addr::scheduler(h.target);
+        self.ctx.events.record(format_args!("{} transfers request {id} to {to} (attempt {})", self.addr, h.attempt));
+        let sent = self.ctx.send(self.addr, to, Message::Handoff(msg), &h.values).is_some();
+        if !sent {
+            let target = h.target;
+            self.handoffs.remove(&id);
+            self.reroute(id, target, "the state does not fit a frame");
+            return;
+        }
+        let (clock, me, wait, attempt) =
+            (Arc::clone(&self.ctx.clock), self.me.clone(), self.ctx.timeouts.control, h.attempt);
+        if let Some(t) = h.timer.replace(tokio::spawn(async move {
+            clock.sleep(wait).await;
+            let _ = me.send_message(SchedulerMsg::TransferTimeout { id, attempt });
+        })) {
+            t.abort();
+        }
+    }
+
+    fn reroute(&mut self, id: u64, target: u32, why: &str) {
+        bump(&self.ctx.metrics.requests_restarted);
+        self.ctx.events.record(format_args!("{} reroutes request {id} away from scheduler{target}: {why}", self.addr));
+        let msg = HandoffMsg::Reroute { id, instance: target };
+        self.ctx.send(self.addr, self.router, Message::Handoff(msg), &[]);
+    }
+
+    fn on_transfer_timeout(&mut self, id: u64, attempt: u32) {
+        let Some(h) = self.handoffs.get_mut(&id).filter(|h| h.attempt == attempt) else { return };
+        h.attempt += 1;
+        if h.attempt < TRANSFER_ATTEMPTS {
+            self.send_transfer(id);
+            return;
+        }
+        let h = self.handoffs.remove(&id).expect("present");
+        self.reroute(id, h.target, &format!("not adopted after {TRANSFER_ATTEMPTS} transfers"));
+    }
+
+    fn on_adopted(&mut self, id: u64, instance: u32) {
+        if self.handoffs.get(&id).is_some_and(|h| h.target == instance) {
+            if let Some(t) = self.handoffs.remove(&id).and_then(|h| h.timer) {
+                t.abort();
+            }
+            self.ctx.events.record(format_args!("{} request {id} adopted by scheduler{instance}", self.addr));
+        }
+    }
+
+    /// A prefilled request arrives: it continues here from its state. A state
+    /// that does not check out is recomputed instead; either way it is adopted.
+    fn on_transfer(&mut self, from: Addr, spec: RequestSpec, generated: Vec<u32>, lens: Vec<u32>, values: Vec<f32>) {
+        let id = spec.id;
+        let adopted = Message::Handoff(HandoffMsg::Adopted { id, instance: self.instance });
+        if self.live.contains_key(&id) {
+            // A repeated (or late) transfer of a request already running here:
+            // it may have moved on since; only the answer was lost.
+            self.ctx.send(self.addr, from, adopted.clone(), &[]);
+            self.ctx.send(self.addr, self.router, adopted, &[]);
+            return;
+        }
+        let cfg = &self.ctx.model.config;
+        let position = spec.prompt.len() + generated.len();
+        if generated.len() >= spec.max_tokens as usize || position >= self.ctx.config.max_position_embeddings {
+            // Nothing is left to generate (a peer that should have finished it).
+            self.ctx.send(self.addr, from, adopted.clone(), &[]);
+            self.ctx.send(self.addr, self.router, adopted, &[]);
+            let item = end_item(id, generated.len(), spec.prompt.len(), FinishKind::Length);
+            self.send_outputs(vec![item], &[]);
+            return;
+        }
+        let checked = if generated.is_empty() || parts_values(&lens) != Some(values.len()) {
+            Err("lengths do not match the body".to_string())
+        } else if self.ctx.modelled.is_some() {
+            // Modelled devices move positions, not values.
+            Ok(())
+        } else {
+            state_from_parts(cfg, &lens, &values, cfg.max_position_embeddings).and_then(|s| {
+                if s.position + 1 == position {
+                    Ok(())
+                } else {
+                    Err(format!("state at {} for {position} tokens", s.position))
+                }
+            })
+        };
+        let request = request_of(&spec);
+        let added = match &checked {
+            Ok(()) => self.policy.add_prefilled(request, &generated),
+            Err(why) => {
+                self.ctx.events.record(format_args!("{} recomputes request {id}: {why}", self.addr));
+                if generated.is_empty() {
+                    self.policy.add(request)
+                } else {
+                    self.policy.add_resumed(request, &generated)
+                }
+            }
+        };
+        self.ctx.send(self.addr, from, adopted.clone(), &[]);
+        self.ctx.send(self.addr, self.router, adopted, &[]);
+        match added {
+            Err(e) => {
+                let end = Some(OutputEnd::Refused(e.to_string()));
+                let item = OutputItem { id, from: generated.len() as u32, tokens: Vec::new(), logits: false, end };
+                self.send_outputs(vec![item], &[]);
+            }
+            Ok(rid) => {
+                let worker = self.pick_worker();
+                self.assign(rid, worker, spec.prompt.len());
+                self.by_rid.insert(rid, id);
+                let import = checked.is_ok().then_some((lens, values));
+                self.ctx.events.record(format_args!("{} adopts request {id} at {position} tokens", self.addr));
+                let live = Live { rid, worker, spec, hashes: Vec::new(), plain: false, decode: None, import };
+                self.live.insert(id, live);
+                self.tick();
+            }
+        }
     }
 
     /// The next decode step of a multi-step event: plan it (running
@@ -996,7 +1263,7 @@ impl SchedulerState {
         let context = self.ctx.config.max_position_embeddings;
         let mut repeat = most;
         for it in items {
-            let plain = it.sample && it.to == it.from + 1 && it.restore.is_empty() && !it.rebuild;
+            let plain = it.sample && it.to == it.from + 1 && it.restore.is_empty() && !it.rebuild && !it.export;
             // A request that finishes within the event drops out of the later
             // steps (its extra tokens are discarded), so length is no limit.
             let Some(l) = self.live.get(&it.id).filter(|_| plain) else { return 1 };
@@ -1152,6 +1419,14 @@ impl Actor for Scheduler {
         let cache = Addr::cache(ctx.topology.home_node(args.instance));
         let router = Addr::router(0);
         let restarted = ctx.is_up();
+        let eplb = ctx.eplb.map(|c| {
+            ExpertLoadTracker::new(
+                ctx.model.config.num_layers,
+                ctx.model.config.n_routed_experts,
+                c.decay,
+                c.every_steps,
+            )
+        });
         ctx.send(addr, cache, Message::Cache(CacheMsg::Clear { instance: args.instance }), &[]);
         let hello = Heartbeat { instance: number, restarted, time_ns: ctx.clock.now().as_nanos() as u64 };
         ctx.send(addr, router, Message::Heartbeat(hello), &[]);
@@ -1173,6 +1448,8 @@ impl Actor for Scheduler {
             queries: 0,
             router,
             cache,
+            eplb,
+            handoffs: BTreeMap::new(),
             ctx,
         };
         // A predecessor may have died between changing the table and hearing every shard load it.
@@ -1190,6 +1467,11 @@ impl Actor for Scheduler {
         if let Some(t) = state.timer.take() {
             t.abort();
         }
+        for h in state.handoffs.values_mut() {
+            if let Some(t) = h.timer.take() {
+                t.abort();
+            }
+        }
         Ok(())
     }
 
@@ -1205,6 +1487,10 @@ impl Actor for Scheduler {
                 state.on_timeout(serial);
                 return Ok(());
             }
+            SchedulerMsg::TransferTimeout { id, attempt } => {
+                state.on_transfer_timeout(id, attempt);
+                return Ok(());
+            }
             SchedulerMsg::Net(d) => d,
         };
         let Some(m) = state.ctx.open(state.addr, &d) else { return Ok(()) };
@@ -1214,6 +1500,12 @@ impl Actor for Scheduler {
         match (from.role, m.envelope.msg) {
             (Role::Router, Message::Submit(s)) => state.on_submit(s),
             (Role::Router, Message::Cancel { id }) => state.on_cancel(id),
+            (Role::Scheduler, Message::Handoff(HandoffMsg::Transfer { spec, generated, lens, .. })) => {
+                state.on_transfer(from, spec, generated, lens, m.body)
+            }
+            (Role::Scheduler, Message::Handoff(HandoffMsg::Adopted { id, instance })) if instance == from.index => {
+                state.on_adopted(id, instance)
+            }
             (Role::Worker, Message::StepResult(r)) if mine(from) => return state.on_result(from, r, m.body),
             (Role::Worker, Message::Heartbeat(h)) if mine(from) && h.restarted => {
                 state.on_worker_restarted(from.index, h.instance)

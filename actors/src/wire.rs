@@ -25,7 +25,7 @@ use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// Version of the envelope layout; bumped on any change to the archived types.
-pub const WIRE_VERSION: u16 = 3;
+pub const WIRE_VERSION: u16 = 4;
 /// Largest payload a frame may declare (after the length prefix).
 pub const MAX_FRAME_BYTES: u32 = 64 << 20;
 /// "dINF" little-endian.
@@ -144,14 +144,17 @@ pub struct StepItem {
     pub restore: Vec<Vec<u32>>,
     /// Blocks whose compressed state to return once computed.
     pub snapshots: Vec<u32>,
-    /// The state up to `position` was computed by another (prefill)
-    /// instance and is transferred; a worker that cannot obtain it answers
-    /// `NeedsHistory` and the sequence is recomputed.
-    pub imported: bool,
+    /// Return the whole sequence state after the step (prefill/decode
+    /// disaggregation: it moves to a decode instance).
+    pub export: bool,
+    /// Start from this imported sequence state (lengths as
+    /// `deepinfer_engine::transfer::state_to_parts` writes them; values in
+    /// the body after the item's restored blocks) positioned at `position`.
+    pub import: Vec<u32>,
 }
 
 /// Scheduler → worker: run one forward step over these sequences and sample.
-/// Body: the values of every item's `restore` blocks, in item order.
+/// Body: the values of every item's `restore` blocks then its `import`, in item order.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[rkyv(derive(Debug))]
 pub struct StepRequest {
@@ -206,12 +209,44 @@ pub struct BlockSnapshot {
 #[rkyv(derive(Debug))]
 pub enum StepOutcome {
     /// One output per sampling item, in item order; the body holds the
-    /// logits rows of the items that asked (same order), then every snapshot's values.
-    Done { outputs: Vec<SeqOutput>, snapshots: Vec<BlockSnapshot> },
+    /// logits rows of the items that asked (same order), then every
+    /// snapshot's values, then every export's values. `loads`: rows routed
+    /// to each (layer, expert) in the step, ascending, for EPLB.
+    Done { outputs: Vec<SeqOutput>, snapshots: Vec<BlockSnapshot>, loads: Vec<ExpertLoad>, exports: Vec<StateExport> },
     /// The worker holds no (or a different) state for these sequences: resend them with `rebuild`.
     NeedsHistory(Vec<u64>),
     /// The step could not run; the worker dropped the states it touched.
     Failed(String),
+}
+
+/// Rows the router of one layer sent to one expert during a step.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct ExpertLoad {
+    pub layer: u32,
+    pub expert: u32,
+    pub rows: u32,
+}
+
+/// A sequence's whole state after a step (lengths; values in the body).
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct StateExport {
+    pub seq: u64,
+    pub lens: Vec<u32>,
+}
+
+/// Prefill/decode disaggregation: a prefilled request moves to a decode instance.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub enum HandoffMsg {
+    /// Prefill scheduler → decode scheduler: continue this request from its
+    /// state (lengths here, values in the body) after `generated`.
+    Transfer { spec: RequestSpec, generated: Vec<u32>, lens: Vec<u32>, attempt: u32 },
+    /// Decode scheduler → prefill scheduler and router: the request runs here now.
+    Adopted { id: u64, instance: u32 },
+    /// Prefill scheduler → router: the transfer to `instance` failed; decode it elsewhere.
+    Reroute { id: u64, instance: u32 },
 }
 
 /// Worker → scheduler.
@@ -333,9 +368,8 @@ pub struct RequestSpec {
 pub struct Submit {
     pub spec: RequestSpec,
     pub generated: Vec<u32>,
-    /// A prefill instance computed the state of `prompt + generated[..-1]`:
-    /// the receiver imports it instead of recomputing.
-    pub prefilled: bool,
+    /// Once it has sampled, hand it (with its state) to this decode instance.
+    pub decode: Option<u32>,
 }
 
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -495,6 +529,7 @@ pub enum Message {
     },
     Outputs(Outputs),
     Cache(CacheMsg),
+    Handoff(HandoffMsg),
 }
 
 /// The message kinds, as the preamble's `kind` byte names them.
@@ -512,10 +547,11 @@ pub enum MsgKind {
     Ack = 9,
     Outputs = 10,
     Cache = 11,
+    Handoff = 12,
 }
 
 impl MsgKind {
-    pub const ALL: [MsgKind; 11] = [
+    pub const ALL: [MsgKind; 12] = [
         MsgKind::StepRequest,
         MsgKind::StepResult,
         MsgKind::Dispatch,
@@ -527,6 +563,7 @@ impl MsgKind {
         MsgKind::Ack,
         MsgKind::Outputs,
         MsgKind::Cache,
+        MsgKind::Handoff,
     ];
 
     pub fn from_u8(v: u8) -> Option<Self> {
@@ -543,6 +580,7 @@ impl MsgKind {
                 | MsgKind::StepRequest
                 | MsgKind::Outputs
                 | MsgKind::Cache
+                | MsgKind::Handoff
         )
     }
 
@@ -559,6 +597,7 @@ impl MsgKind {
             MsgKind::Ack => "ack",
             MsgKind::Outputs => "outputs",
             MsgKind::Cache => "cache",
+            MsgKind::Handoff => "handoff",
         }
     }
 }
@@ -577,6 +616,7 @@ impl Message {
             Message::Ack { .. } => MsgKind::Ack,
             Message::Outputs(_) => MsgKind::Outputs,
             Message::Cache(_) => MsgKind::Cache,
+            Message::Handoff(_) => MsgKind::Handoff,
         }
     }
 }
@@ -595,6 +635,7 @@ impl ArchivedMessage {
             ArchivedMessage::Ack { .. } => MsgKind::Ack,
             ArchivedMessage::Outputs(_) => MsgKind::Outputs,
             ArchivedMessage::Cache(_) => MsgKind::Cache,
+            ArchivedMessage::Handoff(_) => MsgKind::Handoff,
         }
     }
 }

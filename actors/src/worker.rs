@@ -22,6 +22,7 @@ use deepinfer_engine::cost::SeqWork;
 use deepinfer_engine::engine::{restore_state, step_segments, BlockValues};
 use deepinfer_engine::model::{Chunk, ExpertOutputs, LogitsWanted, Pass, SequenceState};
 use deepinfer_engine::sampling::{sample, SamplingParams};
+use deepinfer_engine::transfer::{parts_values, state_from_parts, state_to_parts};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
@@ -32,12 +33,16 @@ use crate::faults::Target;
 use crate::placement::{row_key, Placement};
 use crate::transport::Delivery;
 use crate::wire::{
-    Addr, BlockSnapshot, DispatchHeader, ExpertResultHeader, ExpertRows, Heartbeat, Message, ResultStatus, SeqOutput,
-    StepOutcome, StepRequest, StepResult, TopLogprob,
+    Addr, BlockSnapshot, DispatchHeader, ExpertLoad, ExpertResultHeader, ExpertRows, Heartbeat, Message, ResultStatus,
+    SeqOutput, StateExport, StepOutcome, StepRequest, StepResult, TopLogprob,
 };
 
 #[path = "worker_modelled.rs"]
 mod modelled;
+
+/// Largest body of exported states one step answer carries; past it the
+/// exports are left out and the scheduler falls back to recomputing.
+pub const MAX_EXPORT_BYTES: usize = 48 << 20;
 
 pub struct GpuWorker;
 
@@ -78,6 +83,7 @@ struct ItemRun {
     segments: Vec<(usize, usize, bool)>,
     snapshots: Vec<usize>,
     row: Option<Vec<f32>>,
+    export: bool,
 }
 
 /// The chunks of wave `wave`: every item that has a segment there.
@@ -110,6 +116,8 @@ struct Running {
     outputs: Option<ExpertOutputs>,
     pending: BTreeMap<u32, Part>,
     timer: Option<JoinHandle<()>>,
+    /// Rows routed per (layer, expert) this step, for EPLB.
+    loads: BTreeMap<(u32, u32), u32>,
 }
 
 pub struct WorkerState {
@@ -227,6 +235,7 @@ impl WorkerState {
         let mut seen = BTreeSet::new();
         let mut missing = Vec::new();
         let mut restored: Vec<Vec<BlockValues>> = Vec::with_capacity(req.items.len());
+        let mut imported: Vec<Option<SequenceState>> = Vec::with_capacity(req.items.len());
         let mut at = 0usize;
         for it in &req.items {
             let (position, len) = (it.position as usize, it.tokens.len());
@@ -250,6 +259,8 @@ impl WorkerState {
                 Some(format!("restores {n} blocks but replays to {replay} from {position}"))
             } else if n == 0 && position == 0 && replay != 0 {
                 Some("replay without a restored state".to_string())
+            } else if !it.import.is_empty() && (it.rebuild || n != 0 || replay != 0 || position == 0) {
+                Some("an imported state starts past 0, alone".to_string())
             } else if !snaps_ok {
                 Some(format!("snapshots {:?} outside ({position}, {end}]", it.snapshots))
             } else {
@@ -272,8 +283,28 @@ impl WorkerState {
                 at += size;
             }
             restored.push(blocks);
-            // Position 0 or a restore is a new state; later positions need the state they continue.
-            if position > 0 && n == 0 && self.seqs.get(&it.seq).is_none_or(|s| s.position != position) {
+            if it.import.is_empty() {
+                imported.push(None);
+            } else {
+                let size = parts_values(&it.import).ok_or_else(|| "malformed lengths".to_string());
+                let parsed = size.and_then(|size| {
+                    let data =
+                        body.get(at..at.saturating_add(size)).ok_or_else(|| "the body is too short".to_string())?;
+                    at += size;
+                    let state = state_from_parts(cfg, &it.import, data, cfg.max_position_embeddings)?;
+                    if state.position != position {
+                        return Err(format!("state at {} for position {position}", state.position));
+                    }
+                    Ok(state)
+                });
+                match parsed {
+                    Ok(state) => imported.push(Some(state)),
+                    Err(why) => return fail(self, format!("sequence {}: imported state: {why}", it.seq)),
+                }
+            }
+            // Position 0, a restore or an import is a new state; later positions need the state they continue.
+            let new = n > 0 || !it.import.is_empty();
+            if position > 0 && !new && self.seqs.get(&it.seq).is_none_or(|s| s.position != position) {
                 missing.push(it.seq);
             }
         }
@@ -287,9 +318,12 @@ impl WorkerState {
         }
 
         let mut items = Vec::with_capacity(req.items.len());
-        for (it, blocks) in req.items.into_iter().zip(restored) {
+        for ((it, blocks), import) in req.items.into_iter().zip(restored).zip(imported) {
             let from = it.position as usize;
-            let state = if !blocks.is_empty() {
+            let state = if let Some(state) = import {
+                self.seqs.remove(&it.seq);
+                state
+            } else if !blocks.is_empty() {
                 self.seqs.remove(&it.seq);
                 let refs: Vec<&BlockValues> = blocks.iter().collect();
                 restore_state(&self.ctx.model, &refs, from)
@@ -316,6 +350,7 @@ impl WorkerState {
                 segments,
                 snapshots,
                 row: None,
+                export: it.export,
             });
         }
         let waves = items.iter().map(|it| it.segments.len()).max().unwrap_or(0);
@@ -346,6 +381,7 @@ impl WorkerState {
             outputs: None,
             pending: BTreeMap::new(),
             timer: None,
+            loads: BTreeMap::new(),
         });
         if empty {
             self.finish();
@@ -394,6 +430,7 @@ impl WorkerState {
         };
         let mut by_device: BTreeMap<u32, BTreeMap<u32, Vec<(usize, usize)>>> = BTreeMap::new();
         for e in dispatch.experts_hit() {
+            *run.loads.entry((layer, e as u32)).or_default() += dispatch.rows_for(e).len() as u32;
             for pair in dispatch.rows_for(e) {
                 let dev = base + run.placement.choose(e as u32, run.row_keys[pair.0]);
                 by_device.entry(dev).or_default().entry(e as u32).or_default().push(pair);
@@ -527,11 +564,31 @@ impl WorkerState {
             body.extend_from_slice(&data);
             snapshots.push(BlockSnapshot { seq: run.items[*i].seq, block: *k as u32, lens });
         }
+        let mut exports = Vec::new();
+        let mut export_body = Vec::new();
+        for it in run.items.iter().filter(|it| it.export) {
+            let (lens, data) = state_to_parts(&it.state);
+            export_body.extend_from_slice(&data);
+            exports.push(StateExport { seq: it.seq, lens });
+        }
+        if (body.len() + export_body.len()) * 4 <= MAX_EXPORT_BYTES {
+            body.extend_from_slice(&export_body);
+        } else {
+            self.ctx.events.record(format_args!("{} leaves out {} state exports: too large", self.addr, exports.len()));
+            exports.clear();
+        }
+        let loads = run.loads.iter().map(|(&(layer, expert), &rows)| ExpertLoad { layer, expert, rows }).collect();
         for it in run.items {
             self.seqs.insert(it.seq, it.state);
         }
         self.ctx.events.record(format_args!("{} step {} done", self.addr, run.step));
-        let frame = self.reply(run.reply_to, run.step, run.attempt, StepOutcome::Done { outputs, snapshots }, &body);
+        let frame = self.reply(
+            run.reply_to,
+            run.step,
+            run.attempt,
+            StepOutcome::Done { outputs, snapshots, loads, exports },
+            &body,
+        );
         self.last = frame.map(|f| (self.owner, run.step, f));
     }
 

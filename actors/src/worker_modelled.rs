@@ -13,7 +13,7 @@ use super::{params, WorkerState};
 use crate::cost::micros;
 use crate::events::bump;
 use crate::modelled::Modelled;
-use crate::wire::{Addr, BlockSnapshot, Message, SeqOutput, StepOutcome, StepRequest, StepResult};
+use crate::wire::{Addr, BlockSnapshot, Message, SeqOutput, StateExport, StepOutcome, StepRequest, StepResult};
 
 /// A step whose answer is on its way; dropping it (a newer step, a crash) cancels the answer.
 pub(super) struct ModelledRun {
@@ -72,7 +72,7 @@ impl WorkerState {
             if let Some(why) = bad {
                 return fail(self, format!("sequence {}: {why}", it.seq));
             }
-            let continues = position > 0 && it.restore.is_empty() && !it.imported && !it.rebuild;
+            let continues = position > 0 && it.restore.is_empty() && it.import.is_empty() && !it.rebuild;
             if continues && self.positions.get(&it.seq) != Some(&position) {
                 missing.push(it.seq);
             }
@@ -87,13 +87,18 @@ impl WorkerState {
         let mut imported = 0;
         let mut outputs = Vec::new();
         let mut snapshots = Vec::new();
+        let mut exports = Vec::new();
         for it in &req.items {
             let (position, end) = (it.position as usize, it.position as usize + it.tokens.len());
             if it.rebuild {
                 bump(&self.ctx.metrics.sequences_rebuilt);
             }
-            if it.imported {
+            if !it.import.is_empty() {
                 imported += position;
+            }
+            if it.export {
+                // Positions only: the decode instance's modelled worker continues from them.
+                exports.push(StateExport { seq: it.seq, lens: vec![end as u32, 0] });
             }
             work.push(SeqWork { new_tokens: it.tokens.len(), context: position });
             // The further steps of an event decode one token each, priced at their middle context.
@@ -121,7 +126,7 @@ impl WorkerState {
             step: req.step,
             attempt: req.attempt,
             device: self.device,
-            outcome: StepOutcome::Done { outputs, snapshots },
+            outcome: StepOutcome::Done { outputs, snapshots, loads: Vec::new(), exports },
         };
         let Ok(frame) = crate::wire::encode(
             &crate::wire::Envelope { from: self.addr, to: from, msg: Message::StepResult(result) },

@@ -3,9 +3,10 @@
 
 use deepinfer_actors::wire::{
     decode, decode_with_limit, encode, read_frame, Addr, BlockSnapshot, CacheMsg, Control, DispatchHeader, Envelope,
-    ExpertResultHeader, ExpertRows, FetchItem, FinishKind, FinishWire, Heartbeat, Message, OutputEnd, OutputItem,
-    Outputs, PlacementWire, RequestSpec, ResultStatus, Role, Sampling, SeqOutput, StepItem, StepOutcome, StepRequest,
-    StepResult, StoredBlock, Submit, TokenOut, TopLogprob, WireError, MAX_FRAME_BYTES,
+    ExpertLoad, ExpertResultHeader, ExpertRows, FetchItem, FinishKind, FinishWire, HandoffMsg, Heartbeat, Message,
+    OutputEnd, OutputItem, Outputs, PlacementWire, RequestSpec, ResultStatus, Role, Sampling, SeqOutput, StateExport,
+    StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, TokenOut, TopLogprob, WireError,
+    MAX_FRAME_BYTES,
 };
 use proptest::prelude::*;
 
@@ -55,7 +56,8 @@ fn message() -> impl Strategy<Value = Message> {
                         replay_until: 64,
                         restore: vec![vec![1, 16, u32::MAX, u32::MAX]],
                         snapshots: vec![1, 2],
-                        imported: step % 3 == 0,
+                        export: step % 3 == 0,
+                        import: if step % 5 == 0 { vec![4, 0, 12] } else { Vec::new() },
                     }],
                     release: vec![1, 2],
                     batch_tokens: step % 4096,
@@ -72,6 +74,8 @@ fn message() -> impl Strategy<Value = Message> {
                         .map(|&seq| SeqOutput { seq, token: 5, logprob: -0.5, position: 7, top: top() })
                         .collect(),
                     snapshots: vec![BlockSnapshot { seq: 1, block: 0, lens: vec![1, 2, 3] }],
+                    loads: vec![ExpertLoad { layer: 1, expert: 3, rows: 7 }],
+                    exports: ids.iter().map(|&seq| StateExport { seq, lens: vec![3, 0, 8] }).collect(),
                 },
             };
             Message::StepResult(StepResult { step, attempt: 1, device: 0, outcome })
@@ -92,11 +96,30 @@ fn message() -> impl Strategy<Value = Message> {
                     ignore_eos: false,
                     logits: true,
                 };
-                let prefilled = generated.len() == 1;
-                Message::Submit(Submit { spec, generated, prefilled })
+                let decode = (id % 2 == 0).then_some(id as u32);
+                Message::Submit(Submit { spec, generated, decode })
             }
         ),
         prop::collection::vec(any::<u64>(), 0..5).prop_map(|ids| Message::Ack { ids }),
+        (any::<u64>(), any::<u32>(), prop::collection::vec(any::<u32>(), 0..12)).prop_map(|(id, instance, lens)| {
+            Message::Handoff(match id % 3 {
+                0 => HandoffMsg::Adopted { id, instance },
+                1 => HandoffMsg::Reroute { id, instance },
+                _ => {
+                    let spec = RequestSpec {
+                        id,
+                        prompt: lens.clone(),
+                        max_tokens: 4,
+                        sampling: sampling(),
+                        stop_token_ids: Vec::new(),
+                        stop_sequences: Vec::new(),
+                        ignore_eos: true,
+                        logits: false,
+                    };
+                    HandoffMsg::Transfer { spec, generated: vec![5], lens, attempt: instance }
+                }
+            })
+        }),
         any::<u64>().prop_map(|id| Message::Cancel { id }),
         (any::<u64>(), any::<u32>(), ".{0,10}").prop_map(|(id, from, why)| {
             let end = match why.len() % 3 {

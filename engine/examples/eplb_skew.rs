@@ -1,6 +1,8 @@
 //! EPLB on a skewed load: 256 experts per layer with Zipf(s = 1.2) popularity
 //! (a different random ranking per layer), 8 nodes. Prints the max/mean GPU
 //! load before (experts in order, 256 / GPUs per GPU, no replicas) and after.
+//! Slots that do not divide over the GPUs (256 + 32 on 64) give the first
+//! GPUs of each node one slot more.
 //!
 //! `cargo run --release -p deepinfer-engine --example eplb_skew`
 
@@ -30,10 +32,10 @@ fn main() {
         })
         .collect();
     println!(
-        "| GPUs | redundant | slots/GPU | max/mean before | after, hierarchical (8 groups, 8 nodes) | after, global |"
+        "| GPUs | redundant | slots/GPU (max) | max/mean before | after, hierarchical (8 groups, 8 nodes) | after, global |"
     );
     println!("|---:|---:|---:|---:|---:|---:|");
-    for (gpus, redundant) in [(64, 64), (64, 128), (32, 32), (128, 128)] {
+    for (gpus, redundant) in [(64, 32), (64, 64), (64, 128), (32, 32), (128, 128)] {
         let nodes = 8;
         let placement = rebalance(&load, EXPERTS + redundant, 8, nodes, gpus).expect("valid shape");
         let global = rebalance(&load, EXPERTS + redundant, 1, 1, gpus).expect("valid shape");

@@ -6,11 +6,19 @@
 //! evenly by nodes, the global policy treats the cluster as one node with one
 //! group. Ties are broken by lower index, so the result is a pure function of
 //! the input.
+//!
+//! Unlike the published code, the physical slots need not divide evenly over
+//! the GPUs (256 experts + 32 redundant on 64 GPUs): within each node the
+//! first GPUs get one slot more, and packing fills each GPU to its own count.
+//!
+//! [`ExpertLoadTracker`] is the run-time side: it folds each step's routed
+//! rows per (layer, expert) into an exponential moving average and says when
+//! a new placement is due.
 
 /// A placement for every layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Placement {
-    /// `[layer][physical slot]` → logical expert. Slot `s` lives on GPU `s / slots_per_gpu`.
+    /// `[layer][physical slot]` → logical expert. Slot `s` lives on GPU `gpu_of_slot[s]`.
     pub phy_to_log: Vec<Vec<usize>>,
     /// `[layer][physical slot]` → which replica of its expert this slot is (0-based).
     pub replica_rank: Vec<Vec<usize>>,
@@ -18,6 +26,8 @@ pub struct Placement {
     pub log_to_phy: Vec<Vec<Vec<usize>>>,
     /// `[layer][logical expert]` → number of replicas.
     pub replica_counts: Vec<Vec<usize>>,
+    /// Physical slot → GPU (the same for every layer; contiguous per GPU).
+    pub gpu_of_slot: Vec<usize>,
     pub num_gpus: usize,
 }
 
@@ -31,12 +41,18 @@ pub enum EplbError {
     TooFewSlots { physical: usize, logical: usize },
     #[error("loads must be finite and non-negative")]
     BadLoad,
+    #[error("{physical} physical slots cannot give each of {gpus} GPUs one")]
+    TooFewSlotsForGpus { physical: usize, gpus: usize },
+    #[error("a step's loads have {got} values, expected {want} (layers × experts)")]
+    LoadCount { got: usize, want: usize },
 }
 
 /// Compute a placement of `num_physical` slots (logical experts plus redundant
 /// replicas) over `num_gpus` GPUs on `num_nodes` nodes, with experts in
 /// `num_groups` contiguous groups. `load[layer][expert]` is any non-negative
-/// measure of work (tokens routed, a moving average).
+/// measure of work (tokens routed, a moving average). The hierarchical
+/// policy needs the slots to divide by nodes; the GPUs of a node may hold
+/// slot counts that differ by one.
 pub fn rebalance(
     load: &[Vec<f64>],
     num_physical: usize,
@@ -68,17 +84,29 @@ pub fn rebalance(
     };
     check("logical experts", logical, "groups", groups)?;
     check("GPUs", num_gpus, "nodes", nodes)?;
-    check("physical slots", num_physical, "GPUs", num_gpus)?;
+    check("physical slots", num_physical, "nodes", nodes)?;
+    if num_physical < num_gpus {
+        return Err(EplbError::TooFewSlotsForGpus { physical: num_physical, gpus: num_gpus });
+    }
+    let caps = gpu_slots(num_physical / nodes, num_gpus / nodes);
+    let per_node = caps.len();
+    let mut gpu_of_slot = Vec::with_capacity(num_physical);
+    for n in 0..nodes {
+        for (g, &c) in caps.iter().enumerate() {
+            gpu_of_slot.extend(std::iter::repeat_n(n * per_node + g, c));
+        }
+    }
 
     let mut placement = Placement {
         phy_to_log: Vec::new(),
         replica_rank: Vec::new(),
         log_to_phy: Vec::new(),
         replica_counts: Vec::new(),
+        gpu_of_slot,
         num_gpus,
     };
     for row in load {
-        let (phy_to_log, rank, counts) = hierarchical(row, num_physical, groups, nodes, num_gpus);
+        let (phy_to_log, rank, counts) = hierarchical(row, num_physical, groups, nodes, &caps);
         let mut log_to_phy = vec![Vec::new(); logical];
         for (slot, (&e, &r)) in phy_to_log.iter().zip(&rank).enumerate() {
             let replicas: &mut Vec<usize> = &mut log_to_phy[e];
@@ -95,19 +123,36 @@ pub fn rebalance(
     Ok(placement)
 }
 
+/// Slots of each GPU of a node: `per_node` slots over `gpus`, the first ones one more.
+fn gpu_slots(per_node: usize, gpus: usize) -> Vec<usize> {
+    (0..gpus).map(|g| per_node / gpus + usize::from(g < per_node % gpus)).collect()
+}
+
 impl Placement {
+    /// The most slots any GPU holds.
     pub fn slots_per_gpu(&self) -> usize {
-        self.phy_to_log.first().map_or(0, |l| l.len() / self.num_gpus)
+        let mut count = vec![0; self.num_gpus];
+        for &g in &self.gpu_of_slot {
+            count[g] += 1;
+        }
+        count.into_iter().max().unwrap_or(0)
     }
 
     /// Load each GPU carries in `layer` when an expert's load splits evenly over its replicas.
     pub fn gpu_loads(&self, layer: usize, load: &[f64]) -> Vec<f64> {
-        let per_gpu = self.slots_per_gpu();
         let mut gpus = vec![0.0; self.num_gpus];
         for (slot, &e) in self.phy_to_log[layer].iter().enumerate() {
-            gpus[slot / per_gpu] += load[e] / self.replica_counts[layer][e] as f64;
+            gpus[self.gpu_of_slot[slot]] += load[e] / self.replica_counts[layer][e] as f64;
         }
         gpus
+    }
+
+    /// GPUs holding a copy of `expert` in `layer`, ascending, without repeats.
+    pub fn gpus_of(&self, layer: usize, expert: usize) -> Vec<usize> {
+        let mut g: Vec<usize> = self.log_to_phy[layer][expert].iter().map(|&s| self.gpu_of_slot[s]).collect();
+        g.sort_unstable();
+        g.dedup();
+        g
     }
 }
 
@@ -129,12 +174,14 @@ fn by_weight_desc(weight: &[f64]) -> Vec<usize> {
     idx
 }
 
-/// Pack `weight.len()` items into `packs` packs of equal item count, heaviest
-/// first into the lightest pack that still has room. Returns (pack, rank in pack).
-fn balanced_packing(weight: &[f64], packs: usize) -> (Vec<usize>, Vec<usize>) {
+/// Pack `weight.len()` items into packs of `caps[p]` items each (the caps
+/// add up to the item count), heaviest first into the lightest pack that
+/// still has room. Returns (pack, rank in pack).
+fn balanced_packing(weight: &[f64], caps: &[usize]) -> (Vec<usize>, Vec<usize>) {
     let n = weight.len();
-    let per_pack = n / packs;
-    if per_pack == 1 {
+    let packs = caps.len();
+    debug_assert_eq!(caps.iter().sum::<usize>(), n);
+    if caps.iter().all(|&c| c == 1) {
         return ((0..n).collect(), vec![0; n]);
     }
     let mut pack_of = vec![0; n];
@@ -143,7 +190,7 @@ fn balanced_packing(weight: &[f64], packs: usize) -> (Vec<usize>, Vec<usize>) {
     let mut pack_items = vec![0usize; packs];
     for item in by_weight_desc(weight) {
         let pack = (0..packs)
-            .filter(|&p| pack_items[p] < per_pack)
+            .filter(|&p| pack_items[p] < caps[p])
             .min_by(|&a, &b| pack_weight[a].total_cmp(&pack_weight[b]).then(a.cmp(&b)))
             .expect("a pack has room");
         pack_of[item] = pack;
@@ -175,24 +222,24 @@ fn replicate(weight: &[f64], physical: usize) -> (Vec<usize>, Vec<usize>, Vec<us
     (phy_to_log, rank, counts)
 }
 
-/// One layer of the hierarchical policy.
+/// One layer of the hierarchical policy; `caps` are the slots of each GPU of a node.
 fn hierarchical(
     weight: &[f64],
     physical: usize,
     groups: usize,
     nodes: usize,
-    gpus: usize,
+    caps: &[usize],
 ) -> (Vec<usize>, Vec<usize>, Vec<usize>) {
     let logical = weight.len();
     let group_size = logical / groups;
     let groups_per_node = groups / nodes;
-    let slots_per_gpu = physical / gpus;
+    let gpu_start: Vec<usize> = caps.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
     let per_node_logical = logical / nodes;
     let per_node_physical = physical / nodes;
 
     // 1. Pack expert groups onto nodes; "mlog" numbers experts node by node.
     let group_load: Vec<f64> = (0..groups).map(|g| weight[g * group_size..(g + 1) * group_size].iter().sum()).collect();
-    let (group_pack, group_rank) = balanced_packing(&group_load, nodes);
+    let (group_pack, group_rank) = balanced_packing(&group_load, &vec![groups_per_node; nodes]);
     let mut log_to_mlog = vec![0; logical];
     for (e, m) in log_to_mlog.iter_mut().enumerate() {
         let g = e / group_size;
@@ -213,9 +260,9 @@ fn hierarchical(
         let (phy_to_local, rank, counts) = replicate(&node_weight, per_node_physical);
         // 3. Pack the node's replicas onto its GPUs by load per replica.
         let replica_load: Vec<f64> = phy_to_local.iter().map(|&i| node_weight[i] / counts[i] as f64).collect();
-        let (gpu_of, rank_on_gpu) = balanced_packing(&replica_load, gpus / nodes);
+        let (gpu_of, rank_on_gpu) = balanced_packing(&replica_load, caps);
         for (p, &local) in phy_to_local.iter().enumerate() {
-            let slot = node * per_node_physical + gpu_of[p] * slots_per_gpu + rank_on_gpu[p];
+            let slot = node * per_node_physical + gpu_start[gpu_of[p]] + rank_on_gpu[p];
             phy_to_log[slot] = mlog_to_log[node * per_node_logical + local];
             phy_rank[slot] = rank[p];
         }
@@ -225,6 +272,90 @@ fn hierarchical(
     }
     let counts = (0..logical).map(|e| mlog_counts[log_to_mlog[e]]).collect();
     (phy_to_log, phy_rank, counts)
+}
+
+/// Per-layer expert loads measured at run time: an exponential moving average
+/// of the rows routed to each expert per step, and the cadence of rebalancing.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertLoadTracker {
+    layers: usize,
+    experts: usize,
+    /// Weight of the newest step in the average (0 < decay ≤ 1).
+    decay: f64,
+    /// Steps between placements.
+    every: u64,
+    steps: u64,
+    last: u64,
+    ema: Vec<Vec<f64>>,
+}
+
+impl ExpertLoadTracker {
+    /// `decay` is clamped into (0, 1]; `every` to at least one step.
+    pub fn new(layers: usize, experts: usize, decay: f64, every: u64) -> Self {
+        let decay = if decay.is_finite() { decay.clamp(1e-6, 1.0) } else { 1.0 };
+        Self { layers, experts, decay, every: every.max(1), steps: 0, last: 0, ema: vec![vec![0.0; experts]; layers] }
+    }
+
+    /// Fold one step's rows per (layer, expert), `layers × experts` values row-major.
+    /// The first step seeds the average.
+    pub fn record_step(&mut self, rows: &[u32]) -> Result<(), EplbError> {
+        let want = self.layers * self.experts;
+        if rows.len() != want {
+            return Err(EplbError::LoadCount { got: rows.len(), want });
+        }
+        let a = if self.steps == 0 { 1.0 } else { self.decay };
+        for (l, layer) in self.ema.iter_mut().enumerate() {
+            for (e, v) in layer.iter_mut().enumerate() {
+                *v = a * rows[l * self.experts + e] as f64 + (1.0 - a) * *v;
+            }
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The averaged loads, `[layer][expert]`.
+    pub fn loads(&self) -> &[Vec<f64>] {
+        &self.ema
+    }
+
+    /// Loads summed over layers: for a placement shared by every layer.
+    pub fn total_loads(&self) -> Vec<f64> {
+        (0..self.experts).map(|e| self.ema.iter().map(|l| l[e]).sum()).collect()
+    }
+
+    /// `every` steps have been recorded since the last placement.
+    pub fn should_rebalance(&self) -> bool {
+        self.steps > 0 && self.steps - self.last >= self.every
+    }
+
+    /// A new placement from the averaged loads; the cadence restarts.
+    pub fn rebalance(
+        &mut self,
+        num_physical: usize,
+        num_groups: usize,
+        num_nodes: usize,
+        num_gpus: usize,
+    ) -> Result<Placement, EplbError> {
+        self.last = self.steps;
+        rebalance(&self.ema, num_physical, num_groups, num_nodes, num_gpus)
+    }
+
+    /// One placement for every layer (a runtime whose table is shared by
+    /// all layers) from the loads summed over layers; the cadence restarts.
+    pub fn rebalance_summed(
+        &mut self,
+        num_physical: usize,
+        num_groups: usize,
+        num_nodes: usize,
+        num_gpus: usize,
+    ) -> Result<Placement, EplbError> {
+        self.last = self.steps;
+        rebalance(&[self.total_loads()], num_physical, num_groups, num_nodes, num_gpus)
+    }
 }
 
 #[cfg(test)]
@@ -244,9 +375,85 @@ mod tests {
         assert_eq!(p.phy_to_log[1], vec![7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1]);
     }
 
+    /// Worked by hand. 4 experts, loads [8, 4, 2, 2], 6 slots on 2 GPUs, global.
+    /// Replicas (highest load per replica, ties to the lower index):
+    ///   8,4,2,2 → expert 0 (8) → 4,4,2,2 → expert 0 again (tie 4 = 4, lower index)
+    ///   counts [3,1,1,1]; slots 0..4 = experts 0..3, slots 4,5 = expert 0 ranks 1,2.
+    /// Per-replica loads [8/3, 4, 2, 2, 8/3, 8/3]. Packing, heaviest first into the
+    /// lightest GPU with room (3 each): r1(4)→G0; r0→G1 (2.67); r4→G1 (5.33);
+    /// r5→G0 (6.67); r2→G1 (7.33, full); r3→G0 (8.67).
+    /// G0 = [r1, r5, r3] = experts [1, 0, 3]; G1 = [r0, r4, r2] = experts [0, 0, 2].
+    #[test]
+    fn hand_worked_global_placement() {
+        let p = rebalance(&[vec![8.0, 4.0, 2.0, 2.0]], 6, 1, 1, 2).unwrap();
+        assert_eq!(p.phy_to_log[0], vec![1, 0, 3, 0, 0, 2]);
+        assert_eq!(p.replica_rank[0], vec![0, 2, 0, 0, 1, 0]);
+        assert_eq!(p.replica_counts[0], vec![3, 1, 1, 1]);
+        assert_eq!(p.log_to_phy[0], vec![vec![3, 4, 1], vec![0], vec![5], vec![2]]);
+        assert_eq!(p.gpu_of_slot, vec![0, 0, 0, 1, 1, 1]);
+        let loads = p.gpu_loads(0, &[8.0, 4.0, 2.0, 2.0]);
+        assert!((loads[0] - 26.0 / 3.0).abs() < 1e-12 && (loads[1] - 22.0 / 3.0).abs() < 1e-12);
+        assert_eq!(p.gpus_of(0, 0), vec![0, 1]);
+    }
+
+    /// Worked by hand. Slots that do not divide over GPUs: 3 experts [6, 3, 3],
+    /// 5 slots on 2 GPUs → GPU 0 holds 3 slots, GPU 1 holds 2.
+    /// Replicas: 6 → expert 0; then 3,3,3 → expert 0 (lower index): counts [3,1,1],
+    /// per-replica loads [2, 3, 3, 2, 2]. Packing: r1(3)→G0; r2(3)→G1; r0(2)→G0 (3 = 3,
+    /// lower index) → 5; r3→G1 → 5, full; r4→G0 → 7.
+    /// G0 = [r1, r0, r4] = experts [1, 0, 0]; G1 = [r2, r3] = experts [2, 0].
+    #[test]
+    fn hand_worked_uneven_slots() {
+        let p = rebalance(&[vec![6.0, 3.0, 3.0]], 5, 1, 1, 2).unwrap();
+        assert_eq!(p.gpu_of_slot, vec![0, 0, 0, 1, 1]);
+        assert_eq!(p.phy_to_log[0], vec![1, 0, 0, 2, 0]);
+        assert_eq!(p.replica_rank[0], vec![0, 0, 2, 0, 1]);
+        assert_eq!(p.gpu_loads(0, &[6.0, 3.0, 3.0]), vec![7.0, 5.0]);
+        assert_eq!(p.slots_per_gpu(), 3);
+    }
+
+    /// Worked by hand. Hierarchical: 4 experts in 2 groups {0,1} {2,3}, loads
+    /// [1, 1, 5, 3], 2 nodes × 1 GPU, 6 slots (3 per node).
+    /// Groups weigh 2 and 8: one group per node, so group 0 → node 0, group 1 → node 1.
+    /// Node 0 replicates expert 0 (1 = 1, lower index): replicas [0, 1, 0] with
+    /// per-replica loads [0.5, 1, 0.5]; its one GPU takes them heaviest first:
+    /// slots [1, 0, 0]. Node 1 replicates expert 2 (5 > 3): replicas [2, 3, 2],
+    /// loads [2.5, 3, 2.5] → slots [3, 2, 2].
+    #[test]
+    fn hand_worked_hierarchical_placement() {
+        let p = rebalance(&[vec![1.0, 1.0, 5.0, 3.0]], 6, 2, 2, 2).unwrap();
+        assert_eq!(p.phy_to_log[0], vec![1, 0, 0, 3, 2, 2]);
+        assert_eq!(p.replica_rank[0], vec![0, 0, 1, 0, 0, 1]);
+        assert_eq!(p.replica_counts[0], vec![2, 1, 2, 1]);
+        assert_eq!(p.gpu_loads(0, &[1.0, 1.0, 5.0, 3.0]), vec![2.0, 8.0]);
+    }
+
+    #[test]
+    fn tracker_averages_and_paces_rebalancing() {
+        let mut t = ExpertLoadTracker::new(2, 2, 0.5, 3);
+        assert!(!t.should_rebalance());
+        assert!(matches!(t.record_step(&[1, 2, 3]), Err(EplbError::LoadCount { got: 3, want: 4 })));
+        t.record_step(&[4, 0, 0, 8]).unwrap(); // seeds: [[4,0],[0,8]]
+        t.record_step(&[0, 4, 2, 0]).unwrap(); // ½ new + ½ old: [[2,2],[1,4]]
+        assert_eq!(t.loads(), &[vec![2.0, 2.0], vec![1.0, 4.0]]);
+        assert_eq!(t.total_loads(), vec![3.0, 6.0]);
+        assert!(!t.should_rebalance());
+        t.record_step(&[2, 2, 1, 4]).unwrap(); // unchanged
+        assert!(t.should_rebalance());
+        let p = t.rebalance(3, 1, 1, 1).unwrap();
+        // Layer 1: expert 1 (4) gets the spare slot.
+        assert_eq!(p.replica_counts[1], vec![1, 2]);
+        assert!(!t.should_rebalance());
+        for _ in 0..3 {
+            t.record_step(&[0; 4]).unwrap();
+        }
+        assert!(t.should_rebalance());
+        assert_eq!(t.loads()[1][1], 0.5);
+    }
+
     #[test]
     fn packing_fills_the_lightest_pack_with_room() {
-        let (pack, rank) = balanced_packing(&[5.0, 4.0, 3.0, 2.0], 2);
+        let (pack, rank) = balanced_packing(&[5.0, 4.0, 3.0, 2.0], &[2, 2]);
         assert_eq!(pack, vec![0, 1, 1, 0]);
         assert_eq!(rank, vec![0, 0, 1, 1]);
     }
@@ -291,7 +498,8 @@ mod tests {
         let p = rebalance(&load, 8, 2, 2, 4).unwrap();
         assert_eq!(imbalance(&p.gpu_loads(0, &load[0])), 1.0);
         assert_eq!(rebalance(&load, 7, 2, 2, 4), Err(EplbError::TooFewSlots { physical: 7, logical: 8 }));
-        assert!(matches!(rebalance(&load, 10, 2, 2, 4), Err(EplbError::NotDivisible { .. })));
+        assert!(matches!(rebalance(&load, 9, 2, 2, 4), Err(EplbError::NotDivisible { .. })));
+        assert_eq!(rebalance(&load, 8, 1, 1, 9), Err(EplbError::TooFewSlotsForGpus { physical: 8, gpus: 9 }));
         assert_eq!(rebalance(&[vec![1.0, f64::NAN]], 2, 1, 1, 1), Err(EplbError::BadLoad));
         assert_eq!(rebalance(&[], 2, 1, 1, 1), Err(EplbError::Shape));
     }

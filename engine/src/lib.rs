@@ -7,6 +7,7 @@
 // The preset configs are large `json!` literals.
 #![recursion_limit = "256"]
 
+pub mod balance;
 pub mod checkpoint;
 pub mod config;
 pub mod constraint;
@@ -21,3 +22,4 @@ pub mod request;
 pub mod sampling;
 pub mod scheduler;
 pub mod traffic;
+pub mod transfer;

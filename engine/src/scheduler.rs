@@ -109,9 +109,6 @@ pub struct ScheduledItem {
     /// Blocks `k` whose end `(k + 1) · block_tokens` lies in `(from, to]`
     /// and that should be offered to the prefix cache once computed.
     pub snapshots: Vec<usize>,
-    /// Set on admission of a transferred request: positions `0..from` were
-    /// computed by another instance and its state arrives from there.
-    pub imported: bool,
 }
 
 /// What one step does.
@@ -185,9 +182,8 @@ struct Seq {
     registered: usize,
     cached_tokens: usize,
     preemptions: u32,
-    /// Its state up to the last token was computed elsewhere (prefill
-    /// disaggregation); cleared once admitted or preempted.
-    transferred: bool,
+    /// Positions a state computed elsewhere holds (see `add_prefilled`); 0 once it is gone.
+    imported: usize,
     /// Attention data-parallel rank that computes it.
     rank: u32,
 }
@@ -387,22 +383,11 @@ impl Scheduler {
                 registered: 0,
                 cached_tokens: 0,
                 preemptions: 0,
-                transferred: false,
+                imported: 0,
                 rank: 0,
             },
         );
         self.waiting.push_back(id);
-        Ok(id)
-    }
-
-    /// Queue a request prefilled by another instance, which produced
-    /// `generated` (at least its first token): its state up to the last token
-    /// is transferred, so admission computes only that token. If the
-    /// request is preempted before it runs, it is recomputed instead.
-    pub fn add_transferred(&mut self, request: Request, generated: &[u32]) -> Result<RequestId, RequestError> {
-        let id = self.add_resumed(request, generated)?;
-        let seq = self.seqs.get_mut(&id).expect("just added");
-        seq.transferred = !generated.is_empty();
         Ok(id)
     }
 
@@ -422,6 +407,20 @@ impl Scheduler {
         }
         let id = self.add(request)?;
         self.seqs.get_mut(&id).expect("just added").tokens.extend_from_slice(generated);
+        Ok(id)
+    }
+
+    /// Queue a request whose state was computed on another instance
+    /// (prefill/decode disaggregation): the state handed over with it holds
+    /// every token of prompt + `generated` but the last. On admission it
+    /// starts there: an item from that position with `start: Some([])` (the
+    /// only admission past position 0 without cached blocks), so the caller
+    /// installs the state instead of computing. If it is preempted the state
+    /// is gone and it recomputes from position 0 like any request.
+    pub fn add_prefilled(&mut self, request: Request, generated: &[u32]) -> Result<RequestId, RequestError> {
+        let id = self.add_resumed(request, generated)?;
+        let seq = self.seqs.get_mut(&id).expect("just added");
+        seq.imported = seq.tokens.len() - 1;
         Ok(id)
     }
 
@@ -555,16 +554,7 @@ impl Scheduler {
             // replay lies inside cached blocks).
             (from / bt + 1..=to / bt).filter(|&b| b > seq.registered).map(|b| b - 1).collect()
         };
-        ScheduledItem {
-            id,
-            from,
-            to,
-            replay_until: seq.replay_until,
-            sample: to == seq.tokens.len(),
-            start,
-            snapshots,
-            imported: false,
-        }
+        ScheduledItem { id, from, to, replay_until: seq.replay_until, sample: to == seq.tokens.len(), start, snapshots }
     }
 
     /// Allocate `id`'s blocks for `to` positions, evicting cached blocks and
@@ -635,12 +625,10 @@ impl Scheduler {
         let replay = self.limits.replay;
         let seq = self.seqs.get_mut(&id).expect("queued request is known");
         let len = seq.tokens.len();
-        if seq.transferred {
-            return self.admit_transferred(id, plan);
-        }
         let mut hit = Vec::new();
         let mut short_match = false;
-        if self.mode != PrefixMode::Off {
+        let imported = seq.imported;
+        if self.mode != PrefixMode::Off && imported == 0 {
             // At least the last token is computed, for its logits.
             let blocks = (len - 1) / bt;
             seq.extend_hashes(blocks, bt);
@@ -661,7 +649,13 @@ impl Scheduler {
             }
         }
         seq.registered = hit.len();
-        seq.computed = if hit.is_empty() { 0 } else { boundary - replay };
+        seq.computed = if imported > 0 {
+            imported
+        } else if hit.is_empty() {
+            0
+        } else {
+            boundary - replay
+        };
         seq.replay_until = if hit.is_empty() { 0 } else { boundary };
         let from = seq.computed;
         let to = from + (len - from).min(budget).min(self.config.max_chunk_tokens.unwrap_or(usize::MAX).max(1));
@@ -675,7 +669,7 @@ impl Scheduler {
         self.running.push(id);
         let stats = &mut self.cache.stats;
         let seq = self.seqs.get_mut(&id).expect("known request");
-        if self.mode != PrefixMode::Off {
+        if self.mode != PrefixMode::Off && imported == 0 {
             stats.lookups += 1;
             stats.lookup_tokens += len as u64;
             stats.short_matches += u64::from(short_match);
@@ -692,28 +686,6 @@ impl Scheduler {
         self.stats.admissions += 1;
         plan.items.push(self.item(id, from, to, Some(hit.iter().map(|b| b.compressed).collect())));
         Some(to - from)
-    }
-
-    /// Admit a transferred request: blocks for its whole length, one token computed.
-    fn admit_transferred(&mut self, id: RequestId, plan: &mut StepPlan) -> Option<usize> {
-        let len = self.seq(id).tokens.len();
-        while !self.try_grow(id, len) {
-            if !self.evict_one(plan) {
-                self.release_blocks(id);
-                return None;
-            }
-        }
-        self.remove_waiting(id);
-        self.running.push(id);
-        let seq = self.seqs.get_mut(&id).expect("known request");
-        seq.transferred = false;
-        seq.computed = len - 1;
-        seq.status = RequestStatus::Prefilling;
-        self.stats.admissions += 1;
-        let mut item = self.item(id, len - 1, len, Some(Vec::new()));
-        item.imported = true;
-        plan.items.push(item);
-        Some(1)
     }
 
     /// Drop all of `id`'s block references, tail first, so the tail of a
@@ -746,11 +718,11 @@ impl Scheduler {
 
     fn preempt(&mut self, id: RequestId, plan: &mut StepPlan) {
         self.release_blocks(id);
-        self.seqs.get_mut(&id).expect("known request").transferred = false;
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
         let seq = self.seqs.get_mut(&id).expect("known request");
         seq.status = RequestStatus::Preempted;
+        seq.imported = 0;
         seq.preemptions += 1;
         self.stats.preemptions += 1;
         plan.preempted.push(id);
@@ -869,6 +841,25 @@ mod tests {
     }
 
     #[test]
+    fn a_prefilled_request_starts_where_its_imported_state_ends() {
+        let mut s = scheduler(EngineConfig { prefix_mode: PrefixMode::Exact, ..EngineConfig::default() });
+        let id = s.add_prefilled(Request::new(prompt(100), 4), &[7]).unwrap();
+        let (plan, done) = run(&mut s, 9);
+        // Nothing recomputed: one decode token at position 100, from no cached blocks.
+        assert_eq!(spans(&plan), vec![(id.0, 100, 101, true)]);
+        assert_eq!(plan.items[0].start, Some(Vec::new()));
+        assert!(done.is_empty());
+        assert_eq!(s.tokens(id)[100..], [7, 9]);
+        assert_eq!(s.stats().computed_tokens, 1);
+        assert_eq!(s.prefix_stats().lookups, 0);
+        // Preempted, the state is gone: it is recomputed from position 0.
+        let mut plan = StepPlan::default();
+        s.preempt(id, &mut plan);
+        let (plan, _) = run(&mut s, 9);
+        assert_eq!(spans(&plan), vec![(id.0, 0, 102, true)]);
+    }
+
+    #[test]
     fn the_token_budget_chunks_prefills_and_mixes_them_with_decodes() {
         let mut s =
             scheduler(EngineConfig { max_batch_tokens: 32, prefix_mode: PrefixMode::Off, ..Default::default() });
@@ -973,19 +964,6 @@ mod tests {
             s.add_resumed(Request::new(prompt(5), 4), &[5000]),
             Err(RequestError::TokenOutOfVocabulary { .. })
         ));
-    }
-
-    #[test]
-    fn a_transferred_request_computes_only_its_last_token_unless_preempted() {
-        let mut s = scheduler(EngineConfig { prefix_mode: PrefixMode::Off, ..Default::default() });
-        let id = s.add_transferred(Request::new(prompt(300), 4), &[9]).unwrap();
-        let (plan, _) = run(&mut s, 8);
-        assert_eq!(spans(&plan), [(id.0, 300, 301, true)]);
-        assert!(plan.items[0].imported && plan.items[0].start == Some(Vec::new()));
-        let (plan, _) = run(&mut s, 8);
-        assert_eq!(spans(&plan), [(id.0, 301, 302, true)]);
-        assert!(!plan.items[0].imported);
-        assert!(s.pool_stats().used_bytes >= s.layout().sequence_bytes(302), "blocks for the whole length");
     }
 
     #[test]

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use deepinfer_actors::cluster::simulate;
-use deepinfer_actors::ctx::{InstanceRole, Timeouts};
+use deepinfer_actors::ctx::Timeouts;
+use deepinfer_actors::disagg::InstanceKind;
 use deepinfer_actors::faults::FaultPlan;
 use deepinfer_actors::modelled::ModelledSpec;
 use deepinfer_actors::sim::{Link, Partition};
@@ -128,13 +129,13 @@ pub fn prompt_of(a: &Arrival, vocab: usize, unique: u64) -> Vec<u32> {
     p
 }
 
-fn roles(s: &Scenario) -> Vec<InstanceRole> {
+fn kinds(s: &Scenario) -> Vec<InstanceKind> {
     s.instances
         .iter()
         .map(|(r, _)| match r {
-            Role::Prefill => InstanceRole::Prefill,
-            Role::Decode => InstanceRole::Decode,
-            Role::Both => InstanceRole::Both,
+            Role::Prefill => InstanceKind::Prefill,
+            Role::Decode => InstanceKind::Decode,
+            Role::Both => InstanceKind::Both,
         })
         .collect()
 }
@@ -146,7 +147,7 @@ pub fn cluster_config(s: &Scenario, seed: u64) -> ClusterConfig {
     let mut cfg = ClusterConfig::new(devices, sizes.iter().copied().max().unwrap_or(1));
     cfg.instances = sizes.len() as u32;
     cfg.instance_devices = sizes;
-    cfg.roles = roles(s);
+    cfg.instance_kinds = kinds(s);
     cfg.devices_per_node = s.devices_per_node;
     cfg.seed = seed;
     cfg.engine = EngineConfig {

@@ -147,6 +147,12 @@ impl Report {
                     counts.completed += 1;
                     if t.tokens != t.output_wanted {
                         counts.token_mismatches += 1;
+                        if counts.first_errors.len() < 5 {
+                            counts.first_errors.push(format!(
+                                "a request arriving at {} us completed with {} of {} tokens",
+                                t.arrival_us, t.tokens, t.output_wanted
+                            ));
+                        }
                     }
                     prompt_tokens += t.input_tokens as u64;
                     cached_tokens += t.cached_tokens as u64;
