@@ -1,4 +1,4 @@
-//! The command line: `deepinfer model init`, `deepinfer generate`, `deepinfer serve`.
+//! The command line: `deepinfer model init`, `generate`, `serve`, `cluster init-certs`, `launch`, `node`, `status`.
 
 use std::path::PathBuf;
 
@@ -29,6 +29,24 @@ pub enum Command {
     Serve(commands::serve::ServeArgs),
     /// Simulate a cluster scenario deterministically on this CPU and report what it did.
     Simulate(commands::simulate::SimulateArgs),
+    /// Cluster administration (certificates).
+    Cluster {
+        #[command(subcommand)]
+        command: ClusterCommand,
+    },
+    /// Start every node of a topology that lives on this machine, each as its
+    /// own process; wait until the cluster is ready; stop them all on Ctrl-C or SIGTERM.
+    Launch(commands::cluster::LaunchArgs),
+    /// Run one node of a topology in this process (multi-host clusters start one per machine).
+    Node(commands::cluster::NodeArgs),
+    /// Which nodes of a running cluster answer.
+    Status(commands::cluster::StatusArgs),
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ClusterCommand {
+    /// Write a cluster CA and a certificate per node of a topology (plus `client`), or per name given.
+    InitCerts(commands::cluster::InitCertsArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -145,6 +163,14 @@ pub struct GenerateArgs {
     /// experts are cut into this many groups, each on devices/E devices.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub expert_parallel: Option<u32>,
+    /// Submit to the running cluster of this topology file (as a client
+    /// endpoint with the `client` certificate) instead of running the model
+    /// here; the model is the topology's.
+    #[arg(long, conflicts_with_all = ["devices", "expert_parallel", "model"])]
+    pub topology: Option<PathBuf>,
+    /// Certificate directory with --topology (default: its `certs_dir`).
+    #[arg(long, requires = "topology")]
+    pub certs: Option<PathBuf>,
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -155,6 +181,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
             None => commands::generate::run(&args),
         },
         Command::Serve(args) => commands::serve::run(&args),
+        Command::Cluster { command: ClusterCommand::InitCerts(args) } => commands::cluster::init_certs(&args),
+        Command::Launch(args) => commands::cluster::launch(&args),
+        Command::Node(args) => commands::cluster::node(&args),
+        Command::Status(args) => commands::cluster::status(&args),
         Command::Simulate(args) => commands::simulate::run_command(&args),
     }
 }

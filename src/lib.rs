@@ -2,6 +2,7 @@
 
 pub mod api;
 pub mod cli;
+pub mod cluster;
 pub mod commands;
 pub mod config_file;
 pub mod generation;

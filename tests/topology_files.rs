@@ -66,3 +66,67 @@ fn serve_takes_a_one_device_topology() {
     assert!(!out.status.success() && err.contains("local-4.toml: 4 devices on 4 nodes"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `launch`, `node` and `status` refuse a broken topology before touching
+/// the network, naming the file, line and key.
+#[test]
+fn cluster_commands_name_the_file_line_and_key_of_a_bad_topology() {
+    use std::process::Command;
+
+    let local4 =
+        std::fs::read_to_string(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cluster-configs/local-4.toml"))
+            .unwrap();
+    let dir = std::env::temp_dir().join(format!("deepinfer-bad-topology-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let line_of = |text: &str, needle: &str| text.lines().position(|l| l.contains(needle)).unwrap() + 1;
+    let node1 = "name = \"node1\"\naddress = \"127.0.0.1:7101\"\ndevices = 1\n";
+    let cases = [
+        (
+            "unknown-key",
+            local4.replacen("devices = 1\n", "devices = 1\ngpus = 2\n", 1),
+            "gpus = 2",
+            "node.gpus",
+            "unknown field",
+        ),
+        (
+            "wrong-type",
+            local4.replacen("heartbeat_ms = 100", "heartbeat_ms = \"fast\"", 1),
+            "heartbeat_ms",
+            "cluster.heartbeat_ms",
+            "invalid type",
+        ),
+        (
+            "missing-node",
+            local4.replace("\"node2\", \"node3\"]", "\"node2\", \"node9\"]"),
+            "nodes = [",
+            "instance.nodes",
+            "unknown node `node9`",
+        ),
+        // Parses, but cannot be launched: nodes of different sizes.
+        (
+            "uneven",
+            local4
+                .replacen(node1, "name = \"node1\"\naddress = \"127.0.0.1:7101\"\ndevices = 2\n", 1)
+                .replace("attention_dp = 4\nexpert_parallel = 4\n", ""),
+            "devices = 2",
+            "node.devices",
+            "same number of devices",
+        ),
+    ];
+    for (name, text, needle, key, message) in cases {
+        let file = dir.join(format!("{name}.toml"));
+        std::fs::write(&file, &text).unwrap();
+        let line = line_of(&text, needle);
+        let f = file.to_str().unwrap();
+        for args in
+            [vec!["launch", f], vec!["node", "--topology", f, "--node", "node0"], vec!["status", "--topology", f]]
+        {
+            let out = Command::new(env!("CARGO_BIN_EXE_deepinfer")).args(&args).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{name} {args:?}");
+            assert!(err.contains(&format!("{f}:{line}:")), "{name} {args:?}: want line {line}: {err}");
+            assert!(err.contains(&format!("key `{key}`")) && err.contains(message), "{name} {args:?}: {err}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

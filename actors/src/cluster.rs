@@ -137,7 +137,7 @@ impl ClusterConfig {
         Arc::new(move |a: Addr| match a.role {
             Role::Worker | Role::Shard => topo.node_of_device(a.index),
             Role::Scheduler => topo.home_node(a.index),
-            Role::CacheManager => a.index,
+            Role::CacheManager | Role::Node => a.index,
             Role::Router | Role::Client => 0,
         })
     }
@@ -229,8 +229,8 @@ pub struct Cluster {
     ctx: Arc<Ctx>,
     addr: Addr,
     inbox: Inbox,
-    root: ActorRef<SupervisorMsg>,
-    root_done: JoinHandle<()>,
+    /// The supervision tree, when this process runs it.
+    root: Option<(ActorRef<SupervisorMsg>, JoinHandle<()>)>,
     down_rx: mpsc::UnboundedReceiver<String>,
     down: Option<String>,
     next_id: u64,
@@ -324,116 +324,192 @@ fn finish_reason(k: FinishKind) -> FinishReason {
     }
 }
 
+/// Check the configuration and make what every actor shares.
+fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Result<Arc<Ctx>, ClusterError> {
+    let topo = cfg.topology();
+    let sized = !cfg.instance_devices.is_empty() && cfg.instance_devices.len() as u32 == cfg.instances;
+    if cfg.devices == 0
+        || cfg.instances == 0
+        || topo.devices != cfg.devices
+        || (!sized && !cfg.devices.is_multiple_of(cfg.instances))
+        || (0..topo.instances).any(|i| topo.size_of(i) == 0)
+    {
+        return Err(ClusterError::Instances { devices: cfg.devices, instances: cfg.instances });
+    }
+    let modelled = match &cfg.modelled {
+        Some(spec) if env.clock.is_virtual() => {
+            Some(Arc::new(Modelled::new(spec.clone(), &topo).map_err(|e| ClusterError::Engine(e.to_string()))?))
+        }
+        Some(_) => return Err(ClusterError::Engine("modelled devices need a virtual clock".into())),
+        None => None,
+    };
+    let config = match &modelled {
+        Some(m) => m.shape_config(&model.config),
+        None => model.config.clone(),
+    };
+    Policy::new(&config, cfg.engine.clone()).map_err(|e| ClusterError::Engine(e.to_string()))?;
+    let experts = config.n_routed_experts;
+    let mut placements = Vec::with_capacity(topo.instances as usize);
+    for instance in 0..topo.instances {
+        let size = topo.size_of(instance);
+        let placement = match &cfg.placement {
+            Some(p) => p.clone(),
+            None => Placement::expert_parallel(experts as u32, size, cfg.expert_parallel.min(size))?,
+        };
+        for p in std::iter::once(&placement).chain(cfg.placement_changes.iter().map(|(_, p)| p)) {
+            p.check_experts(experts)?;
+            if p.devices() != size {
+                return Err(ClusterError::PlacementDevices { got: p.devices(), want: size });
+            }
+        }
+        placements.push(RwLock::new(placement));
+    }
+    let kinds = &cfg.instance_kinds;
+    if !kinds.is_empty()
+        && (kinds.len() != topo.instances as usize
+            || !kinds.iter().any(|k| k.prefills())
+            || !kinds.iter().any(|k| k.decodes()))
+    {
+        let why = format!(
+            "{} instance kinds for {} instances, some prefilling and some decoding",
+            kinds.len(),
+            topo.instances
+        );
+        return Err(ClusterError::Disaggregation(why));
+    }
+    let timeouts =
+        cfg.timeouts.unwrap_or(if env.clock.is_virtual() { Timeouts::simulated() } else { Timeouts::real() });
+    let device_cost = match cfg.device_cost {
+        Some(spec) if env.clock.is_virtual() => Some(DeviceCost::new(spec, &topo, model.config.num_layers)),
+        _ => None,
+    };
+    let block_tokens = cfg.engine.block_tokens.unwrap_or_else(|| KvLayout::default_block_tokens(&config));
+    let ctx = Arc::new(Ctx {
+        model,
+        config,
+        modelled,
+        transport: env.transport,
+        clock: env.clock,
+        events: env.events,
+        metrics: env.metrics,
+        faults: env.faults,
+        timeouts,
+        topology: topo.clone(),
+        placements,
+        placement_changes: cfg.placement_changes.clone(),
+        engine: cfg.engine.clone(),
+        block_tokens,
+        return_logits: cfg.return_logits,
+        device_cost,
+        kinds: cfg.instance_kinds.clone(),
+        eplb: cfg.eplb,
+        prefill_routing: cfg.prefill_routing,
+        steps: (0..topo.instances).map(|_| AtomicU64::new(0)).collect(),
+        gauges: (0..topo.instances).map(|_| InstanceGauges::default()).collect(),
+        root: OnceLock::new(),
+        instances: AtomicU64::new(0),
+        up: AtomicBool::new(false),
+        lost_devices: RwLock::new(Default::default()),
+    });
+    for instance in 0..topo.instances {
+        Policy::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| ClusterError::Engine(e.to_string()))?;
+    }
+    Ok(ctx)
+}
+
+/// Start the root supervisor with the subtrees of `nodes`; `on_give_up` hears why it gave up.
+async fn start_tree(
+    ctx: &Arc<Ctx>,
+    cfg: &ClusterConfig,
+    nodes: std::ops::Range<u32>,
+    on_give_up: mpsc::UnboundedSender<String>,
+) -> Result<(ActorRef<SupervisorMsg>, JoinHandle<()>), ClusterError> {
+    let senv = SupervisorEnv {
+        clock: Arc::clone(&ctx.clock),
+        events: Arc::clone(&ctx.events),
+        metrics: Arc::clone(&ctx.metrics),
+    };
+    let children = nodes.map(|n| node_spec(n, ctx, cfg.node_intensity, senv.clone())).collect();
+    let args = SupervisorArgs {
+        name: "cluster".into(),
+        children,
+        intensity: cfg.cluster_intensity,
+        env: senv,
+        on_give_up: Some(on_give_up),
+    };
+    let (root, root_done) =
+        Supervisor::spawn(None, Supervisor, args).await.map_err(|e| ClusterError::Start(e.to_string()))?;
+    let _ = ctx.root.set(root.get_cell());
+    ctx.up.store(true, Ordering::Relaxed);
+    Ok((root, root_done))
+}
+
+/// The actors of one node of a multi-process cluster (its `NodeSupervisor`
+/// subtree under a local root); the other nodes are reached through the transport.
+pub struct NodeRuntime {
+    pub ctx: Arc<Ctx>,
+    pub node: u32,
+    root: ActorRef<SupervisorMsg>,
+    root_done: JoinHandle<()>,
+    down_rx: mpsc::UnboundedReceiver<String>,
+}
+
+impl NodeRuntime {
+    pub async fn start(model: Arc<Model>, cfg: ClusterConfig, env: Env, node: u32) -> Result<Self, ClusterError> {
+        let ctx = build_ctx(model, &cfg, env)?;
+        if node >= ctx.topology.nodes() {
+            return Err(ClusterError::Start(format!("node {node} is not one of {} nodes", ctx.topology.nodes())));
+        }
+        let (tx, down_rx) = mpsc::unbounded_channel();
+        let (root, root_done) = start_tree(&ctx, &cfg, node..node + 1, tx).await?;
+        ctx.events.record(format_args!("node{node} up: {} transport", ctx.transport.name()));
+        Ok(Self { ctx, node, root, root_done, down_rx })
+    }
+
+    /// Tell local actors that membership declared `node` dead: its devices
+    /// get no more work; each scheduler of this node whose instance has
+    /// devices there re-places their experts and restarts its requests on
+    /// the survivors; the router moves the requests of instances whose
+    /// scheduler lived there to the others.
+    pub fn node_down(&self, node: u32) {
+        let topo = &self.ctx.topology;
+        let devices: Vec<u32> = (0..topo.devices).filter(|&d| topo.node_of_device(d) == node).collect();
+        self.ctx.mark_lost(&devices);
+        if self.node == 0 {
+            // The router moves requests of instances whose scheduler was there.
+            let msg = Message::Control(crate::wire::Control::NodeDown { node });
+            self.ctx.send(Addr::node(self.node), Addr::router(0), msg, &[]);
+        }
+        for i in topo.instances_on(self.node) {
+            if topo.devices_of(i).any(|d| topo.node_of_device(d) == node) {
+                let msg = Message::Control(crate::wire::Control::NodeDown { node });
+                self.ctx.send(Addr::node(self.node), Addr::scheduler(i), msg, &[]);
+            }
+        }
+    }
+
+    /// Resolves when the node's supervisors gave up, with why.
+    pub async fn gave_up(&mut self) -> String {
+        self.down_rx.recv().await.unwrap_or_else(|| "supervision tree stopped".into())
+    }
+
+    /// Stop the subtree in order and close the transport.
+    pub async fn shutdown(self) {
+        let _ = self.root.send_message(SupervisorMsg::Shutdown);
+        let _ = self.root_done.await;
+        self.ctx.transport.close();
+    }
+}
+
 impl Cluster {
     /// Check the configuration and start the supervision tree and every actor.
     pub async fn start(model: Arc<Model>, cfg: ClusterConfig, env: Env) -> Result<Self, ClusterError> {
-        let topo = cfg.topology();
-        let sized = !cfg.instance_devices.is_empty() && cfg.instance_devices.len() as u32 == cfg.instances;
-        if cfg.devices == 0
-            || cfg.instances == 0
-            || topo.devices != cfg.devices
-            || (!sized && !cfg.devices.is_multiple_of(cfg.instances))
-            || (0..topo.instances).any(|i| topo.size_of(i) == 0)
-        {
-            return Err(ClusterError::Instances { devices: cfg.devices, instances: cfg.instances });
-        }
-        let modelled = match &cfg.modelled {
-            Some(spec) if env.clock.is_virtual() => {
-                Some(Arc::new(Modelled::new(spec.clone(), &topo).map_err(|e| ClusterError::Engine(e.to_string()))?))
-            }
-            Some(_) => return Err(ClusterError::Engine("modelled devices need a virtual clock".into())),
-            None => None,
-        };
-        let config = match &modelled {
-            Some(m) => m.shape_config(&model.config),
-            None => model.config.clone(),
-        };
-        Policy::new(&config, cfg.engine.clone()).map_err(|e| ClusterError::Engine(e.to_string()))?;
-        let experts = config.n_routed_experts;
-        let mut placements = Vec::with_capacity(topo.instances as usize);
-        for instance in 0..topo.instances {
-            let size = topo.size_of(instance);
-            let placement = match &cfg.placement {
-                Some(p) => p.clone(),
-                None => Placement::expert_parallel(experts as u32, size, cfg.expert_parallel.min(size))?,
-            };
-            for p in std::iter::once(&placement).chain(cfg.placement_changes.iter().map(|(_, p)| p)) {
-                p.check_experts(experts)?;
-                if p.devices() != size {
-                    return Err(ClusterError::PlacementDevices { got: p.devices(), want: size });
-                }
-            }
-            placements.push(RwLock::new(placement));
-        }
-        let kinds = &cfg.instance_kinds;
-        if !kinds.is_empty()
-            && (kinds.len() != topo.instances as usize
-                || !kinds.iter().any(|k| k.prefills())
-                || !kinds.iter().any(|k| k.decodes()))
-        {
-            let why = format!(
-                "{} instance kinds for {} instances, some prefilling and some decoding",
-                kinds.len(),
-                topo.instances
-            );
-            return Err(ClusterError::Disaggregation(why));
-        }
-        let timeouts =
-            cfg.timeouts.unwrap_or(if env.clock.is_virtual() { Timeouts::simulated() } else { Timeouts::real() });
-        let device_cost = match cfg.device_cost {
-            Some(spec) if env.clock.is_virtual() => Some(DeviceCost::new(spec, &topo, model.config.num_layers)),
-            _ => None,
-        };
-        let block_tokens = cfg.engine.block_tokens.unwrap_or_else(|| KvLayout::default_block_tokens(&config));
-        let ctx = Arc::new(Ctx {
-            model,
-            config,
-            modelled,
-            transport: env.transport,
-            clock: env.clock,
-            events: env.events,
-            metrics: env.metrics,
-            faults: env.faults,
-            timeouts,
-            topology: topo.clone(),
-            placements,
-            placement_changes: cfg.placement_changes.clone(),
-            engine: cfg.engine.clone(),
-            block_tokens,
-            return_logits: cfg.return_logits,
-            device_cost,
-            kinds: cfg.instance_kinds.clone(),
-            eplb: cfg.eplb,
-            prefill_routing: cfg.prefill_routing,
-            steps: (0..topo.instances).map(|_| AtomicU64::new(0)).collect(),
-            gauges: (0..topo.instances).map(|_| InstanceGauges::default()).collect(),
-            root: OnceLock::new(),
-            instances: AtomicU64::new(0),
-            up: AtomicBool::new(false),
-        });
-        for instance in 0..topo.instances {
-            Policy::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| ClusterError::Engine(e.to_string()))?;
-        }
+        let ctx = build_ctx(model, &cfg, env)?;
+        let topo = ctx.topology.clone();
         let addr = Addr::client(0);
         let inbox = ctx.transport.bind(addr);
-        let senv = SupervisorEnv {
-            clock: Arc::clone(&ctx.clock),
-            events: Arc::clone(&ctx.events),
-            metrics: Arc::clone(&ctx.metrics),
-        };
-        let nodes = (0..topo.nodes()).map(|n| node_spec(n, &ctx, cfg.node_intensity, senv.clone())).collect();
         let (tx, down_rx) = mpsc::unbounded_channel();
-        let args = SupervisorArgs {
-            name: "cluster".into(),
-            children: nodes,
-            intensity: cfg.cluster_intensity,
-            env: senv,
-            on_give_up: Some(tx),
-        };
-        let (root, root_done) =
-            Supervisor::spawn(None, Supervisor, args).await.map_err(|e| ClusterError::Start(e.to_string()))?;
-        let _ = ctx.root.set(root.get_cell());
-        ctx.up.store(true, Ordering::Relaxed);
+        let (root, root_done) = start_tree(&ctx, &cfg, 0..topo.nodes(), tx).await?;
         ctx.events.record(format_args!(
             "cluster up: {} devices, {} instances, expert parallel {}, {} nodes, {} transport",
             cfg.devices,
@@ -442,18 +518,45 @@ impl Cluster {
             topo.nodes(),
             ctx.transport.name()
         ));
-        Ok(Self {
+        Ok(Self::client(ctx, addr, inbox, Some((root, root_done)), down_rx, 0))
+    }
+
+    /// A client of a cluster whose actors run elsewhere (other processes,
+    /// reached through `env.transport`), with address `Addr::client(index)`;
+    /// request ids start at `index << 32` so clients do not collide. A
+    /// message on `down` (e.g. the router's node died) ends every request.
+    pub fn connect(
+        model: Arc<Model>,
+        cfg: ClusterConfig,
+        env: Env,
+        index: u32,
+        down: mpsc::UnboundedReceiver<String>,
+    ) -> Result<Self, ClusterError> {
+        let ctx = build_ctx(model, &cfg, env)?;
+        let addr = Addr::client(index);
+        let inbox = ctx.transport.bind(addr);
+        Ok(Self::client(ctx, addr, inbox, None, down, (index as u64) << 32))
+    }
+
+    fn client(
+        ctx: Arc<Ctx>,
+        addr: Addr,
+        inbox: Inbox,
+        root: Option<(ActorRef<SupervisorMsg>, JoinHandle<()>)>,
+        down_rx: mpsc::UnboundedReceiver<String>,
+        first_id: u64,
+    ) -> Self {
+        Self {
             ctx,
             addr,
             inbox,
             root,
-            root_done,
             down_rx,
             down: None,
-            next_id: 0,
+            next_id: first_id,
             outstanding: BTreeMap::new(),
             ready: VecDeque::new(),
-        })
+        }
     }
 
     pub fn metrics(&self) -> MetricsSnapshot {
@@ -780,8 +883,10 @@ impl Cluster {
 
     /// Stop the tree in order and close the transport.
     pub async fn shutdown(self) {
-        let _ = self.root.send_message(SupervisorMsg::Shutdown);
-        let _ = self.root_done.await;
+        if let Some((root, done)) = self.root {
+            let _ = root.send_message(SupervisorMsg::Shutdown);
+            let _ = done.await;
+        }
         self.ctx.transport.close();
     }
 }
@@ -915,6 +1020,11 @@ impl LocalCluster {
             Cluster::start(model, cfg, env).await
         })?;
         Ok(Self { rt, cluster })
+    }
+
+    /// Drive `cluster` (started or connected on `rt`) from synchronous code.
+    pub fn from_runtime(rt: tokio::runtime::Runtime, cluster: Cluster) -> Self {
+        Self { rt, cluster }
     }
 
     pub fn submit(&mut self, request: Request) -> u64 {

@@ -198,6 +198,8 @@ pub struct Ctx {
     pub instances: AtomicU64,
     /// Set once the whole tree has started: any later start is a restart.
     pub up: AtomicBool,
+    /// Devices of nodes that membership declared dead: no work goes to them.
+    pub lost_devices: RwLock<std::collections::BTreeSet<u32>>,
 }
 
 impl Ctx {
@@ -274,6 +276,15 @@ impl Ctx {
 
     pub fn set_placement(&self, instance: u32, p: Placement) {
         *self.placements[instance as usize].write().unwrap_or_else(|e| e.into_inner()) = p;
+    }
+
+    /// The device's node was declared dead.
+    pub fn is_lost(&self, device: u32) -> bool {
+        self.lost_devices.read().unwrap_or_else(|e| e.into_inner()).contains(&device)
+    }
+
+    pub fn mark_lost(&self, devices: &[u32]) {
+        self.lost_devices.write().unwrap_or_else(|e| e.into_inner()).extend(devices.iter().copied());
     }
 
     /// A new step id of `instance`'s scheduler.

@@ -18,18 +18,20 @@ pub mod events;
 pub mod faults;
 pub mod modelled;
 pub mod placement;
+pub mod quic;
 pub mod rng;
 pub mod router;
 pub mod scheduler;
 pub mod shard;
 pub mod sim;
 pub mod supervisor;
+pub mod tls;
 pub mod transport;
 pub mod wire;
 pub mod worker;
 
 pub use cluster::{
     run, run_in_process, run_simulated, run_with, simulate, Cluster, ClusterConfig, ClusterError, Env, GenRequest,
-    Generated, LocalCluster, RequestFailed, RunReport, Update,
+    Generated, LocalCluster, NodeRuntime, RequestFailed, RunReport, Update,
 };
 pub use cost::DeviceCostModel;

@@ -88,6 +88,31 @@ impl Placement {
         Ok(self)
     }
 
+    /// The table after `lost` devices died: their copies are dropped; an
+    /// expert left with none is loaded on the surviving device holding the
+    /// fewest experts (lowest number on ties). Redundant copies thus take
+    /// over first. The epoch is kept (the caller bumps it).
+    pub fn without_devices(&self, lost: &std::collections::BTreeSet<u32>) -> Result<Self, PlacementError> {
+        let survivors: Vec<u32> = (0..self.devices).filter(|d| !lost.contains(d)).collect();
+        if survivors.is_empty() {
+            return Err(PlacementError::NoDevices);
+        }
+        let mut replicas: Vec<Vec<u32>> =
+            self.replicas.iter().map(|r| r.iter().copied().filter(|d| !lost.contains(d)).collect()).collect();
+        let mut held: std::collections::BTreeMap<u32, usize> = survivors.iter().map(|&d| (d, 0)).collect();
+        for r in &replicas {
+            for d in r {
+                *held.get_mut(d).expect("survivor") += 1;
+            }
+        }
+        for r in replicas.iter_mut().filter(|r| r.is_empty()) {
+            let (&d, n) = held.iter_mut().min_by_key(|(d, n)| (**n, **d)).expect("survivors exist");
+            *n += 1;
+            r.push(d);
+        }
+        Ok(Self::new(self.devices, replicas)?.with_epoch(self.epoch))
+    }
+
     pub fn with_epoch(mut self, epoch: u64) -> Self {
         self.epoch = epoch;
         self
@@ -171,5 +196,17 @@ mod tests {
         let w = p.to_wire();
         assert_eq!(Placement::from_wire(&w, 8).unwrap(), p);
         assert!(Placement::from_wire(&w, 16).is_err());
+    }
+
+    #[test]
+    fn lost_devices_fall_back_to_copies_then_to_survivors() {
+        let p = Placement::expert_parallel(8, 4, 4).unwrap().with_replica(0, 2).unwrap().with_epoch(3);
+        let q = p.without_devices(&[0].into_iter().collect()).unwrap();
+        assert_eq!(q.epoch(), 3);
+        // Expert 0 had a copy on device 2; expert 1 had none left and goes to the least loaded survivor.
+        assert_eq!(q.replicas(0), &[2]);
+        assert_eq!(q.replicas(1), &[1]);
+        assert!((0..8).all(|e| !q.replicas(e).contains(&0)));
+        assert!(p.without_devices(&(0..4).collect()).is_err());
     }
 }

@@ -185,7 +185,13 @@ impl RouterState {
         let policy = PrefillPolicy::default();
         let mut candidates: Vec<PrefillCandidate> = (0..topo.instances)
             .map(|i| PrefillCandidate {
-                health: if self.ctx.kind(i).prefills() { Health::Up } else { Health::Draining },
+                health: if self.ctx.is_lost(topo.devices_of(i).start) {
+                    Health::Down
+                } else if self.ctx.kind(i).prefills() {
+                    Health::Up
+                } else {
+                    Health::Draining
+                },
                 gpus: topo.devices_of(i).len() as u32,
                 queued_cost: 0.0,
                 requests: 0,
@@ -241,7 +247,13 @@ impl RouterState {
             DecodePolicy { max_requests_per_gpu: (first.max_batch_size as u32).div_ceil(topo.size_of(0).max(1)) };
         let mut candidates: Vec<DecodeCandidate> = (0..topo.instances)
             .map(|i| DecodeCandidate {
-                health: if self.ctx.kind(i).decodes() { Health::Up } else { Health::Draining },
+                health: if self.ctx.is_lost(topo.devices_of(i).start) {
+                    Health::Down
+                } else if self.ctx.kind(i).decodes() {
+                    Health::Up
+                } else {
+                    Health::Draining
+                },
                 gpus: topo.size_of(i).max(1),
                 kv_used: 0,
                 kv_capacity: self.ctx.engine_for(i).kv_budget_bytes as u64,
@@ -415,6 +427,39 @@ impl RouterState {
         }
     }
 
+    /// Membership declared `node` dead (node0's transport says so):
+    /// requests on an instance whose scheduler lived there, or bound to
+    /// decode on one, are routed again as if just submitted with the tokens
+    /// they have (recomputed on the new instance, bit for bit); the dead
+    /// instances are `Down` to both balancers. With no instance left they
+    /// end with an error.
+    fn on_node_down(&mut self, node: u32) {
+        let topo = &self.ctx.topology;
+        let dead: Vec<bool> = (0..topo.instances).map(|i| self.ctx.is_lost(topo.devices_of(i).start)).collect();
+        let is_dead = |i: u32| dead.get(i as usize).copied().unwrap_or(false);
+        let moved: Vec<u64> = self
+            .flights
+            .iter()
+            .filter(|(_, f)| is_dead(f.instance) || f.decode.is_some_and(is_dead))
+            .map(|(id, _)| *id)
+            .collect();
+        let none_left = dead.iter().all(|&d| d);
+        for id in moved {
+            let f = self.flights.remove(&id).expect("listed");
+            let (from, prompt) = (f.tokens.len(), f.spec.prompt.len());
+            if f.cancelled || none_left {
+                let why = format!("node{node} is down and no serving instance is left");
+                let reason = if f.cancelled { FinishKind::Cancelled } else { FinishKind::Error(why) };
+                self.to_client(f.client, vec![end_item(id, from, prompt, reason)], &[]);
+                continue;
+            }
+            self.ctx
+                .events
+                .record(format_args!("router moves request {id} off scheduler{} (node{node} down)", f.instance));
+            self.on_submit(f.client, Submit { spec: f.spec, generated: f.tokens, decode: None });
+        }
+    }
+
     fn on_cancel(&mut self, client: Addr, id: u64) {
         if let Some(f) = self.flights.get_mut(&id) {
             f.cancelled = true;
@@ -537,6 +582,9 @@ impl Actor for Router {
                         state.decide(query);
                     }
                 }
+            }
+            (Role::Node, Message::Control(crate::wire::Control::NodeDown { node })) if from == Addr::node(0) => {
+                state.on_node_down(node)
             }
             (_, Message::Heartbeat(_)) => {}
             (_, other) => {

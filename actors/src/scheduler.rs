@@ -290,9 +290,10 @@ impl SchedulerState {
     /// instance evens out prompt tokens per worker, others requests per worker.
     fn pick_worker(&self) -> u32 {
         let by_tokens = self.ctx.kind(self.instance) == InstanceKind::Prefill;
-        self.ctx
-            .topology
-            .devices_of(self.instance)
+        let devices = self.ctx.topology.devices_of(self.instance);
+        let first = devices.start;
+        devices
+            .filter(|d| !self.ctx.is_lost(*d))
             .min_by_key(|d| {
                 let (n, tokens) = self.load.get(d).copied().unwrap_or((0, 0));
                 if by_tokens {
@@ -301,7 +302,7 @@ impl SchedulerState {
                     (n, tokens, *d)
                 }
             })
-            .expect("an instance has devices")
+            .unwrap_or(first)
     }
 
     fn assign(&mut self, rid: RequestId, worker: u32, prompt: usize) {
@@ -495,7 +496,8 @@ impl SchedulerState {
     /// Send the instance's current table to its shards and wait for every acknowledgement.
     fn load_placement(&mut self, step: Option<u64>) {
         let p = self.ctx.placement(self.instance);
-        let waiting: BTreeSet<u32> = self.ctx.topology.devices_of(self.instance).collect();
+        let waiting: BTreeSet<u32> =
+            self.ctx.topology.devices_of(self.instance).filter(|d| !self.ctx.is_lost(*d)).collect();
         self.send_tables(&waiting);
         let deadline = self.now() + self.ctx.timeouts.control;
         self.phase = Phase::Loading { epoch: p.epoch(), waiting, round: 0, deadline, step };
@@ -1359,6 +1361,33 @@ impl SchedulerState {
         }
     }
 
+    /// Membership declared `node` dead. If it held devices of this instance,
+    /// their copies of the experts move to survivors (a new placement epoch)
+    /// and this scheduler fails on purpose: its supervisor restarts it, the
+    /// router submits every request again, and they are recomputed on the
+    /// surviving workers, as after any scheduler crash.
+    fn on_node_down(&mut self, node: u32) -> Result<(), ActorProcessingErr> {
+        let topo = &self.ctx.topology;
+        let lost: Vec<u32> = topo.devices_of(self.instance).filter(|&d| topo.node_of_device(d) == node).collect();
+        self.ctx.mark_lost(&lost);
+        let base = topo.devices_of(self.instance).start;
+        let gone = topo.devices_of(self.instance).filter(|&d| self.ctx.is_lost(d)).map(|d| d - base).collect();
+        let current = self.ctx.placement(self.instance);
+        match current.without_devices(&gone) {
+            // Already running without them (a repeated report, or a restart after the change).
+            Ok(p) if p == current => return Ok(()),
+            Ok(p) => self.ctx.set_placement(self.instance, p.with_epoch(current.epoch() + 1)),
+            Err(e) => {
+                let why = format!("node{node} is down and no device of instance {} is left: {e}", self.instance);
+                let ids: Vec<u64> = self.live.keys().copied().collect();
+                let items = ids.into_iter().filter_map(|id| self.fail(id, &why)).collect();
+                self.send_outputs(items, &[]);
+                return Ok(());
+            }
+        }
+        Err(format!("{}: node{node} is down (devices {lost:?}); restarting on the survivors", self.addr).into())
+    }
+
     fn on_cache_restarted(&mut self) {
         self.policy.clear_prefix_cache();
         self.cached.clear();
@@ -1494,6 +1523,11 @@ impl Actor for Scheduler {
                     };
                     state.fetched(run, items, m.body);
                 }
+            }
+            (Role::Node, Message::Control(Control::NodeDown { node }))
+                if from == Addr::node(topo.home_node(state.instance)) =>
+            {
+                return state.on_node_down(node)
             }
             (_, Message::Heartbeat(_)) => {}
             (_, other) => {

@@ -25,7 +25,7 @@ use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// Version of the envelope layout; bumped on any change to the archived types.
-pub const WIRE_VERSION: u16 = 3;
+pub const WIRE_VERSION: u16 = 4;
 /// Largest payload a frame may declare (after the length prefix).
 pub const MAX_FRAME_BYTES: u32 = 64 << 20;
 /// "dINF" little-endian.
@@ -44,6 +44,8 @@ pub enum Role {
     CacheManager,
     /// Whoever submits requests (the API front end, the CLI).
     Client,
+    /// A node's transport itself: heartbeats and membership news.
+    Node,
 }
 
 /// An actor's address on the fabric: its role and index (device, instance).
@@ -76,6 +78,9 @@ impl Addr {
     pub const fn client(index: u32) -> Self {
         Self::new(Role::Client, index)
     }
+    pub const fn node(index: u32) -> Self {
+        Self::new(Role::Node, index)
+    }
 }
 
 impl std::fmt::Display for Addr {
@@ -87,6 +92,7 @@ impl std::fmt::Display for Addr {
             Role::Router => "router",
             Role::CacheManager => "cache",
             Role::Client => "client",
+            Role::Node => "node",
         };
         write!(f, "{role}{}", self.index)
     }
@@ -328,6 +334,11 @@ pub enum Control {
         nonce: u64,
     },
     Shutdown,
+    /// Membership: `node` stopped answering for longer than the failure
+    /// timeout; its devices' workers and shards are gone.
+    NodeDown {
+        node: u32,
+    },
 }
 
 /// A generation request as it travels client → router → scheduler.

@@ -11,9 +11,10 @@ use deepinfer_actors::wire::{
 use proptest::prelude::*;
 
 fn addr() -> impl Strategy<Value = Addr> {
-    (0u8..6, any::<u32>()).prop_map(|(r, index)| {
+    (0u8..7, any::<u32>()).prop_map(|(r, index)| {
         let role =
-            [Role::Scheduler, Role::Worker, Role::Shard, Role::Router, Role::CacheManager, Role::Client][r as usize];
+            [Role::Scheduler, Role::Worker, Role::Shard, Role::Router, Role::CacheManager, Role::Client, Role::Node]
+                [r as usize];
         Addr { role, index }
     })
 }
@@ -282,4 +283,21 @@ fn encoding_refuses_frames_over_the_limit() {
     };
     let body = vec![0f32; MAX_FRAME_BYTES as usize / 4];
     assert!(matches!(encode(&env, &body), Err(WireError::TooLarge { .. })));
+}
+
+/// Seeds for the `fuzz/` target: `DEEPINFER_FUZZ_SEEDS=DIR cargo test -p
+/// deepinfer-actors --test wire_props -- --ignored write_fuzz_seeds` writes
+/// 256 valid frames of every kind (deterministic) into DIR.
+#[test]
+#[ignore]
+fn write_fuzz_seeds() {
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+    let dir = std::path::PathBuf::from(std::env::var("DEEPINFER_FUZZ_SEEDS").expect("DEEPINFER_FUZZ_SEEDS=DIR"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut runner = TestRunner::deterministic();
+    for i in 0..256 {
+        let (_, _, bytes) = frame().new_tree(&mut runner).unwrap().current();
+        std::fs::write(dir.join(format!("seed-{i:03}")), bytes).unwrap();
+    }
 }

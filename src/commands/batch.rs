@@ -152,10 +152,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let input = args.input.as_deref().context("--input is required in batch mode")?;
     let output = args.output.as_deref().context("--output is required with --input")?;
     crate::commands::generate::check_devices(args)?;
-    let loaded = load_model(&args.source.model, args.source.model_seed, args.source.tokenizer.as_deref())?;
+    let spec = crate::commands::generate::model_spec(args)?;
+    let loaded = load_model(&spec, args.source.model_seed, args.source.tokenizer.as_deref())?;
     let name = loaded.name.clone();
-    let summary = match args.devices {
-        1 => run_batch(&loaded, args, input, output, true)?,
+    let summary = match (&args.topology, args.devices) {
+        (None, 1) => run_batch(&loaded, args, input, output, true)?,
         _ => run_batch_on_cluster(loaded, args, input, output, true)?,
     };
     let secs = summary.elapsed.as_secs_f64().max(1e-9);
@@ -328,7 +329,10 @@ pub fn run_batch_on_cluster(
     let config = args.engine.to_config()?;
     let jobs = read_jobs(&loaded, args, input)?;
     let LoadedModel { model, tokenizer, .. } = loaded;
-    let mut cluster: LocalCluster = start_cluster(model, args.devices, args.expert_parallel, config.clone())?;
+    let mut cluster: LocalCluster = match &args.topology {
+        Some(path) => crate::cluster::connect(path, args.certs.as_deref(), model)?,
+        None => start_cluster(model, args.devices, args.expert_parallel, config.clone())?,
+    };
     let file = File::create(output).with_context(|| format!("cannot create {}", output.display()))?;
     let mut out = BufWriter::new(file);
     let total = jobs.len();

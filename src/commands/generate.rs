@@ -13,7 +13,7 @@ use crate::generation::{encode_prompt, generate, generate_on_cluster, load_model
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     check_devices(args)?;
-    let loaded = load_model(&args.source.model, args.source.model_seed, args.source.tokenizer.as_deref())?;
+    let loaded = load_model(&model_spec(args)?, args.source.model_seed, args.source.tokenizer.as_deref())?;
     let text = args.prompt.as_deref().unwrap_or_default();
     let prompt = encode_prompt(&loaded.tokenizer, &loaded.model, text)?;
     let params = SamplingParams {
@@ -24,9 +24,10 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         ..SamplingParams::default()
     };
     let LoadedModel { name, model, tokenizer } = loaded;
-    let (mut cluster, model) = match args.devices {
-        1 => (None, Some(model)),
-        n => {
+    let (mut cluster, model) = match (&args.topology, args.devices) {
+        (Some(path), _) => (Some(crate::cluster::connect(path, args.certs.as_deref(), model)?), None),
+        (None, 1) => (None, Some(model)),
+        (None, n) => {
             let engine = EngineConfig { max_batch_size: 1, prefix_mode: PrefixMode::Off, ..EngineConfig::default() };
             (Some(start_cluster(model, n, args.expert_parallel, engine)?), None)
         }
@@ -69,7 +70,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let reason = completion.finish.as_str();
     eprintln!(
         "{name}{}: prompt {} tokens, generated {} tokens ({reason}); prefill {:.1} ms ({:.0} tokens/s), decode {:.1} tokens/s",
-        if args.devices > 1 { format!(" on {} devices", args.devices) } else { String::new() },
+        match (&args.topology, args.devices) {
+            (Some(t), _) => format!(" on the cluster of {}", t.display()),
+            (None, 1) => String::new(),
+            (None, n) => format!(" on {n} devices"),
+        },
         completion.prompt_tokens.len(),
         completion.tokens.len(),
         ttft * 1e3,
@@ -77,6 +82,14 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         if decode_tokens > 0 { decode_tokens as f64 / decode_secs.max(1e-9) } else { 0.0 },
     );
     Ok(())
+}
+
+/// The model to load: the topology's with `--topology`, else `--model`.
+pub fn model_spec(args: &GenerateArgs) -> anyhow::Result<String> {
+    Ok(match &args.topology {
+        Some(path) => crate::topology::Topology::from_file(path)?.cluster.model,
+        None => args.source.model.clone(),
+    })
 }
 
 /// `--expert-parallel` only means something with several devices.

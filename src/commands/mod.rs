@@ -1,6 +1,7 @@
 //! One module per CLI command.
 
 pub mod batch;
+pub mod cluster;
 pub mod generate;
 pub mod model_init;
 pub mod serve;

@@ -1,0 +1,389 @@
+//! A topology file turned into a running cluster: the actor layout of the
+//! nodes, one node's process (`deepinfer node`), the client endpoint that
+//! submits work to a running cluster (`generate --topology`), and the
+//! membership view (`status`).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use deepinfer_actors::clock::{Clock, RealClock};
+use deepinfer_actors::events::{EventLog, Metrics};
+use deepinfer_actors::faults::Faults;
+use deepinfer_actors::placement::Placement;
+use deepinfer_actors::quic::{Member, MemberEvent, NodeAddr, QuicConfig, QuicTransport};
+use deepinfer_actors::tls::{self, CLIENT_NAME};
+use deepinfer_actors::{Cluster, ClusterConfig, Env, LocalCluster, NodeRuntime};
+use deepinfer_engine::model::Model;
+use deepinfer_engine::scheduler::EngineConfig;
+
+use crate::config_file::{read_text, value_error, FileError};
+use crate::topology::{Backend, Role, Topology};
+
+/// A topology checked for what this program can launch.
+pub struct ClusterPlan {
+    pub path: PathBuf,
+    pub topology: Topology,
+    pub nodes: Vec<NodeAddr>,
+    pub devices_per_node: u32,
+    pub instances: u32,
+    pub expert_parallel: u32,
+    pub redundant_experts: usize,
+    pub heartbeat: Duration,
+    pub failure_timeout: Duration,
+}
+
+impl ClusterPlan {
+    pub fn load(path: &Path) -> anyhow::Result<Self> {
+        let (file, text) = read_text(path)?;
+        let topology = Topology::parse(&file, &text)?;
+        Ok(Self::plan(path, &file, &text, topology)?)
+    }
+
+    /// The actor layout: equal nodes, instances over consecutive nodes in
+    /// file order with the same size and expert-parallel degree.
+    fn plan(path: &Path, file: &str, text: &str, topology: Topology) -> Result<Self, FileError> {
+        let err = |span: std::ops::Range<usize>, m: String| value_error(file, text, span, m);
+        let first = &topology.nodes[0];
+        let per_node = *first.devices.get_ref();
+        for n in &topology.nodes {
+            if *n.devices.get_ref() != per_node {
+                return Err(err(
+                    n.devices.span(),
+                    format!(
+                        "every node needs the same number of devices to launch ({} has {per_node})",
+                        first.name.get_ref()
+                    ),
+                ));
+            }
+        }
+        let mut next_node = 0;
+        let mut shape = None;
+        for inst in &topology.instances {
+            if inst.role != Role::Both {
+                return Err(err(
+                    inst.name.span(),
+                    "launching needs `role = \"both\"`: prefill/decode disaggregation is not implemented".into(),
+                ));
+            }
+            for n in &inst.nodes {
+                if topology.nodes.get(next_node).map(|x| x.name.get_ref()) != Some(n.get_ref()) {
+                    return Err(err(n.span(), "instances must take the nodes in the order they are declared".into()));
+                }
+                next_node += 1;
+            }
+            let devices = inst.nodes.len() * per_node;
+            if let Some(dp) = &inst.attention_dp {
+                if *dp.get_ref() != devices {
+                    return Err(err(
+                        dp.span(),
+                        format!("attention runs on every device: attention_dp must be {devices}"),
+                    ));
+                }
+            }
+            let ep = inst.expert_parallel.as_ref().map_or(devices, |e| *e.get_ref());
+            let this = (devices, ep, inst.redundant_experts);
+            match shape {
+                None => shape = Some(this),
+                Some(s) if s == this => {}
+                Some(_) => {
+                    return Err(err(
+                        inst.name.span(),
+                        "every instance needs the same devices, expert_parallel and redundant_experts".into(),
+                    ))
+                }
+            }
+        }
+        if next_node != topology.nodes.len() {
+            let n = &topology.nodes[next_node];
+            return Err(err(n.name.span(), format!("node `{}` serves no instance", n.name.get_ref())));
+        }
+        for n in &topology.nodes {
+            if n.backend != Backend::Cpu {
+                return Err(err(n.name.span(), "only `backend = \"cpu\"` nodes can be launched".into()));
+            }
+        }
+        let (_, ep, redundant) = shape.expect("a topology has instances");
+        let nodes = topology
+            .nodes
+            .iter()
+            .map(|n| NodeAddr { name: n.name.get_ref().clone(), addr: n.address.get_ref().parse().expect("checked") })
+            .collect();
+        Ok(Self {
+            path: path.to_path_buf(),
+            nodes,
+            devices_per_node: per_node as u32,
+            instances: topology.instances.len() as u32,
+            expert_parallel: ep as u32,
+            redundant_experts: redundant,
+            heartbeat: Duration::from_millis(*topology.cluster.heartbeat_ms.get_ref()),
+            failure_timeout: Duration::from_millis(*topology.cluster.failure_timeout_ms.get_ref()),
+            topology,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.topology.cluster.name
+    }
+
+    pub fn devices(&self) -> u32 {
+        self.devices_per_node * self.nodes.len() as u32
+    }
+
+    pub fn node_index(&self, name: &str) -> anyhow::Result<u32> {
+        match self.nodes.iter().position(|n| n.name == name) {
+            Some(i) => Ok(i as u32),
+            None => {
+                let known: Vec<&str> = self.nodes.iter().map(|n| n.name.as_str()).collect();
+                bail!("{}: no node `{name}` (nodes: {})", self.path.display(), known.join(", "))
+            }
+        }
+    }
+
+    /// `--certs`, else `certs_dir` of the file (relative to it).
+    pub fn certs_dir(&self, flag: Option<&Path>) -> anyhow::Result<PathBuf> {
+        if let Some(dir) = flag {
+            return Ok(dir.to_path_buf());
+        }
+        match &self.topology.cluster.certs_dir {
+            Some(d) => Ok(self.path.parent().unwrap_or(Path::new(".")).join(d)),
+            None => bail!(
+                "{}: no certificates: set `certs_dir` in [cluster] or pass --certs (create them with \
+                 `deepinfer cluster init-certs`)",
+                self.path.display()
+            ),
+        }
+    }
+
+    /// Devices, nodes and instances, without the expert table.
+    pub fn base_config(&self) -> ClusterConfig {
+        let mut cfg = ClusterConfig::new(self.devices(), self.expert_parallel);
+        cfg.devices_per_node = self.devices_per_node;
+        cfg.instances = self.instances;
+        cfg.engine = EngineConfig::default();
+        cfg
+    }
+
+    /// The actors' configuration every process of the cluster shares.
+    pub fn cluster_config(&self, model: &Model) -> anyhow::Result<ClusterConfig> {
+        let mut cfg = self.base_config();
+        if self.redundant_experts > 0 {
+            let experts = model.config.n_routed_experts as u32;
+            let per_instance = self.devices() / self.instances;
+            let mut p = Placement::expert_parallel(experts, per_instance, self.expert_parallel)?;
+            // Without load statistics the copies go to the first experts, each on the device after its last copy.
+            for r in 0..self.redundant_experts as u32 {
+                let e = r % experts;
+                let next = (p.replicas(e).last().copied().unwrap_or(0) + 1) % per_instance;
+                p = p.with_replica(e, next)?;
+            }
+            cfg.placement = Some(p);
+        }
+        Ok(cfg)
+    }
+
+    fn quic_config(&self, me: Member, identity: tls::Identity, cfg: &ClusterConfig) -> QuicConfig {
+        let mut q = QuicConfig::new(me, self.nodes.clone(), cfg.node_of(), identity);
+        q.heartbeat = self.heartbeat;
+        q.failure_timeout = self.failure_timeout;
+        q
+    }
+
+    /// Nodes whose address is on this machine (their IP can be bound here).
+    pub fn local_nodes(&self) -> Vec<u32> {
+        (0..self.nodes.len() as u32)
+            .filter(|&i| {
+                let ip = self.nodes[i as usize].addr.ip();
+                ip.is_loopback() || std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
+            })
+            .collect()
+    }
+}
+
+fn env(transport: Arc<QuicTransport>, clock: Arc<dyn Clock>) -> Env {
+    let metrics = Arc::new(Metrics::default());
+    let events = Arc::new(EventLog::new(Arc::clone(&clock), 0));
+    let faults = Arc::new(Faults::inert(Arc::clone(&metrics)));
+    Env { transport, clock, events, metrics, faults }
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8);
+    Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build()?)
+}
+
+fn start_transport(
+    plan: &ClusterPlan,
+    me: Member,
+    identity: tls::Identity,
+    cfg: &ClusterConfig,
+) -> anyhow::Result<(Arc<QuicTransport>, Arc<dyn Clock>)> {
+    let clock: Arc<dyn Clock> = Arc::new(RealClock::new());
+    let events = Arc::new(EventLog::new(Arc::clone(&clock), 0));
+    let t = QuicTransport::start(plan.quic_config(me, identity, cfg), Arc::clone(&clock), events, Arc::default())?;
+    Ok((t, clock))
+}
+
+/// A client endpoint of the running cluster of `path`: what `generate`
+/// drives instead of an in-process cluster.
+pub fn connect(path: &Path, certs: Option<&Path>, model: Model) -> anyhow::Result<LocalCluster> {
+    let plan = ClusterPlan::load(path)?;
+    let identity = tls::load_identity(&plan.certs_dir(certs)?, CLIENT_NAME)?;
+    let cfg = plan.cluster_config(&model)?;
+    let rt = runtime()?;
+    // Unique enough among the clients of one cluster; request ids start at index << 32.
+    let index = std::process::id();
+    let router_node = plan.nodes[0].name.clone();
+    let cluster = rt.block_on(async {
+        let (transport, clock) = start_transport(&plan, Member::Client(index), identity, &cfg)?;
+        let mut members = transport.subscribe();
+        let (down_tx, down_rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Some(e) = members.recv().await {
+                if let MemberEvent::Down { node: 0, silent } = e {
+                    let why =
+                        format!("node {router_node} (the router) is unreachable: silent for {} ms", silent.as_millis());
+                    let _ = down_tx.send(why);
+                }
+            }
+        });
+        anyhow::Ok(Cluster::connect(Arc::new(model), cfg, env(transport, clock), index, down_rx)?)
+    })?;
+    Ok(LocalCluster::from_runtime(rt, cluster))
+}
+
+/// What `deepinfer node` was asked for.
+pub struct NodeOptions {
+    pub topology: PathBuf,
+    pub node: String,
+    pub certs: Option<PathBuf>,
+    /// End when standard input closes (the launcher's children).
+    pub exit_with_stdin: bool,
+}
+
+/// Run one node until SIGINT/SIGTERM (or stdin closing), then stop its actors in order.
+pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
+    let plan = ClusterPlan::load(&opts.topology)?;
+    let me = plan.node_index(&opts.node)?;
+    let name = opts.node.clone();
+    let identity = tls::load_identity(&plan.certs_dir(opts.certs.as_deref())?, &name)
+        .with_context(|| format!("certificates of node `{name}`"))?;
+    let loaded = crate::generation::load_model(&plan.topology.cluster.model, 0, None)?;
+    let cfg = plan.cluster_config(&loaded.model)?;
+    let rt = runtime()?;
+    let stdin_closed = opts.exit_with_stdin.then(|| {
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        std::thread::spawn(move || {
+            let mut sink = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+            let _ = tx.send(());
+        });
+        rx
+    });
+    rt.block_on(async move {
+        let (transport, clock) = start_transport(&plan, Member::Node(me), identity, &cfg)?;
+        let mut members = transport.subscribe();
+        let mut actors =
+            NodeRuntime::start(Arc::new(loaded.model), cfg.clone(), env(Arc::clone(&transport), clock), me)
+                .await
+                .with_context(|| format!("starting node `{name}`"))?;
+        let devices = me * plan.devices_per_node..(me + 1) * plan.devices_per_node;
+        eprintln!(
+            "node {name}: listening on {} (QUIC), devices {}..{} of {}",
+            transport.local_addr(),
+            devices.start,
+            devices.end,
+            plan.devices()
+        );
+        let total = plan.nodes.len();
+        let mut ready = total == 1;
+        if ready {
+            eprintln!("node {name}: cluster ready (1/1 nodes up)");
+        }
+        let stdin_closed = async move {
+            match stdin_closed {
+                Some(rx) => {
+                    let _ = rx.await;
+                }
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(stdin_closed);
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let why = loop {
+            tokio::select! {
+                e = members.recv() => match e {
+                    Some(MemberEvent::Up { node }) => {
+                        eprintln!("node {name}: node {} up", plan.nodes[node as usize].name);
+                        let up = transport.nodes_up().len();
+                        if !ready && up == total {
+                            ready = true;
+                            eprintln!("node {name}: cluster ready ({up}/{total} nodes up)");
+                        }
+                    }
+                    Some(MemberEvent::Down { node, silent }) => {
+                        eprintln!(
+                            "node {name}: node {} down: silent for {} ms (failure timeout {} ms)",
+                            plan.nodes[node as usize].name,
+                            silent.as_millis(),
+                            plan.failure_timeout.as_millis()
+                        );
+                        actors.node_down(node);
+                    }
+                    None => break "membership stopped".to_string(),
+                },
+                why = actors.gave_up() => {
+                    eprintln!("node {name}: supervisors gave up: {why}");
+                    actors.shutdown().await;
+                    bail!("node {name}: {why}");
+                }
+                _ = tokio::signal::ctrl_c() => break "interrupted".to_string(),
+                _ = term.recv() => break "terminated".to_string(),
+                _ = &mut stdin_closed => break "launcher closed standard input".to_string(),
+            }
+        };
+        eprintln!("node {name}: stopping ({why})");
+        actors.shutdown().await;
+        eprintln!("node {name}: stopped");
+        Ok(())
+    })
+}
+
+/// Connect as a client, wait up to `wait` for every node to answer, print
+/// one line per node; true when all are up.
+pub fn status(path: &Path, certs: Option<&Path>, wait: Duration) -> anyhow::Result<bool> {
+    let plan = ClusterPlan::load(path)?;
+    let identity = tls::load_identity(&plan.certs_dir(certs)?, CLIENT_NAME)?;
+    let cfg = plan.base_config();
+    let rt = runtime()?;
+    let up = rt.block_on(async {
+        let (transport, _) = start_transport(&plan, Member::Client(std::process::id()), identity, &cfg)?;
+        let total = plan.nodes.len();
+        let _ = tokio::time::timeout(wait, async {
+            while transport.nodes_up().len() < total {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        let up = transport.nodes_up();
+        deepinfer_actors::transport::Transport::close(&*transport);
+        anyhow::Ok(up)
+    })?;
+    println!(
+        "cluster {}: {}/{} nodes up, {} devices, {} instance(s), expert parallel {}",
+        plan.name(),
+        up.len(),
+        plan.nodes.len(),
+        plan.devices(),
+        plan.instances,
+        plan.expert_parallel
+    );
+    for (i, n) in plan.nodes.iter().enumerate() {
+        let state = if up.contains(&(i as u32)) { "up" } else { "unreachable" };
+        let first = i as u32 * plan.devices_per_node;
+        println!("  {:<12} {:<22} devices {}..{}  {state}", n.name, n.addr, first, first + plan.devices_per_node);
+    }
+    Ok(up.len() == plan.nodes.len())
+}
