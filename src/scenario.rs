@@ -70,6 +70,9 @@ pub struct InstanceSpec {
     pub devices: Spanned<u32>,
     #[serde(default = "one")]
     pub count: Spanned<u32>,
+    /// Redundant expert slots of this instance, instead of `experts.redundant`.
+    #[serde(default)]
+    pub redundant: Option<usize>,
 }
 
 fn one() -> Spanned<u32> {
@@ -350,6 +353,8 @@ pub struct Scenario {
     pub devices_per_node: u32,
     /// One entry per instance, in order.
     pub instances: Vec<(Role, u32)>,
+    /// Redundant expert slots per instance where it differs from `redundant_experts`.
+    pub redundant_per_instance: Vec<Option<usize>>,
     pub batch_per_device: usize,
     pub batch_tokens_per_device: usize,
     pub prefix_cache: bool,
@@ -412,6 +417,7 @@ impl Scenario {
             return Err(err(0..0, "a scenario needs at least one [[instance]] table".into()));
         }
         let mut instances = Vec::new();
+        let mut redundant_per_instance = Vec::new();
         for inst in &f.instances {
             let devices = *inst.devices.get_ref();
             if devices == 0 || !devices.is_multiple_of(per_node) {
@@ -425,6 +431,7 @@ impl Scenario {
                 return Err(err(inst.count.span(), "must be at least 1".into()));
             }
             instances.extend(std::iter::repeat_n((inst.role, devices), count as usize));
+            redundant_per_instance.extend(std::iter::repeat_n(inst.redundant, count as usize));
         }
         let total: u64 = instances.iter().map(|&(_, d)| d as u64).sum();
         if total > MAX_DEVICES as u64 {
@@ -498,6 +505,7 @@ impl Scenario {
             model,
             devices_per_node: per_node,
             instances,
+            redundant_per_instance,
             batch_per_device: batch,
             batch_tokens_per_device: batch_tokens,
             prefix_cache,

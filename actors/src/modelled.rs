@@ -34,6 +34,8 @@ pub struct ModelledSpec {
     /// Redundant expert slots per instance. With any, experts are placed by
     /// EPLB from the expected loads; without, in contiguous ranges.
     pub redundant_experts: usize,
+    /// Per instance, instead of `redundant_experts` (missing entries use it).
+    pub redundant_per_instance: Vec<usize>,
     /// Sequences and tokens per device in one step (the instance's limits scale with its size).
     pub batch_per_device: usize,
     pub batch_tokens_per_device: usize,
@@ -73,7 +75,9 @@ impl Modelled {
         let mut shares = Vec::with_capacity(topology.instances as usize);
         for instance in 0..topology.instances {
             let devices = topology.size_of(instance) as usize;
-            let s = Self::place(&loads, spec.redundant_experts, devices, topology.per_node as usize)
+            let redundant =
+                spec.redundant_per_instance.get(instance as usize).copied().unwrap_or(spec.redundant_experts);
+            let s = Self::place(&loads, redundant, devices, topology.per_node as usize)
                 .map_err(|why| ModelledError::Placement { instance, why })?;
             shares.push(RwLock::new(Arc::new(s)));
         }
@@ -106,9 +110,11 @@ impl Modelled {
         let experts = loads.first().map_or(0, Vec::len);
         // Round the slots up to a multiple of the devices, as a real deployment would.
         let physical = (experts + redundant).div_ceil(devices) * devices;
+        // The global policy: the hierarchical one keeps dispatch inside nodes
+        // (node-limited routing), which the step cost does not credit, so it
+        // would only show its worse balance.
         let nodes = devices.div_ceil(per_node.max(1));
-        let groups = if experts.is_multiple_of(8) { 8 } else { 1 };
-        let p = eplb::rebalance(loads, physical, groups, nodes, devices).map_err(|e| e.to_string())?;
+        let p = eplb::rebalance(loads, physical, 1, nodes, devices).map_err(|e| e.to_string())?;
         Ok(DeviceShares::from_placement(loads, &p))
     }
 

@@ -163,6 +163,9 @@ pub fn cluster_config(s: &Scenario, seed: u64) -> ClusterConfig {
         efficiency: Efficiency::default(),
         popularity: s.popularity,
         redundant_experts: s.redundant_experts,
+        redundant_per_instance: (0..s.instances.len())
+            .map(|i| s.redundant_per_instance.get(i).copied().flatten().unwrap_or(s.redundant_experts))
+            .collect(),
         batch_per_device: s.batch_per_device,
         batch_tokens_per_device: s.batch_tokens_per_device,
         decode_steps_per_event: s.decode_steps_per_event,
