@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use deepinfer_actors::clock::{Clock, RealClock};
+use deepinfer_actors::disagg::InstanceKind;
 use deepinfer_actors::events::{EventLog, Metrics};
 use deepinfer_actors::faults::Faults;
 use deepinfer_actors::placement::Placement;
@@ -31,6 +32,8 @@ pub struct ClusterPlan {
     pub instances: u32,
     pub expert_parallel: u32,
     pub redundant_experts: usize,
+    /// What each instance serves (prefill, decode or both).
+    pub kinds: Vec<InstanceKind>,
     pub heartbeat: Duration,
     pub failure_timeout: Duration,
 }
@@ -62,12 +65,6 @@ impl ClusterPlan {
         let mut next_node = 0;
         let mut shape = None;
         for inst in &topology.instances {
-            if inst.role != Role::Both {
-                return Err(err(
-                    inst.name.span(),
-                    "launching needs `role = \"both\"`: prefill/decode disaggregation is not implemented".into(),
-                ));
-            }
             for n in &inst.nodes {
                 if topology.nodes.get(next_node).map(|x| x.name.get_ref()) != Some(n.get_ref()) {
                     return Err(err(n.span(), "instances must take the nodes in the order they are declared".into()));
@@ -118,6 +115,15 @@ impl ClusterPlan {
             instances: topology.instances.len() as u32,
             expert_parallel: ep as u32,
             redundant_experts: redundant,
+            kinds: topology
+                .instances
+                .iter()
+                .map(|i| match i.role {
+                    Role::Prefill => InstanceKind::Prefill,
+                    Role::Decode => InstanceKind::Decode,
+                    Role::Both => InstanceKind::Both,
+                })
+                .collect(),
             heartbeat: Duration::from_millis(*topology.cluster.heartbeat_ms.get_ref()),
             failure_timeout: Duration::from_millis(*topology.cluster.failure_timeout_ms.get_ref()),
             topology,
@@ -162,6 +168,9 @@ impl ClusterPlan {
         let mut cfg = ClusterConfig::new(self.devices(), self.expert_parallel);
         cfg.devices_per_node = self.devices_per_node;
         cfg.instances = self.instances;
+        if self.kinds.iter().any(|&k| k != InstanceKind::Both) {
+            cfg.instance_kinds = self.kinds.clone();
+        }
         cfg.engine = EngineConfig::default();
         cfg
     }

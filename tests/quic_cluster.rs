@@ -206,9 +206,24 @@ fn requests_of_an_instance_whose_scheduler_node_dies_move_to_another_instance() 
     kill_mid_batch(&Site::with_instances("kill-home", TWO_INSTANCES), 2);
 }
 
+/// Prefill on node0, decode on three instances of their own (nodes 1–3):
+/// every request's state crosses processes over QUIC. node2, a decode
+/// instance, dies while requests are handed over and decoded there; they move
+/// to the other decode instances and complete exactly as in one process.
+const DISAGGREGATED: &str = "\n[[instance]]\nname = \"p\"\nrole = \"prefill\"\nnodes = [\"node0\"]\n\
+                             \n[[instance]]\nname = \"d1\"\nrole = \"decode\"\nnodes = [\"node1\"]\n\
+                             \n[[instance]]\nname = \"d2\"\nrole = \"decode\"\nnodes = [\"node2\"]\n\
+                             \n[[instance]]\nname = \"d3\"\nrole = \"decode\"\nnodes = [\"node3\"]\n";
+
+#[test]
+fn prefill_and_decode_in_separate_processes_survive_a_decode_node_dying() {
+    let completed = kill_mid_batch(&Site::with_instances("disagg", DISAGGREGATED), 2);
+    assert_eq!(completed, 8, "a request handed to the dead decode instance was lost or failed");
+}
+
 /// Kill node `victim` in the middle of an 8-request batch; check detection,
 /// the outcome of every request and that nothing hangs.
-fn kill_mid_batch(site: &Site, victim: usize) {
+fn kill_mid_batch(site: &Site, victim: usize) -> usize {
     let survivors: Vec<usize> = (0..4).filter(|&i| i != victim).collect();
     let down = format!("node node{victim} down");
     let mut nodes: Vec<Proc> = (0..4)
@@ -297,6 +312,7 @@ fn kill_mid_batch(site: &Site, victim: usize) {
         assert!(code.success(), "node{i}: {code}\n{}", nodes[i].text());
     }
     let _ = std::io::stderr().flush();
+    completed
 }
 
 #[test]
