@@ -33,7 +33,7 @@ use deepinfer_engine::kv_pool::BlockId;
 use deepinfer_engine::prefix_cache::block_hash;
 use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId};
 use deepinfer_engine::sampling::SamplingParams;
-use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler as Policy};
+use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler as Policy, StepPlan};
 use deepinfer_engine::transfer::{parts_values, state_from_parts};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
@@ -514,7 +514,7 @@ impl SchedulerState {
     }
 
     fn plan(&mut self, step: u64) {
-        let plan = self.policy.schedule();
+        let mut plan = self.policy.schedule();
         let pool = self.policy.pool_stats();
         let g = &self.ctx.gauges[self.instance as usize];
         g.kv_used_bytes.store(pool.used_bytes as u64, std::sync::atomic::Ordering::Relaxed);
@@ -522,27 +522,7 @@ impl SchedulerState {
         g.running.store(self.policy.num_running() as u64, std::sync::atomic::Ordering::Relaxed);
         g.waiting.store(self.policy.num_waiting() as u64, std::sync::atomic::Ordering::Relaxed);
         let mut ended = Vec::new();
-        for (rid, f) in plan.failed {
-            let Some(&id) = self.by_rid.get(&rid) else { continue };
-            self.forget(id);
-            ended.push(OutputItem {
-                id,
-                from: f.completion_tokens as u32,
-                tokens: Vec::new(),
-                logits: false,
-                end: Some(OutputEnd::Finished(finish_wire(&f))),
-            });
-        }
-        for rid in &plan.preempted {
-            if let Some(l) = self.by_rid.get(rid).and_then(|id| self.live.get(id)) {
-                self.release.entry(l.worker).or_default().push(l.spec.id);
-            }
-        }
-        let evicted: Vec<u64> = plan.evicted.iter().filter_map(|b| self.cached.remove(b)).collect();
-        if !evicted.is_empty() {
-            let msg = CacheMsg::Evict { instance: self.instance, step, hashes: evicted };
-            self.ctx.send(self.addr, self.cache, Message::Cache(msg), &[]);
-        }
+        self.settle(step, &mut plan, &mut ended);
         let mut items = Vec::with_capacity(plan.items.len());
         for it in plan.items {
             let Some(&id) = self.by_rid.get(&it.id) else { continue };
@@ -1197,13 +1177,10 @@ impl SchedulerState {
         }
     }
 
-    /// The next decode step of a multi-step event: plan it (running
-    /// requests only), register the blocks it completes (valueless, as
-    /// modelled devices store them) and return its sampling items.
-    fn plan_decode_substep(&mut self, step: u64, ended: &mut Vec<OutputItem>) -> Vec<(u64, RequestId)> {
-        let bt = self.ctx.block_tokens;
-        let plan = self.policy.schedule_running();
-        for (rid, f) in plan.failed {
+    /// What a plan ends besides its items: failed requests (their final
+    /// outputs join `ended`), preempted states to release, evicted cached blocks.
+    fn settle(&mut self, step: u64, plan: &mut StepPlan, ended: &mut Vec<OutputItem>) {
+        for (rid, f) in std::mem::take(&mut plan.failed) {
             let Some(&id) = self.by_rid.get(&rid) else { continue };
             self.forget(id);
             ended.push(OutputItem {
@@ -1224,6 +1201,15 @@ impl SchedulerState {
             let msg = CacheMsg::Evict { instance: self.instance, step, hashes: evicted };
             self.ctx.send(self.addr, self.cache, Message::Cache(msg), &[]);
         }
+    }
+
+    /// The next decode step of a multi-step event: plan it (running
+    /// requests only), register the blocks it completes (valueless, as
+    /// modelled devices store them) and return its sampling items.
+    fn plan_decode_substep(&mut self, step: u64, ended: &mut Vec<OutputItem>) -> Vec<(u64, RequestId)> {
+        let bt = self.ctx.block_tokens;
+        let mut plan = self.policy.schedule_running();
+        self.settle(step, &mut plan, ended);
         let mut stores = Vec::new();
         let mut current = Vec::with_capacity(plan.items.len());
         for it in &plan.items {
