@@ -49,7 +49,7 @@ use crate::clock::Clock;
 use crate::events::{bump, EventLog, Metrics};
 use crate::sim::NodeOf;
 use crate::tls::{self, Identity, TlsError, CLIENT_NAME};
-use crate::transport::{Delivery, Inbox, Transport, TransportError, DEFAULT_QUEUE};
+use crate::transport::{offer, Delivery, Inbox, Transport, TransportError, DEFAULT_QUEUE};
 use crate::wire::{self, Addr, Envelope, Heartbeat, Message, MsgKind, Role, MAX_FRAME_BYTES};
 
 /// Frames queued per peer on the control lane.
@@ -379,20 +379,7 @@ impl Inner {
             let local = local.as_ref().ok_or(TransportError::Shutdown)?;
             local.get(&to).cloned().ok_or(TransportError::Unbound(to))?
         };
-        match tx.try_send(Delivery { from, frame }) {
-            Ok(()) => {
-                bump(&self.metrics.frames_delivered);
-                Ok(())
-            }
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                bump(&self.metrics.frames_dropped);
-                Err(TransportError::QueueFull(to))
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => {
-                bump(&self.metrics.frames_dropped);
-                Err(TransportError::Closed(to))
-            }
-        }
+        offer(&tx, Delivery { from, frame }, to, &self.metrics)
     }
 
     fn publish(&self, e: MemberEvent) {

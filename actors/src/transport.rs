@@ -62,6 +62,30 @@ pub trait Transport: Send + Sync + 'static {
     fn name(&self) -> &'static str;
 }
 
+/// Queue a frame on `to`'s inbox without waiting; a full or closed inbox
+/// drops it (the protocol resends on timeout).
+pub(crate) fn offer(
+    tx: &mpsc::Sender<Delivery>,
+    d: Delivery,
+    to: Addr,
+    metrics: &Metrics,
+) -> Result<(), TransportError> {
+    match tx.try_send(d) {
+        Ok(()) => {
+            bump(&metrics.frames_delivered);
+            Ok(())
+        }
+        Err(mpsc::error::TrySendError::Full(_)) => {
+            bump(&metrics.frames_dropped);
+            Err(TransportError::QueueFull(to))
+        }
+        Err(mpsc::error::TrySendError::Closed(_)) => {
+            bump(&metrics.frames_dropped);
+            Err(TransportError::Closed(to))
+        }
+    }
+}
+
 /// Per-address queue capacity of both transports.
 pub const DEFAULT_QUEUE: usize = 4096;
 
@@ -95,20 +119,7 @@ impl Transport for InProcess {
         };
         bump(&self.metrics.frames_sent);
         self.metrics.bytes_sent.fetch_add(frame.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        match tx.try_send(Delivery { from, frame }) {
-            Ok(()) => {
-                bump(&self.metrics.frames_delivered);
-                Ok(())
-            }
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                bump(&self.metrics.frames_dropped);
-                Err(TransportError::QueueFull(to))
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => {
-                bump(&self.metrics.frames_dropped);
-                Err(TransportError::Closed(to))
-            }
-        }
+        offer(&tx, Delivery { from, frame }, to, &self.metrics)
     }
 
     fn close(&self) {
