@@ -40,6 +40,9 @@ pub fn load_model(spec: &str, seed: u64, tokenizer_path: Option<&Path>) -> anyho
         None => {
             let dir = PathBuf::from(spec);
             let model = Model::load(&dir).with_context(|| format!("loading model from {}", dir.display()))?;
+            for notice in &model.weights.notices {
+                eprintln!("note: {}: {notice}", dir.display());
+            }
             let tokenizer = dir.join("tokenizer.json");
             (dir.display().to_string(), model, tokenizer.exists().then_some(tokenizer))
         }

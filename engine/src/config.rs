@@ -56,6 +56,10 @@ pub struct YarnConfig {
     pub original_max_position_embeddings: f64,
     pub beta_fast: f64,
     pub beta_slow: f64,
+    /// Factor on cos/sin: 1 for the published `rope_scaling` spelling (DeepSeek's
+    /// reference applies none); in a nested `rope_parameters` block, what transformers
+    /// derives when the key is absent (`0.1·ln(factor) + 1`, or the mscale ratio).
+    pub attention_factor: f64,
 }
 
 /// Block sizes of the quantised weights, from `quantization_config`.
@@ -207,13 +211,7 @@ impl ModelConfig {
                 return Err(r.invalid("num_key_value_heads", "DeepSeek-V4 shares one KV head; expected 1"));
             }
         }
-        let rope_dim = match r.opt_usize("qk_rope_head_dim")? {
-            Some(d) => d,
-            None => {
-                let factor = r.f64_or("partial_rotary_factor", 64.0 / 512.0)?;
-                (head_dim as f64 * factor).round() as usize
-            }
-        };
+        let rope_dim = Self::read_rope_dim(&r, head_dim)?;
         if rope_dim == 0 || rope_dim % 2 != 0 || rope_dim > head_dim {
             return Err(r.invalid("qk_rope_head_dim", format!("{rope_dim} must be even and at most head_dim")));
         }
@@ -234,6 +232,13 @@ impl ModelConfig {
             if func.as_str() != Some("sqrtsoftplus") {
                 return Err(r.invalid("scoring_func", format!("only \"sqrtsoftplus\" is supported, found {func}")));
             }
+        }
+        // Both references renormalise the selected sqrt-softplus scores unconditionally.
+        if !r.bool_or("norm_topk_prob", true)? {
+            return Err(r.invalid(
+                "norm_topk_prob",
+                "DeepSeek-V4 always renormalises the top-k weights; false is not this architecture",
+            ));
         }
         let index_head_dim = r.positive("index_head_dim")?;
         if attention.iter().any(|a| matches!(a, AttentionKind::Csa { .. })) && index_head_dim < rope_dim {
@@ -264,7 +269,7 @@ impl ModelConfig {
             moe_intermediate_size: r.positive("moe_intermediate_size")?,
             routing,
             routed_scaling_factor: r.f64_or("routed_scaling_factor", 1.5)? as f32,
-            norm_topk_prob: r.bool_or("norm_topk_prob", true)?,
+            norm_topk_prob: true,
             swiglu_limit: r.f64_or("swiglu_limit", 10.0)? as f32,
             hc_mult: r.opt_usize("hc_mult")?.unwrap_or(4),
             hc_sinkhorn_iters: r.opt_usize("hc_sinkhorn_iters")?.unwrap_or(20),
@@ -279,6 +284,48 @@ impl ModelConfig {
             eos_token_id: r.token_id("eos_token_id", 1)?,
             quant,
         })
+    }
+
+    /// Rotary channels per head: `qk_rope_head_dim`, else `head_dim × partial_rotary_factor`
+    /// truncated as transformers does (top-level, or per rope type in `rope_parameters`,
+    /// where both types must agree: one set of channels is rotated in every layer).
+    fn read_rope_dim(r: &Reader, head_dim: usize) -> Result<usize, ConfigError> {
+        let from_factor = |key: &str, factor: f64| -> Result<usize, ConfigError> {
+            if !(factor > 0.0 && factor <= 1.0) {
+                return Err(r.invalid(key, format!("{factor} is not in (0, 1]")));
+            }
+            Ok((head_dim as f64 * factor) as usize)
+        };
+        let mut dims = Vec::new();
+        if let Some(Value::Object(params)) = r.get("rope_parameters") {
+            for kind in ["main", "compress"] {
+                if let Some(f) = params.get(kind).and_then(|p| p.get("partial_rotary_factor")) {
+                    let key = format!("rope_parameters.{kind}.partial_rotary_factor");
+                    let f = f.as_f64().ok_or_else(|| r.invalid(&key, "expected a number"))?;
+                    dims.push((key.clone(), from_factor(&key, f)?));
+                }
+            }
+        }
+        if let Some(d) = r.opt_usize("qk_rope_head_dim")? {
+            dims.push(("qk_rope_head_dim".into(), d));
+        } else if r.get("partial_rotary_factor").is_some() {
+            let f = r.f64_or("partial_rotary_factor", 0.0)?;
+            dims.push(("partial_rotary_factor".into(), from_factor("partial_rotary_factor", f)?));
+        }
+        let rope_dim = match dims.first() {
+            Some(&(_, d)) => d,
+            None => head_dim * 64 / 512,
+        };
+        if let Some((key, d)) = dims.iter().find(|(_, d)| *d != rope_dim) {
+            return Err(r.invalid(key, format!("gives {d} rotary channels where {} gives {rope_dim}", dims[0].0)));
+        }
+        if rope_dim == 0 || rope_dim % 2 != 0 || rope_dim > head_dim {
+            return Err(r.invalid(
+                &dims.first().map_or("qk_rope_head_dim".into(), |d| d.0.clone()),
+                format!("{rope_dim} rotary channels: must be even, at least 2 and at most head_dim"),
+            ));
+        }
+        Ok(rope_dim)
     }
 
     fn read_attention(r: &Reader, num_layers: usize) -> Result<Vec<AttentionKind>, ConfigError> {
@@ -388,6 +435,8 @@ impl ModelConfig {
         let Some(Value::Object(s)) = scaling else {
             return Ok((main_theta, compress_theta, None));
         };
+        // Only an already nested block keeps its own default; transformers sets 1 when it nests.
+        let nested = scaling_key == "rope_parameters.compress";
         let kind = s.get("rope_type").or_else(|| s.get("type")).and_then(Value::as_str).unwrap_or("default");
         let yarn = match kind {
             "default" => None,
@@ -400,11 +449,24 @@ impl ModelConfig {
                         None => d.ok_or_else(|| r.missing(&format!("{scaling_key}.{k}"))),
                     }
                 };
+                let original = num("original_max_position_embeddings", None)?;
+                let max_positions = r.f64_or("max_position_embeddings", original)?;
+                let factor = num("factor", Some(max_positions / original))?;
+                // transformers' YaRN default: `0.1·ln(scale)·mscale + 1` (1 at scale ≤ 1).
+                let mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                let derived =
+                    match (s.get("mscale").and_then(Value::as_f64), s.get("mscale_all_dim").and_then(Value::as_f64)) {
+                        (Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(factor, m) / mscale(factor, all),
+                        _ => mscale(factor, 1.0),
+                    };
+                // The published spelling is read as DeepSeek means it: no cos/sin factor.
+                let attention_factor = num("attention_factor", Some(if nested { derived } else { 1.0 }))?;
                 Some(YarnConfig {
-                    factor: num("factor", None)?,
-                    original_max_position_embeddings: num("original_max_position_embeddings", None)?,
+                    factor,
+                    original_max_position_embeddings: original,
                     beta_fast: num("beta_fast", Some(32.0))?,
                     beta_slow: num("beta_slow", Some(1.0))?,
+                    attention_factor,
                 })
             }
             other => return Err(r.invalid(&format!("{scaling_key}.rope_type"), format!("unsupported \"{other}\""))),

@@ -1,8 +1,9 @@
 //! The forward pass against the reference implementation: logits recorded by
-//! `tools/oracle/make_fixtures.py` from `transformers` 5.23.0
-//! (`DeepseekV4ForCausalLM`, float32) on the same quantised checkpoint.
+//! `tools/oracle/make_fixtures.py` (the tiny-v4 preset) and `tools/oracle/make_sweep.py`
+//! (a sweep of configs unlike it) from `transformers` 5.23.0 (`DeepseekV4ForCausalLM`,
+//! float32) on the same checkpoints.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use deepinfer_engine::checkpoint::Checkpoint;
 use deepinfer_engine::model::{Chunk, LogitsWanted, Model, MtpChunk};
@@ -20,7 +21,10 @@ struct Reference {
 
 impl Reference {
     fn load() -> Self {
-        let path = fixture_dir().join("reference.safetensors");
+        Self::load_from(&fixture_dir())
+    }
+    fn load_from(dir: &Path) -> Self {
+        let path = dir.join("reference.safetensors");
         let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         Self { tensors: Checkpoint::from_bytes(&path.display().to_string(), bytes.into()).unwrap() }
     }
@@ -106,6 +110,66 @@ fn mtp_logits_match_transformers_building_blocks() {
         state: &mut state,
     }]);
     assert_close("p1 MTP", &logits[0], &want);
+}
+
+/// Every config of the sweep: prefill logits at the stored rows, then 16 cached
+/// decode steps fed the reference's greedy tokens, each within the tolerance, and
+/// every greedy pick equal.
+#[test]
+fn sweep_of_configs_matches_transformers() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/oracle/sweep");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("reference.safetensors").exists())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 8, "the sweep has {} configs", dirs.len());
+    let mut failures = Vec::new();
+    for dir in &dirs {
+        let name = dir.file_name().unwrap().to_string_lossy().to_string();
+        let result = std::panic::catch_unwind(|| check_sweep_config(dir));
+        if result.is_err() {
+            failures.push(name);
+        }
+    }
+    assert!(failures.is_empty(), "configs that leave the reference: {failures:?}");
+}
+
+fn check_sweep_config(dir: &Path) {
+    let name = dir.file_name().unwrap().to_string_lossy().to_string();
+    let model = Model::load(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let reference = Reference::load_from(dir);
+    let vocab = model.config.vocab_size;
+    for i in 0.. {
+        let prefix = format!("p{i}");
+        if !reference.has(&format!("{prefix}.input_ids")) {
+            assert!(i > 0, "{name}: no prompts");
+            break;
+        }
+        let ids = reference.ids(&format!("{prefix}.input_ids"));
+        let rows = reference.ids(&format!("{prefix}.prefill_rows"));
+        let (want, _) = reference.floats(&format!("{prefix}.prefill_logits"));
+        let mut state = model.new_state();
+        let out = model.forward(&mut [Chunk::new(&ids, &mut state)], LogitsWanted::All, false);
+        let got: Vec<f32> =
+            rows.iter().flat_map(|&r| out[0].logits[r as usize * vocab..][..vocab].iter().copied()).collect();
+        assert_close(&format!("{name} {prefix} prefill ({} tokens)", ids.len()), &got, &want);
+
+        let steps = reference.ids(&format!("{prefix}.decode_tokens"));
+        let (want, _) = reference.floats(&format!("{prefix}.decode_logits"));
+        assert!(steps.len() >= 16, "{name}: {} decode steps", steps.len());
+        let last = &out[0].logits[(ids.len() - 1) * vocab..];
+        assert_eq!(steps[0], argmax(last), "{name} {prefix}: greedy pick after prefill");
+        for (k, &fed) in steps.iter().enumerate() {
+            let out = model.forward(&mut [Chunk::new(&[fed], &mut state)], LogitsWanted::Last, false);
+            let what = format!("{name} {prefix} decode step {k}");
+            assert_close(&what, &out[0].logits, &want[k * vocab..(k + 1) * vocab]);
+            if let Some(&next) = steps.get(k + 1) {
+                assert_eq!(argmax(&out[0].logits), next, "{what}: greedy pick");
+            }
+        }
+    }
 }
 
 fn argmax(v: &[f32]) -> u32 {

@@ -37,12 +37,16 @@ pub struct Yarn {
     pub original_max_position_embeddings: f64,
     pub beta_fast: f64,
     pub beta_slow: f64,
+    /// Multiplies cos and sin (YaRN's "mscale"); DeepSeek-V4 uses 1.
+    pub attention_factor: f64,
 }
 
 /// Inverse frequencies of a rotary embedding over `dim` channels (dim/2 pairs).
 #[derive(Clone, Debug)]
 pub struct Rope {
     pub inv_freq: Vec<f32>,
+    /// Factor on cos and sin (1 but for a YaRN `attention_factor`).
+    pub scale: f32,
 }
 
 impl Rope {
@@ -73,7 +77,7 @@ impl Rope {
                     .collect()
             }
         };
-        Self { inv_freq }
+        Self { inv_freq, scale: yarn.map_or(1.0, |y| y.attention_factor as f32) }
     }
 
     /// cos and sin of every pair's angle at `position`.
@@ -81,8 +85,8 @@ impl Rope {
         let p = position as f32;
         for (i, f) in self.inv_freq.iter().enumerate() {
             let angle = p * f;
-            cos[i] = angle.cos();
-            sin[i] = angle.sin();
+            cos[i] = angle.cos() * self.scale;
+            sin[i] = angle.sin() * self.scale;
         }
     }
 }
@@ -138,11 +142,17 @@ pub fn sqrt_softplus(x: f32) -> f32 {
     softplus.sqrt()
 }
 
-/// Indices of the `k` largest values, largest first; ties go to the lower index.
-/// NaN sorts below everything.
+/// Indices of the `k` largest values, largest first; equal values (−0 equals +0) go
+/// to the lower index, as a stable sort by value gives. NaN sorts below everything.
+///
+/// Exact ties are common in the lightning indexer (a score is exactly zero wherever
+/// every head's ReLU clips), so the rule decides real selections; it depends on
+/// nothing but the values and their order, so a prefix's choices never change when
+/// entries are appended.
 pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..values.len()).collect();
-    let key = |i: usize| if values[i].is_nan() { f32::NEG_INFINITY } else { values[i] };
+    // `+ 0.0` turns −0 into +0, which `total_cmp` would otherwise rank below it.
+    let key = |i: usize| if values[i].is_nan() { f32::NEG_INFINITY } else { values[i] + 0.0 };
     idx.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
     idx.truncate(k);
     idx

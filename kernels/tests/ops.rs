@@ -81,7 +81,13 @@ fn rope_yarn_inverse_frequencies_match_transformers() {
         0x381b_a5e4, // 3.710937744472176e-05
         0x35ea_77ff, // 1.746928205648146e-06
     ];
-    let yarn = Yarn { factor: 16.0, original_max_position_embeddings: 65536.0, beta_fast: 32.0, beta_slow: 1.0 };
+    let yarn = Yarn {
+        factor: 16.0,
+        original_max_position_embeddings: 65536.0,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        attention_factor: 1.0,
+    };
     let rope = Rope::new(16, 160000.0, Some(yarn));
     assert_eq!(rope.inv_freq.len(), 8);
     for (i, (&got, &want)) in rope.inv_freq.iter().zip(&EXPECTED).enumerate() {
@@ -145,7 +151,8 @@ fn top_k_prefers_larger_values_then_lower_indices() {
     assert_eq!(top_k(&v, 7), vec![1, 2, 4, 3, 0, 6, 5], "NaN sorts last");
     assert_eq!(top_k(&v, 20).len(), 7);
     assert!(top_k(&v, 0).is_empty());
-    assert_eq!(top_k(&[0.0, -0.0, 0.0], 3), vec![0, 2, 1], "+0 ranks above -0");
+    assert_eq!(top_k(&[0.0, -0.0, 0.0], 3), vec![0, 1, 2], "-0 equals +0: ties go to the lower index");
+    assert_eq!(top_k(&[-0.0, 0.5, 0.0, -1.0], 2), vec![1, 0]);
 }
 
 #[test]

@@ -249,7 +249,7 @@ def quant_fp8(w: np.ndarray, block=(128, 128)):
     grid = np.unique(grid[np.isfinite(grid)])
     nearest = grid[np.abs(scaled.reshape(-1, 1) - grid[None, :]).argmin(1)].reshape(scaled.shape)
     assert np.array_equal(np.abs(dec - scaled), np.abs(nearest - scaled)), "fp8 cast is not round-to-nearest"
-    deq = dequant_fp8(codes, scale)
+    deq = dequant_fp8(codes, scale, block)
     return codes, scale, deq
 
 

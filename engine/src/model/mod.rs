@@ -50,6 +50,7 @@ impl Model {
             original_max_position_embeddings: y.original_max_position_embeddings,
             beta_fast: y.beta_fast,
             beta_slow: y.beta_slow,
+            attention_factor: y.attention_factor,
         });
         let rope_compress = Rope::new(config.rope_dim, config.compress_rope_theta, yarn);
         Self { config, weights, rope_main, rope_compress }

@@ -114,6 +114,8 @@ pub struct Weights {
     pub norm: Vec<f32>,
     pub head: Linear,
     pub mtp: Vec<Mtp>,
+    /// What the load left out and why, for the user to see once.
+    pub notices: Vec<String>,
 }
 
 struct Loader<'a> {
@@ -216,6 +218,40 @@ impl Loader<'_> {
         })
     }
 
+    /// Routed experts stored as transformers holds them: `gate_up_proj` `[E, 2I, D]`
+    /// (w1 rows, then w3 rows) and `down_proj` `[E, D, I]`, unquantised.
+    fn fused_experts(&self, p: &str) -> Result<Vec<Mlp>, CheckpointError> {
+        let c = self.cfg;
+        let (e, inter, d) = (c.n_routed_experts, c.moe_intermediate_size, c.hidden_size);
+        let gate_up = self.ck.get(&format!("{p}.gate_up_proj"))?;
+        gate_up.expect_shape(&[e, 2 * inter, d])?;
+        let down = self.ck.get(&format!("{p}.down_proj"))?;
+        down.expect_shape(&[e, d, inter])?;
+        let matrix = |t: &crate::checkpoint::RawTensor, first_row: usize, rows: usize, cols: usize| {
+            let size = match t.dtype {
+                safetensors::Dtype::F32 => 4,
+                safetensors::Dtype::BF16 => 2,
+                other => return Err(t.error(format!("fused experts must be F32 or BF16, found {other:?}"))),
+            };
+            let bytes = t.bytes.slice(first_row * cols * size..(first_row + rows) * cols * size);
+            let format = if size == 4 {
+                WeightFormat::F32(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect())
+            } else {
+                WeightFormat::Bf16(bytes)
+            };
+            Ok(Linear { rows, cols, format })
+        };
+        (0..e)
+            .map(|i| {
+                Ok(Mlp {
+                    w1: matrix(&gate_up, i * 2 * inter, inter, d)?,
+                    w3: matrix(&gate_up, i * 2 * inter + inter, inter, d)?,
+                    w2: matrix(&down, i * d, d, inter)?,
+                })
+            })
+            .collect()
+    }
+
     fn moe(&self, p: &str, routing: RoutingKind) -> Result<Moe, CheckpointError> {
         let c = self.cfg;
         let e = c.n_routed_experts;
@@ -238,9 +274,11 @@ impl Loader<'_> {
                 (None, Some(table))
             }
         };
-        let experts = (0..e)
-            .map(|i| self.mlp(&format!("{p}.experts.{i}"), c.moe_intermediate_size))
-            .collect::<Result<Vec<_>, _>>()?;
+        let experts = if self.ck.contains(&format!("{p}.experts.gate_up_proj")) {
+            self.fused_experts(&format!("{p}.experts"))?
+        } else {
+            (0..e).map(|i| self.mlp(&format!("{p}.experts.{i}"), c.moe_intermediate_size)).collect::<Result<_, _>>()?
+        };
         let shared = if c.n_shared_experts > 0 {
             Some(self.mlp(&format!("{p}.shared_experts"), c.moe_intermediate_size * c.n_shared_experts)?)
         } else {
@@ -271,9 +309,15 @@ impl Weights {
             .map(|i| l.block(&format!("layers.{i}"), cfg.attention[i], cfg.routing[i]))
             .collect::<Result<Vec<_>, _>>()?;
         let mut mtp = Vec::new();
+        let mut notices = Vec::new();
         for i in 0..cfg.num_mtp_layers {
             let p = format!("mtp.{i}");
-            if !ck.contains(&format!("{p}.e_proj.weight")) {
+            if !ck.names().any(|n| n.starts_with(&format!("{p}."))) {
+                notices.push(format!(
+                    "config.json announces {} MTP layer(s) (num_nextn_predict_layers) but the checkpoint has \
+                     no {p}.* tensors (as after transformers' save_pretrained): loading without MTP",
+                    cfg.num_mtp_layers
+                ));
                 break;
             }
             mtp.push(Mtp {
@@ -286,14 +330,24 @@ impl Weights {
                 norm: l.vector(&format!("{p}.norm.weight"), d)?,
             });
         }
-        Ok(Weights {
+        let weights = Weights {
             embed: l.linear("embed", cfg.vocab_size, d)?,
             blocks,
             hc_head: l.hyper_head("")?,
             norm: l.vector("norm.weight", d)?,
             head: l.linear("head", cfg.vocab_size, d)?,
             mtp,
-        })
+            notices,
+        };
+        // MTP blocks past what the config announces are left out on purpose.
+        let beyond_config = |name: &str| {
+            name.strip_prefix("mtp.")
+                .and_then(|rest| rest.split('.').next())
+                .and_then(|k| k.parse::<usize>().ok())
+                .is_some_and(|k| k >= cfg.num_mtp_layers)
+        };
+        ck.check_all_used(beyond_config)?;
+        Ok(weights)
     }
 
     /// Bytes of all weights as stored.

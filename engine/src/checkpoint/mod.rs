@@ -1,16 +1,26 @@
 //! Memory-mapped safetensors checkpoints in DeepSeek's published tensor naming.
 //!
 //! Quantised weights stay in their stored bytes (borrowed from the mapping);
-//! only their small scale grids are decoded at load time.
+//! only their small scale grids are decoded at load time. Tensors stored under
+//! transformers' spellings are found under their published names ([`naming`]).
 
-use std::collections::BTreeMap;
+mod naming;
+
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use bytes::Bytes;
 use deepinfer_kernels::dtype::{bf16_to_f32, ue8m0_to_f32};
 use deepinfer_kernels::{Linear, WeightFormat};
+pub use naming::published_name;
 use safetensors::{Dtype, SafeTensors};
+
+/// The index of a sharded checkpoint.
+pub const SHARD_INDEX: &str = "model.safetensors.index.json";
+/// Shard files an index may list; more is not a checkpoint we accept.
+const SHARDS_MAX: usize = 100_000;
 
 /// An error while reading a checkpoint; names the file and, where there is one, the tensor.
 #[derive(Debug, thiserror::Error)]
@@ -21,10 +31,14 @@ pub enum CheckpointError {
     Tensor { file: String, tensor: String, problem: String },
     #[error("{dir}: no tensor named `{tensor}` in any *.safetensors file")]
     MissingTensor { dir: String, tensor: String },
+    #[error("{file}: tensor `{tensor}` is not part of this model{more}")]
+    Unknown { file: String, tensor: String, more: String },
 }
 
 struct TensorEntry {
     shard: usize,
+    /// The name in the file, for errors.
+    stored: String,
     dtype: Dtype,
     shape: Vec<usize>,
     start: usize,
@@ -36,15 +50,19 @@ struct Shard {
     bytes: Bytes,
 }
 
-/// All tensors of a checkpoint directory (one or more `*.safetensors` shards).
+/// All tensors of a checkpoint directory (one or more `*.safetensors` shards),
+/// keyed by published name.
 pub struct Checkpoint {
     dir: PathBuf,
     shards: Vec<Shard>,
     tensors: BTreeMap<String, TensorEntry>,
+    /// Published names the loader has asked for, so that leftovers can be reported.
+    used: Mutex<BTreeSet<String>>,
 }
 
 /// A borrowed tensor: dtype, shape and raw little-endian bytes.
 pub struct RawTensor<'a> {
+    /// The name as stored in the file.
     pub name: &'a str,
     pub dtype: Dtype,
     pub shape: &'a [usize],
@@ -53,24 +71,32 @@ pub struct RawTensor<'a> {
 }
 
 impl Checkpoint {
-    /// Map every `*.safetensors` file in `dir` (sorted by name).
+    /// Map the weight shards of `dir`: those `model.safetensors.index.json` lists, or
+    /// else every `model*.safetensors` file (sorted by name).
     pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
         let file_err = |problem: String| CheckpointError::File { file: dir.display().to_string(), problem };
-        let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(|e| file_err(format!("cannot list directory: {e}")))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            // Weight shards are `model.safetensors` or `model-0000N-of-0000M.safetensors`;
-            // other safetensors files in the directory are not weights.
-            .filter(|p| {
-                p.extension().is_some_and(|x| x == "safetensors")
-                    && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("model"))
-            })
-            .collect();
-        paths.sort();
+        let index_path = dir.join(SHARD_INDEX);
+        let (paths, weight_map) = if index_path.exists() {
+            let (paths, map) = read_shard_index(&index_path)?;
+            (paths.into_iter().map(|p| dir.join(p)).collect(), Some(map))
+        } else {
+            let mut paths: Vec<PathBuf> = std::fs::read_dir(dir)
+                .map_err(|e| file_err(format!("cannot list directory: {e}")))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                // Weight shards are `model.safetensors` or `model-0000N-of-0000M.safetensors`;
+                // other safetensors files in the directory are not weights.
+                .filter(|p| {
+                    p.extension().is_some_and(|x| x == "safetensors")
+                        && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("model"))
+                })
+                .collect();
+            paths.sort();
+            (paths, None)
+        };
         if paths.is_empty() {
             return Err(file_err("no model*.safetensors files".into()));
         }
-        let mut checkpoint = Self { dir: dir.to_path_buf(), shards: Vec::new(), tensors: BTreeMap::new() };
+        let mut checkpoint = Self::empty(dir.to_path_buf());
         for path in paths {
             let err = |problem: String| CheckpointError::File { file: path.display().to_string(), problem };
             let file = File::open(&path).map_err(|e| err(format!("cannot open: {e}")))?;
@@ -78,14 +104,21 @@ impl Checkpoint {
             let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(format!("cannot map: {e}")))?;
             checkpoint.add_shard(path, Bytes::from_owner(map))?;
         }
+        if let Some(map) = weight_map {
+            checkpoint.check_weight_map(&index_path, &map)?;
+        }
         Ok(checkpoint)
     }
 
     /// A checkpoint held in memory (one serialised safetensors buffer); `label` names it in errors.
     pub fn from_bytes(label: &str, bytes: Bytes) -> Result<Self, CheckpointError> {
-        let mut checkpoint = Self { dir: PathBuf::from(label), shards: Vec::new(), tensors: BTreeMap::new() };
+        let mut checkpoint = Self::empty(PathBuf::from(label));
         checkpoint.add_shard(PathBuf::from(label), bytes)?;
         Ok(checkpoint)
+    }
+
+    fn empty(dir: PathBuf) -> Self {
+        Self { dir, shards: Vec::new(), tensors: BTreeMap::new(), used: Mutex::new(BTreeSet::new()) }
     }
 
     fn add_shard(&mut self, path: PathBuf, bytes: Bytes) -> Result<(), CheckpointError> {
@@ -96,19 +129,68 @@ impl Checkpoint {
         let index = self.shards.len();
         for (name, info) in metadata.tensors() {
             let (start, end) = info.data_offsets;
+            let published = published_name(&name);
             let entry = TensorEntry {
                 shard: index,
+                stored: name.clone(),
                 dtype: info.dtype,
                 shape: info.shape.clone(),
                 start: data_start + start,
                 end: data_start + end,
             };
-            if self.tensors.insert(name.clone(), entry).is_some() {
-                return Err(err(format!("tensor `{name}` appears in more than one shard")));
+            if let Some(previous) = self.tensors.insert(published.clone(), entry) {
+                let first = &previous.stored;
+                let problem = if *first == name {
+                    format!("tensor `{name}` appears in more than one shard")
+                } else {
+                    format!("tensors `{first}` and `{name}` are both `{published}`")
+                };
+                return Err(err(problem));
             }
         }
         self.shards.push(Shard { path, bytes });
         Ok(())
+    }
+
+    /// Every tensor the index names is in the shard it names.
+    fn check_weight_map(&self, index: &Path, map: &BTreeMap<String, String>) -> Result<(), CheckpointError> {
+        let err = |problem: String| CheckpointError::File { file: index.display().to_string(), problem };
+        for (stored, shard_file) in map {
+            let Some(entry) = self.tensors.get(&published_name(stored)) else {
+                return Err(err(format!("lists tensor `{stored}`, which is in none of its shards")));
+            };
+            let actual = &self.shards[entry.shard].path;
+            if actual.file_name().and_then(|n| n.to_str()) != Some(shard_file.as_str()) {
+                return Err(err(format!(
+                    "places tensor `{stored}` in {shard_file}, but it is in {}",
+                    actual.display()
+                )));
+            }
+        }
+        if let Some((name, entry)) = self.tensors.iter().find(|(_, e)| !map.contains_key(&e.stored)) {
+            return Err(CheckpointError::Tensor {
+                file: self.shards[entry.shard].path.display().to_string(),
+                tensor: entry.stored.clone(),
+                problem: format!("is missing from {} (published name `{name}`)", index.display()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Tensors nobody asked for, as an error naming the first; `ignore` exempts
+    /// published names (parts the configuration leaves out).
+    pub fn check_all_used(&self, ignore: impl Fn(&str) -> bool) -> Result<(), CheckpointError> {
+        let used = self.used.lock().expect("checkpoint use set");
+        let mut unused = self.tensors.iter().filter(|(name, _)| !used.contains(*name) && !ignore(name));
+        let Some((_, first)) = unused.next() else {
+            return Ok(());
+        };
+        let others = unused.count();
+        Err(CheckpointError::Unknown {
+            file: self.shards[first.shard].path.display().to_string(),
+            tensor: first.stored.clone(),
+            more: if others > 0 { format!(" (and {others} more)") } else { String::new() },
+        })
     }
 
     pub fn contains(&self, name: &str) -> bool {
@@ -120,14 +202,16 @@ impl Checkpoint {
         self.tensors.keys().map(String::as_str)
     }
 
+    /// The tensor of published name `name`, however the file spells it.
     pub fn get(&self, name: &str) -> Result<RawTensor<'_>, CheckpointError> {
-        let (key, e) = self.tensors.get_key_value(name).ok_or_else(|| CheckpointError::MissingTensor {
+        let e = self.tensors.get(name).ok_or_else(|| CheckpointError::MissingTensor {
             dir: self.dir.display().to_string(),
             tensor: name.into(),
         })?;
+        self.used.lock().expect("checkpoint use set").insert(name.to_string());
         let shard = &self.shards[e.shard];
         Ok(RawTensor {
-            name: key,
+            name: &e.stored,
             dtype: e.dtype,
             shape: &e.shape,
             bytes: shard.bytes.slice(e.start..e.end),
@@ -226,8 +310,45 @@ impl Checkpoint {
     }
 }
 
+/// The shard files of an index and its tensor → file map.
+fn read_shard_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>), CheckpointError> {
+    let err = |problem: String| CheckpointError::File { file: path.display().to_string(), problem };
+    let text = std::fs::read_to_string(path).map_err(|e| err(format!("cannot read: {e}")))?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("not valid JSON: {e}")))?;
+    let map = value
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| err("missing key `weight_map` (an object of tensor name -> shard file)".into()))?;
+    let mut weight_map = BTreeMap::new();
+    let mut files = BTreeSet::new();
+    for (tensor, file) in map {
+        let file = file.as_str().ok_or_else(|| err(format!("key `weight_map.{tensor}`: expected a file name")))?;
+        // Shards live beside the index; a path elsewhere is not part of this checkpoint.
+        if file.contains('/') || file.contains('\\') || file == ".." || !file.ends_with(".safetensors") {
+            return Err(err(format!(
+                "key `weight_map.{tensor}`: `{file}` is not a .safetensors file beside the index"
+            )));
+        }
+        files.insert(file.to_string());
+        weight_map.insert(tensor.clone(), file.to_string());
+    }
+    if files.len() > SHARDS_MAX {
+        return Err(err(format!("lists {} shard files, more than {SHARDS_MAX}", files.len())));
+    }
+    for file in &files {
+        let shard = path.with_file_name(file);
+        if !shard.is_file() {
+            return Err(err(format!(
+                "lists shard {file}, which is not in {}",
+                path.parent().unwrap_or(path).display()
+            )));
+        }
+    }
+    Ok((files.into_iter().collect(), weight_map))
+}
+
 impl RawTensor<'_> {
-    fn error(&self, problem: String) -> CheckpointError {
+    pub fn error(&self, problem: String) -> CheckpointError {
         CheckpointError::Tensor { file: self.file.display().to_string(), tensor: self.name.into(), problem }
     }
 
