@@ -117,7 +117,7 @@ fn mtp_logits_match_transformers_building_blocks() {
 /// every greedy pick equal.
 #[test]
 fn sweep_of_configs_matches_transformers() {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/oracle/sweep");
+    let root = oracle_root().join("sweep");
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
         .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
         .map(|e| e.unwrap().path())
@@ -136,10 +136,19 @@ fn sweep_of_configs_matches_transformers() {
     assert!(failures.is_empty(), "configs that leave the reference: {failures:?}");
 }
 
+fn oracle_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/oracle")
+}
+
 fn check_sweep_config(dir: &Path) {
     let name = dir.file_name().unwrap().to_string_lossy().to_string();
     let model = Model::load(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let reference = Reference::load_from(dir);
+    check_against_reference(&model, &Reference::load_from(dir), &name);
+}
+
+/// Prefill logits at the stored rows, then cached decode steps fed the reference's
+/// greedy tokens (at least 16), each within the tolerance, every greedy pick equal.
+fn check_against_reference(model: &Model, reference: &Reference, name: &str) {
     let vocab = model.config.vocab_size;
     for i in 0.. {
         let prefix = format!("p{i}");
@@ -170,6 +179,28 @@ fn check_sweep_config(dir: &Path) {
             }
         }
     }
+}
+
+/// What transformers' `save_pretrained` writes (`model.` prefix, `embed_tokens`,
+/// `hc_head.hc_*`, `attn.norm`, seven BF16 shards with an index, a config announcing
+/// an MTP layer it has no tensors for) loads and gives transformers' greedy tokens.
+#[test]
+fn save_pretrained_checkpoint_matches_transformers() {
+    let dir = oracle_root().join("save-pretrained");
+    let model = Model::load(&dir).expect("save_pretrained checkpoint loads");
+    assert!(!model.has_mtp());
+    assert_eq!(model.weights.notices.len(), 1, "{:?}", model.weights.notices);
+    assert!(model.weights.notices[0].contains("no mtp.0.* tensors"), "{}", model.weights.notices[0]);
+    check_against_reference(&model, &Reference::load_from(&dir), "save-pretrained");
+}
+
+/// The same weights as a raw `state_dict` dump: transformers' module names and routed
+/// experts fused into `gate_up_proj` / `down_proj`.
+#[test]
+fn state_dict_dump_with_fused_experts_matches_transformers() {
+    let model = Model::load(&oracle_root().join("state-dict")).expect("state_dict dump loads");
+    let reference = Reference::load_from(&oracle_root().join("save-pretrained"));
+    check_against_reference(&model, &reference, "state-dict");
 }
 
 fn argmax(v: &[f32]) -> u32 {

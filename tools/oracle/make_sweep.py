@@ -434,6 +434,13 @@ def run_entry(entry: dict, out: Path | None) -> tuple[dict, list[str]]:
             refs[f"p{i}.decode_logits"] = dl.contiguous()
     monitor.detach()
     ties.detach()
+    # For the record: with torch's own tie order the reference is not causal where
+    # scores tie (a position's logits move when tokens are appended after it).
+    with torch.no_grad():
+        ids, toks = refs["p0.input_ids"], refs["p0.decode_tokens"]
+        alone = model(ids[None], use_cache=False).logits[0]
+        extended = model(torch.cat([ids, toks])[None], use_cache=False).logits[0][: len(ids)]
+        checks["torch_tie_order_prefix_logits_moved_by"] = float((alone - extended).abs().max())
     checks.update(
         router_min_gap=monitor.router_gap,
         indexer_boundary_min_rel_gap=ties.boundary_rel_gap,
