@@ -66,10 +66,11 @@ fn anthropic_error(body: &Value, kind: &str) {
 }
 
 /// Text of the content deltas of an OpenAI chat stream, and its last chunk.
-async fn read_chat_stream(r: reqwest::Response) -> (String, Value, bool) {
+/// The streamed content, every chunk, and whether `[DONE]` ended it.
+async fn read_chat_stream(r: reqwest::Response) -> (String, Vec<Value>, bool) {
     let text = r.text().await.unwrap();
     let mut content = String::new();
-    let mut last = Value::Null;
+    let mut chunks = Vec::new();
     let mut done = false;
     for line in text.lines() {
         let Some(data) = line.strip_prefix("data: ") else { continue };
@@ -81,9 +82,9 @@ async fn read_chat_stream(r: reqwest::Response) -> (String, Value, bool) {
         if let Some(c) = chunk["choices"][0]["delta"]["content"].as_str() {
             content.push_str(c);
         }
-        last = chunk;
+        chunks.push(chunk);
     }
-    (content, last, done)
+    (content, chunks, done)
 }
 
 #[tokio::test]
@@ -299,11 +300,23 @@ async fn streamed_and_plain_chat_agree_and_stop_sequences_cut_the_text() {
     streamed["stream_options"] = json!({"include_usage": true});
     let r = c.post(s.url(CHAT)).json(&streamed).send().await.unwrap();
     assert_eq!(r.headers()["content-type"], "text/event-stream");
-    let (content, last, done) = read_chat_stream(r).await;
+    let (content, chunks, done) = read_chat_stream(r).await;
     assert!(done, "ends with [DONE]");
     assert_eq!(content, text, "same tokens streamed or not");
+    // OpenAI's include_usage: a last chunk with empty choices carries the usage;
+    // every other chunk has `usage: null`; the finish reason comes just before.
+    let (last, rest) = chunks.split_last().unwrap();
+    assert_eq!(last["choices"], json!([]), "{last}");
     assert_eq!(last["usage"]["completion_tokens"], plain["usage"]["completion_tokens"]);
-    assert_eq!(last["choices"][0]["finish_reason"], plain["choices"][0]["finish_reason"]);
+    assert!(rest.iter().all(|c| c["usage"].is_null() && c.as_object().unwrap().contains_key("usage")));
+    assert_eq!(rest.last().unwrap()["choices"][0]["finish_reason"], plain["choices"][0]["finish_reason"]);
+    // Without it, no chunk carries usage.
+    streamed.as_object_mut().unwrap().remove("stream_options");
+    let r = c.post(s.url(CHAT)).json(&streamed).send().await.unwrap();
+    let (content, chunks, _) = read_chat_stream(r).await;
+    assert_eq!(content, text);
+    assert!(chunks.iter().all(|c| !c.as_object().unwrap().contains_key("usage")), "{chunks:?}");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], plain["choices"][0]["finish_reason"]);
 
     // A stop sequence taken from the middle of the text cuts it there.
     let chars: Vec<char> = text.chars().collect();

@@ -633,6 +633,12 @@ impl Cluster {
         let id = self.next_id;
         self.next_id += 1;
         let p = &request.params;
+        // Logit bias, penalties and min-p need the whole history at the sampler,
+        // which the step protocol does not carry yet; no caller sends them here.
+        assert!(
+            !p.adjusts_logits() && p.min_p == 0.0,
+            "the cluster runtime does not carry logit bias, penalties or min-p"
+        );
         let spec = RequestSpec {
             id,
             prompt: request.prompt,

@@ -241,6 +241,8 @@ pub(crate) fn request_of(spec: &RequestSpec) -> Request {
         top_k: s.top_k as usize,
         seed: s.seed,
         logprobs: s.logprobs as usize,
+        // The wire carries no logit processing: `Cluster::submit` refuses it.
+        ..SamplingParams::default()
     };
     let mut r = Request::new(spec.prompt.clone(), spec.max_tokens as usize).with_params(params);
     r.stop_token_ids = spec.stop_token_ids.clone();

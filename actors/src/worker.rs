@@ -148,6 +148,8 @@ fn params(s: &crate::wire::Sampling) -> SamplingParams {
         top_k: s.top_k as usize,
         seed: s.seed,
         logprobs: s.logprobs as usize,
+        // The wire carries no logit processing: `Cluster::submit` refuses it.
+        ..SamplingParams::default()
     }
 }
 

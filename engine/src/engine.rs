@@ -31,7 +31,7 @@ use crate::kv_pool::BlockId;
 use crate::model::state::CompressorState;
 use crate::model::{Chunk, LogitsWanted, Model, SequenceState};
 use crate::request::{FinishReason, Finished, Request, RequestError, RequestId, RequestUpdate, TokenOutput};
-use crate::sampling::sample;
+use crate::sampling::{adjust_logits, sample};
 pub use crate::scheduler::{EngineConfig, EngineConfigError};
 use crate::scheduler::{Registration, SampledToken, ScheduledItem, Scheduler};
 
@@ -211,6 +211,10 @@ impl<M: Deref<Target = Model>> Engine<M> {
             let Some(mut row) = rows[i].take() else { continue };
             let constraint = self.constraints.get_mut(&it.id);
             let request = self.scheduler.request(it.id);
+            if request.params.adjusts_logits() {
+                let (prompt, output) = self.scheduler.tokens(it.id).split_at(request.prompt.len());
+                adjust_logits(&mut row, &request.params, prompt, output);
+            }
             let s = match constraint {
                 Some(c) => {
                     c.allowed(&mut row);

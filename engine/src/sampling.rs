@@ -28,14 +28,47 @@ pub struct SamplingParams {
     pub seed: u64,
     /// How many of the most likely tokens to report per step, 0..=20.
     pub logprobs: usize,
+    /// Added to the logit of each listed token (OpenAI's `logit_bias`, each in
+    /// [-100, 100]), sorted by token id, each id once.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Subtracted once per earlier occurrence of a token in the output (OpenAI), in [-2, 2].
+    pub frequency_penalty: f32,
+    /// Subtracted from every token already in the output (OpenAI), in [-2, 2].
+    pub presence_penalty: f32,
+    /// Divides the positive logits (multiplies the negative ones) of every token
+    /// in the prompt or the output (the CTRL penalty as transformers and vLLM
+    /// apply it); 1 changes nothing.
+    pub repetition_penalty: f32,
+    /// Drops tokens less likely than `min_p` × the most likely one, after the
+    /// temperature; 0 keeps every token.
+    pub min_p: f32,
 }
 
 impl Default for SamplingParams {
-    /// Greedy decoding, no alternatives reported.
+    /// Greedy decoding, no alternatives reported, logits as the model gives them.
     fn default() -> Self {
-        Self { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0, logprobs: 0 }
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+            logprobs: 0,
+            logit_bias: Vec::new(),
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            repetition_penalty: 1.0,
+            min_p: 0.0,
+        }
     }
 }
+
+/// Most tokens a request may bias (OpenAI accepts 300; this leaves room).
+pub const MAX_LOGIT_BIAS: usize = 1024;
+/// Largest magnitude of one logit bias (OpenAI's range).
+pub const LOGIT_BIAS_LIMIT: f32 = 100.0;
+/// Largest repetition penalty accepted (transformers and vLLM accept any
+/// positive value; above this every repeated token is effectively banned).
+pub const REPETITION_PENALTY_MAX: f32 = 100.0;
 
 /// Why a [`SamplingParams`] was rejected.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -48,6 +81,20 @@ pub enum SamplingError {
     TooManyLogprobs(usize),
     #[error("cannot sample from an empty vocabulary")]
     EmptyVocabulary,
+    #[error("logit_bias may list at most {MAX_LOGIT_BIAS} tokens, got {0}")]
+    TooManyLogitBiases(usize),
+    #[error("logit_bias: token {0} is not in the vocabulary of {1} tokens")]
+    LogitBiasToken(u32, usize),
+    #[error("logit_bias: token {0} is listed twice")]
+    LogitBiasDuplicate(u32),
+    #[error("logit_bias: the bias of token {0} must be in [-100, 100], got {1}")]
+    LogitBiasValue(u32, f32),
+    #[error("{0} must be in [-2, 2], got {1}")]
+    InvalidPenalty(&'static str, f32),
+    #[error("repetition_penalty must be greater than 0 and at most {REPETITION_PENALTY_MAX}, got {0}")]
+    InvalidRepetitionPenalty(f32),
+    #[error("min_p must be in [0, 1], got {0}")]
+    InvalidMinP(f32),
 }
 
 impl SamplingParams {
@@ -66,13 +113,80 @@ impl SamplingParams {
         if vocab == 0 {
             return Err(SamplingError::EmptyVocabulary);
         }
+        if self.logit_bias.len() > MAX_LOGIT_BIAS {
+            return Err(SamplingError::TooManyLogitBiases(self.logit_bias.len()));
+        }
+        for (i, &(token, bias)) in self.logit_bias.iter().enumerate() {
+            if token as usize >= vocab {
+                return Err(SamplingError::LogitBiasToken(token, vocab));
+            }
+            if i > 0 && self.logit_bias[i - 1].0 >= token {
+                return Err(SamplingError::LogitBiasDuplicate(token));
+            }
+            if !(bias.abs() <= LOGIT_BIAS_LIMIT) {
+                return Err(SamplingError::LogitBiasValue(token, bias));
+            }
+        }
+        for (name, value) in
+            [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)]
+        {
+            if !(value.abs() <= 2.0) {
+                return Err(SamplingError::InvalidPenalty(name, value));
+            }
+        }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty <= REPETITION_PENALTY_MAX) {
+            return Err(SamplingError::InvalidRepetitionPenalty(self.repetition_penalty));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(SamplingError::InvalidMinP(self.min_p));
+        }
         Ok(())
+    }
+
+    /// Whether the logits are changed before sampling (bias or penalties).
+    pub fn adjusts_logits(&self) -> bool {
+        !self.logit_bias.is_empty()
+            || self.frequency_penalty != 0.0
+            || self.presence_penalty != 0.0
+            || self.repetition_penalty != 1.0
     }
 
     /// Whether this request decodes greedily.
     pub fn is_greedy(&self) -> bool {
         // NaN also takes the deterministic path.
         self.temperature.is_nan() || self.temperature <= 0.0
+    }
+}
+
+/// Applies the request's logit bias and penalties to one row, in this order:
+/// bias, repetition penalty (over `prompt` and `output`), then frequency and
+/// presence penalties (over `output` only, as OpenAI defines them). A pure
+/// function of its inputs, so a request's row never depends on its batch.
+pub fn adjust_logits(row: &mut [f32], params: &SamplingParams, prompt: &[u32], output: &[u32]) {
+    for &(token, bias) in &params.logit_bias {
+        if let Some(l) = row.get_mut(token as usize) {
+            *l += bias;
+        }
+    }
+    let r = params.repetition_penalty;
+    if r != 1.0 {
+        let mut seen: Vec<u32> = prompt.iter().chain(output).copied().collect();
+        seen.sort_unstable();
+        seen.dedup();
+        for token in seen {
+            if let Some(l) = row.get_mut(token as usize) {
+                *l = if *l > 0.0 { *l / r } else { *l * r };
+            }
+        }
+    }
+    if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
+        let mut counts: Vec<u32> = output.to_vec();
+        counts.sort_unstable();
+        for run in counts.chunk_by(|a, b| a == b) {
+            if let Some(l) = row.get_mut(run[0] as usize) {
+                *l -= params.frequency_penalty * run.len() as f32 + params.presence_penalty;
+            }
+        }
     }
 }
 
@@ -214,8 +328,11 @@ fn draw(x: &[f64], max: f64, params: &SamplingParams, u: f64) -> u32 {
     let temperature = f64::from(params.temperature);
     let weights: Vec<f64> =
         x.iter().map(|&l| if l == f64::NEG_INFINITY { 0.0 } else { ((l - max) / temperature).exp() }).collect();
-    // Tokens whose weight underflowed to zero can never be drawn.
-    let mut kept: Vec<u32> = (0..x.len() as u32).filter(|&id| weights[id as usize] > 0.0).collect();
+    // Tokens whose weight underflowed to zero can never be drawn; min-p drops
+    // those below `min_p` of the best (whose weight is exp(0) = 1).
+    let floor = f64::from(params.min_p);
+    let mut kept: Vec<u32> =
+        (0..x.len() as u32).filter(|&id| weights[id as usize] > 0.0 && weights[id as usize] >= floor).collect();
 
     let mut reordered = false;
     if params.top_k > 0 && params.top_k < kept.len() {
@@ -266,7 +383,7 @@ mod tests {
     use super::*;
 
     fn params(temperature: f32, top_p: f32, top_k: usize, seed: u64) -> SamplingParams {
-        SamplingParams { temperature, top_p, top_k, seed, logprobs: 0 }
+        SamplingParams { temperature, top_p, top_k, seed, ..SamplingParams::default() }
     }
 
     /// Deterministic pseudo-random logits in [-scale, scale).
@@ -315,7 +432,14 @@ mod tests {
 
     #[test]
     fn validate_rejects_bad_params() {
-        let ok = SamplingParams { temperature: 0.7, top_p: 0.9, top_k: 50, seed: 1, logprobs: MAX_LOGPROBS };
+        let ok = SamplingParams {
+            temperature: 0.7,
+            top_p: 0.9,
+            top_k: 50,
+            seed: 1,
+            logprobs: MAX_LOGPROBS,
+            ..SamplingParams::default()
+        };
         assert_eq!(ok.validate(8), Ok(()));
         for t in [-0.1, f32::NAN, f32::INFINITY] {
             let p = SamplingParams { temperature: t, ..ok.clone() };
@@ -376,7 +500,14 @@ mod tests {
     #[test]
     fn sampling_is_deterministic() {
         let logits = random_logits(1000, 3, 4.0);
-        let p = SamplingParams { temperature: 0.8, top_p: 0.95, top_k: 40, seed: 12345, logprobs: 5 };
+        let p = SamplingParams {
+            temperature: 0.8,
+            top_p: 0.95,
+            top_k: 40,
+            seed: 12345,
+            logprobs: 5,
+            ..SamplingParams::default()
+        };
         for pos in 0..50 {
             let a = sample(&logits, &p, pos);
             let b = sample(&logits.clone(), &p.clone(), pos);

@@ -31,13 +31,13 @@ use deepseek_recipe_encoding::PromptEncoding;
 use futures_util::{stream, Stream, StreamExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use serde_json::Value;
+use serde_json::{Map, Value};
 use tokio::sync::{mpsc, OwnedSemaphorePermit};
 
 use super::constraint::{OutputFormat, MAX_GRAMMAR_BYTES};
 use super::engine_thread::{Event, Submission, SubmitError};
 use super::errors::{ApiError, Flavor, Kind};
-use super::AppState;
+use super::{fields, params, AppState};
 
 /// A protocol chunk of request type `P`.
 pub type ChunkOf<P> = <<<P as ProtocolRequest>::Response as ProtocolResponse>::ChunkGenerator as ChunkGenerator>::Chunk;
@@ -46,19 +46,32 @@ pub type ChunkOf<P> = <<<P as ProtocolRequest>::Response as ProtocolResponse>::C
 pub trait Api: ProtocolRequest + DeserializeOwned {
     const FLAVOR: Flavor;
     const ID_PREFIX: &'static str;
-    /// Take fields the recipe does not know out of the raw body.
-    fn extensions(_raw: &mut Value) -> Result<Option<OutputFormat>, String> {
+    /// Every field the protocol's body may carry, and what is done with it.
+    const FIELDS: &'static [fields::Field];
+    /// Rewrite the raw body into what the recipe reads, taking out the fields
+    /// it does not know; returns an output format the recipe cannot express.
+    fn rewrite(_raw: &mut Map<String, Value>) -> Result<Option<OutputFormat>, String> {
         Ok(None)
+    }
+    /// Whether streamed usage follows OpenAI's `stream_options.include_usage`.
+    const SPLITS_USAGE: bool = false;
+    /// Stream options the protocol has (Chat Completions' `include_usage`).
+    fn include_usage(_raw: &Map<String, Value>) -> Result<bool, String> {
+        Ok(true)
     }
 }
 
 impl Api for ChatCompletionRequest {
     const FLAVOR: Flavor = Flavor::OpenAi;
     const ID_PREFIX: &'static str = "chatcmpl-";
+    const FIELDS: &'static [fields::Field] = fields::CHAT_COMPLETIONS;
+    const SPLITS_USAGE: bool = true;
 
-    /// `response_format: {"type": "grammar", "grammar": "<Lark>"}`: a grammar
-    /// form next to the recipe's `json_object`, `json_schema` and `regex`.
-    fn extensions(raw: &mut Value) -> Result<Option<OutputFormat>, String> {
+    /// `max_completion_tokens`, and `response_format: {"type": "grammar",
+    /// "grammar": "<Lark>"}`: a grammar form next to the recipe's `json_object`,
+    /// `json_schema` and `regex`.
+    fn rewrite(raw: &mut Map<String, Value>) -> Result<Option<OutputFormat>, String> {
+        params::fold_max_completion_tokens(raw)?;
         let Some(format) = raw.get("response_format") else { return Ok(None) };
         if format.get("type").and_then(Value::as_str) != Some("grammar") {
             return Ok(None);
@@ -67,19 +80,35 @@ impl Api for ChatCompletionRequest {
             return Err("response_format of type `grammar` needs a `grammar` string (Lark syntax)".into());
         };
         let grammar = grammar.to_string();
-        raw.as_object_mut().expect("checked to be an object").remove("response_format");
+        raw.remove("response_format");
         Ok(Some(OutputFormat::Lark(grammar)))
+    }
+
+    fn include_usage(raw: &Map<String, Value>) -> Result<bool, String> {
+        params::include_usage(raw)
     }
 }
 
 impl Api for ResponsesRequest {
     const FLAVOR: Flavor = Flavor::OpenAi;
     const ID_PREFIX: &'static str = "resp_";
+    const FIELDS: &'static [fields::Field] = fields::RESPONSES;
+
+    fn rewrite(raw: &mut Map<String, Value>) -> Result<Option<OutputFormat>, String> {
+        params::fold_responses_thinking(raw)?;
+        Ok(None)
+    }
 }
 
 impl Api for MessagesRequest {
     const FLAVOR: Flavor = Flavor::Anthropic;
     const ID_PREFIX: &'static str = "msg_";
+    const FIELDS: &'static [fields::Field] = fields::MESSAGES;
+
+    fn rewrite(raw: &mut Map<String, Value>) -> Result<Option<OutputFormat>, String> {
+        params::require_max_tokens(raw)?;
+        params::take_output_format(raw)
+    }
 }
 
 /// A request converted, encoded and ready for the engine.
@@ -88,6 +117,8 @@ struct Prepared {
     request: Request,
     constraint: Option<Box<dyn TokenConstraint>>,
     logprobs: bool,
+    /// Streamed usage: Chat Completions only when `stream_options.include_usage`.
+    include_usage: bool,
 }
 
 /// `POST` handler of every generation route.
@@ -125,7 +156,7 @@ where
     let prepared = tokio::task::spawn_blocking(move || prepare::<P>(&prep_state, &body))
         .await
         .map_err(|e| ApiError::new(flavor, Kind::Internal, format!("request preparation failed: {e}")))??;
-    let Prepared { converted, request, constraint, logprobs } = prepared;
+    let Prepared { converted, request, constraint, logprobs, include_usage } = prepared;
     let prompt_tokens = request.prompt.len();
 
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -159,7 +190,7 @@ where
     let chunks = processor.into_protocol_stream(inference);
 
     if converted.stream {
-        Ok(sse::<P>(chunks, failure).into_response())
+        Ok(sse::<P>(chunks, failure, include_usage).into_response())
     } else {
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let mut response = P::Response::new(id, model, created, prompt_tokens, 0);
@@ -180,6 +211,7 @@ where
 fn sse<P>(
     chunks: impl Stream<Item = Result<ChunkOf<P>, deepseek_recipe::stream::StreamError>> + Send + 'static,
     failure: Arc<Mutex<Option<String>>>,
+    include_usage: bool,
 ) -> impl IntoResponse
 where
     P: Api,
@@ -188,19 +220,30 @@ where
     let flavor = P::FLAVOR;
     let failed = Arc::new(Mutex::new(false));
     let failed_in = failed.clone();
-    let events = chunks.map(move |chunk| match chunk {
-        Ok(chunk) => {
-            let data = serde_json::to_string(&chunk).unwrap_or_else(|e| format!("{{\"error\": \"{e}\"}}"));
-            let event = SseEvent::default().data(data);
-            match P::Response::sse_event_name(&chunk) {
-                Some(name) => event.event(name),
-                None => event,
+    let events = chunks.flat_map(move |chunk| {
+        let events = match chunk {
+            Ok(chunk) => {
+                let name = P::Response::sse_event_name(&chunk);
+                let value =
+                    serde_json::to_value(&chunk).unwrap_or_else(|e| serde_json::json!({"error": e.to_string()}));
+                let values = if P::SPLITS_USAGE { split_usage(value, include_usage) } else { vec![value] };
+                values
+                    .into_iter()
+                    .map(|v| {
+                        let event = SseEvent::default().data(v.to_string());
+                        match name {
+                            Some(name) => event.event(name),
+                            None => event,
+                        }
+                    })
+                    .collect()
             }
-        }
-        Err(e) => {
-            *failed_in.lock().expect("not poisoned") = true;
-            error_event(flavor, e.to_string())
-        }
+            Err(e) => {
+                *failed_in.lock().expect("not poisoned") = true;
+                vec![error_event(flavor, e.to_string())]
+            }
+        };
+        stream::iter(events)
     });
     let tail = stream::once(async move {
         let mut out = Vec::new();
@@ -218,6 +261,23 @@ where
     Sse::new(all).keep_alive(KeepAlive::default())
 }
 
+/// OpenAI's streamed usage: without `include_usage` no chunk carries it; with it,
+/// every chunk has `usage: null` and one more chunk after the last carries the
+/// usage with empty `choices`.
+fn split_usage(mut chunk: Value, include_usage: bool) -> Vec<Value> {
+    let Some(obj) = chunk.as_object_mut() else { return vec![chunk] };
+    let usage = obj.remove("usage").filter(|u| !u.is_null());
+    if !include_usage {
+        return vec![chunk];
+    }
+    obj.insert("usage".into(), Value::Null);
+    let Some(usage) = usage else { return vec![chunk] };
+    let mut last = obj.clone();
+    last.insert("choices".into(), Value::Array(Vec::new()));
+    last.insert("usage".into(), usage);
+    vec![chunk, Value::Object(last)]
+}
+
 fn error_event(flavor: Flavor, message: String) -> SseEvent {
     let error = ApiError::new(flavor, Kind::Internal, message);
     let event = SseEvent::default().data(error.body().to_string());
@@ -231,8 +291,8 @@ fn error_event(flavor: Flavor, message: String) -> SseEvent {
 fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
     let flavor = P::FLAVOR;
     let bad = |m: String| ApiError::bad_request(flavor, m);
-    let mut raw: Value = serde_json::from_slice(body).map_err(|e| bad(format!("the body is not valid JSON: {e}")))?;
-    let Some(obj) = raw.as_object() else { return Err(bad("the body must be a JSON object".into())) };
+    let raw: Value = serde_json::from_slice(body).map_err(|e| bad(format!("the body is not valid JSON: {e}")))?;
+    let Value::Object(mut obj) = raw else { return Err(bad("the body must be a JSON object".into())) };
     if let Some(model) = obj.get("model").and_then(Value::as_str) {
         if model != state.config.model_name {
             let message =
@@ -240,19 +300,13 @@ fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
             return Err(ApiError::new(flavor, Kind::ModelNotFound, message));
         }
     }
-    // Fields some protocols lack: `seed` (Messages, Responses), `top_k`, and
-    // `ignore_eos` (fixed output lengths for benchmarks, as in vLLM).
-    let seed_ext = obj.get("seed").and_then(Value::as_u64);
-    let ignore_eos = match obj.get("ignore_eos") {
-        None | Some(Value::Null) => false,
-        Some(v) => v.as_bool().ok_or_else(|| bad("`ignore_eos` must be a boolean".into()))?,
-    };
-    let top_k = match obj.get("top_k") {
-        None | Some(Value::Null) => 0,
-        Some(v) => v.as_u64().ok_or_else(|| bad("`top_k` must be a non-negative integer".into()))? as usize,
-    };
-    let grammar = P::extensions(&mut raw).map_err(bad)?;
-    let request: P = serde_json::from_value(raw).map_err(|e| bad(format!("invalid request: {e}")))?;
+    fields::check(P::FIELDS, &obj).map_err(bad)?;
+    // Fields the recipe does not carry: sampling extensions (some protocols lack
+    // `seed` and `top_k`; `ignore_eos` gives fixed output lengths, as in vLLM).
+    let ext = params::extensions(&obj).map_err(bad)?;
+    let include_usage = P::include_usage(&obj).map_err(bad)?;
+    let grammar = P::rewrite(&mut obj).map_err(bad)?;
+    let request: P = serde_json::from_value(Value::Object(obj)).map_err(|e| bad(format!("invalid request: {e}")))?;
     let converted = request.convert(state.conversion.clone()).map_err(|e| ApiError::conversion(flavor, e))?;
     let prompt = state
         .encoding
@@ -265,13 +319,18 @@ fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
     let options = &converted.inference_options;
     // Without a seed each request draws its own stream, as a hosted API does.
     let seed =
-        options.seed.or(seed_ext).unwrap_or_else(|| mix(state.id_salt ^ state.counter.fetch_add(1, Ordering::Relaxed)));
+        options.seed.or(ext.seed).unwrap_or_else(|| mix(state.id_salt ^ state.counter.fetch_add(1, Ordering::Relaxed)));
     let params = SamplingParams {
         temperature: options.temperature.unwrap_or(1.0),
         top_p: options.top_p.unwrap_or(1.0),
-        top_k,
+        top_k: ext.top_k,
         seed,
         logprobs: if options.logprobs { usize::from(options.top_logprobs.unwrap_or(0)) } else { 0 },
+        logit_bias: ext.logit_bias,
+        frequency_penalty: ext.frequency_penalty,
+        presence_penalty: ext.presence_penalty,
+        repetition_penalty: ext.repetition_penalty,
+        min_p: ext.min_p,
     };
     params.validate(state.vocab).map_err(|e| bad(e.to_string()))?;
 
@@ -305,9 +364,9 @@ fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
         }
     };
     let mut request = Request::new(prompt, max_tokens as usize).with_params(params);
-    request.ignore_eos = ignore_eos;
+    request.ignore_eos = ext.ignore_eos;
     let logprobs = options.logprobs;
-    Ok(Prepared { converted, request, constraint, logprobs })
+    Ok(Prepared { converted, request, constraint, logprobs, include_usage })
 }
 
 /// The schema to enforce: the one the client wrote (strict normalisation

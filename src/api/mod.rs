@@ -9,8 +9,10 @@
 pub mod constraint;
 pub mod engine_thread;
 pub mod errors;
+pub mod fields;
 pub mod generate;
 pub mod metrics;
+pub mod params;
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;

@@ -232,6 +232,7 @@ fn parse_job(loaded: &LoadedModel, args: &GenerateArgs, line: usize, text: &str)
         top_k: input.top_k.unwrap_or(args.top_k),
         seed: input.seed.unwrap_or_else(|| args.seed.wrapping_add(line as u64)),
         logprobs: input.logprobs.unwrap_or(0),
+        ..SamplingParams::default()
     };
     let mut request = Request::new(prompt, input.max_tokens.unwrap_or(args.max_tokens)).with_params(params);
     request.ignore_eos = input.ignore_eos.unwrap_or(false);
