@@ -52,6 +52,11 @@ fn openai_sdk_chat_responses_tools_and_json_schema() {
 }
 
 #[test]
+fn request_fields_are_honoured_or_refused_through_the_sdks() {
+    run_script("params_sdk.py");
+}
+
+#[test]
 fn anthropic_sdk_messages() {
     run_script("anthropic_sdk.py");
 }

@@ -224,6 +224,25 @@ mod tests {
         check(RESPONSES, &body(json!({"truncation": "disabled", "store": false}))).unwrap();
     }
 
+    /// README's field tables are these tables (regenerate: `DEEPINFER_WRITE_FIELDS=1`).
+    #[test]
+    fn readme_tables_are_the_code_tables() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
+        let readme = std::fs::read_to_string(path).unwrap();
+        let mut missing = Vec::new();
+        for (title, table) in [("Chat Completions", CHAT_COMPLETIONS), ("Responses", RESPONSES), ("Messages", MESSAGES)]
+        {
+            let rows = markdown_rows(table);
+            if std::env::var("DEEPINFER_WRITE_FIELDS").is_ok() {
+                println!("<!-- {title} -->\n{rows}");
+            }
+            if !readme.contains(&rows) {
+                missing.push(title);
+            }
+        }
+        assert!(missing.is_empty(), "README.md's field tables differ from the code for {missing:?}");
+    }
+
     #[test]
     fn no_field_is_listed_twice() {
         for table in [CHAT_COMPLETIONS, RESPONSES, MESSAGES] {

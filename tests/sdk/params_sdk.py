@@ -1,0 +1,174 @@
+"""Request fields through the official SDKs: each is honoured, or refused with a
+400 that names it. Token-limit aliases, penalties, logit bias, min-p, thinking
+switches, Anthropic structured output and refused fields.
+
+Run by tests/sdk.rs with DEEPINFER_BASE_URL and DEEPINFER_MODEL set.
+"""
+
+import json
+import os
+
+import anthropic
+import jsonschema
+import urllib.error
+import urllib.request
+import openai
+from openai import OpenAI
+
+BASE = os.environ["DEEPINFER_BASE_URL"]
+MODEL = os.environ["DEEPINFER_MODEL"]
+oa = OpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0, timeout=120)
+an = anthropic.Anthropic(base_url=BASE, api_key="unused", max_retries=0, timeout=120)
+NO_THINKING = {"thinking": {"type": "disabled"}}
+PROMPTS = ["Once upon a time", "The weather today", "List three colours", "Hello there"]
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def refused(call, *names):
+    try:
+        call()
+    except (openai.BadRequestError, anthropic.BadRequestError) as e:
+        text = str(e)
+        check(e.status_code == 400, text)
+        for name in names:
+            check(name in text, f"{name!r} not named in {text}")
+        return
+    raise AssertionError(f"accepted: {names}")
+
+
+def tokens(prompt, max_tokens=40, **kw):
+    """Greedy output tokens (as strings, via logprobs) of a chat request."""
+    extra = dict(NO_THINKING, **kw.pop("extra_body", {}))
+    r = oa.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=kw.pop("temperature", 0),
+        logprobs=True,
+        extra_body=extra,
+        **kw,
+    )
+    return [t.token for t in r.choices[0].logprobs.content], r
+
+
+def repeats(toks):
+    return len(toks) - len(set(toks))
+
+
+def max_completion_tokens():
+    for n in (1, 5):
+        r = oa.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me a story"}], max_completion_tokens=n,
+            temperature=0, extra_body=NO_THINKING,
+        )
+        check(r.usage.completion_tokens <= n, f"max_completion_tokens={n}: {r.usage}")
+        check(r.choices[0].finish_reason == "length", f"finish {r.choices[0].finish_reason}")
+    refused(lambda: oa.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], extra_body={"max_completion_tokens": "5"}),
+        "max_completion_tokens")
+    refused(lambda: oa.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4, max_completion_tokens=5),
+        "max_completion_tokens", "max_tokens")
+
+
+def penalties():
+    base = frequency = presence = repetition = 0
+    for p in PROMPTS:
+        toks, _ = tokens(p)
+        base += repeats(toks)
+        frequency += repeats(tokens(p, frequency_penalty=2.0)[0])
+        presence += repeats(tokens(p, presence_penalty=2.0)[0])
+        repetition += repeats(tokens(p, extra_body={"repetition_penalty": 5.0})[0])
+        encouraged = repeats(tokens(p, frequency_penalty=-2.0)[0])
+        check(encouraged >= repeats(toks), f"negative frequency_penalty repeats less on {p!r}")
+    print(f"repeated tokens over {len(PROMPTS)} prompts: none {base}, frequency {frequency}, "
+          f"presence {presence}, repetition {repetition}")
+    check(base > 0, "the greedy baseline repeats itself")
+    for name, n in (("frequency_penalty", frequency), ("presence_penalty", presence), ("repetition_penalty", repetition)):
+        check(n < base, f"{name} did not reduce repeats: {n} vs {base}")
+    refused(lambda: tokens("x", frequency_penalty=3.0), "frequency_penalty")
+    refused(lambda: tokens("x", extra_body={"repetition_penalty": 0}), "repetition_penalty")
+
+
+def logit_bias():
+    seen = set()
+    for token_id in (300, 301, 302):
+        toks, _ = tokens("Hello", max_tokens=6, logit_bias={str(token_id): 100})
+        check(len(set(toks)) == 1, f"logit_bias +100 on {token_id} gave {toks}")
+        seen.add(toks[0])
+    check(len(seen) == 3, f"three biased ids gave {seen}")
+    refused(lambda: tokens("x", logit_bias={"not-a-token": 1}), "logit_bias")
+    refused(lambda: tokens("x", logit_bias={"5": 101}), "logit_bias")
+
+
+def min_p():
+    greedy, _ = tokens("Once upon a time", max_tokens=16)
+    for seed in range(6):
+        sampled, _ = tokens("Once upon a time", max_tokens=16, temperature=1.0, seed=seed, extra_body={"min_p": 1.0})
+        check(sampled == greedy, f"min_p=1 seed {seed}: {sampled} != greedy {greedy}")
+    spread = {tuple(tokens("Once upon a time", max_tokens=16, temperature=1.0, seed=s)[0]) for s in range(6)}
+    check(len(spread) > 1, "without min_p the seeds differ")
+    refused(lambda: tokens("x", extra_body={"min_p": 1.5}), "min_p")
+
+
+def refusals():
+    msgs = [{"role": "user", "content": "Hi"}]
+    refused(lambda: oa.chat.completions.create(model=MODEL, messages=msgs, n=2), "`n`")
+    refused(lambda: oa.chat.completions.create(model=MODEL, messages=msgs, store=True), "store")
+    refused(lambda: oa.chat.completions.create(model=MODEL, messages=msgs, extra_body={"best_of": 3}), "best_of")
+    refused(lambda: oa.chat.completions.create(model=MODEL, messages=msgs, extra_body={"echo": True}), "echo")
+    refused(lambda: oa.chat.completions.create(model=MODEL, messages=msgs, extra_body={"colour": "red"}), "colour")
+    refused(lambda: oa.chat.completions.create(
+        model=MODEL, messages=msgs, modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}), "audio")
+    refused(lambda: oa.responses.create(model=MODEL, input="Hi", previous_response_id="resp_x"), "previous_response_id")
+    refused(lambda: an.messages.create(model=MODEL, max_tokens=8, messages=msgs, extra_body={"mcp_servers": []}),
+            "mcp_servers")
+    # Accepted identifiers and neutral values.
+    r = oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, n=1, store=False, user="u-1",
+                                   extra_body=NO_THINKING)
+    check(r.choices[0].message.content is not None, "neutral values accepted")
+    # Anthropic requires max_tokens (the SDK would refuse to send it: go below it).
+    body = json.dumps({"model": MODEL, "messages": msgs}).encode()
+    request = urllib.request.Request(BASE + "/v1/messages", data=body, headers={"content-type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=60)
+        raise AssertionError("a Messages request without max_tokens was accepted")
+    except urllib.error.HTTPError as e:
+        text = e.read().decode()
+        check(e.code == 400 and "max_tokens" in text, text)
+
+
+def thinking_switches():
+    r = oa.responses.create(model=MODEL, input="Hi", max_output_tokens=24, extra_body={"thinking": {"type": "disabled"}, "seed": 1})
+    check(all(item.type != "reasoning" for item in r.output), f"reasoning with thinking disabled: {r.output}")
+    check((r.usage.output_tokens_details.reasoning_tokens or 0) == 0, f"{r.usage}")
+    refused(lambda: oa.responses.create(model=MODEL, input="Hi", reasoning={"effort": "high"},
+                                        extra_body={"thinking": {"type": "disabled"}}), "thinking")
+
+
+def anthropic_output_format():
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    for seed in range(4):
+        m = an.messages.create(
+            model=MODEL, max_tokens=80, messages=[{"role": "user", "content": "Plan a trip as JSON."}],
+            thinking={"type": "disabled"},
+            extra_body={"output_config": {"format": {"type": "json_schema", "schema": schema}}, "seed": seed},
+        )
+        text = "".join(b.text for b in m.content if b.type == "text")
+        jsonschema.validate(json.loads(text), schema)
+
+
+if __name__ == "__main__":
+    for test in (max_completion_tokens, penalties, logit_bias, min_p, refusals, thinking_switches,
+                 anthropic_output_format):
+        test()
+        print(f"ok {test.__name__}", flush=True)
