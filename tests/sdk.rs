@@ -57,6 +57,11 @@ fn request_fields_are_honoured_or_refused_through_the_sdks() {
 }
 
 #[test]
+fn forced_tool_calls_parse_and_validate_through_the_sdks() {
+    run_script("tools_sdk.py");
+}
+
+#[test]
 fn anthropic_sdk_messages() {
     run_script("anthropic_sdk.py");
 }

@@ -123,14 +123,14 @@ impl SamplingParams {
             if i > 0 && self.logit_bias[i - 1].0 >= token {
                 return Err(SamplingError::LogitBiasDuplicate(token));
             }
-            if !(bias.abs() <= LOGIT_BIAS_LIMIT) {
+            if !(-LOGIT_BIAS_LIMIT..=LOGIT_BIAS_LIMIT).contains(&bias) {
                 return Err(SamplingError::LogitBiasValue(token, bias));
             }
         }
         for (name, value) in
             [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)]
         {
-            if !(value.abs() <= 2.0) {
+            if !(-2.0..=2.0).contains(&value) {
                 return Err(SamplingError::InvalidPenalty(name, value));
             }
         }
@@ -715,6 +715,46 @@ mod tests {
         for (t, top_p) in [(1.0, f32::NAN), (1.0, 1.5), (f32::INFINITY, 1.0)] {
             let s = sample(&logits, &params(t, top_p, 0, 1), 0);
             assert!((s.token as usize) < logits.len());
+        }
+    }
+    #[test]
+    fn logit_bias_and_penalties_follow_their_definitions() {
+        let p = SamplingParams {
+            logit_bias: vec![(0, 1.5)],
+            repetition_penalty: 2.0,
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            ..SamplingParams::default()
+        };
+        let mut row = vec![1.0, 4.0, -2.0, 3.0, 5.0];
+        // Prompt has 1 and 2; output has 3 twice and 2 once.
+        adjust_logits(&mut row, &p, &[1, 2], &[3, 2, 3]);
+        assert_eq!(row[0], 2.5, "bias only");
+        assert_eq!(row[1], 2.0, "repetition divides a positive logit");
+        assert_eq!(row[2], -4.0 - 0.5 - 0.25, "repetition multiplies a negative one, then one occurrence");
+        assert_eq!(row[3], 1.5 - 2.0 * 0.5 - 0.25, "two occurrences");
+        assert_eq!(row[4], 5.0, "unseen, unbiased");
+        assert!(!SamplingParams::default().adjusts_logits());
+    }
+
+    #[test]
+    fn min_p_one_keeps_only_the_best_and_bad_values_are_refused() {
+        let logits = random_logits(64, 5, 2.0);
+        let greedy = sample(&logits, &SamplingParams::default(), 0).token;
+        for seed in 0..50 {
+            let p = SamplingParams { temperature: 1.0, seed, min_p: 1.0, ..SamplingParams::default() };
+            assert_eq!(sample(&logits, &p, seed).token, greedy);
+        }
+        let bad = [
+            SamplingParams { min_p: 1.5, ..SamplingParams::default() },
+            SamplingParams { repetition_penalty: 0.0, ..SamplingParams::default() },
+            SamplingParams { frequency_penalty: 2.5, ..SamplingParams::default() },
+            SamplingParams { logit_bias: vec![(3, 1.0), (3, 2.0)], ..SamplingParams::default() },
+            SamplingParams { logit_bias: vec![(99, 1.0)], ..SamplingParams::default() },
+            SamplingParams { logit_bias: vec![(1, 101.0)], ..SamplingParams::default() },
+        ];
+        for p in bad {
+            assert!(p.validate(64).is_err(), "{p:?}");
         }
     }
 }

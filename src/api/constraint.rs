@@ -25,6 +25,8 @@ use llguidance::{token_bytes_from_tokenizer_json, Matcher, ParserFactory};
 use serde_json::{json, Value};
 use tokenizers::Tokenizer;
 
+use super::tool_grammar::{self, ToolSpec};
+
 /// Longest grammar text (schema, regex or Lark) a request may carry, in bytes.
 pub const MAX_GRAMMAR_BYTES: usize = 64 << 10;
 /// Most tokens kept back to close the output; at most a third of `max_tokens`.
@@ -39,6 +41,8 @@ pub enum OutputFormat {
     Regex(String),
     /// Text derived from a Lark grammar (llguidance's dialect).
     Lark(String),
+    /// A forced tool-call block in DeepSeek's DSML format (see [`tool_grammar`]).
+    ToolCalls { tools: Vec<ToolSpec>, at_most_one: bool },
 }
 
 /// Compiles [`OutputFormat`]s into per-request constraints; one per model.
@@ -47,6 +51,10 @@ pub struct ConstraintFactory {
     env: TokEnv,
     eos: u32,
     think_end: Option<u32>,
+    /// `｜DSML｜`, which opens and closes every tag of a tool call.
+    dsml: Option<u32>,
+    /// The single token `</`, which with `｜DSML｜` starts every closing tag.
+    close_tag: Option<u32>,
 }
 
 /// The tokenizer as llguidance sees it: the bytes of every token id.
@@ -93,7 +101,12 @@ impl ConstraintFactory {
         let mut factory = ParserFactory::new_simple(&env)?;
         factory.set_stderr_log_level(0);
         factory.quiet();
-        Ok(Self { factory, env, eos, think_end: tokenizer.token_to_id("</think>") })
+        let think_end = tokenizer.token_to_id("</think>");
+        let close_tag = match tokenizer.encode_fast("</", false) {
+            Ok(e) if e.get_ids().len() == 1 => Some(e.get_ids()[0]),
+            _ => None,
+        };
+        Ok(Self { factory, env, eos, think_end, dsml: tokenizer.token_to_id("｜DSML｜"), close_tag })
     }
 
     /// A fresh constraint for one request. Errors describe what is wrong with
@@ -110,6 +123,10 @@ impl ConstraintFactory {
             }
             OutputFormat::Regex(rx) => TopLevelGrammar::from_regex(rx),
             OutputFormat::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            OutputFormat::ToolCalls { tools, at_most_one } => {
+                let dsml = self.dsml.ok_or("tool calls cannot be forced: the tokenizer has no `｜DSML｜` token")?;
+                TopLevelGrammar::from_lark(tool_grammar::lark(tools, dsml, *at_most_one)?)
+            }
         };
         let matcher = Matcher::new(self.factory.create_parser(grammar));
         if let Some(e) = matcher.get_error() {
@@ -127,8 +144,21 @@ impl ConstraintFactory {
             think_end: self.think_end,
             reasoning_left,
             left: max_tokens,
+            max_tokens,
             reserve,
             json: matches!(format, OutputFormat::Json(_)).then(JsonScan::default),
+            closer: match format {
+                OutputFormat::ToolCalls { .. } => self.close_tag.zip(self.dsml),
+                _ => None,
+            },
+            calls: match (format, self.close_tag, self.dsml) {
+                (OutputFormat::ToolCalls { .. }, Some(close), Some(dsml)) => {
+                    let mut close_block = vec![close, dsml];
+                    close_block.extend(self.env.tokenize("tool_calls>"));
+                    Some(CallBudget { close_block, last_boundary: None, call_cost_max: 0 })
+                }
+                _ => None,
+            },
             done: false,
         })
     }
@@ -213,10 +243,27 @@ pub struct Guided {
     reasoning_left: Option<usize>,
     /// Tokens left before `max_tokens`.
     left: usize,
+    max_tokens: usize,
     /// Tokens kept back to close the output.
     reserve: usize,
     json: Option<JsonScan>,
+    /// Tool calls: `</` and `｜DSML｜`, the start of every closing tag. Wrapping
+    /// up, the next tag is closed wherever the grammar allows it, so the block
+    /// ends (optional parameters and further calls left out) within the budget.
+    closer: Option<(u32, u32)>,
+    /// Tool calls: what the calls so far cost, to end the block while another fits.
+    calls: Option<CallBudget>,
     done: bool,
+}
+
+/// The cost of the calls in a forced tool-call block.
+struct CallBudget {
+    /// `</｜DSML｜tool_calls>` as tokens.
+    close_block: Vec<u32>,
+    /// Tokens used when the block last could have been closed (after a call).
+    last_boundary: Option<usize>,
+    /// Most tokens one call has taken.
+    call_cost_max: usize,
 }
 
 impl Guided {
@@ -255,6 +302,29 @@ impl TokenConstraint for Guided {
         if wrapping_up && mask.is_allowed(self.eos) {
             Self::only(logits, self.eos);
             return;
+        }
+        if let Some(budget) = &mut self.calls {
+            // Between two calls: close the block unless another call as long as
+            // the longest so far still fits before the end.
+            let used = self.max_tokens - self.left;
+            let close = &budget.close_block;
+            if self.matcher.validate_tokens(close).is_ok_and(|n| n == close.len()) {
+                if let Some(b) = budget.last_boundary.filter(|&b| b < used) {
+                    budget.call_cost_max = budget.call_cost_max.max(used - b);
+                }
+                budget.last_boundary = Some(used);
+                let first_cost = if budget.call_cost_max == 0 { used } else { budget.call_cost_max };
+                if self.left < first_cost + close.len() + 1 {
+                    Self::only(logits, close[0]);
+                    return;
+                }
+            }
+        }
+        if let (true, Some((close, dsml))) = (wrapping_up, self.closer) {
+            if mask.is_allowed(close) && self.matcher.validate_tokens(&[close, dsml]).is_ok_and(|n| n == 2) {
+                Self::only(logits, close);
+                return;
+            }
         }
         let json_ok = |scan: &JsonScan, t: u32| t == self.eos || scan.admits(trie.token(t));
         let best = match (&self.json, wrapping_up) {
@@ -364,6 +434,27 @@ mod tests {
         assert!(end <= 20, "within half the budget: {end}");
         let answer = tok.decode(&ids[end + 1..], false).unwrap();
         assert!(answer == "yes" || answer == "no", "{answer:?}");
+    }
+
+    #[test]
+    fn forced_tool_calls_close_within_the_budget() {
+        let (f, tok) = factory();
+        let tools = vec![ToolSpec {
+            name: "get_weather".into(),
+            parameters: json!({"type": "object", "properties": {
+                "city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                "required": ["city", "days"]}),
+        }];
+        for seed in 0..20 {
+            let format = OutputFormat::ToolCalls { tools: tools.clone(), at_most_one: seed % 2 == 0 };
+            let mut g = f.build(&format, 160, false).unwrap();
+            let ids = drive(&mut g, 1024, 160, seed);
+            let text = tok.decode(&ids, false).unwrap();
+            assert!(g.is_done() || text.ends_with("tool_calls>"), "seed {seed}: unfinished {text:?}");
+            assert!(text.starts_with("<｜DSML｜invoke name=\"get_weather\">\n"), "{text:?}");
+            let calls = text.matches("invoke name=").count();
+            assert!(calls >= 1 && (seed % 2 == 1 || calls == 1), "seed {seed}: {calls} calls");
+        }
     }
 
     #[test]

@@ -27,6 +27,7 @@ use deepseek_recipe::stream::{
     ChunkGenerator, InferenceChunk, InferenceFinishReason, InferenceTokenLogprob, PromptUsage, StreamProcessor,
 };
 use deepseek_recipe_core::conversation::ResponseFormat;
+use deepseek_recipe_core::tools::ToolChoice;
 use deepseek_recipe_encoding::PromptEncoding;
 use futures_util::{stream, Stream, StreamExt};
 use serde::de::DeserializeOwned;
@@ -37,6 +38,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit};
 use super::constraint::{OutputFormat, MAX_GRAMMAR_BYTES};
 use super::engine_thread::{Event, Submission, SubmitError};
 use super::errors::{ApiError, Flavor, Kind};
+use super::tool_grammar::ToolSpec;
 use super::{fields, params, AppState};
 
 /// A protocol chunk of request type `P`.
@@ -52,6 +54,18 @@ pub trait Api: ProtocolRequest + DeserializeOwned {
     /// it does not know; returns an output format the recipe cannot express.
     fn rewrite(_raw: &mut Map<String, Value>) -> Result<Option<OutputFormat>, String> {
         Ok(None)
+    }
+    /// Whether the request forces a call of any of its tools where the recipe's
+    /// conversion would let the model choose (Anthropic `tool_choice: any`).
+    fn forces_any_tool(_raw: &Map<String, Value>) -> bool {
+        false
+    }
+    /// Whether the request allows more than one tool call per turn.
+    fn parallel_tool_calls(raw: &Map<String, Value>) -> Result<bool, String> {
+        match raw.get("parallel_tool_calls") {
+            None | Some(Value::Null) => Ok(true),
+            Some(v) => v.as_bool().ok_or_else(|| format!("`parallel_tool_calls` must be a boolean, got {v}")),
+        }
     }
     /// Whether streamed usage follows OpenAI's `stream_options.include_usage`.
     const SPLITS_USAGE: bool = false;
@@ -108,6 +122,20 @@ impl Api for MessagesRequest {
     fn rewrite(raw: &mut Map<String, Value>) -> Result<Option<OutputFormat>, String> {
         params::require_max_tokens(raw)?;
         params::take_output_format(raw)
+    }
+
+    fn forces_any_tool(raw: &Map<String, Value>) -> bool {
+        raw.get("tool_choice").and_then(|c| c.get("type")).and_then(Value::as_str) == Some("any")
+    }
+
+    fn parallel_tool_calls(raw: &Map<String, Value>) -> Result<bool, String> {
+        match raw.get("tool_choice").and_then(|c| c.get("disable_parallel_tool_use")) {
+            None | Some(Value::Null) => Ok(true),
+            Some(v) => v
+                .as_bool()
+                .map(|disabled| !disabled)
+                .ok_or_else(|| format!("`tool_choice.disable_parallel_tool_use` must be a boolean, got {v}")),
+        }
     }
 }
 
@@ -304,10 +332,15 @@ fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
     // Fields the recipe does not carry: sampling extensions (some protocols lack
     // `seed` and `top_k`; `ignore_eos` gives fixed output lengths, as in vLLM).
     let ext = params::extensions(&obj).map_err(bad)?;
+    let parallel_calls = P::parallel_tool_calls(&obj).map_err(bad)?;
+    let forces_any_tool = P::forces_any_tool(&obj);
     let include_usage = P::include_usage(&obj).map_err(bad)?;
     let grammar = P::rewrite(&mut obj).map_err(bad)?;
     let request: P = serde_json::from_value(Value::Object(obj)).map_err(|e| bad(format!("invalid request: {e}")))?;
-    let converted = request.convert(state.conversion.clone()).map_err(|e| ApiError::conversion(flavor, e))?;
+    let mut converted = request.convert(state.conversion.clone()).map_err(|e| ApiError::conversion(flavor, e))?;
+    if forces_any_tool && !converted.conversation.tools.is_empty() {
+        force_tool_call(&mut converted).map_err(bad)?;
+    }
     let prompt = state
         .encoding
         .encode(&converted.conversation)
@@ -340,7 +373,18 @@ fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
             Some(OutputFormat::Json(json_target(&converted.conversation.response_format, schema.as_ref())))
         }
         (Some(OutputConstraint::Regex(rx)), None) => Some(OutputFormat::Regex(rx.clone())),
-        // Tool calls are parsed from the output, not enforced.
+        // A required or named choice: the prompt ends inside the tool-call block,
+        // and the grammar makes the output a valid call of the given tools.
+        (Some(OutputConstraint::ToolCalls { tools, required: true }), None) => Some(OutputFormat::ToolCalls {
+            tools: tools.iter().map(|t| ToolSpec { name: t.name.clone(), parameters: t.parameters.clone() }).collect(),
+            at_most_one: !parallel_calls,
+        }),
+        // With `auto` the model chooses; its calls are parsed from the output.
+        (Some(OutputConstraint::ToolCalls { required: false, .. }), None) if !parallel_calls => {
+            return Err(bad(
+                "`parallel_tool_calls` = false is enforced only with `tool_choice` required or a named function".into(),
+            ))
+        }
         (Some(OutputConstraint::ToolCalls { .. }) | None, None) => None,
     };
     let constraint: Option<Box<dyn TokenConstraint>> = match format {
@@ -349,6 +393,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
             let size = match &format {
                 OutputFormat::Json(schema) => schema.as_ref().map_or(0, |s| s.to_string().len()),
                 OutputFormat::Regex(s) | OutputFormat::Lark(s) => s.len(),
+                OutputFormat::ToolCalls { tools, .. } => tools.iter().map(|t| t.parameters.to_string().len()).sum(),
             };
             if size > MAX_GRAMMAR_BYTES {
                 return Err(bad(format!("the output format is larger than {MAX_GRAMMAR_BYTES} bytes")));
@@ -367,6 +412,19 @@ fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
     request.ignore_eos = ext.ignore_eos;
     let logprobs = options.logprobs;
     Ok(Prepared { converted, request, constraint, logprobs, include_usage })
+}
+
+/// Make a converted request call one of its tools, as a required choice does:
+/// the prompt opens the tool-call block and the output is constrained to calls.
+fn force_tool_call(converted: &mut ConversationRequest) -> Result<(), String> {
+    if converted.conversation.thinking_mode {
+        return Err("thinking mode does not support this tool_choice; disable thinking to force a tool call".into());
+    }
+    converted.conversation.tool_choice = ToolChoice::Required;
+    converted.parsing_options.starts_in_tool_calls = true;
+    converted.inference_options.output_constraint =
+        Some(OutputConstraint::ToolCalls { tools: converted.conversation.tools.clone(), required: true });
+    Ok(())
 }
 
 /// The schema to enforce: the one the client wrote (strict normalisation

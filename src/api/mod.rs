@@ -13,6 +13,7 @@ pub mod fields;
 pub mod generate;
 pub mod metrics;
 pub mod params;
+pub mod tool_grammar;
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
