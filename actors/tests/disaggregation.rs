@@ -34,7 +34,8 @@ fn split(devices_per_instance: u32) -> ClusterConfig {
 /// Short prompts and two that cross compressor windows and a prefix block.
 fn workload() -> Vec<GenRequest> {
     let mut reqs = requests(4, 5);
-    let sampled = SamplingParams { temperature: 0.8, top_p: 0.9, top_k: 40, seed: 5, logprobs: 2 };
+    let sampled =
+        SamplingParams { temperature: 0.8, top_p: 0.9, top_k: 40, seed: 5, logprobs: 2, ..SamplingParams::default() };
     reqs.push(request(prompt(75, 3), 6, sampled));
     reqs.push(request(prompt(130, 4), 4, SamplingParams::default()));
     reqs

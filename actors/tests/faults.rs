@@ -37,7 +37,14 @@ fn mixed_requests() -> Vec<GenRequest> {
     let shared = prompt(70, 91);
     for (i, tail) in [3usize, 7, 5].into_iter().enumerate() {
         let params = if i == 1 {
-            SamplingParams { temperature: 0.7, top_p: 0.9, top_k: 40, seed: 77, logprobs: 0 }
+            SamplingParams {
+                temperature: 0.7,
+                top_p: 0.9,
+                top_k: 40,
+                seed: 77,
+                logprobs: 0,
+                ..SamplingParams::default()
+            }
         } else {
             SamplingParams::default()
         };

@@ -117,7 +117,14 @@ fn served_requests() -> Vec<GenRequest> {
     out.push(stop_id);
     let shared = prompt(70, 33);
     for i in 0..3u32 {
-        let params = SamplingParams { temperature: 0.9, top_p: 0.9, top_k: 30, seed: 40 + i as u64, logprobs: 2 };
+        let params = SamplingParams {
+            temperature: 0.9,
+            top_p: 0.9,
+            top_k: 30,
+            seed: 40 + i as u64,
+            logprobs: 2,
+            ..SamplingParams::default()
+        };
         out.push(request([shared.clone(), prompt(2 + 3 * i as usize, 60 + i)].concat(), 6, params));
     }
     out.push(GenRequest::new(vec![3, m.config.vocab_size as u32 + 5], 4));

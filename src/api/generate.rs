@@ -39,6 +39,7 @@ use super::constraint::{OutputFormat, MAX_GRAMMAR_BYTES};
 use super::engine_thread::{Event, Submission, SubmitError};
 use super::errors::{ApiError, Flavor, Kind};
 use super::tool_grammar::ToolSpec;
+use super::usage::{patch_reasoning_tokens, Counts, HeldTail, SharedCounts};
 use super::{fields, params, AppState};
 
 /// A protocol chunk of request type `P`.
@@ -147,6 +148,8 @@ struct Prepared {
     logprobs: bool,
     /// Streamed usage: Chat Completions only when `stream_options.include_usage`.
     include_usage: bool,
+    /// Whether the output starts in reasoning (thinking mode, no forced tool call).
+    thinking: bool,
 }
 
 /// `POST` handler of every generation route.
@@ -184,7 +187,7 @@ where
     let prepared = tokio::task::spawn_blocking(move || prepare::<P>(&prep_state, &body))
         .await
         .map_err(|e| ApiError::new(flavor, Kind::Internal, format!("request preparation failed: {e}")))??;
-    let Prepared { converted, request, constraint, logprobs, include_usage } = prepared;
+    let Prepared { converted, request, constraint, logprobs, include_usage, thinking } = prepared;
     let prompt_tokens = request.prompt.len();
 
     let (tx, mut rx) = mpsc::unbounded_channel();
@@ -204,6 +207,7 @@ where
     let generator = P::chunk_generator(&converted, id.clone(), model.clone());
     let processor = StreamProcessor::new(generator, converted.parsing_options).with_tokenizer(state.tokenizer.clone());
     let failure = Arc::new(Mutex::new(None));
+    let counts: SharedCounts = Arc::new(Mutex::new(Counts { thinking, ..Counts::default() }));
     let inference = inference_stream(Inference {
         rx,
         queue: VecDeque::new(),
@@ -212,13 +216,16 @@ where
         prompt_tokens,
         logprobs,
         eos: state.eos,
+        think_end: state.tokenizer.token_to_id("</think>"),
+        tail: HeldTail::new(state.tokenizer.clone()),
+        counts: counts.clone(),
         failure: failure.clone(),
         _permit: permit,
     });
     let chunks = processor.into_protocol_stream(inference);
 
     if converted.stream {
-        Ok(sse::<P>(chunks, failure, include_usage).into_response())
+        Ok(sse::<P>(chunks, failure, include_usage, counts).into_response())
     } else {
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let mut response = P::Response::new(id, model, created, prompt_tokens, 0);
@@ -230,7 +237,10 @@ where
         if let Some(message) = failure.lock().expect("not poisoned").take() {
             return Err(ApiError::new(flavor, Kind::Internal, message));
         }
-        Ok(Json(response).into_response())
+        let mut value = serde_json::to_value(&response)
+            .map_err(|e| ApiError::new(flavor, Kind::Internal, format!("cannot serialise the response: {e}")))?;
+        patch_reasoning_tokens(&mut value, &counts.lock().expect("not poisoned"));
+        Ok(Json(value).into_response())
     }
 }
 
@@ -240,6 +250,7 @@ fn sse<P>(
     chunks: impl Stream<Item = Result<ChunkOf<P>, deepseek_recipe::stream::StreamError>> + Send + 'static,
     failure: Arc<Mutex<Option<String>>>,
     include_usage: bool,
+    counts: SharedCounts,
 ) -> impl IntoResponse
 where
     P: Api,
@@ -252,8 +263,9 @@ where
         let events = match chunk {
             Ok(chunk) => {
                 let name = P::Response::sse_event_name(&chunk);
-                let value =
+                let mut value =
                     serde_json::to_value(&chunk).unwrap_or_else(|e| serde_json::json!({"error": e.to_string()}));
+                patch_reasoning_tokens(&mut value, &counts.lock().expect("not poisoned"));
                 let values = if P::SPLITS_USAGE { split_usage(value, include_usage) } else { vec![value] };
                 values
                     .into_iter()
@@ -387,6 +399,9 @@ fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
         }
         (Some(OutputConstraint::ToolCalls { .. }) | None, None) => None,
     };
+    let parsing = &converted.parsing_options;
+    let thinking =
+        !parsing.starts_in_tool_calls && parsing.thinking_initial_stage.is_some_and(|s| s.starts_in_reasoning());
     let constraint: Option<Box<dyn TokenConstraint>> = match format {
         None => None,
         Some(format) => {
@@ -402,16 +417,13 @@ fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
                 .constraints
                 .as_ref()
                 .ok_or_else(|| bad("structured output is not available: the tokenizer is not byte-level".into()))?;
-            let parsing = &converted.parsing_options;
-            let thinking = !parsing.starts_in_tool_calls
-                && parsing.thinking_initial_stage.is_some_and(|s| s.starts_in_reasoning());
             Some(Box::new(factory.build(&format, max_tokens as usize, thinking).map_err(bad)?))
         }
     };
     let mut request = Request::new(prompt, max_tokens as usize).with_params(params);
     request.ignore_eos = ext.ignore_eos;
     let logprobs = options.logprobs;
-    Ok(Prepared { converted, request, constraint, logprobs, include_usage })
+    Ok(Prepared { converted, request, constraint, logprobs, include_usage, thinking })
 }
 
 /// Make a converted request call one of its tools, as a required choice does:
@@ -476,6 +488,10 @@ struct Inference {
     logprobs: bool,
     /// EOS is never output text (it only appears with `ignore_eos`).
     eos: u32,
+    think_end: Option<u32>,
+    /// The tokens the processor's decoder holds, sent as text when output ends.
+    tail: HeldTail,
+    counts: SharedCounts,
     /// Why generation failed, if it did; read after the stream ends.
     failure: Arc<Mutex<Option<String>>>,
     /// Held while the request lives: dropping the stream releases it.
@@ -511,6 +527,10 @@ fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChunk> 
                     s.ready(s.prompt_tokens, cached_tokens);
                     let generated = tokens.len();
                     tokens.retain(|t| t.token != s.eos);
+                    {
+                        let mut counts = s.counts.lock().expect("not poisoned");
+                        tokens.iter().for_each(|t| counts.push(t.token, s.think_end));
+                    }
                     let eos = generated - tokens.len();
                     if eos > 0 {
                         // Counted in usage, without text.
@@ -525,7 +545,8 @@ fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChunk> 
                             .map(|t| InferenceTokenLogprob { logprob: t.logprob, top_logprobs: t.top.clone() })
                             .collect()
                     });
-                    let token_ids = tokens.iter().map(|t| t.token).collect();
+                    let token_ids: Vec<u32> = tokens.iter().map(|t| t.token).collect();
+                    s.tail.push(&token_ids);
                     s.queue.push_back(InferenceChunk::Tokens { token_ids, logprobs });
                 }
                 Some(Event::Finished(f)) => {
@@ -542,6 +563,11 @@ fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChunk> 
                             continue;
                         }
                     };
+                    // Tokens ending inside a character still count, and their bytes
+                    // show as the replacement character.
+                    if let Some((content, token_count)) = s.tail.take() {
+                        s.queue.push_back(InferenceChunk::Text { content, token_count });
+                    }
                     s.queue.push_back(InferenceChunk::Finish { finish_reason });
                     s.finished = true;
                 }

@@ -14,6 +14,7 @@ pub mod generate;
 pub mod metrics;
 pub mod params;
 pub mod tool_grammar;
+pub mod usage;
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;

@@ -25,7 +25,14 @@ pub fn requests(n: usize, max_tokens: usize) -> Vec<GenRequest> {
             let params = if i % 2 == 0 {
                 SamplingParams::default()
             } else {
-                SamplingParams { temperature: 0.8, top_p: 0.95, top_k: 50, seed: 1000 + i as u64, logprobs: 0 }
+                SamplingParams {
+                    temperature: 0.8,
+                    top_p: 0.95,
+                    top_k: 50,
+                    seed: 1000 + i as u64,
+                    logprobs: 0,
+                    ..SamplingParams::default()
+                }
             };
             request(prompt(3 + (i * 5) % 11, i as u32), max_tokens, params)
         })

@@ -23,7 +23,7 @@ pub fn tokens(len: usize, salt: u32) -> Vec<u32> {
 }
 
 pub fn seeded(seed: u64) -> SamplingParams {
-    SamplingParams { temperature: 0.8, top_p: 0.9, top_k: 50, seed, logprobs: 3 }
+    SamplingParams { temperature: 0.8, top_p: 0.9, top_k: 50, seed, logprobs: 3, ..SamplingParams::default() }
 }
 
 pub fn greedy() -> SamplingParams {
