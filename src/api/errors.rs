@@ -2,7 +2,7 @@
 //! `{"error": {"message", "type", "param", "code"}}` and Anthropic's
 //! `{"type": "error", "error": {"type", "message"}}`.
 
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use deepinfer_engine::request::RequestError;
@@ -10,6 +10,9 @@ use deepseek_recipe::request::ConversionError;
 use serde_json::json;
 
 use super::metrics;
+
+/// `Retry-After` of a 429, in seconds.
+pub const RETRY_AFTER_SECS: &str = "1";
 
 /// Which protocol's error body to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,6 +30,8 @@ pub enum Kind {
     ModelNotFound,
     NotFound,
     TooLarge,
+    MethodNotAllowed,
+    UnsupportedMediaType,
     RateLimited,
     Internal,
     Unavailable,
@@ -73,6 +78,8 @@ impl ApiError {
             Kind::Unauthorized => StatusCode::UNAUTHORIZED,
             Kind::ModelNotFound | Kind::NotFound => StatusCode::NOT_FOUND,
             Kind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Kind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            Kind::UnsupportedMediaType => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Kind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
             Kind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
             Kind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
@@ -90,6 +97,8 @@ impl ApiError {
                     Kind::ModelNotFound => ("invalid_request_error", Some("model_not_found")),
                     Kind::NotFound => ("invalid_request_error", Some("unknown_url")),
                     Kind::TooLarge => ("invalid_request_error", Some("request_too_large")),
+                    Kind::MethodNotAllowed => ("invalid_request_error", Some("method_not_allowed")),
+                    Kind::UnsupportedMediaType => ("invalid_request_error", Some("unsupported_media_type")),
                     Kind::RateLimited => ("rate_limit_error", Some("rate_limit_exceeded")),
                     Kind::Internal => ("server_error", None),
                     Kind::Unavailable => ("server_error", Some("service_unavailable")),
@@ -102,6 +111,7 @@ impl ApiError {
                     Kind::Unauthorized => "authentication_error",
                     Kind::ModelNotFound | Kind::NotFound => "not_found_error",
                     Kind::TooLarge => "request_too_large",
+                    Kind::MethodNotAllowed | Kind::UnsupportedMediaType => "invalid_request_error",
                     Kind::RateLimited => "rate_limit_error",
                     Kind::Internal => "api_error",
                     Kind::Unavailable => "overloaded_error",
@@ -116,6 +126,11 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
         metrics::http_error(status.as_u16());
-        (status, Json(self.body())).into_response()
+        let mut response = (status, Json(self.body())).into_response();
+        if self.kind == Kind::RateLimited {
+            // Requests in flight finish within seconds at most loads; retry soon.
+            response.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static(RETRY_AFTER_SECS));
+        }
+        response
     }
 }

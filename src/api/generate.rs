@@ -341,6 +341,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
         }
     }
     fields::check(P::FIELDS, &obj).map_err(bad)?;
+    params::refuse_images(&obj).map_err(bad)?;
     // Fields the recipe does not carry: sampling extensions (some protocols lack
     // `seed` and `top_k`; `ignore_eos` gives fixed output lengths, as in vLLM).
     let ext = params::extensions(&obj).map_err(bad)?;

@@ -155,14 +155,15 @@ impl Server {
 pub fn router(state: Arc<AppState>) -> Router {
     let max_body = state.config.max_body_bytes;
     Router::new()
-        .route("/v1/chat/completions", post(generate::handle::<ChatCompletionRequest>))
-        .route("/v1/responses", post(generate::handle::<ResponsesRequest>))
-        .route("/v1/messages", post(generate::handle::<MessagesRequest>))
-        .route("/v1/models", get(models))
-        .route("/health", get(health))
-        .route("/metrics", get(render_metrics))
+        .route("/v1/chat/completions", post(generate::handle::<ChatCompletionRequest>).fallback(method_not_allowed))
+        .route("/v1/responses", post(generate::handle::<ResponsesRequest>).fallback(method_not_allowed))
+        .route("/v1/messages", post(generate::handle::<MessagesRequest>).fallback(method_not_allowed))
+        .route("/v1/models", get(models).fallback(method_not_allowed))
+        .route("/health", get(health).fallback(method_not_allowed))
+        .route("/metrics", get(render_metrics).fallback(method_not_allowed))
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
+        .layer(middleware::from_fn_with_state(state.clone(), check_body_headers))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
@@ -247,6 +248,44 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse
     state.metrics.run_upkeep();
     let text = state.metrics.render();
     (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
+}
+
+/// Before a body is read: a declared `Content-Length` over the limit is a 413 at
+/// once, and a body that is not JSON (`Content-Type` other than
+/// `application/json`, when one is given) a 415.
+async fn check_body_headers(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let flavor = flavor_of(request.uri().path());
+    let headers = request.headers();
+    let limit = state.config.max_body_bytes;
+    if let Some(length) = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()) {
+        match length.trim().parse::<u64>() {
+            Ok(n) if n > limit as u64 => {
+                let message = format!("the request body is larger than {limit} bytes (Content-Length {n})");
+                return ApiError::new(flavor, Kind::TooLarge, message).into_response();
+            }
+            Ok(_) => {}
+            Err(_) => {
+                let message = format!("Content-Length `{length}` is not a number");
+                return ApiError::new(flavor, Kind::InvalidRequest, message).into_response();
+            }
+        }
+    }
+    if request.method() == axum::http::Method::POST {
+        if let Some(kind) = headers.get(header::CONTENT_TYPE) {
+            let media = kind.to_str().unwrap_or("").split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+            if media != "application/json" {
+                let message = format!("the body must be JSON (Content-Type: application/json), not `{media}`");
+                return ApiError::new(flavor, Kind::UnsupportedMediaType, message).into_response();
+            }
+        }
+    }
+    next.run(request).await
+}
+
+async fn method_not_allowed(request: Request) -> Response {
+    let path = request.uri().path().to_string();
+    let message = format!("{} is not allowed on {path}", request.method());
+    ApiError::new(flavor_of(&path), Kind::MethodNotAllowed, message).into_response()
 }
 
 async fn not_found(request: Request) -> Response {

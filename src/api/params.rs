@@ -170,6 +170,36 @@ pub fn include_usage(body: &Map<String, Value>) -> Result<bool, String> {
     }
 }
 
+/// Content block types that carry an image, in any of the three protocols.
+const IMAGE_BLOCKS: &[&str] = &["image_url", "input_image", "image"];
+
+/// The served model reads text only: a request with an image is refused, never
+/// answered as if the image were not there.
+pub fn refuse_images(body: &Map<String, Value>) -> Result<(), String> {
+    fn find(value: &Value, depth: usize) -> Option<&str> {
+        // Content nests a few levels (message → content → block); bound the walk.
+        if depth > 8 {
+            return None;
+        }
+        match value {
+            Value::Object(map) => {
+                if let Some(kind) = map.get("type").and_then(Value::as_str).filter(|t| IMAGE_BLOCKS.contains(t)) {
+                    return Some(kind);
+                }
+                map.values().find_map(|v| find(v, depth + 1))
+            }
+            Value::Array(items) => items.iter().find_map(|v| find(v, depth + 1)),
+            _ => None,
+        }
+    }
+    for key in ["messages", "input"] {
+        if let Some(kind) = body.get(key).and_then(|v| find(v, 0)) {
+            return Err(format!("`{key}` has an `{kind}` block, but this deployment serves a text-only model"));
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -207,6 +237,16 @@ mod tests {
         assert_eq!(b, body(json!({"reasoning": {"effort": "none"}})));
         let mut b = body(json!({"thinking": {"type": "disabled"}, "reasoning": {"effort": "high"}}));
         assert!(fold_responses_thinking(&mut b).unwrap_err().contains("contradicts"));
+    }
+
+    #[test]
+    fn images_are_refused() {
+        let chat = body(json!({"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}));
+        assert!(refuse_images(&chat).unwrap_err().contains("image_url"));
+        let text = body(json!({"messages": [{"role": "user", "content": "an image of a cat"}]}));
+        refuse_images(&text).unwrap();
     }
 
     #[test]

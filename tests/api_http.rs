@@ -1,0 +1,104 @@
+//! HTTP-level behaviour of `deepinfer serve` with a real client and raw sockets:
+//! JSON bodies for every error status (405, 415, early 413, 429 with
+//! `Retry-After`), images refused by a text-only model.
+
+mod serve_support;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use reqwest::Client;
+use serde_json::{json, Value};
+use serve_support::Served;
+
+const CHAT: &str = "/v1/chat/completions";
+const MESSAGES: &str = "/v1/messages";
+
+fn chat(prompt: &str, max_tokens: u32) -> Value {
+    json!({"model": "tiny-v4", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+           "thinking": {"type": "disabled"}})
+}
+
+/// `host:port` of a served base URL.
+fn addr(s: &Served) -> String {
+    s.base.trim_start_matches("http://").to_string()
+}
+
+#[tokio::test]
+async fn wrong_methods_and_media_types_get_json_errors() {
+    let s = Served::start(&[]);
+    let c = Client::new();
+    let r = c.get(s.url(CHAT)).send().await.unwrap();
+    assert_eq!(r.status(), 405);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "method_not_allowed", "{body}");
+    let r = c.delete(s.url("/v1/models")).send().await.unwrap();
+    assert_eq!(r.status(), 405);
+
+    let text = chat("Hi", 2).to_string();
+    let r = c.post(s.url(CHAT)).header("content-type", "text/plain").body(text.clone()).send().await.unwrap();
+    assert_eq!(r.status(), 415);
+    let body: Value = r.json().await.unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("text/plain"), "{body}");
+    let r = c.post(s.url(MESSAGES)).header("content-type", "application/x-www-form-urlencoded").body("a=b").send();
+    let r = r.await.unwrap();
+    assert_eq!(r.status(), 415);
+    assert_eq!(r.json::<Value>().await.unwrap()["type"], "error");
+    // JSON with parameters in its media type is JSON.
+    let r = c.post(s.url(CHAT)).header("content-type", "application/json; charset=utf-8").body(text).send().await;
+    assert_eq!(r.unwrap().status(), 200);
+}
+
+#[test]
+fn a_declared_oversized_body_is_refused_before_it_is_sent() {
+    let s = Served::start(&["--max-body-bytes", "4096"]);
+    let mut stream = TcpStream::connect(addr(&s)).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    // Headers only: a server that waited for the gigabyte would never answer.
+    let head = format!(
+        "POST {CHAT} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n",
+        addr(&s)
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = stream.read(&mut answer).expect("answered without the body");
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("request_too_large") && answer.contains("1000000000"), "{answer}");
+}
+
+#[tokio::test]
+async fn a_429_says_when_to_retry() {
+    let s = Served::start(&["--max-concurrent-requests", "1"]);
+    let c = Client::new();
+    let mut long = chat("Tell me a long story", 2000);
+    long["stream"] = json!(true);
+    long["ignore_eos"] = json!(true);
+    let held = c.post(s.url(CHAT)).json(&long).send().await.unwrap();
+    assert_eq!(held.status(), 200);
+    let r = c.post(s.url(CHAT)).json(&chat("Hi", 2)).send().await.unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["retry-after"], "1");
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["type"], "rate_limit_error");
+    drop(held);
+}
+
+#[tokio::test]
+async fn images_to_a_text_only_model_are_refused() {
+    let s = Served::start(&[]);
+    let c = Client::new();
+    let image = json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}});
+    let body = json!({"model": "tiny-v4", "max_tokens": 4,
+                      "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]});
+    let r = c.post(s.url(CHAT)).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let body: Value = r.json().await.unwrap();
+    assert!(body["error"]["message"].as_str().unwrap().contains("text-only"), "{body}");
+    let block =
+        json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}});
+    let body = json!({"model": "tiny-v4", "max_tokens": 4, "messages": [{"role": "user", "content": [block]}]});
+    let r = c.post(s.url(MESSAGES)).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["type"], "invalid_request_error");
+}
