@@ -15,6 +15,7 @@ pub mod metrics;
 pub mod params;
 pub mod tool_grammar;
 pub mod usage;
+pub mod utility;
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
@@ -75,6 +76,7 @@ pub struct AppState {
     pub context: usize,
     pub vocab: usize,
     pub eos: u32,
+    pub bos: u32,
     pub metrics: PrometheusHandle,
     /// Permits for generation requests in flight.
     pub in_flight: Arc<Semaphore>,
@@ -103,6 +105,7 @@ impl Server {
         let context = model.config.max_position_embeddings;
         let vocab = model.config.vocab_size;
         let eos = model.config.eos_token_id;
+        let bos = model.config.bos_token_id;
         let constraints = match ConstraintFactory::new(&tokenizer, vocab, eos) {
             Ok(f) => Some(f),
             Err(e) => {
@@ -128,6 +131,7 @@ impl Server {
             context,
             vocab,
             eos,
+            bos,
             metrics: metrics::handle(),
             created: now.as_secs(),
             counter: AtomicU64::new(0),
@@ -159,6 +163,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/responses", post(generate::handle::<ResponsesRequest>).fallback(method_not_allowed))
         .route("/v1/messages", post(generate::handle::<MessagesRequest>).fallback(method_not_allowed))
         .route("/v1/models", get(models).fallback(method_not_allowed))
+        .route("/v1/models/{id}", get(utility::model).fallback(method_not_allowed))
+        .route("/v1/messages/count_tokens", post(utility::count_tokens).fallback(method_not_allowed))
+        .route("/tokenize", post(utility::tokenize).fallback(method_not_allowed))
+        .route("/detokenize", post(utility::detokenize).fallback(method_not_allowed))
+        .route("/version", get(utility::version).fallback(method_not_allowed))
         .route("/health", get(health).fallback(method_not_allowed))
         .route("/metrics", get(render_metrics).fallback(method_not_allowed))
         .fallback(not_found)
@@ -205,20 +214,26 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let name = &state.config.model_name;
     Json(json!({
         "object": "list",
-        "data": [{
-            "id": name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "deepinfer",
-            "type": "model",
-            "display_name": name,
-            "created_at": rfc3339(state.created),
-            "max_model_len": state.context,
-        }],
+        "data": [model_object(&state)],
         "has_more": false,
         "first_id": name,
         "last_id": name,
     }))
+}
+
+/// The served model as both SDKs read one.
+pub fn model_object(state: &AppState) -> serde_json::Value {
+    let name = &state.config.model_name;
+    json!({
+        "id": name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "deepinfer",
+        "type": "model",
+        "display_name": name,
+        "created_at": rfc3339(state.created),
+        "max_model_len": state.context,
+    })
 }
 
 /// `YYYY-MM-DDTHH:MM:SSZ` of a Unix time (days to civil date: H. Hinnant's algorithm).

@@ -167,8 +167,37 @@ def anthropic_output_format():
         jsonschema.validate(json.loads(text), schema)
 
 
+def post(path, body):
+    request = urllib.request.Request(BASE + path, data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def endpoints():
+    check(oa.models.retrieve(MODEL).id == MODEL, "openai models.retrieve")
+    check(an.models.retrieve(MODEL).id == MODEL, "anthropic models.retrieve")
+    try:
+        oa.models.retrieve("gpt-4o")
+        raise AssertionError("unknown model retrieved")
+    except openai.NotFoundError:
+        pass
+    with urllib.request.urlopen(BASE + "/version", timeout=30) as r:
+        check("version" in json.loads(r.read()), "/version")
+    msgs = [{"role": "user", "content": "How many tokens is this?"}]
+    counted = an.messages.count_tokens(model=MODEL, messages=msgs).input_tokens
+    m = an.messages.create(model=MODEL, max_tokens=1, messages=msgs)
+    check(counted == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0), f"count_tokens {counted} vs {m.usage}")
+    t = post("/tokenize", {"model": MODEL, "messages": msgs})
+    chat = oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
+    check(t["count"] == chat.usage.prompt_tokens == len(t["tokens"]), f"tokenize {t['count']} vs {chat.usage}")
+    raw = post("/tokenize", {"prompt": "Hello, DeepSeek", "add_special_tokens": False})
+    back = post("/detokenize", {"tokens": raw["tokens"]})
+    check(back["prompt"] == "Hello, DeepSeek", f"round trip {back}")
+
+
 if __name__ == "__main__":
     for test in (max_completion_tokens, penalties, logit_bias, min_p, refusals, thinking_switches,
-                 anthropic_output_format):
+                 anthropic_output_format, endpoints):
         test()
         print(f"ok {test.__name__}", flush=True)
