@@ -102,3 +102,36 @@ async fn images_to_a_text_only_model_are_refused() {
     assert_eq!(r.status(), 400);
     assert_eq!(r.json::<Value>().await.unwrap()["error"]["type"], "invalid_request_error");
 }
+
+#[tokio::test]
+async fn clients_that_never_finish_their_headers_do_not_stop_others_and_are_closed() {
+    let s = Served::start(&["--header-timeout-ms", "1500"]);
+    let started = std::time::Instant::now();
+    let mut slow = Vec::new();
+    for i in 0..100 {
+        let mut stream = TcpStream::connect(addr(&s)).unwrap();
+        // Half of them send part of a request head, the others nothing at all.
+        if i % 2 == 0 {
+            stream.write_all(format!("POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: appl").as_bytes()).unwrap();
+        }
+        slow.push(stream);
+    }
+    let c = Client::new();
+    let r = c.post(s.url(CHAT)).json(&chat("Hi", 4)).send().await.unwrap();
+    assert_eq!(r.status(), 200, "served while 100 connections stall");
+    assert!(started.elapsed() < Duration::from_millis(1500), "served before the stalled ones time out");
+    // Each stalled connection is closed once its time is up: a read ends.
+    for mut stream in slow {
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut buf = [0u8; 512];
+        match stream.read(&mut buf) {
+            Ok(_) => {} // EOF, or an error status then EOF
+            Err(e) => assert!(
+                e.kind() == std::io::ErrorKind::ConnectionReset,
+                "stalled connection still open after {:?}: {e}",
+                started.elapsed()
+            ),
+        }
+    }
+    assert!(started.elapsed() < Duration::from_secs(10));
+}

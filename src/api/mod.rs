@@ -53,6 +53,8 @@ pub struct ServeConfig {
     pub api_key: Option<String>,
     /// Largest request body, in bytes.
     pub max_body_bytes: usize,
+    /// Time a connection has to send a request's headers.
+    pub header_timeout: std::time::Duration,
     /// Most generation requests held at once (queued, running or streaming).
     pub max_concurrent: usize,
     /// Largest `max_tokens` a request may ask for.
@@ -90,6 +92,7 @@ pub struct AppState {
 /// A bound server, ready to run.
 pub struct Server {
     listener: tokio::net::TcpListener,
+    header_timeout: std::time::Duration,
     router: Router,
     engine_thread: std::thread::JoinHandle<()>,
 }
@@ -139,7 +142,8 @@ impl Server {
             config,
         });
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-        Ok(Self { listener, router: router(state), engine_thread })
+        let header_timeout = state.config.header_timeout;
+        Ok(Self { listener, header_timeout, router: router(state), engine_thread })
     }
 
     pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
@@ -147,8 +151,37 @@ impl Server {
     }
 
     /// Serve until `shutdown` resolves, then let the engine thread finish.
+    ///
+    /// Each connection gets `header_timeout` to send a request head: a client
+    /// that never finishes its headers is closed, not kept forever.
     pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> anyhow::Result<()> {
-        axum::serve(self.listener, self.router).with_graceful_shutdown(shutdown).await?;
+        let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+        let header_timeout = self.header_timeout;
+        let mut shutdown = std::pin::pin!(shutdown);
+        loop {
+            let (stream, _peer) = tokio::select! {
+                accepted = self.listener.accept() => match accepted {
+                    Ok(pair) => pair,
+                    // Out of descriptors and the like: wait a little, keep serving.
+                    Err(_) => {
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                        continue;
+                    }
+                },
+                () = &mut shutdown => break,
+            };
+            let service = hyper_util::service::TowerToHyperService::new(self.router.clone());
+            let connection = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(header_timeout)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            let watched = graceful.watch(connection);
+            tokio::spawn(async move {
+                let _ = watched.await;
+            });
+        }
+        drop(self.router);
+        graceful.shutdown().await;
         // The router (and with it every engine handle) is gone: the thread ends.
         let _ = tokio::task::spawn_blocking(move || self.engine_thread.join()).await;
         Ok(())
