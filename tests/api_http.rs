@@ -125,7 +125,8 @@ async fn clients_that_never_finish_their_headers_do_not_stop_others_and_are_clos
         stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut buf = [0u8; 512];
         match stream.read(&mut buf) {
-            Ok(_) => {} // EOF, or an error status then EOF
+            // EOF, or an error status before the close.
+            Ok(n) => assert!(n == 0 || buf.starts_with(b"HTTP/1.1"), "{:?}", &buf[..n]),
             Err(e) => assert!(
                 e.kind() == std::io::ErrorKind::ConnectionReset,
                 "stalled connection still open after {:?}: {e}",

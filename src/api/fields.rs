@@ -152,6 +152,27 @@ pub const MESSAGES: &[Field] = &[
     refused("context_management", "the conversation is used as sent"),
 ];
 
+/// OpenAI legacy Completions (`POST /v1/completions`).
+pub const COMPLETIONS: &[Field] = &[
+    honoured("model", "must name the served model"),
+    honoured("prompt", "raw text (or a list of one string), no chat template"),
+    honoured("max_tokens", "limits generated tokens (default 16)"),
+    honoured("temperature", "scales the logits (0: greedy)"),
+    honoured("top_p", "nucleus sampling"),
+    honoured("frequency_penalty", "as in Chat Completions"),
+    honoured("presence_penalty", "as in Chat Completions"),
+    honoured("logit_bias", "as in Chat Completions"),
+    honoured("logprobs", "that many alternatives per token, in the legacy shape"),
+    honoured("echo", "the prompt precedes the completion (not with `logprobs`)"),
+    honoured("stop", "up to 16 stop strings; the text ends before the first"),
+    honoured("stream", "server-sent events"),
+    honoured("stream_options", "`include_usage`: a final chunk with usage and no choices"),
+    only("n", &["1"], "one completion per request"),
+    only("best_of", &["1"], "one completion per request"),
+    identifier("user"),
+    refused("suffix", "insertion is not supported"),
+];
+
 /// Every field `table` lists plus the extensions.
 pub fn all(table: &'static [Field]) -> impl Iterator<Item = &'static Field> {
     table.iter().chain(EXTENSIONS)
@@ -230,8 +251,12 @@ mod tests {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/README.md");
         let readme = std::fs::read_to_string(path).unwrap();
         let mut missing = Vec::new();
-        for (title, table) in [("Chat Completions", CHAT_COMPLETIONS), ("Responses", RESPONSES), ("Messages", MESSAGES)]
-        {
+        for (title, table) in [
+            ("Chat Completions", CHAT_COMPLETIONS),
+            ("Responses", RESPONSES),
+            ("Messages", MESSAGES),
+            ("Completions", COMPLETIONS),
+        ] {
             let rows = markdown_rows(table);
             if std::env::var("DEEPINFER_WRITE_FIELDS").is_ok() {
                 println!("<!-- {title} -->\n{rows}");
@@ -245,7 +270,7 @@ mod tests {
 
     #[test]
     fn no_field_is_listed_twice() {
-        for table in [CHAT_COMPLETIONS, RESPONSES, MESSAGES] {
+        for table in [CHAT_COMPLETIONS, RESPONSES, MESSAGES, COMPLETIONS] {
             let mut names: Vec<&str> = all(table).map(|f| f.name).collect();
             let n = names.len();
             names.sort_unstable();

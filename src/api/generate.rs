@@ -580,7 +580,7 @@ fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChunk> 
 }
 
 /// SplitMix64's finaliser: spreads a counter into an id or a seed.
-fn mix(mut z: u64) -> u64 {
+pub fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);

@@ -6,6 +6,7 @@
 //! ([`engine_thread`]), and its generated token ids are turned back into
 //! protocol chunks by the recipe's `StreamProcessor`.
 
+pub mod completions;
 pub mod constraint;
 pub mod engine_thread;
 pub mod errors;
@@ -194,6 +195,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(generate::handle::<ChatCompletionRequest>).fallback(method_not_allowed))
         .route("/v1/responses", post(generate::handle::<ResponsesRequest>).fallback(method_not_allowed))
+        .route("/v1/completions", post(completions::handle).fallback(method_not_allowed))
         .route("/v1/messages", post(generate::handle::<MessagesRequest>).fallback(method_not_allowed))
         .route("/v1/models", get(models).fallback(method_not_allowed))
         .route("/v1/models/{id}", get(utility::model).fallback(method_not_allowed))

@@ -196,8 +196,30 @@ def endpoints():
     check(back["prompt"] == "Hello, DeepSeek", f"round trip {back}")
 
 
+def completions():
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, seed=1, temperature=0)
+    r = oa.completions.create(logprobs=2, **kw)
+    c = r.choices[0]
+    check(r.object == "text_completion" and c.finish_reason == "length", f"{r}")
+    check(r.usage.completion_tokens == 12 and len(c.logprobs.tokens) == len(c.logprobs.token_logprobs), f"{r.usage}")
+    check(all(len(t) <= 2 for t in c.logprobs.top_logprobs), "two alternatives per token")
+    streamed = "".join(ch.choices[0].text for ch in oa.completions.create(stream=True, **kw) if ch.choices)
+    check(streamed == c.text, f"streamed {streamed!r} != {c.text!r}")
+    echoed = oa.completions.create(echo=True, **kw).choices[0].text
+    check(echoed == "Once upon a time" + c.text, f"echo {echoed!r}")
+    if len(c.text) > 4:
+        stop = c.text[2:4]
+        cut = oa.completions.create(stop=[stop], **kw).choices[0]
+        check(cut.text == c.text[: c.text.index(stop)] and cut.finish_reason == "stop", f"stop {stop!r}: {cut}")
+    chunks = list(oa.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    check(chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12, f"{chunks[-1]}")
+    refused(lambda: oa.completions.create(suffix="x", **kw), "suffix")
+    refused(lambda: oa.completions.create(n=3, **kw), "`n`")
+    refused(lambda: oa.completions.create(echo=True, logprobs=1, **kw), "echo")
+
+
 if __name__ == "__main__":
     for test in (max_completion_tokens, penalties, logit_bias, min_p, refusals, thinking_switches,
-                 anthropic_output_format, endpoints):
+                 anthropic_output_format, endpoints, completions):
         test()
         print(f"ok {test.__name__}", flush=True)
