@@ -136,3 +136,49 @@ async fn clients_that_never_finish_their_headers_do_not_stop_others_and_are_clos
     }
     assert!(started.elapsed() < Duration::from_secs(10));
 }
+
+#[tokio::test]
+async fn metrics_count_what_the_responses_report_under_vllm_names_too() {
+    let s = Served::start(&[]);
+    let c = Client::new();
+    let (mut prompt, mut generated) = (0u64, 0u64);
+    for (i, max_tokens) in [3u32, 9, 17, 30].into_iter().enumerate() {
+        let mut body = chat(&format!("Request number {i}"), max_tokens);
+        body["seed"] = json!(i);
+        let r: Value = c.post(s.url(CHAT)).json(&body).send().await.unwrap().json().await.unwrap();
+        prompt += r["usage"]["prompt_tokens"].as_u64().unwrap();
+        generated += r["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+    let r: Value = c
+        .post(s.url(MESSAGES))
+        .json(&json!({"model": "tiny-v4", "max_tokens": 12, "messages": [{"role": "user", "content": "Hi"}]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    prompt +=
+        r["usage"]["input_tokens"].as_u64().unwrap() + r["usage"]["cache_read_input_tokens"].as_u64().unwrap_or(0);
+    generated += r["usage"]["output_tokens"].as_u64().unwrap();
+
+    let label = "{model_name=\"tiny-v4\"}";
+    let text = c.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
+    let value = |name: &str| serve_support::metric_value(&text, name).unwrap_or_else(|| panic!("{name} missing"));
+    assert_eq!(value("deepinfer_generation_tokens_total"), generated as f64, "responses say {generated}");
+    assert_eq!(value(&format!("vllm:generation_tokens_total{label}")), generated as f64);
+    assert_eq!(value(&format!("vllm:prompt_tokens_total{label}")), prompt as f64);
+    assert_eq!(value(&format!("vllm:num_requests_running{label}")), 0.0);
+    assert_eq!(value(&format!("vllm:num_requests_waiting{label}")), 0.0);
+    for histogram in [
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_queue_time_seconds_count",
+        "vllm:request_prompt_tokens_count",
+        "vllm:request_generation_tokens_count",
+    ] {
+        assert_eq!(value(&format!("{histogram}{label}")), 5.0, "{histogram}");
+    }
+    assert_eq!(value(&format!("vllm:request_generation_tokens_sum{label}")), generated as f64);
+    assert!(text.contains("vllm:kv_cache_usage_perc{model_name=\"tiny-v4\"}"), "{text}");
+}

@@ -11,7 +11,7 @@ use std::time::Instant;
 use deepinfer_engine::constraint::TokenConstraint;
 use deepinfer_engine::engine::{Engine, EngineConfig};
 use deepinfer_engine::model::Model;
-use deepinfer_engine::request::{FinishReason, Finished, Request, RequestError, RequestId, TokenOutput};
+use deepinfer_engine::request::{FinishReason, Finished, Request, RequestError, RequestId, RequestStatus, TokenOutput};
 use tokio::sync::mpsc;
 
 use super::metrics as m;
@@ -88,7 +88,11 @@ pub fn spawn(model: Arc<Model>, config: EngineConfig) -> anyhow::Result<(EngineH
 struct Live {
     events: mpsc::UnboundedSender<Event>,
     arrived: Instant,
+    /// Whether its first step has been scheduled (queue time recorded).
+    scheduled: bool,
     last_token: Option<Instant>,
+    /// Tokens sent to the handler, as its response counts them.
+    sent: usize,
     eos: u32,
 }
 
@@ -108,14 +112,21 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>) {
         }
         let gone: Vec<RequestId> = live.iter().filter(|(_, l)| l.events.is_closed()).map(|(&id, _)| id).collect();
         for id in gone {
-            live.remove(&id);
+            let l = live.remove(&id).expect("listed above");
             if let Ok(f) = engine.cancel(id) {
-                m::finished(&f);
+                m::finished(&f, l.arrived.elapsed(), l.sent);
             }
         }
         if engine.has_work() {
             let updates = engine.step();
             let now = Instant::now();
+            for (&id, l) in live.iter_mut().filter(|(_, l)| !l.scheduled) {
+                let status = engine.scheduler().status(id);
+                if !matches!(status, Some(RequestStatus::Waiting) | None) || updates.iter().any(|u| u.id == id) {
+                    l.scheduled = true;
+                    m::queue_time(now - l.arrived);
+                }
+            }
             for u in updates {
                 let Some(l) = live.get_mut(&u.id) else { continue };
                 let mut tokens = u.tokens;
@@ -126,7 +137,6 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>) {
                         Some(prev) => m::inter_token(now - prev),
                     }
                     l.last_token = Some(now);
-                    m::generated(tokens.len());
                 }
                 if let Some(f) = &u.finished {
                     // The stream processor must not see the EOS that ended a stop.
@@ -134,6 +144,9 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>) {
                         tokens.pop();
                     }
                 }
+                // Counted as the response counts them: after that EOS is dropped.
+                m::generated(tokens.len());
+                l.sent += tokens.len();
                 if !tokens.is_empty() {
                     let cached_tokens = engine
                         .scheduler()
@@ -142,8 +155,8 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>) {
                     let _ = l.events.send(Event::Tokens { tokens, cached_tokens });
                 }
                 if let Some(f) = u.finished {
-                    m::finished(&f);
                     let l = live.remove(&u.id).expect("live request");
+                    m::finished(&f, now - l.arrived, l.sent);
                     let _ = l.events.send(Event::Finished(f));
                 }
             }
@@ -165,7 +178,10 @@ fn admit(engine: &mut Engine, live: &mut BTreeMap<RequestId, Live>, s: Submissio
         Ok(id) => {
             m::prompt(prompt_tokens);
             let _ = s.events.send(Event::Queued);
-            live.insert(id, Live { events: s.events, arrived: s.arrived, last_token: None, eos });
+            live.insert(
+                id,
+                Live { events: s.events, arrived: s.arrived, scheduled: false, last_token: None, sent: 0, eos },
+            );
         }
         Err(e) => {
             m::rejected(&e);

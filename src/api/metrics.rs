@@ -1,5 +1,9 @@
-//! Prometheus metrics through the `metrics` facade. Names start with
-//! `deepinfer_`; `GET /metrics` renders them.
+//! Prometheus metrics through the `metrics` facade; `GET /metrics` renders them.
+//!
+//! Each series is exported twice: as `deepinfer_*`, and under the name vLLM gives
+//! it (`vllm:*`, with a `model_name` label), so dashboards built for vLLM work
+//! unchanged. Token counts are those the responses report (a final EOS that
+//! ended a stop is not a token of the response, and is not counted).
 
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -24,6 +28,45 @@ pub const PREEMPTIONS: &str = "deepinfer_preemptions_total";
 pub const FINISHED: &str = "deepinfer_requests_finished_total";
 pub const REJECTED: &str = "deepinfer_requests_rejected_total";
 pub const HTTP_ERRORS: &str = "deepinfer_http_errors_total";
+pub const E2E: &str = "deepinfer_e2e_request_latency_seconds";
+pub const QUEUE_TIME: &str = "deepinfer_request_queue_time_seconds";
+pub const REQUEST_PROMPT_TOKENS: &str = "deepinfer_request_prompt_tokens";
+pub const REQUEST_GENERATION_TOKENS: &str = "deepinfer_request_generation_tokens";
+
+/// vLLM's names for the same series (`vllm:` metrics of vLLM's V1 engine).
+pub mod vllm {
+    pub const RUNNING: &str = "vllm:num_requests_running";
+    pub const WAITING: &str = "vllm:num_requests_waiting";
+    pub const KV_USAGE: &str = "vllm:kv_cache_usage_perc";
+    pub const PROMPT_TOKENS: &str = "vllm:prompt_tokens_total";
+    pub const GENERATION_TOKENS: &str = "vllm:generation_tokens_total";
+    pub const TTFT: &str = "vllm:time_to_first_token_seconds";
+    pub const INTER_TOKEN: &str = "vllm:inter_token_latency_seconds";
+    pub const E2E: &str = "vllm:e2e_request_latency_seconds";
+    pub const QUEUE_TIME: &str = "vllm:request_queue_time_seconds";
+    pub const REQUEST_PROMPT_TOKENS: &str = "vllm:request_prompt_tokens";
+    pub const REQUEST_GENERATION_TOKENS: &str = "vllm:request_generation_tokens";
+    pub const PREEMPTIONS: &str = "vllm:num_preemptions_total";
+    pub const SUCCESS: &str = "vllm:request_success_total";
+    pub const PREFIX_QUERIES: &str = "vllm:prefix_cache_queries_total";
+    pub const PREFIX_HITS: &str = "vllm:prefix_cache_hits_total";
+}
+
+/// The `model_name` label of the `vllm:` series.
+static MODEL_NAME: OnceLock<String> = OnceLock::new();
+
+/// Name the served model in the `vllm:` series (first call wins: one model per process).
+pub fn set_model_name(name: &str) {
+    let _ = MODEL_NAME.set(name.to_string());
+}
+
+fn model() -> String {
+    MODEL_NAME.get().cloned().unwrap_or_default()
+}
+
+/// Token-count buckets of the request length histograms.
+const TOKEN_BUCKETS: &[f64] =
+    &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0, 50000.0];
 
 /// Latency buckets, in seconds, from 1 ms to 1 min.
 const BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
@@ -33,8 +76,18 @@ pub fn handle() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let recorder =
-                PrometheusBuilder::new().set_buckets(BUCKETS).expect("buckets are not empty").build_recorder();
+            let mut builder = PrometheusBuilder::new().set_buckets(BUCKETS).expect("buckets are not empty");
+            for name in [
+                REQUEST_PROMPT_TOKENS,
+                REQUEST_GENERATION_TOKENS,
+                vllm::REQUEST_PROMPT_TOKENS,
+                vllm::REQUEST_GENERATION_TOKENS,
+            ] {
+                builder = builder
+                    .set_buckets_for_metric(metrics_exporter_prometheus::Matcher::Full(name.into()), TOKEN_BUCKETS)
+                    .expect("buckets are not empty");
+            }
+            let recorder = builder.build_recorder();
             let handle = recorder.handle();
             // Another recorder may already be installed (an embedding program); then ours stays empty.
             let _ = metrics::set_global_recorder(recorder);
@@ -60,28 +113,68 @@ fn describe() {
     describe_counter!(FINISHED, "Finished requests by finish reason");
     describe_counter!(REJECTED, "Requests the engine refused, by reason");
     describe_counter!(HTTP_ERRORS, "Error responses by status code");
+    describe_histogram!(E2E, Unit::Seconds, "From request arrival to its end");
+    describe_histogram!(QUEUE_TIME, Unit::Seconds, "From request arrival to its first scheduled step");
+    describe_histogram!(REQUEST_PROMPT_TOKENS, "Prompt tokens per finished request");
+    describe_histogram!(REQUEST_GENERATION_TOKENS, "Generated tokens per finished request");
+    describe_gauge!(vllm::RUNNING, "Requests running (vLLM name)");
+    describe_gauge!(vllm::WAITING, "Requests waiting (vLLM name)");
+    describe_gauge!(vllm::KV_USAGE, "KV cache usage, 0 to 1 (vLLM name)");
+    describe_counter!(vllm::PROMPT_TOKENS, "Prompt tokens (vLLM name)");
+    describe_counter!(vllm::GENERATION_TOKENS, "Generated tokens (vLLM name)");
+    describe_histogram!(vllm::TTFT, Unit::Seconds, "Time to first token (vLLM name)");
+    describe_histogram!(vllm::INTER_TOKEN, Unit::Seconds, "Inter-token latency (vLLM name)");
+    describe_histogram!(vllm::E2E, Unit::Seconds, "End-to-end request latency (vLLM name)");
+    describe_histogram!(vllm::QUEUE_TIME, Unit::Seconds, "Queue time (vLLM name)");
+    describe_histogram!(vllm::REQUEST_PROMPT_TOKENS, "Prompt tokens per request (vLLM name)");
+    describe_histogram!(vllm::REQUEST_GENERATION_TOKENS, "Generated tokens per request (vLLM name)");
+    describe_counter!(vllm::PREEMPTIONS, "Preemptions (vLLM name)");
+    describe_counter!(vllm::SUCCESS, "Finished requests by finished_reason (vLLM name)");
+    describe_counter!(vllm::PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache (vLLM name)");
+    describe_counter!(vllm::PREFIX_HITS, "Prompt tokens found in the prefix cache (vLLM name)");
 }
 
 pub fn ttft(d: Duration) {
     histogram!(TTFT).record(d.as_secs_f64());
+    histogram!(vllm::TTFT, "model_name" => model()).record(d.as_secs_f64());
 }
 
 pub fn inter_token(d: Duration) {
     histogram!(INTER_TOKEN).record(d.as_secs_f64());
+    histogram!(vllm::INTER_TOKEN, "model_name" => model()).record(d.as_secs_f64());
+}
+
+pub fn queue_time(d: Duration) {
+    histogram!(QUEUE_TIME).record(d.as_secs_f64());
+    histogram!(vllm::QUEUE_TIME, "model_name" => model()).record(d.as_secs_f64());
 }
 
 pub fn generated(n: usize) {
     counter!(GENERATED_TOKENS).increment(n as u64);
+    counter!(vllm::GENERATION_TOKENS, "model_name" => model()).increment(n as u64);
 }
 
 pub fn prompt(n: usize) {
     counter!(PROMPT_TOKENS).increment(n as u64);
+    counter!(vllm::PROMPT_TOKENS, "model_name" => model()).increment(n as u64);
 }
 
-pub fn finished(f: &Finished) {
+/// A request ended; `e2e` since it arrived, `generated` tokens as its response counts them.
+pub fn finished(f: &Finished, e2e: Duration, generated: usize) {
     counter!(FINISHED, "reason" => f.reason.as_str()).increment(1);
     counter!(PREFIX_HIT_TOKENS).increment(f.cached_tokens as u64);
     counter!(PREEMPTIONS).increment(u64::from(f.preemptions));
+    histogram!(E2E).record(e2e.as_secs_f64());
+    histogram!(REQUEST_PROMPT_TOKENS).record(f.prompt_tokens as f64);
+    histogram!(REQUEST_GENERATION_TOKENS).record(generated as f64);
+    let m = model();
+    counter!(vllm::SUCCESS, "model_name" => m.clone(), "finished_reason" => f.reason.as_str()).increment(1);
+    counter!(vllm::PREEMPTIONS, "model_name" => m.clone()).increment(u64::from(f.preemptions));
+    counter!(vllm::PREFIX_QUERIES, "model_name" => m.clone()).increment(f.prompt_tokens as u64);
+    counter!(vllm::PREFIX_HITS, "model_name" => m.clone()).increment(f.cached_tokens as u64);
+    histogram!(vllm::E2E, "model_name" => m.clone()).record(e2e.as_secs_f64());
+    histogram!(vllm::REQUEST_PROMPT_TOKENS, "model_name" => m.clone()).record(f.prompt_tokens as f64);
+    histogram!(vllm::REQUEST_GENERATION_TOKENS, "model_name" => m).record(generated as f64);
 }
 
 pub fn rejected(e: &RequestError) {
@@ -106,4 +199,9 @@ pub fn engine_gauges(s: &Scheduler) {
     gauge!(KV_BUDGET_BYTES).set(pool.budget_bytes as f64);
     gauge!(KV_BLOCKS).set(pool.blocks.iter().sum::<usize>() as f64);
     gauge!(PREFIX_CACHE_BLOCKS).set(s.cached_blocks() as f64);
+    let m = model();
+    gauge!(vllm::RUNNING, "model_name" => m.clone()).set(s.num_running() as f64);
+    gauge!(vllm::WAITING, "model_name" => m.clone()).set(s.num_waiting() as f64);
+    let usage = if pool.budget_bytes == 0 { 0.0 } else { pool.used_bytes as f64 / pool.budget_bytes as f64 };
+    gauge!(vllm::KV_USAGE, "model_name" => m).set(usage);
 }

@@ -117,6 +117,7 @@ impl Server {
                 None
             }
         };
+        metrics::set_model_name(&config.model_name);
         let (engine, engine_thread) = engine_thread::spawn(Arc::new(model), config.engine.clone())?;
         let conversion = ConversionOptions::new()
             .with_model_versions_by_name([(config.model_name.clone(), ModelVersion::DeepseekV4Pro)])
