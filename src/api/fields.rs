@@ -76,7 +76,10 @@ pub const CHAT_COMPLETIONS: &[Field] = &[
     honoured("parallel_tool_calls", "false: exactly one call (with a forced choice; 400 with auto)"),
     honoured("reasoning_effort", "`none` turns thinking off"),
     honoured("thinking", "DeepSeek's `{\"type\": \"enabled\"|\"disabled\"}`"),
-    only("n", &["1"], "one completion per request"),
+    honoured(
+        "n",
+        "1 to 16 completions; the others reuse the first's prompt blocks from the prefix cache (not with `stream`)",
+    ),
     only("modalities", &["[\"text\"]"], NO_AUDIO),
     only("store", &["false"], NO_STORE),
     only("service_tier", &["\"auto\"", "\"default\""], ONE_TIER),

@@ -17,15 +17,13 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use deepinfer_engine::constraint::TokenConstraint;
-use deepinfer_engine::request::{FinishReason, Request};
+use deepinfer_engine::request::Request;
 use deepinfer_engine::sampling::SamplingParams;
 use deepseek_recipe::anthropic::MessagesRequest;
 use deepseek_recipe::openai::{ChatCompletionRequest, ResponsesRequest};
 use deepseek_recipe::request::{ConversationRequest, OutputConstraint, ProtocolRequest};
 use deepseek_recipe::response::{Accumulate, ProtocolResponse};
-use deepseek_recipe::stream::{
-    ChunkGenerator, InferenceChunk, InferenceFinishReason, InferenceTokenLogprob, PromptUsage, StreamProcessor,
-};
+use deepseek_recipe::stream::{ChunkGenerator, StreamProcessor};
 use deepseek_recipe_core::conversation::ResponseFormat;
 use deepseek_recipe_core::tools::ToolChoice;
 use deepseek_recipe_encoding::PromptEncoding;
@@ -33,11 +31,12 @@ use futures_util::{stream, Stream, StreamExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{Map, Value};
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
 use super::constraint::{OutputFormat, MAX_GRAMMAR_BYTES};
 use super::engine_thread::{Event, Submission, SubmitError};
 use super::errors::{ApiError, Flavor, Kind};
+use super::inference::{inference_stream, Inference};
 use super::tool_grammar::ToolSpec;
 use super::usage::{patch_reasoning_tokens, Counts, HeldTail, SharedCounts};
 use super::{fields, params, AppState};
@@ -150,6 +149,10 @@ struct Prepared {
     include_usage: bool,
     /// Whether the output starts in reasoning (thinking mode, no forced tool call).
     thinking: bool,
+    /// Completions asked for (`n`).
+    choices: usize,
+    /// The response id.
+    id: String,
 }
 
 /// `POST` handler of every generation route.
@@ -183,13 +186,145 @@ where
         let limit = state.config.max_concurrent;
         ApiError::new(flavor, Kind::RateLimited, format!("{limit} requests are in flight already; retry later"))
     })?;
-    let prep_state = state.clone();
-    let prepared = tokio::task::spawn_blocking(move || prepare::<P>(&prep_state, &body))
-        .await
-        .map_err(|e| ApiError::new(flavor, Kind::Internal, format!("request preparation failed: {e}")))??;
-    let Prepared { converted, request, constraint, logprobs, include_usage, thinking } = prepared;
-    let prompt_tokens = request.prompt.len();
+    let body = Arc::new(body);
+    let prepared = prepare_blocking::<P>(&state, &body, None).await?;
+    let choices = prepared.choices;
+    if choices == 1 {
+        return answer::<P>(state, prepared, arrived, Some(permit), None).await;
+    }
+    if prepared.converted.stream {
+        return Err(ApiError::bad_request(flavor, "`n` > 1 is not supported with `stream`"));
+    }
+    // The first choice prefills the prompt; the others start once its first token
+    // is out, so they find the prompt's blocks in the prefix cache.
+    let seed = prepared.request.params.seed;
+    let (prefilled, ready) = oneshot::channel();
+    let first = tokio::spawn(answer_json::<P>(state.clone(), prepared, arrived, None, Some(prefilled)));
+    let _ = ready.await;
+    let mut rest = Vec::new();
+    for i in 1..choices {
+        let prepared = prepare_blocking::<P>(&state, &body, Some(mix(seed ^ i as u64))).await?;
+        rest.push(tokio::spawn(answer_json::<P>(state.clone(), prepared, arrived, None, None)));
+    }
+    let join = |r: Result<Result<Value, ApiError>, tokio::task::JoinError>| {
+        r.map_err(|e| ApiError::new(flavor, Kind::Internal, format!("a choice failed: {e}")))?
+    };
+    let mut merged = join(first.await)?;
+    for (i, handle) in rest.into_iter().enumerate() {
+        merge_choice(&mut merged, join(handle.await)?, i + 1);
+    }
+    drop(permit);
+    Ok(Json(merged).into_response())
+}
 
+async fn prepare_blocking<P: Api>(
+    state: &Arc<AppState>,
+    body: &Arc<Bytes>,
+    seed: Option<u64>,
+) -> Result<Prepared, ApiError> {
+    let (state, body) = (state.clone(), body.clone());
+    tokio::task::spawn_blocking(move || prepare::<P>(&state, &body, seed))
+        .await
+        .map_err(|e| ApiError::new(P::FLAVOR, Kind::Internal, format!("request preparation failed: {e}")))?
+}
+
+/// Add choice `index` of another completion to a Chat Completions response:
+/// its choice, its completion tokens (the prompt is counted once).
+fn merge_choice(into: &mut Value, other: Value, index: usize) {
+    if let Some(mut choice) = other["choices"].get(0).cloned() {
+        choice["index"] = Value::from(index);
+        if let Some(choices) = into["choices"].as_array_mut() {
+            choices.push(choice);
+        }
+    }
+    for key in ["completion_tokens", "total_tokens"] {
+        let add = other["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+        if let Some(v) = into["usage"][key].as_u64() {
+            into["usage"][key] = Value::from(v + add);
+        }
+    }
+    if let Some(r) = into["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64() {
+        let add = other["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap_or(0);
+        into["usage"]["completion_tokens_details"]["reasoning_tokens"] = Value::from(r + add);
+    }
+}
+
+/// Run one prepared request: streamed, or accumulated into one response.
+async fn answer<P>(
+    state: Arc<AppState>,
+    prepared: Prepared,
+    arrived: Instant,
+    permit: Option<OwnedSemaphorePermit>,
+    first_token: Option<oneshot::Sender<()>>,
+) -> Result<Response, ApiError>
+where
+    P: Api,
+    ChunkOf<P>: Serialize + Send + 'static,
+{
+    if !prepared.converted.stream {
+        return Ok(Json(answer_json::<P>(state, prepared, arrived, permit, first_token).await?).into_response());
+    }
+    let include_usage = prepared.include_usage;
+    let (chunks, failure, counts) = start::<P>(&state, prepared, arrived, permit, first_token).await?;
+    Ok(sse::<P>(chunks, failure, include_usage, counts).into_response())
+}
+
+/// Run one prepared request to its whole response, as JSON.
+async fn answer_json<P>(
+    state: Arc<AppState>,
+    prepared: Prepared,
+    arrived: Instant,
+    permit: Option<OwnedSemaphorePermit>,
+    first_token: Option<oneshot::Sender<()>>,
+) -> Result<Value, ApiError>
+where
+    P: Api,
+    ChunkOf<P>: Serialize + Send + 'static,
+{
+    let flavor = P::FLAVOR;
+    let prompt_tokens = prepared.request.prompt.len();
+    let (id, model) = (prepared.id.clone(), state.config.model_name.clone());
+    let (chunks, failure, counts) = start::<P>(&state, prepared, arrived, permit, first_token).await?;
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let mut response = P::Response::new(id, model, created, prompt_tokens, 0);
+    let mut chunks = std::pin::pin!(chunks);
+    while let Some(chunk) = chunks.next().await {
+        let chunk = chunk.map_err(|e| ApiError::new(flavor, Kind::Internal, e.to_string()))?;
+        response.accumulate(chunk);
+    }
+    if let Some(message) = failure.lock().expect("not poisoned").take() {
+        return Err(ApiError::new(flavor, Kind::Internal, message));
+    }
+    let mut value = serde_json::to_value(&response)
+        .map_err(|e| ApiError::new(flavor, Kind::Internal, format!("cannot serialise the response: {e}")))?;
+    patch_reasoning_tokens(&mut value, &counts.lock().expect("not poisoned"));
+    Ok(value)
+}
+
+type Failure = Arc<Mutex<Option<String>>>;
+
+/// Submit a prepared request and return its protocol chunks.
+async fn start<P>(
+    state: &Arc<AppState>,
+    prepared: Prepared,
+    arrived: Instant,
+    permit: Option<OwnedSemaphorePermit>,
+    first_token: Option<oneshot::Sender<()>>,
+) -> Result<
+    (
+        impl Stream<Item = Result<ChunkOf<P>, deepseek_recipe::stream::StreamError>> + Send + 'static,
+        Failure,
+        SharedCounts,
+    ),
+    ApiError,
+>
+where
+    P: Api,
+    ChunkOf<P>: Serialize + Send + 'static,
+{
+    let flavor = P::FLAVOR;
+    let Prepared { converted, request, constraint, logprobs, thinking, id, .. } = prepared;
+    let prompt_tokens = request.prompt.len();
     let (tx, mut rx) = mpsc::unbounded_channel();
     state.engine.submit(Submission { request, constraint, events: tx, arrived }).map_err(|e| match e {
         SubmitError::Busy => ApiError::new(flavor, Kind::RateLimited, "the request queue is full; retry later"),
@@ -200,13 +335,10 @@ where
         Some(Event::Rejected(e)) => return Err(ApiError::engine(flavor, &e)),
         _ => return Err(ApiError::new(flavor, Kind::Unavailable, "the engine has stopped")),
     }
-
-    let n = state.counter.fetch_add(1, Ordering::Relaxed);
-    let id = format!("{}{:016x}{:08x}", P::ID_PREFIX, mix(state.id_salt ^ n), n & 0xffff_ffff);
     let model = state.config.model_name.clone();
-    let generator = P::chunk_generator(&converted, id.clone(), model.clone());
+    let generator = P::chunk_generator(&converted, id, model);
     let processor = StreamProcessor::new(generator, converted.parsing_options).with_tokenizer(state.tokenizer.clone());
-    let failure = Arc::new(Mutex::new(None));
+    let failure: Failure = Arc::new(Mutex::new(None));
     let counts: SharedCounts = Arc::new(Mutex::new(Counts { thinking, ..Counts::default() }));
     let inference = inference_stream(Inference {
         rx,
@@ -221,27 +353,9 @@ where
         counts: counts.clone(),
         failure: failure.clone(),
         _permit: permit,
+        first_token,
     });
-    let chunks = processor.into_protocol_stream(inference);
-
-    if converted.stream {
-        Ok(sse::<P>(chunks, failure, include_usage, counts).into_response())
-    } else {
-        let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let mut response = P::Response::new(id, model, created, prompt_tokens, 0);
-        let mut chunks = std::pin::pin!(chunks);
-        while let Some(chunk) = chunks.next().await {
-            let chunk = chunk.map_err(|e| ApiError::new(flavor, Kind::Internal, e.to_string()))?;
-            response.accumulate(chunk);
-        }
-        if let Some(message) = failure.lock().expect("not poisoned").take() {
-            return Err(ApiError::new(flavor, Kind::Internal, message));
-        }
-        let mut value = serde_json::to_value(&response)
-            .map_err(|e| ApiError::new(flavor, Kind::Internal, format!("cannot serialise the response: {e}")))?;
-        patch_reasoning_tokens(&mut value, &counts.lock().expect("not poisoned"));
-        Ok(Json(value).into_response())
-    }
+    Ok((processor.into_protocol_stream(inference), failure, counts))
 }
 
 /// Protocol chunks as server-sent events; an engine failure becomes an
@@ -328,7 +442,7 @@ fn error_event(flavor: Flavor, message: String) -> SseEvent {
 }
 
 /// Validate, convert and encode one request (CPU work, off the reactor).
-fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> {
+fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) -> Result<Prepared, ApiError> {
     let flavor = P::FLAVOR;
     let bad = |m: String| ApiError::bad_request(flavor, m);
     let raw: Value = serde_json::from_slice(body).map_err(|e| bad(format!("the body is not valid JSON: {e}")))?;
@@ -348,6 +462,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
     let parallel_calls = P::parallel_tool_calls(&obj).map_err(bad)?;
     let forces_any_tool = P::forces_any_tool(&obj);
     let include_usage = P::include_usage(&obj).map_err(bad)?;
+    let choices = params::choices(&mut obj).map_err(bad)?;
     let grammar = P::rewrite(&mut obj).map_err(bad)?;
     let request: P = serde_json::from_value(Value::Object(obj)).map_err(|e| bad(format!("invalid request: {e}")))?;
     let mut converted = request.convert(state.conversion.clone()).map_err(|e| ApiError::conversion(flavor, e))?;
@@ -364,8 +479,10 @@ fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
 
     let options = &converted.inference_options;
     // Without a seed each request draws its own stream, as a hosted API does.
-    let seed =
-        options.seed.or(ext.seed).unwrap_or_else(|| mix(state.id_salt ^ state.counter.fetch_add(1, Ordering::Relaxed)));
+    let seed = seed_override
+        .or(options.seed)
+        .or(ext.seed)
+        .unwrap_or_else(|| mix(state.id_salt ^ state.counter.fetch_add(1, Ordering::Relaxed)));
     let params = SamplingParams {
         temperature: options.temperature.unwrap_or(1.0),
         top_p: options.top_p.unwrap_or(1.0),
@@ -424,7 +541,9 @@ fn prepare<P: Api>(state: &AppState, body: &[u8]) -> Result<Prepared, ApiError> 
     let mut request = Request::new(prompt, max_tokens as usize).with_params(params);
     request.ignore_eos = ext.ignore_eos;
     let logprobs = options.logprobs;
-    Ok(Prepared { converted, request, constraint, logprobs, include_usage, thinking })
+    let n = state.counter.fetch_add(1, Ordering::Relaxed);
+    let id = format!("{}{:016x}{:08x}", P::ID_PREFIX, mix(state.id_salt ^ n), n & 0xffff_ffff);
+    Ok(Prepared { converted, request, constraint, logprobs, include_usage, thinking, choices, id })
 }
 
 /// Make a converted request call one of its tools, as a required choice does:
@@ -477,106 +596,6 @@ fn close_objects(schema: &mut Value) {
             defs.values_mut().for_each(close_objects);
         }
     }
-}
-
-/// The engine's events for one request, as the recipe's inference chunks.
-struct Inference {
-    rx: mpsc::UnboundedReceiver<Event>,
-    queue: VecDeque<InferenceChunk>,
-    ready: bool,
-    finished: bool,
-    prompt_tokens: usize,
-    logprobs: bool,
-    /// EOS is never output text (it only appears with `ignore_eos`).
-    eos: u32,
-    think_end: Option<u32>,
-    /// The tokens the processor's decoder holds, sent as text when output ends.
-    tail: HeldTail,
-    counts: SharedCounts,
-    /// Why generation failed, if it did; read after the stream ends.
-    failure: Arc<Mutex<Option<String>>>,
-    /// Held while the request lives: dropping the stream releases it.
-    _permit: OwnedSemaphorePermit,
-}
-
-impl Inference {
-    fn ready(&mut self, prompt_tokens: usize, cached_tokens: usize) {
-        if !self.ready {
-            self.ready = true;
-            let prompt_usage = PromptUsage { prompt_tokens, prompt_cache_hit_tokens: cached_tokens };
-            self.queue.push_back(InferenceChunk::Ready { system_fingerprint: None, prompt_usage });
-        }
-    }
-
-    fn fail(&mut self, message: String) {
-        *self.failure.lock().expect("not poisoned") = Some(message);
-        self.finished = true;
-    }
-}
-
-fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChunk> + Send + 'static {
-    stream::unfold(inference, |mut s| async move {
-        loop {
-            if let Some(chunk) = s.queue.pop_front() {
-                return Some((chunk, s));
-            }
-            if s.finished {
-                return None;
-            }
-            match s.rx.recv().await {
-                Some(Event::Tokens { mut tokens, cached_tokens }) => {
-                    s.ready(s.prompt_tokens, cached_tokens);
-                    let generated = tokens.len();
-                    tokens.retain(|t| t.token != s.eos);
-                    {
-                        let mut counts = s.counts.lock().expect("not poisoned");
-                        tokens.iter().for_each(|t| counts.push(t.token, s.think_end));
-                    }
-                    let eos = generated - tokens.len();
-                    if eos > 0 {
-                        // Counted in usage, without text.
-                        s.queue.push_back(InferenceChunk::Text { content: String::new(), token_count: eos });
-                    }
-                    if tokens.is_empty() {
-                        continue;
-                    }
-                    let logprobs = s.logprobs.then(|| {
-                        tokens
-                            .iter()
-                            .map(|t| InferenceTokenLogprob { logprob: t.logprob, top_logprobs: t.top.clone() })
-                            .collect()
-                    });
-                    let token_ids: Vec<u32> = tokens.iter().map(|t| t.token).collect();
-                    s.tail.push(&token_ids);
-                    s.queue.push_back(InferenceChunk::Tokens { token_ids, logprobs });
-                }
-                Some(Event::Finished(f)) => {
-                    s.ready(f.prompt_tokens, f.cached_tokens);
-                    let finish_reason = match f.reason {
-                        FinishReason::Stop => InferenceFinishReason::Stop,
-                        FinishReason::Length => InferenceFinishReason::Length,
-                        FinishReason::Cancelled => {
-                            s.fail("the request was cancelled".into());
-                            continue;
-                        }
-                        FinishReason::Error(message) => {
-                            s.fail(format!("generation failed: {message}"));
-                            continue;
-                        }
-                    };
-                    // Tokens ending inside a character still count, and their bytes
-                    // show as the replacement character.
-                    if let Some((content, token_count)) = s.tail.take() {
-                        s.queue.push_back(InferenceChunk::Text { content, token_count });
-                    }
-                    s.queue.push_back(InferenceChunk::Finish { finish_reason });
-                    s.finished = true;
-                }
-                Some(Event::Queued | Event::Rejected(_)) => {}
-                None => s.fail("the engine stopped".into()),
-            }
-        }
-    })
 }
 
 /// SplitMix64's finaliser: spreads a counter into an id or a seed.

@@ -12,6 +12,7 @@ pub mod engine_thread;
 pub mod errors;
 pub mod fields;
 pub mod generate;
+pub mod inference;
 pub mod metrics;
 pub mod params;
 pub mod tool_grammar;

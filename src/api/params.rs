@@ -157,6 +157,21 @@ pub fn take_output_format(body: &mut Map<String, Value>) -> Result<Option<Output
     }
 }
 
+/// Most completions one request may ask for (`n`).
+pub const CHOICES_MAX: usize = 16;
+
+/// `n`, taken out of the body (the recipe accepts only 1): 1 to [`CHOICES_MAX`].
+pub fn choices(body: &mut Map<String, Value>) -> Result<usize, String> {
+    match body.remove("n") {
+        None | Some(Value::Null) => Ok(1),
+        Some(v) => v
+            .as_u64()
+            .filter(|&n| (1..=CHOICES_MAX as u64).contains(&n))
+            .map(|n| n as usize)
+            .ok_or_else(|| format!("`n` must be an integer from 1 to {CHOICES_MAX}, got {v}")),
+    }
+}
+
 /// Chat Completions `stream_options`: only `include_usage` exists here.
 pub fn include_usage(body: &Map<String, Value>) -> Result<bool, String> {
     let Some(options) = body.get("stream_options").filter(|v| !v.is_null()) else { return Ok(false) };

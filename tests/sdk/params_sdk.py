@@ -117,7 +117,6 @@ def min_p():
 
 def refusals():
     msgs = [{"role": "user", "content": "Hi"}]
-    refused(lambda: oa.chat.completions.create(model=MODEL, messages=msgs, n=2), "`n`")
     refused(lambda: oa.chat.completions.create(model=MODEL, messages=msgs, store=True), "store")
     refused(lambda: oa.chat.completions.create(model=MODEL, messages=msgs, extra_body={"best_of": 3}), "best_of")
     refused(lambda: oa.chat.completions.create(model=MODEL, messages=msgs, extra_body={"echo": True}), "echo")
@@ -196,6 +195,32 @@ def endpoints():
     check(back["prompt"] == "Hello, DeepSeek", f"round trip {back}")
 
 
+def metric(name):
+    with urllib.request.urlopen(BASE + "/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def several_choices():
+    prompt = "Tell me about the history of " + "the old town and its many bridges " * 6
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": prompt}], n=4, max_tokens=12, seed=7, temperature=1,
+              extra_body=NO_THINKING)
+    hits = metric("vllm:prefix_cache_hits_total")
+    r = oa.chat.completions.create(**kw)
+    check([c.index for c in r.choices] == [0, 1, 2, 3], f"{r.choices}")
+    texts = [c.message.content for c in r.choices]
+    check(len(set(texts)) == 4, f"four distinct completions: {texts}")
+    check(r.usage.completion_tokens == 48 and r.usage.prompt_tokens > 64, f"{r.usage}")
+    reused = metric("vllm:prefix_cache_hits_total") - hits
+    check(reused >= 3 * 64, f"the three later choices reused the first's prompt blocks: {reused} tokens")
+    again = [c.message.content for c in oa.chat.completions.create(**kw).choices]
+    check(again == texts, "same seed, same four completions")
+    refused(lambda: oa.chat.completions.create(stream=True, **kw), "`n`")
+    refused(lambda: oa.chat.completions.create(**dict(kw, n=17)), "`n`")
+
+
 def completions():
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, seed=1, temperature=0)
     r = oa.completions.create(logprobs=2, **kw)
@@ -220,6 +245,6 @@ def completions():
 
 if __name__ == "__main__":
     for test in (max_completion_tokens, penalties, logit_bias, min_p, refusals, thinking_switches,
-                 anthropic_output_format, endpoints, completions):
+                 anthropic_output_format, endpoints, completions, several_choices):
         test()
         print(f"ok {test.__name__}", flush=True)

@@ -1,0 +1,118 @@
+//! The engine's events for one request as the recipe's inference chunks, with
+//! the usage bookkeeping of [`super::usage`].
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use deepinfer_engine::request::FinishReason;
+use deepseek_recipe::stream::{InferenceChunk, InferenceFinishReason, InferenceTokenLogprob, PromptUsage};
+use futures_util::{stream, Stream};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
+
+use super::engine_thread::Event;
+use super::usage::{HeldTail, SharedCounts};
+
+/// The engine's events for one request, as the recipe's inference chunks.
+pub struct Inference {
+    pub rx: mpsc::UnboundedReceiver<Event>,
+    pub queue: VecDeque<InferenceChunk>,
+    pub ready: bool,
+    pub finished: bool,
+    pub prompt_tokens: usize,
+    pub logprobs: bool,
+    /// EOS is never output text (it only appears with `ignore_eos`).
+    pub eos: u32,
+    pub think_end: Option<u32>,
+    /// The tokens the processor's decoder holds, sent as text when output ends.
+    pub tail: HeldTail,
+    pub counts: SharedCounts,
+    /// Why generation failed, if it did; read after the stream ends.
+    pub failure: Arc<Mutex<Option<String>>>,
+    /// Held while the request lives: dropping the stream releases it.
+    pub _permit: Option<OwnedSemaphorePermit>,
+    /// Told when the first token arrives (the prompt is prefilled) or the request ends.
+    pub first_token: Option<oneshot::Sender<()>>,
+}
+
+impl Inference {
+    fn ready(&mut self, prompt_tokens: usize, cached_tokens: usize) {
+        if !self.ready {
+            self.ready = true;
+            let prompt_usage = PromptUsage { prompt_tokens, prompt_cache_hit_tokens: cached_tokens };
+            self.queue.push_back(InferenceChunk::Ready { system_fingerprint: None, prompt_usage });
+        }
+    }
+
+    fn fail(&mut self, message: String) {
+        *self.failure.lock().expect("not poisoned") = Some(message);
+        self.finished = true;
+    }
+}
+
+pub fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChunk> + Send + 'static {
+    stream::unfold(inference, |mut s| async move {
+        loop {
+            if let Some(chunk) = s.queue.pop_front() {
+                return Some((chunk, s));
+            }
+            if s.finished {
+                return None;
+            }
+            match s.rx.recv().await {
+                Some(Event::Tokens { mut tokens, cached_tokens }) => {
+                    if let Some(first) = s.first_token.take() {
+                        let _ = first.send(());
+                    }
+                    s.ready(s.prompt_tokens, cached_tokens);
+                    let generated = tokens.len();
+                    tokens.retain(|t| t.token != s.eos);
+                    {
+                        let mut counts = s.counts.lock().expect("not poisoned");
+                        tokens.iter().for_each(|t| counts.push(t.token, s.think_end));
+                    }
+                    let eos = generated - tokens.len();
+                    if eos > 0 {
+                        // Counted in usage, without text.
+                        s.queue.push_back(InferenceChunk::Text { content: String::new(), token_count: eos });
+                    }
+                    if tokens.is_empty() {
+                        continue;
+                    }
+                    let logprobs = s.logprobs.then(|| {
+                        tokens
+                            .iter()
+                            .map(|t| InferenceTokenLogprob { logprob: t.logprob, top_logprobs: t.top.clone() })
+                            .collect()
+                    });
+                    let token_ids: Vec<u32> = tokens.iter().map(|t| t.token).collect();
+                    s.tail.push(&token_ids);
+                    s.queue.push_back(InferenceChunk::Tokens { token_ids, logprobs });
+                }
+                Some(Event::Finished(f)) => {
+                    s.ready(f.prompt_tokens, f.cached_tokens);
+                    let finish_reason = match f.reason {
+                        FinishReason::Stop => InferenceFinishReason::Stop,
+                        FinishReason::Length => InferenceFinishReason::Length,
+                        FinishReason::Cancelled => {
+                            s.fail("the request was cancelled".into());
+                            continue;
+                        }
+                        FinishReason::Error(message) => {
+                            s.fail(format!("generation failed: {message}"));
+                            continue;
+                        }
+                    };
+                    // Tokens ending inside a character still count, and their bytes
+                    // show as the replacement character.
+                    if let Some((content, token_count)) = s.tail.take() {
+                        s.queue.push_back(InferenceChunk::Text { content, token_count });
+                    }
+                    s.queue.push_back(InferenceChunk::Finish { finish_reason });
+                    s.finished = true;
+                }
+                Some(Event::Queued | Event::Rejected(_)) => {}
+                None => s.fail("the engine stopped".into()),
+            }
+        }
+    })
+}
