@@ -234,7 +234,9 @@ mod tests {
         assert_eq!(err, "unknown field `bogus`");
         let err = check(CHAT_COMPLETIONS, &body(json!({"audio": {"voice": "x"}}))).unwrap_err();
         assert!(err.starts_with("`audio` is not supported"), "{err}");
-        let err = check(CHAT_COMPLETIONS, &body(json!({"n": 2}))).unwrap_err();
+        let err = check(CHAT_COMPLETIONS, &body(json!({"store": true}))).unwrap_err();
+        assert!(err.contains("`store` = true"), "{err}");
+        let err = check(COMPLETIONS, &body(json!({"n": 2}))).unwrap_err();
         assert!(err.contains("`n` = 2"), "{err}");
         let err = check(MESSAGES, &body(json!({"mcp_servers": []}))).unwrap_err();
         assert!(err.contains("mcp_servers"), "{err}");

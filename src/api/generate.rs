@@ -192,12 +192,34 @@ where
     if choices == 1 {
         return answer::<P>(state, prepared, arrived, Some(permit), None).await;
     }
-    if prepared.converted.stream {
-        return Err(ApiError::bad_request(flavor, "`n` > 1 is not supported with `stream`"));
-    }
     // The first choice prefills the prompt; the others start once its first token
     // is out, so they find the prompt's blocks in the prefix cache.
     let seed = prepared.request.params.seed;
+    if prepared.converted.stream {
+        let (include_usage, id) = (prepared.include_usage, prepared.id.clone());
+        let (prefilled, ready) = oneshot::channel();
+        let (mut chunks, failure, counts) =
+            start::<P>(&state, prepared, arrived, Some(permit), Some(prefilled)).await?;
+        // Drive the first choice now, so that its first token (which releases the
+        // others) arrives before anyone reads the stream; its chunks wait in a channel.
+        let (forward, forwarded) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Some(chunk) = chunks.next().await {
+                if forward.send(chunk).is_err() {
+                    break;
+                }
+            }
+        });
+        let first: ChoiceChunks<P> =
+            Box::pin(stream::unfold(forwarded, |mut rx| async move { rx.recv().await.map(|chunk| (chunk, rx)) }));
+        let mut streams = vec![(first, failure, counts)];
+        let _ = ready.await;
+        for i in 1..choices {
+            let prepared = prepare_blocking::<P>(&state, &body, Some(mix(seed ^ i as u64))).await?;
+            streams.push(start::<P>(&state, prepared, arrived, None, None).await?);
+        }
+        return Ok(sse_choices::<P>(streams, include_usage, id).into_response());
+    }
     let (prefilled, ready) = oneshot::channel();
     let first = tokio::spawn(answer_json::<P>(state.clone(), prepared, arrived, None, Some(prefilled)));
     let _ = ready.await;
@@ -310,14 +332,7 @@ async fn start<P>(
     arrived: Instant,
     permit: Option<OwnedSemaphorePermit>,
     first_token: Option<oneshot::Sender<()>>,
-) -> Result<
-    (
-        impl Stream<Item = Result<ChunkOf<P>, deepseek_recipe::stream::StreamError>> + Send + 'static,
-        Failure,
-        SharedCounts,
-    ),
-    ApiError,
->
+) -> Result<(ChoiceChunks<P>, Failure, SharedCounts), ApiError>
 where
     P: Api,
     ChunkOf<P>: Serialize + Send + 'static,
@@ -355,7 +370,7 @@ where
         _permit: permit,
         first_token,
     });
-    Ok((processor.into_protocol_stream(inference), failure, counts))
+    Ok((Box::pin(processor.into_protocol_stream(inference)), failure, counts))
 }
 
 /// Protocol chunks as server-sent events; an engine failure becomes an
@@ -414,6 +429,75 @@ where
     let all = events.chain(tail).map(Ok::<_, Infallible>);
     Sse::new(all).keep_alive(KeepAlive::default())
 }
+
+/// Several choices of one Chat Completions request as one stream: each chunk
+/// renumbered to its choice under the first choice's id, usage summed into one
+/// final chunk (with `include_usage`), then `[DONE]`.
+fn sse_choices<P>(
+    streams: Vec<(ChoiceChunks<P>, Failure, SharedCounts)>,
+    include_usage: bool,
+    id: String,
+) -> impl IntoResponse
+where
+    P: Api,
+    ChunkOf<P>: Serialize + Send + 'static,
+{
+    let flavor = P::FLAVOR;
+    let usages: Arc<Mutex<Vec<Option<Value>>>> = Arc::new(Mutex::new(vec![None; streams.len()]));
+    let mut failures = Vec::new();
+    let mut mapped = Vec::new();
+    for (index, (chunks, failure, counts)) in streams.into_iter().enumerate() {
+        failures.push(failure);
+        let (usages, id) = (usages.clone(), id.clone());
+        mapped.push(chunks.map(move |chunk| match chunk {
+            Ok(chunk) => {
+                let mut value =
+                    serde_json::to_value(&chunk).unwrap_or_else(|e| serde_json::json!({"error": e.to_string()}));
+                patch_reasoning_tokens(&mut value, &counts.lock().expect("not poisoned"));
+                value["id"] = Value::from(id.clone());
+                if let Some(choices) = value["choices"].as_array_mut() {
+                    choices.iter_mut().for_each(|c| c["index"] = Value::from(index));
+                }
+                if let Some(usage) = value.as_object_mut().and_then(|o| o.remove("usage")).filter(|u| !u.is_null()) {
+                    usages.lock().expect("not poisoned")[index] = Some(usage);
+                }
+                let empty = value["choices"].as_array().is_some_and(Vec::is_empty);
+                if include_usage {
+                    value["usage"] = Value::Null;
+                }
+                (!empty).then(|| SseEvent::default().data(value.to_string()))
+            }
+            Err(e) => Some(error_event(flavor, e.to_string())),
+        }));
+    }
+    let events = stream::select_all(mapped).filter_map(|e| async move { e });
+    let tail = stream::once(async move {
+        if let Some(message) = failures.iter().find_map(|f| f.lock().expect("not poisoned").take()) {
+            return stream::iter(vec![error_event(flavor, message)]);
+        }
+        let mut out = Vec::new();
+        let usages = usages.lock().expect("not poisoned");
+        if let (true, Some(Some(first))) = (include_usage, usages.first()) {
+            let mut usage = first.clone();
+            let extra: u64 = usages.iter().skip(1).flatten().filter_map(|u| u["completion_tokens"].as_u64()).sum();
+            for key in ["completion_tokens", "total_tokens"] {
+                if let Some(v) = usage[key].as_u64() {
+                    usage[key] = Value::from(v + extra);
+                }
+            }
+            let last = serde_json::json!({"id": id, "object": "chat.completion.chunk", "choices": [], "usage": usage});
+            out.push(SseEvent::default().data(last.to_string()));
+        }
+        out.push(SseEvent::default().data("[DONE]"));
+        stream::iter(out)
+    })
+    .flatten();
+    Sse::new(events.chain(tail).map(Ok::<_, Infallible>)).keep_alive(KeepAlive::default())
+}
+
+/// The protocol chunks of one choice.
+type ChoiceChunks<P> =
+    std::pin::Pin<Box<dyn Stream<Item = Result<ChunkOf<P>, deepseek_recipe::stream::StreamError>> + Send>>;
 
 /// OpenAI's streamed usage: without `include_usage` no chunk carries it; with it,
 /// every chunk has `usage: null` and one more chunk after the last carries the

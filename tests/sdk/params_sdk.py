@@ -217,7 +217,14 @@ def several_choices():
     check(reused >= 3 * 64, f"the three later choices reused the first's prompt blocks: {reused} tokens")
     again = [c.message.content for c in oa.chat.completions.create(**kw).choices]
     check(again == texts, "same seed, same four completions")
-    refused(lambda: oa.chat.completions.create(stream=True, **kw), "`n`")
+    streamed, usage, ids = {}, None, set()
+    for chunk in oa.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        ids.add(chunk.id)
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    check([streamed[i] for i in range(4)] == texts, f"streamed choices {streamed} != {texts}")
+    check(len(ids) == 1 and usage.completion_tokens == 48, f"one id {ids}, usage {usage}")
     refused(lambda: oa.chat.completions.create(**dict(kw, n=17)), "`n`")
 
 
