@@ -138,7 +138,7 @@ async fn bad_parameters_and_prompts_over_the_context_are_400() {
         (json!({"top_p": 1.5}), "top_p"),
         (json!({"max_tokens": 0}), "max_tokens"),
         (json!({"max_tokens": 5000}), "max_tokens"),
-        (json!({"n": 3}), "n"),
+        (json!({"n": 17}), "n"),
         (json!({"top_k": "many"}), "top_k"),
         (json!({"logprobs": true, "top_logprobs": 50}), "top_logprobs"),
         (json!({"stop": 3}), "expected a string or a list"),

@@ -163,6 +163,8 @@ async fn metrics_count_what_the_responses_report_under_vllm_names_too() {
     generated += r["usage"]["output_tokens"].as_u64().unwrap();
 
     let label = "{model_name=\"tiny-v4\"}";
+    // Gauges are set after the engine step that finished the last request.
+    s.wait_metric(&c, &format!("vllm:num_requests_running{label}"), |v| v == 0.0).await;
     let text = c.get(s.url("/metrics")).send().await.unwrap().text().await.unwrap();
     let value = |name: &str| serve_support::metric_value(&text, name).unwrap_or_else(|| panic!("{name} missing"));
     assert_eq!(value("deepinfer_generation_tokens_total"), generated as f64, "responses say {generated}");

@@ -84,8 +84,8 @@ pub fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChu
                             .map(|t| InferenceTokenLogprob { logprob: t.logprob, top_logprobs: t.top.clone() })
                             .collect()
                     });
+                    s.tail.push(&tokens);
                     let token_ids: Vec<u32> = tokens.iter().map(|t| t.token).collect();
-                    s.tail.push(&token_ids);
                     s.queue.push_back(InferenceChunk::Tokens { token_ids, logprobs });
                 }
                 Some(Event::Finished(f)) => {
@@ -104,7 +104,10 @@ pub fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChu
                     };
                     // Tokens ending inside a character still count, and their bytes
                     // show as the replacement character.
-                    if let Some((content, token_count)) = s.tail.take() {
+                    if let Some((content, token_count, logprobs)) = s.tail.take() {
+                        if s.logprobs {
+                            s.counts.lock().expect("not poisoned").tail_logprobs = logprobs;
+                        }
                         s.queue.push_back(InferenceChunk::Text { content, token_count });
                     }
                     s.queue.push_back(InferenceChunk::Finish { finish_reason });

@@ -11,7 +11,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use serde_json::Value;
+use deepinfer_engine::request::TokenOutput;
+use serde_json::{json, Value};
 use tokenizers::Tokenizer;
 
 const REPLACEMENT_CHARACTER: char = '\u{FFFD}';
@@ -20,11 +21,13 @@ const REPLACEMENT_CHARACTER: char = '\u{FFFD}';
 pub struct HeldTail {
     tokenizer: Arc<Tokenizer>,
     ids: Vec<u32>,
+    /// Their log-probabilities: (logprob, top alternatives) per id.
+    logprobs: Vec<(f32, Vec<(u32, f32)>)>,
 }
 
 impl HeldTail {
     pub fn new(tokenizer: Arc<Tokenizer>) -> Self {
-        Self { tokenizer, ids: Vec::new() }
+        Self { tokenizer, ids: Vec::new(), logprobs: Vec::new() }
     }
 
     fn decode(&self) -> String {
@@ -34,17 +37,20 @@ impl HeldTail {
     /// Follow one batch of token ids as the decoder sees it: a special token
     /// flushes what is held, and at the end of a batch the held tokens are
     /// released once their text is non-empty and ends in a whole character.
-    pub fn push(&mut self, ids: &[u32]) {
-        for &id in ids {
-            if self.is_added(id) {
+    pub fn push(&mut self, tokens: &[TokenOutput]) {
+        for t in tokens {
+            if self.is_added(t.token) {
                 self.ids.clear();
+                self.logprobs.clear();
             } else {
-                self.ids.push(id);
+                self.ids.push(t.token);
+                self.logprobs.push((t.logprob, t.top.clone()));
             }
         }
         let text = self.decode();
         if !text.is_empty() && !text.ends_with(REPLACEMENT_CHARACTER) {
             self.ids.clear();
+            self.logprobs.clear();
         }
     }
 
@@ -53,16 +59,51 @@ impl HeldTail {
         self.tokenizer.get_added_vocabulary().get_added_tokens_decoder().contains_key(&id)
     }
 
-    /// What is still held at the end of the output: its (lossy) text and count.
-    pub fn take(&mut self) -> Option<(String, usize)> {
+    /// What is still held at the end of the output: its (lossy) text, and its
+    /// tokens' log-probabilities as Chat Completions entries.
+    pub fn take(&mut self) -> Option<(String, usize, Vec<Value>)> {
         if self.ids.is_empty() {
             return None;
         }
         let text = self.decode();
+        let entry = |id: u32, logprob: f32| {
+            let bytes = token_bytes(&self.tokenizer, id);
+            json!({"token": String::from_utf8_lossy(&bytes), "logprob": logprob, "bytes": bytes})
+        };
+        let entries = self
+            .ids
+            .iter()
+            .zip(&self.logprobs)
+            .map(|(&id, (logprob, top))| {
+                let mut e = entry(id, *logprob);
+                e["top_logprobs"] = Value::Array(top.iter().map(|&(t, lp)| entry(t, lp)).collect());
+                e
+            })
+            .collect();
         let n = self.ids.len();
         self.ids.clear();
-        Some((text, n))
+        self.logprobs.clear();
+        Some((text, n, entries))
     }
+}
+
+/// The bytes of one token of a byte-level BPE vocabulary (GPT-2's byte-to-char
+/// map inverted); the token's own text when it is not byte-level.
+fn token_bytes(tokenizer: &Tokenizer, id: u32) -> Vec<u8> {
+    let Some(piece) = tokenizer.id_to_token(id) else { return Vec::new() };
+    piece.chars().map(byte_of_char).collect::<Option<Vec<u8>>>().unwrap_or_else(|| piece.into_bytes())
+}
+
+/// GPT-2's byte-level alphabet: printable bytes stand for themselves, the others
+/// are shifted to 256 + their rank.
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable = |b: u32| (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    let code = c as u32;
+    if printable(code) {
+        return Some(code as u8);
+    }
+    let rank = code.checked_sub(256)?;
+    (0u32..=255).filter(|&b| !printable(b)).nth(rank as usize).map(|b| b as u8)
 }
 
 /// Generated-token counts of one request, read when its usage is written.
@@ -74,6 +115,8 @@ pub struct Counts {
     pub thinking_over: bool,
     /// Whether the request started in thinking mode.
     pub thinking: bool,
+    /// Log-probability entries of the tokens held back to the end (see [`HeldTail`]).
+    pub tail_logprobs: Vec<Value>,
 }
 
 pub type SharedCounts = Arc<Mutex<Counts>>;
@@ -95,6 +138,31 @@ impl Counts {
 /// Write the generated reasoning count into every usage object of `value`
 /// (Chat Completions `completion_tokens_details`, Responses `output_tokens_details`).
 pub fn patch_reasoning_tokens(value: &mut Value, counts: &Counts) {
+    patch_tail_logprobs(value, counts);
+    patch_reasoning_tokens_in(value, counts);
+}
+
+/// Chat Completions: the held-back tokens' log-probabilities join the choice that
+/// ended (a whole response, or the chunk carrying the finish reason).
+fn patch_tail_logprobs(value: &mut Value, counts: &Counts) {
+    if counts.tail_logprobs.is_empty() {
+        return;
+    }
+    let Some(choices) = value.get_mut("choices").and_then(Value::as_array_mut) else { return };
+    for choice in choices.iter_mut().filter(|c| !c["finish_reason"].is_null()) {
+        let logprobs = &mut choice["logprobs"];
+        if logprobs.is_null() {
+            *logprobs = json!({"content": []});
+        }
+        if let Some(content) = logprobs["content"].as_array_mut() {
+            content.extend(counts.tail_logprobs.iter().cloned());
+        } else if logprobs["content"].is_null() {
+            logprobs["content"] = Value::Array(counts.tail_logprobs.clone());
+        }
+    }
+}
+
+fn patch_reasoning_tokens_in(value: &mut Value, counts: &Counts) {
     match value {
         Value::Object(map) => {
             for (key, child) in map.iter_mut() {
@@ -106,11 +174,11 @@ pub fn patch_reasoning_tokens(value: &mut Value, counts: &Counts) {
                         }
                     }
                 } else {
-                    patch_reasoning_tokens(child, counts);
+                    patch_reasoning_tokens_in(child, counts);
                 }
             }
         }
-        Value::Array(items) => items.iter_mut().for_each(|v| patch_reasoning_tokens(v, counts)),
+        Value::Array(items) => items.iter_mut().for_each(|v| patch_reasoning_tokens_in(v, counts)),
         _ => {}
     }
 }
@@ -127,14 +195,16 @@ mod tests {
         // "é" is two bytes; a byte-level vocabulary may split it.
         let ids = tok.encode("é", false).unwrap().get_ids().to_vec();
         let mut tail = HeldTail::new(tok.clone());
-        let a = tok.encode("a", false).unwrap().get_ids().to_vec();
+        let out = |id: u32| TokenOutput { token: id, logprob: -0.5, top: vec![(id, -0.5)], logits: None };
+        let a: Vec<TokenOutput> = tok.encode("a", false).unwrap().get_ids().iter().map(|&i| out(i)).collect();
         tail.push(&a);
         assert!(tail.take().is_none(), "whole characters are not held");
         if ids.len() > 1 {
-            tail.push(&ids[..1]);
-            let (text, n) = tail.take().expect("half a character is held");
+            tail.push(&[out(ids[0])]);
+            let (text, n, entries) = tail.take().expect("half a character is held");
             assert_eq!(n, 1);
             assert!(text.ends_with(REPLACEMENT_CHARACTER), "{text:?}");
+            assert_eq!(entries[0]["bytes"], json!([0xc3]), "the first byte of é");
         }
     }
 

@@ -195,6 +195,30 @@ def endpoints():
     check(back["prompt"] == "Hello, DeepSeek", f"round trip {back}")
 
 
+def usage_exact():
+    """Tokens are tokens whatever their bytes: a run cut by max_tokens reports
+    exactly max_tokens, with one logprob each, even when it ends inside a UTF-8
+    character; reasoning never exceeds the completion."""
+    cut_inside = 0
+    for seed in range(40):
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=16, seed=seed, temperature=1,
+                  logprobs=True, top_logprobs=2, extra_body=NO_THINKING)
+        r = oa.chat.completions.create(**kw)
+        c = r.choices[0]
+        if c.finish_reason != "length":
+            continue
+        cut_inside += c.message.content.endswith("\ufffd")
+        streamed = sum(len(ch.choices[0].logprobs.content or []) for ch in oa.chat.completions.create(stream=True, **kw)
+                       if ch.choices and ch.choices[0].logprobs)
+        check(r.usage.completion_tokens == 16 and len(c.logprobs.content) == 16 and streamed == 16,
+              f"seed {seed}: usage {r.usage.completion_tokens}, logprobs {len(c.logprobs.content)}, streamed {streamed}")
+    check(cut_inside > 0, "some run ended inside a character")
+    for seed in range(10):
+        r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=32, seed=seed)
+        u = r.usage
+        check(u.completion_tokens_details.reasoning_tokens <= u.completion_tokens, f"{u}")
+
+
 def metric(name):
     with urllib.request.urlopen(BASE + "/metrics", timeout=30) as r:
         for line in r.read().decode().splitlines():
@@ -252,6 +276,6 @@ def completions():
 
 if __name__ == "__main__":
     for test in (max_completion_tokens, penalties, logit_bias, min_p, refusals, thinking_switches,
-                 anthropic_output_format, endpoints, completions, several_choices):
+                 anthropic_output_format, endpoints, completions, several_choices, usage_exact):
         test()
         print(f"ok {test.__name__}", flush=True)
