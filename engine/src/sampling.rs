@@ -170,12 +170,15 @@ pub fn adjust_logits(row: &mut [f32], params: &SamplingParams, prompt: &[u32], o
     }
     let r = params.repetition_penalty;
     if r != 1.0 {
-        let mut seen: Vec<u32> = prompt.iter().chain(output).copied().collect();
-        seen.sort_unstable();
-        seen.dedup();
-        for token in seen {
-            if let Some(l) = row.get_mut(token as usize) {
-                *l = if *l > 0.0 { *l / r } else { *l * r };
+        // One pass over the history with a vocabulary-sized mark: linear in the
+        // prompt, where sorting a long prompt every step would not be.
+        let mut seen = vec![false; row.len()];
+        for &token in prompt.iter().chain(output) {
+            if let (Some(mark), Some(l)) = (seen.get_mut(token as usize), row.get_mut(token as usize)) {
+                if !*mark {
+                    *mark = true;
+                    *l = if *l > 0.0 { *l / r } else { *l * r };
+                }
             }
         }
     }
