@@ -184,3 +184,22 @@ async fn metrics_count_what_the_responses_report_under_vllm_names_too() {
     assert_eq!(value(&format!("vllm:request_generation_tokens_sum{label}")), generated as f64);
     assert!(text.contains("vllm:kv_cache_usage_perc{model_name=\"tiny-v4\"}"), "{text}");
 }
+
+#[tokio::test]
+async fn a_body_that_never_arrives_gets_408_and_others_are_served() {
+    let s = Served::start(&["--body-timeout-ms", "800"]);
+    let mut stalled = TcpStream::connect(addr(&s)).unwrap();
+    let head = format!(
+        "POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{{\"model\": "
+    );
+    stalled.write_all(head.as_bytes()).unwrap();
+    let c = Client::new();
+    let r = c.post(s.url(CHAT)).json(&chat("Hi", 4)).send().await.unwrap();
+    assert_eq!(r.status(), 200, "served while a body stalls");
+    stalled.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut answer = vec![0u8; 4096];
+    let n = stalled.read(&mut answer).expect("answered after the body timeout");
+    let answer = String::from_utf8_lossy(&answer[..n]);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("request_timeout"), "{answer}");
+}

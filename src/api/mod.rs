@@ -57,6 +57,8 @@ pub struct ServeConfig {
     pub max_body_bytes: usize,
     /// Time a connection has to send a request's headers.
     pub header_timeout: std::time::Duration,
+    /// Time a request has to send its whole body once its headers are in.
+    pub body_timeout: std::time::Duration,
     /// Most generation requests held at once (queued, running or streaming).
     pub max_concurrent: usize,
     /// Largest `max_tokens` a request may ask for.
@@ -304,7 +306,8 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse
 
 /// Before a body is read: a declared `Content-Length` over the limit is a 413 at
 /// once, and a body that is not JSON (`Content-Type` other than
-/// `application/json`, when one is given) a 415.
+/// `application/json`, when one is given) a 415. Then the body is read within
+/// `body_timeout` (408 past it) and the limit (413), so no handler waits on a client.
 async fn check_body_headers(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let flavor = flavor_of(request.uri().path());
     let headers = request.headers();
@@ -330,6 +333,21 @@ async fn check_body_headers(State(state): State<Arc<AppState>>, request: Request
                 return ApiError::new(flavor, Kind::UnsupportedMediaType, message).into_response();
             }
         }
+        let (parts, body) = request.into_parts();
+        let read = axum::body::to_bytes(body, limit);
+        let bytes = match tokio::time::timeout(state.config.body_timeout, read).await {
+            Ok(Ok(bytes)) => bytes,
+            Ok(Err(_)) => {
+                let message = format!("the request body is larger than {limit} bytes, or was cut off");
+                return ApiError::new(flavor, Kind::TooLarge, message).into_response();
+            }
+            Err(_) => {
+                let secs = state.config.body_timeout.as_secs_f64();
+                let message = format!("the request body did not arrive within {secs} s");
+                return ApiError::new(flavor, Kind::Timeout, message).into_response();
+            }
+        };
+        return next.run(Request::from_parts(parts, axum::body::Body::from(bytes))).await;
     }
     next.run(request).await
 }

@@ -142,10 +142,24 @@ pub fn patch_reasoning_tokens(value: &mut Value, counts: &Counts) {
     patch_reasoning_tokens_in(value, counts);
 }
 
-/// Chat Completions: the held-back tokens' log-probabilities join the choice that
-/// ended (a whole response, or the chunk carrying the finish reason).
+/// The held-back tokens' log-probabilities join the output that ended: in Chat
+/// Completions the choice with a finish reason (a whole response, or the chunk
+/// carrying it); in Responses the last `output_text` part of a finished response
+/// (the response itself, or the `response.completed` event's).
 fn patch_tail_logprobs(value: &mut Value, counts: &Counts) {
     if counts.tail_logprobs.is_empty() {
+        return;
+    }
+    let response = if value.get("response").is_some() { &mut value["response"] } else { &mut *value };
+    if response.get("object").and_then(Value::as_str) == Some("response") {
+        let parts = response["output"].as_array_mut().into_iter().flatten().filter(|i| i["type"] == "message");
+        let last = parts
+            .flat_map(|i| i["content"].as_array_mut().into_iter().flatten())
+            .filter(|c| c["type"] == "output_text")
+            .last();
+        if let Some(logprobs) = last.and_then(|part| part["logprobs"].as_array_mut()) {
+            logprobs.extend(counts.tail_logprobs.iter().cloned());
+        }
         return;
     }
     let Some(choices) = value.get_mut("choices").and_then(Value::as_array_mut) else { return };

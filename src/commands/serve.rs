@@ -38,6 +38,9 @@ pub struct ServeArgs {
     /// Time a connection has to send a request's headers before it is closed, in ms.
     #[arg(long, default_value_t = 10_000)]
     pub header_timeout_ms: u64,
+    /// Time a request has to send its body once its headers are in (408 past it), in ms.
+    #[arg(long, default_value_t = 30_000)]
+    pub body_timeout_ms: u64,
     /// Most generation requests in flight (queued, running or streaming); more get 429.
     #[arg(long, default_value_t = 1024)]
     pub max_concurrent_requests: usize,
@@ -97,14 +100,19 @@ fn serve_config(args: &ServeArgs, loaded_name: &str, context: usize) -> anyhow::
         || args.max_body_bytes == 0
         || args.max_tokens_limit == Some(0)
         || args.header_timeout_ms == 0
+        || args.body_timeout_ms == 0
     {
-        bail!("--max-concurrent-requests, --max-body-bytes, --max-tokens-limit and --header-timeout-ms must be at least 1");
+        bail!(
+            "--max-concurrent-requests, --max-body-bytes, --max-tokens-limit, --header-timeout-ms and \
+             --body-timeout-ms must be at least 1"
+        );
     }
     Ok(ServeConfig {
         model_name: args.served_model_name.clone().unwrap_or_else(|| served_name(loaded_name)),
         api_key: args.api_key.clone().filter(|k| !k.is_empty()),
         max_body_bytes: args.max_body_bytes,
         header_timeout: std::time::Duration::from_millis(args.header_timeout_ms),
+        body_timeout: std::time::Duration::from_millis(args.body_timeout_ms),
         max_concurrent: args.max_concurrent_requests,
         max_tokens_limit: args.max_tokens_limit.unwrap_or(context.min(u32::MAX as usize) as u32),
         default_thinking: args.default_thinking,

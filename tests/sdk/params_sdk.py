@@ -213,6 +213,13 @@ def usage_exact():
         check(r.usage.completion_tokens == 16 and len(c.logprobs.content) == 16 and streamed == 16,
               f"seed {seed}: usage {r.usage.completion_tokens}, logprobs {len(c.logprobs.content)}, streamed {streamed}")
     check(cut_inside > 0, "some run ended inside a character")
+    for seed in range(20):
+        r = oa.responses.create(model=MODEL, input="Hi", max_output_tokens=16, top_logprobs=2, reasoning={"effort": "none"},
+                                extra_body={"seed": seed, "temperature": 1})
+        if r.status != "incomplete":
+            continue
+        n = sum(len(c.logprobs or []) for i in r.output if i.type == "message" for c in i.content if c.type == "output_text")
+        check(r.usage.output_tokens == 16 and n == 16, f"responses seed {seed}: {r.usage.output_tokens} tokens, {n} logprobs")
     for seed in range(10):
         r = oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=32, seed=seed)
         u = r.usage
