@@ -221,22 +221,35 @@ where
         return Ok(sse_choices::<P>(streams, include_usage, id).into_response());
     }
     let (prefilled, ready) = oneshot::channel();
-    let first = tokio::spawn(answer_json::<P>(state.clone(), prepared, arrived, None, Some(prefilled)));
+    // A client that leaves takes its choices with it: dropping the tasks cancels them.
+    let mut tasks =
+        AbortOnDrop(vec![tokio::spawn(answer_json::<P>(state.clone(), prepared, arrived, None, Some(prefilled)))]);
     let _ = ready.await;
-    let mut rest = Vec::new();
     for i in 1..choices {
         let prepared = prepare_blocking::<P>(&state, &body, Some(mix(seed ^ i as u64))).await?;
-        rest.push(tokio::spawn(answer_json::<P>(state.clone(), prepared, arrived, None, None)));
+        tasks.0.push(tokio::spawn(answer_json::<P>(state.clone(), prepared, arrived, None, None)));
     }
-    let join = |r: Result<Result<Value, ApiError>, tokio::task::JoinError>| {
-        r.map_err(|e| ApiError::new(flavor, Kind::Internal, format!("a choice failed: {e}")))?
-    };
-    let mut merged = join(first.await)?;
-    for (i, handle) in rest.into_iter().enumerate() {
-        merge_choice(&mut merged, join(handle.await)?, i + 1);
+    let mut merged = Value::Null;
+    for (i, handle) in tasks.0.iter_mut().enumerate() {
+        let value =
+            handle.await.map_err(|e| ApiError::new(flavor, Kind::Internal, format!("a choice failed: {e}")))??;
+        if i == 0 {
+            merged = value;
+        } else {
+            merge_choice(&mut merged, value, i);
+        }
     }
     drop(permit);
     Ok(Json(merged).into_response())
+}
+
+/// Tasks aborted when dropped (the request's future was dropped: the client left).
+struct AbortOnDrop<T>(Vec<tokio::task::JoinHandle<T>>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.iter().for_each(tokio::task::JoinHandle::abort);
+    }
 }
 
 async fn prepare_blocking<P: Api>(

@@ -210,8 +210,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/health", get(health).fallback(method_not_allowed))
         .route("/metrics", get(render_metrics).fallback(method_not_allowed))
         .fallback(not_found)
-        .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
+        // Outermost last: the API key is checked before any body is read.
         .layer(middleware::from_fn_with_state(state.clone(), check_body_headers))
+        .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
