@@ -15,6 +15,7 @@ pub mod generate;
 pub mod inference;
 pub mod metrics;
 pub mod params;
+pub mod protocols;
 pub mod tool_grammar;
 pub mod usage;
 pub mod utility;
