@@ -13,15 +13,14 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use deepinfer_engine::request::{FinishReason, Request, TokenOutput};
-use deepinfer_engine::sampling::SamplingParams;
 use futures_util::stream;
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc;
 
-use super::engine_thread::{Event, Submission, SubmitError};
+use super::engine_thread::Event;
 use super::errors::{ApiError, Flavor, Kind};
 use super::fields;
-use super::{params, AppState};
+use super::{params, parse_object, AppState};
 
 /// Most stop strings a request may give (OpenAI's limit is 4).
 const STOPS_MAX: usize = 16;
@@ -47,15 +46,8 @@ fn bad(message: String) -> ApiError {
 }
 
 fn prepare(state: &AppState, body: &[u8]) -> Result<(Request, Ask, bool), ApiError> {
-    let raw: Value = serde_json::from_slice(body).map_err(|e| bad(format!("the body is not valid JSON: {e}")))?;
-    let Value::Object(obj) = raw else { return Err(bad("the body must be a JSON object".into())) };
-    if let Some(model) = obj.get("model").and_then(Value::as_str) {
-        if model != state.config.model_name {
-            let message =
-                format!("the model `{model}` does not exist; this server serves `{}`", state.config.model_name);
-            return Err(ApiError::new(Flavor::OpenAi, Kind::ModelNotFound, message));
-        }
-    }
+    let obj = parse_object(Flavor::OpenAi, body)?;
+    state.check_model(Flavor::OpenAi, obj.get("model").and_then(Value::as_str))?;
     fields::check(fields::COMPLETIONS, &obj).map_err(bad)?;
     let ext = params::extensions(&obj).map_err(bad)?;
     let prompt_text = prompt(&obj)?;
@@ -116,21 +108,11 @@ fn prepare(state: &AppState, body: &[u8]) -> Result<(Request, Ask, bool), ApiErr
     };
     let seed =
         ext.seed.unwrap_or_else(|| super::generate::mix(state.id_salt ^ state.counter.fetch_add(1, Ordering::Relaxed)));
-    let params = SamplingParams {
-        temperature: number("temperature", 1.0)? as f32,
-        top_p: number("top_p", 1.0)? as f32,
-        top_k: ext.top_k,
-        seed,
-        logprobs: top.unwrap_or(0),
-        logit_bias: ext.logit_bias,
-        frequency_penalty: ext.frequency_penalty,
-        presence_penalty: ext.presence_penalty,
-        repetition_penalty: ext.repetition_penalty,
-        min_p: ext.min_p,
-    };
+    let ignore_eos = ext.ignore_eos;
+    let params = ext.sampling(number("temperature", 1.0)? as f32, number("top_p", 1.0)? as f32, seed, top.unwrap_or(0));
     params.validate(state.vocab).map_err(|e| bad(e.to_string()))?;
     let mut request = Request::new(prompt_ids, max_tokens as usize).with_params(params);
-    request.ignore_eos = ext.ignore_eos;
+    request.ignore_eos = ignore_eos;
     let include_usage = params::include_usage(&obj).map_err(bad)?;
     Ok((request, Ask { echo: echo.then_some(prompt_text), stops, logprobs: top.is_some(), include_usage }, stream))
 }
@@ -208,16 +190,7 @@ async fn run(state: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     })?;
     let (request, ask, streamed) = prepare(&state, &body)?;
     let prompt_tokens = request.prompt.len();
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    state.engine.submit(Submission { request, constraint: None, events: tx, arrived }).map_err(|e| match e {
-        SubmitError::Busy => ApiError::new(Flavor::OpenAi, Kind::RateLimited, "the request queue is full; retry later"),
-        SubmitError::Stopped => ApiError::new(Flavor::OpenAi, Kind::Unavailable, "the engine has stopped"),
-    })?;
-    match rx.recv().await {
-        Some(Event::Queued) => {}
-        Some(Event::Rejected(e)) => return Err(ApiError::engine(Flavor::OpenAi, &e)),
-        _ => return Err(ApiError::new(Flavor::OpenAi, Kind::Unavailable, "the engine has stopped")),
-    }
+    let rx = state.submit(Flavor::OpenAi, request, None, arrived).await?;
     let n = state.counter.fetch_add(1, Ordering::Relaxed);
     let id = format!("cmpl-{:016x}{:08x}", super::generate::mix(state.id_salt ^ n), n & 0xffff_ffff);
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());

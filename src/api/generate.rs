@@ -18,7 +18,6 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use deepinfer_engine::constraint::TokenConstraint;
 use deepinfer_engine::request::Request;
-use deepinfer_engine::sampling::SamplingParams;
 use deepseek_recipe::request::{ConversationRequest, OutputConstraint, ProtocolRequest};
 use deepseek_recipe::response::{Accumulate, ProtocolResponse};
 use deepseek_recipe::stream::{ChunkGenerator, StreamProcessor};
@@ -31,13 +30,12 @@ use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
 use super::constraint::{OutputFormat, MAX_GRAMMAR_BYTES};
-use super::engine_thread::{Event, Submission, SubmitError};
 use super::errors::{ApiError, Flavor, Kind};
 use super::inference::{inference_stream, Inference};
 use super::protocols::Api;
 use super::tool_grammar::ToolSpec;
 use super::usage::{patch_reasoning_tokens, Counts, HeldTail, SharedCounts};
-use super::{fields, params, AppState};
+use super::{fields, params, parse_object, AppState};
 
 /// A protocol chunk of request type `P`.
 pub type ChunkOf<P> = <<<P as ProtocolRequest>::Response as ProtocolResponse>::ChunkGenerator as ChunkGenerator>::Chunk;
@@ -256,16 +254,7 @@ where
     let flavor = P::FLAVOR;
     let Prepared { converted, request, constraint, logprobs, thinking, id, .. } = prepared;
     let prompt_tokens = request.prompt.len();
-    let (tx, mut rx) = mpsc::unbounded_channel();
-    state.engine.submit(Submission { request, constraint, events: tx, arrived }).map_err(|e| match e {
-        SubmitError::Busy => ApiError::new(flavor, Kind::RateLimited, "the request queue is full; retry later"),
-        SubmitError::Stopped => ApiError::new(flavor, Kind::Unavailable, "the engine has stopped"),
-    })?;
-    match rx.recv().await {
-        Some(Event::Queued) => {}
-        Some(Event::Rejected(e)) => return Err(ApiError::engine(flavor, &e)),
-        _ => return Err(ApiError::new(flavor, Kind::Unavailable, "the engine has stopped")),
-    }
+    let rx = state.submit(flavor, request, constraint, arrived).await?;
     let model = state.config.model_name.clone();
     let generator = P::chunk_generator(&converted, id, model);
     let processor = StreamProcessor::new(generator, converted.parsing_options).with_tokenizer(state.tokenizer.clone());
@@ -445,15 +434,8 @@ fn error_event(flavor: Flavor, message: String) -> SseEvent {
 fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) -> Result<Prepared, ApiError> {
     let flavor = P::FLAVOR;
     let bad = |m: String| ApiError::bad_request(flavor, m);
-    let raw: Value = serde_json::from_slice(body).map_err(|e| bad(format!("the body is not valid JSON: {e}")))?;
-    let Value::Object(mut obj) = raw else { return Err(bad("the body must be a JSON object".into())) };
-    if let Some(model) = obj.get("model").and_then(Value::as_str) {
-        if model != state.config.model_name {
-            let message =
-                format!("the model `{model}` does not exist; this server serves `{}`", state.config.model_name);
-            return Err(ApiError::new(flavor, Kind::ModelNotFound, message));
-        }
-    }
+    let mut obj = parse_object(flavor, body)?;
+    state.check_model(flavor, obj.get("model").and_then(Value::as_str))?;
     fields::check(P::FIELDS, &obj).map_err(bad)?;
     params::refuse_images(&obj).map_err(bad)?;
     // Fields the recipe does not carry: sampling extensions (some protocols lack
@@ -483,18 +465,9 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
         .or(options.seed)
         .or(ext.seed)
         .unwrap_or_else(|| mix(state.id_salt ^ state.counter.fetch_add(1, Ordering::Relaxed)));
-    let params = SamplingParams {
-        temperature: options.temperature.unwrap_or(1.0),
-        top_p: options.top_p.unwrap_or(1.0),
-        top_k: ext.top_k,
-        seed,
-        logprobs: if options.logprobs { usize::from(options.top_logprobs.unwrap_or(0)) } else { 0 },
-        logit_bias: ext.logit_bias,
-        frequency_penalty: ext.frequency_penalty,
-        presence_penalty: ext.presence_penalty,
-        repetition_penalty: ext.repetition_penalty,
-        min_p: ext.min_p,
-    };
+    let top = if options.logprobs { usize::from(options.top_logprobs.unwrap_or(0)) } else { 0 };
+    let ignore_eos = ext.ignore_eos;
+    let params = ext.sampling(options.temperature.unwrap_or(1.0), options.top_p.unwrap_or(1.0), seed, top);
     params.validate(state.vocab).map_err(|e| bad(e.to_string()))?;
 
     let format = match (&options.output_constraint, grammar) {
@@ -539,7 +512,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
         }
     };
     let mut request = Request::new(prompt, max_tokens as usize).with_params(params);
-    request.ignore_eos = ext.ignore_eos;
+    request.ignore_eos = ignore_eos;
     let logprobs = options.logprobs;
     let n = state.counter.fetch_add(1, Ordering::Relaxed);
     let id = format!("{}{:016x}{:08x}", P::ID_PREFIX, mix(state.id_salt ^ n), n & 0xffff_ffff);

@@ -94,6 +94,53 @@ pub struct AppState {
     pub id_salt: u64,
 }
 
+impl AppState {
+    /// A 404 unless `model` (when given) names the served model.
+    pub fn check_model(&self, flavor: Flavor, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.config.model_name => {
+                let message =
+                    format!("the model `{m}` does not exist; this server serves `{}`", self.config.model_name);
+                Err(ApiError::new(flavor, Kind::ModelNotFound, message))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Hand a request to the engine thread and wait until it is queued; its
+    /// events follow on the returned receiver.
+    pub async fn submit(
+        &self,
+        flavor: Flavor,
+        request: deepinfer_engine::request::Request,
+        constraint: Option<Box<dyn deepinfer_engine::constraint::TokenConstraint>>,
+        arrived: std::time::Instant,
+    ) -> Result<tokio::sync::mpsc::UnboundedReceiver<engine_thread::Event>, ApiError> {
+        let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let submission = engine_thread::Submission { request, constraint, events, arrived };
+        self.engine.submit(submission).map_err(|e| match e {
+            engine_thread::SubmitError::Busy => {
+                ApiError::new(flavor, Kind::RateLimited, "the request queue is full; retry later")
+            }
+            engine_thread::SubmitError::Stopped => ApiError::new(flavor, Kind::Unavailable, "the engine has stopped"),
+        })?;
+        match rx.recv().await {
+            Some(engine_thread::Event::Queued) => Ok(rx),
+            Some(engine_thread::Event::Rejected(e)) => Err(ApiError::engine(flavor, &e)),
+            _ => Err(ApiError::new(flavor, Kind::Unavailable, "the engine has stopped")),
+        }
+    }
+}
+
+/// A request body that must be a JSON object.
+pub fn parse_object(flavor: Flavor, body: &[u8]) -> Result<serde_json::Map<String, serde_json::Value>, ApiError> {
+    let bad = |m: String| ApiError::bad_request(flavor, m);
+    match serde_json::from_slice(body).map_err(|e| bad(format!("the body is not valid JSON: {e}")))? {
+        serde_json::Value::Object(map) => Ok(map),
+        _ => Err(bad("the body must be a JSON object".into())),
+    }
+}
+
 /// A bound server, ready to run.
 pub struct Server {
     listener: tokio::net::TcpListener,

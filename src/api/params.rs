@@ -4,6 +4,7 @@
 //! Responses `thinking` switch → `reasoning.effort`, Anthropic `output_config.format`).
 //! Every error names the field.
 
+use deepinfer_engine::sampling::SamplingParams;
 use serde_json::{Map, Value};
 
 use super::constraint::OutputFormat;
@@ -20,6 +21,25 @@ pub struct Extensions {
     pub logit_bias: Vec<(u32, f32)>,
     pub ignore_eos: bool,
     pub seed: Option<u64>,
+}
+
+impl Extensions {
+    /// The engine's sampling parameters: these extensions with the protocol's own
+    /// temperature, top-p, resolved seed and alternatives per token.
+    pub fn sampling(self, temperature: f32, top_p: f32, seed: u64, logprobs: usize) -> SamplingParams {
+        SamplingParams {
+            temperature,
+            top_p,
+            top_k: self.top_k,
+            seed,
+            logprobs,
+            logit_bias: self.logit_bias,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            repetition_penalty: self.repetition_penalty,
+            min_p: self.min_p,
+        }
+    }
 }
 
 fn number(body: &Map<String, Value>, key: &str, default: f32) -> Result<f32, String> {

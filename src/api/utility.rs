@@ -15,42 +15,23 @@ use deepseek_recipe_encoding::PromptEncoding;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 
-use super::errors::{ApiError, Flavor, Kind};
-use super::{model_object, AppState};
+use super::errors::{ApiError, Flavor};
+use super::{model_object, parse_object, AppState};
 
 /// Most token ids `/detokenize` takes in one call.
 pub const DETOKENIZE_MAX: usize = 1 << 20;
 
 /// `GET /v1/models/{id}`: the served model, or a 404 in either protocol's shape.
 pub async fn model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
-    if id != state.config.model_name {
-        let message = format!("the model `{id}` does not exist; this server serves `{}`", state.config.model_name);
-        return ApiError::new(Flavor::OpenAi, Kind::ModelNotFound, message).into_response();
+    match state.check_model(Flavor::OpenAi, Some(&id)) {
+        Ok(()) => Json(model_object(&state)).into_response(),
+        Err(e) => e.into_response(),
     }
-    Json(model_object(&state)).into_response()
 }
 
 /// `GET /version`.
 pub async fn version() -> Json<Value> {
     Json(json!({"version": env!("CARGO_PKG_VERSION")}))
-}
-
-fn parse_object(flavor: Flavor, body: &[u8]) -> Result<Map<String, Value>, ApiError> {
-    let bad = |m: String| ApiError::bad_request(flavor, m);
-    match serde_json::from_slice(body).map_err(|e| bad(format!("the body is not valid JSON: {e}")))? {
-        Value::Object(map) => Ok(map),
-        _ => Err(bad("the body must be a JSON object".into())),
-    }
-}
-
-fn check_model(state: &AppState, flavor: Flavor, obj: &Map<String, Value>) -> Result<(), ApiError> {
-    match obj.get("model").and_then(Value::as_str) {
-        Some(m) if m != state.config.model_name => {
-            let message = format!("the model `{m}` does not exist; this server serves `{}`", state.config.model_name);
-            Err(ApiError::new(flavor, Kind::ModelNotFound, message))
-        }
-        _ => Ok(()),
-    }
 }
 
 /// The prompt ids a conversation renders to, through the protocol's own conversion.
@@ -74,7 +55,7 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result
     let flavor = Flavor::OpenAi;
     let bad = |m: String| ApiError::bad_request(flavor, m);
     let mut obj = parse_object(flavor, &body)?;
-    check_model(&state, flavor, &obj)?;
+    state.check_model(flavor, obj.get("model").and_then(Value::as_str))?;
     let tokens = match (obj.remove("prompt"), obj.contains_key("messages")) {
         (Some(Value::String(prompt)), false) => {
             let special = match obj.remove("add_special_tokens") {
@@ -103,7 +84,7 @@ pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Resu
     let flavor = Flavor::OpenAi;
     let bad = |m: String| ApiError::bad_request(flavor, m);
     let obj = parse_object(flavor, &body)?;
-    check_model(&state, flavor, &obj)?;
+    state.check_model(flavor, obj.get("model").and_then(Value::as_str))?;
     if let Some(key) = obj.keys().find(|k| *k != "model" && *k != "tokens") {
         return Err(bad(format!("unknown field `{key}`")));
     }
@@ -129,7 +110,7 @@ pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Resu
 pub async fn count_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let flavor = Flavor::Anthropic;
     let obj = parse_object(flavor, &body)?;
-    check_model(&state, flavor, &obj)?;
+    state.check_model(flavor, obj.get("model").and_then(Value::as_str))?;
     const KNOWN: &[&str] = &["model", "messages", "system", "tools", "tool_choice", "thinking"];
     if let Some(key) = obj.keys().find(|k| !KNOWN.contains(&k.as_str())) {
         return Err(ApiError::bad_request(flavor, format!("unknown field `{key}`")));
