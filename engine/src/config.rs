@@ -106,25 +106,25 @@ pub struct ModelConfig {
     pub quant: QuantConfig,
 }
 
-struct Reader<'a> {
-    file: &'a str,
-    map: &'a Map<String, Value>,
+pub(crate) struct Reader<'a> {
+    pub(crate) file: &'a str,
+    pub(crate) map: &'a Map<String, Value>,
 }
 
 impl<'a> Reader<'a> {
-    fn missing(&self, key: &str) -> ConfigError {
+    pub(crate) fn missing(&self, key: &str) -> ConfigError {
         ConfigError::Missing { file: self.file.into(), key: key.into() }
     }
-    fn invalid(&self, key: &str, problem: impl Into<String>) -> ConfigError {
+    pub(crate) fn invalid(&self, key: &str, problem: impl Into<String>) -> ConfigError {
         ConfigError::Invalid { file: self.file.into(), key: key.into(), problem: problem.into() }
     }
-    fn get(&self, key: &str) -> Option<&'a Value> {
+    pub(crate) fn get(&self, key: &str) -> Option<&'a Value> {
         self.map.get(key).filter(|v| !v.is_null())
     }
-    fn usize(&self, key: &str) -> Result<usize, ConfigError> {
+    pub(crate) fn usize(&self, key: &str) -> Result<usize, ConfigError> {
         self.opt_usize(key)?.ok_or_else(|| self.missing(key))
     }
-    fn opt_usize(&self, key: &str) -> Result<Option<usize>, ConfigError> {
+    pub(crate) fn opt_usize(&self, key: &str) -> Result<Option<usize>, ConfigError> {
         match self.get(key) {
             None => Ok(None),
             Some(v) => v
@@ -133,26 +133,41 @@ impl<'a> Reader<'a> {
                 .ok_or_else(|| self.invalid(key, format!("expected a non-negative integer, found {v}"))),
         }
     }
-    fn positive(&self, key: &str) -> Result<usize, ConfigError> {
+    pub(crate) fn positive(&self, key: &str) -> Result<usize, ConfigError> {
         let n = self.usize(key)?;
         if n == 0 {
             return Err(self.invalid(key, "must be at least 1"));
         }
         Ok(n)
     }
-    fn f64_or(&self, key: &str, default: f64) -> Result<f64, ConfigError> {
+    pub(crate) fn f64_or(&self, key: &str, default: f64) -> Result<f64, ConfigError> {
         match self.get(key) {
             None => Ok(default),
             Some(v) => v.as_f64().ok_or_else(|| self.invalid(key, format!("expected a number, found {v}"))),
         }
     }
-    fn bool_or(&self, key: &str, default: bool) -> Result<bool, ConfigError> {
+    pub(crate) fn bool_or(&self, key: &str, default: bool) -> Result<bool, ConfigError> {
         match self.get(key) {
             None => Ok(default),
             Some(v) => v.as_bool().ok_or_else(|| self.invalid(key, format!("expected true or false, found {v}"))),
         }
     }
-    fn str_list(&self, key: &str) -> Result<Option<Vec<&'a str>>, ConfigError> {
+    pub(crate) fn usize_list(&self, key: &str) -> Result<Option<Vec<usize>>, ConfigError> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .map(|n| n as usize)
+                        .ok_or_else(|| self.invalid(key, format!("expected non-negative integers, found {v}")))
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some),
+            Some(v) => Err(self.invalid(key, format!("expected a list of integers, found {v}"))),
+        }
+    }
+    pub(crate) fn str_list(&self, key: &str) -> Result<Option<Vec<&'a str>>, ConfigError> {
         match self.get(key) {
             None => Ok(None),
             Some(Value::Array(items)) => items
@@ -163,7 +178,7 @@ impl<'a> Reader<'a> {
             Some(v) => Err(self.invalid(key, format!("expected a list of strings, found {v}"))),
         }
     }
-    fn token_id(&self, key: &str, default: u32) -> Result<u32, ConfigError> {
+    pub(crate) fn token_id(&self, key: &str, default: u32) -> Result<u32, ConfigError> {
         match self.get(key) {
             None => Ok(default),
             Some(Value::Array(ids)) => ids

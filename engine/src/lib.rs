@@ -23,3 +23,4 @@ pub mod sampling;
 pub mod scheduler;
 pub mod traffic;
 pub mod transfer;
+pub mod v41;

@@ -8,6 +8,7 @@
 //! The linear kernels choose a code path at run time ([`Isa`]: AVX-512F,
 //! AVX2 + FMA, or portable Rust); every path produces the same bits.
 
+pub mod act_quant;
 pub mod dtype;
 pub mod linear;
 pub mod ops;

@@ -1,0 +1,109 @@
+//! V4.1's mixture of experts: noaux_tc routing on every layer (the bias picks,
+//! the unbiased scores weigh), SwiGLU experts with the routing weight applied
+//! before the down projection, one shared expert, all clamped.
+
+use deepinfer_kernels::act_quant::{plain_linear, quantized_linear, round_bf16_all};
+
+use super::config::{ScoreFunc, V41Config};
+use super::ops::top_k_stable;
+use super::weights::{Expert, Moe};
+
+/// Experts and weights of one token.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Route {
+    pub experts: Vec<usize>,
+    pub weights: Vec<f32>,
+}
+
+pub fn route(cfg: &V41Config, moe: &Moe, x: &[f32], n: usize) -> Vec<Route> {
+    let e = moe.experts.len();
+    let mut logits = vec![0.0f32; n * e];
+    plain_linear(&moe.gate, x, n, &mut logits);
+    logits
+        .chunks_exact(e)
+        .map(|row| {
+            let row: Vec<f32> = row.iter().map(|v| v / cfg.gate_temp).collect();
+            let scores: Vec<f32> = match cfg.score_func {
+                ScoreFunc::Softmax => {
+                    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                    let ex: Vec<f32> = row.iter().map(|v| (v - max).exp()).collect();
+                    let sum: f32 = ex.iter().sum();
+                    ex.iter().map(|v| v / sum).collect()
+                }
+                ScoreFunc::Sigmoid => row.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
+                ScoreFunc::SqrtSoftplus => row.iter().map(|&v| softplus(v).sqrt()).collect(),
+            };
+            let biased: Vec<f32> = scores.iter().zip(&moe.bias).map(|(s, b)| s + b).collect();
+            let experts = top_k_stable(&biased, moe.n_activated);
+            let mut weights: Vec<f32> = experts.iter().map(|&i| scores[i]).collect();
+            if cfg.norm_topk_prob && moe.n_activated > 1 {
+                let sum = weights.iter().sum::<f32>() + 1e-20;
+                weights.iter_mut().for_each(|w| *w /= sum);
+            }
+            weights.iter_mut().for_each(|w| *w *= cfg.route_scale);
+            Route { experts, weights }
+        })
+        .collect()
+}
+
+/// torch's softplus (threshold 20: linear above it).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// One expert over `rows` (bf16 values), each scaled by its routing weight
+/// (`None` for the shared expert) before the down projection.
+pub fn expert_forward(cfg: &V41Config, expert: &Expert, x: &[f32], weights: Option<&[f32]>) -> Vec<f32> {
+    let n = x.len() / cfg.dim;
+    let inter = expert.w1.rows;
+    let gate = quantized_linear(&expert.w1, x, n);
+    let up = quantized_linear(&expert.w3, x, n);
+    let limit = cfg.swiglu_limit;
+    let mut act: Vec<f32> = gate
+        .iter()
+        .zip(&up)
+        .enumerate()
+        .map(|(i, (&g, &u))| {
+            let (g, u) = if limit > 0.0 { (g.min(limit), u.clamp(-limit, limit)) } else { (g, u) };
+            let h = g / (1.0 + (-g).exp()) * u;
+            match weights {
+                Some(w) => w[i / inter] * h,
+                None => h,
+            }
+        })
+        .collect();
+    round_bf16_all(&mut act);
+    quantized_linear(&expert.w2, &act, n)
+}
+
+/// The MoE output `[n, dim]` (bf16 values): routed experts summed in f32 in
+/// ascending expert order, then the shared expert.
+pub fn forward(cfg: &V41Config, moe: &Moe, x: &[f32], n: usize) -> Vec<f32> {
+    let d = cfg.dim;
+    let routes = route(cfg, moe, x, n);
+    let mut y = vec![0.0f32; n * d];
+    for (e, expert) in moe.experts.iter().enumerate() {
+        let pairs: Vec<(usize, f32)> = routes
+            .iter()
+            .enumerate()
+            .flat_map(|(t, r)| r.experts.iter().zip(&r.weights).filter(|(&x, _)| x == e).map(move |(_, &w)| (t, w)))
+            .collect();
+        if pairs.is_empty() {
+            continue;
+        }
+        let rows: Vec<f32> = pairs.iter().flat_map(|&(t, _)| x[t * d..(t + 1) * d].iter().copied()).collect();
+        let w: Vec<f32> = pairs.iter().map(|&(_, w)| w).collect();
+        let out = expert_forward(cfg, expert, &rows, Some(&w));
+        for (i, &(t, _)) in pairs.iter().enumerate() {
+            y[t * d..(t + 1) * d].iter_mut().zip(&out[i * d..(i + 1) * d]).for_each(|(a, b)| *a += b);
+        }
+    }
+    let shared = expert_forward(cfg, &moe.shared, x, None);
+    y.iter_mut().zip(&shared).for_each(|(a, b)| *a += b);
+    round_bf16_all(&mut y);
+    y
+}

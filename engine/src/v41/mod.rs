@@ -1,0 +1,107 @@
+//! DeepSeek-V4.1-Flash: config, weights, per-sequence state and the forward
+//! pass, with the reference's baked-in arithmetic (bf16 activations, FP8
+//! activations before quantised linears, FP8 window KV, FP4 compressed KV and
+//! index keys).
+
+pub mod attention;
+pub mod config;
+pub mod engram;
+pub mod ffn;
+pub mod forward;
+pub mod numpy_rng;
+pub mod ops;
+pub mod state;
+pub mod weights;
+
+use std::path::Path;
+
+pub use config::V41Config;
+use engram::EngramHash;
+pub use forward::{ChunkResult, Rows};
+use ops::RopeTable;
+pub use state::V41State;
+use weights::Weights;
+
+use crate::checkpoint::Checkpoint;
+use crate::model::LoadError;
+
+/// File beside `config.json` mapping every token id to its Engram compressed id.
+pub const ENGRAM_TOKEN_MAP: &str = "engram_token_map.json";
+
+pub struct ModelV41 {
+    pub config: V41Config,
+    pub weights: Weights,
+    pub engram_hash: Option<EngramHash>,
+    rope_main: RopeTable,
+    rope_compress: RopeTable,
+}
+
+impl ModelV41 {
+    pub fn load(dir: &Path) -> Result<Self, LoadError> {
+        let config = V41Config::from_file(&dir.join("config.json"))?;
+        let checkpoint = Checkpoint::open(dir)?;
+        let weights = Weights::load(&checkpoint, &config)?;
+        let token_map = match &config.engram {
+            Some(_) => Some(read_token_map(&dir.join(ENGRAM_TOKEN_MAP))?),
+            None => None,
+        };
+        Self::new(config, weights, token_map)
+    }
+
+    pub fn new(config: V41Config, weights: Weights, token_map: Option<Vec<u32>>) -> Result<Self, LoadError> {
+        let engram_hash = match (&config.engram, token_map) {
+            (Some(e), Some(map)) => Some(EngramHash::new(e, map).map_err(|problem| crate::checkpoint::CheckpointError::File {
+                file: ENGRAM_TOKEN_MAP.into(),
+                problem,
+            })?),
+            (Some(_), None) => {
+                return Err(crate::checkpoint::CheckpointError::File {
+                    file: ENGRAM_TOKEN_MAP.into(),
+                    problem: "the config has Engram layers but no token map was given".into(),
+                }
+                .into())
+            }
+            (None, _) => None,
+        };
+        let c = &config;
+        let rope_main = RopeTable::new(c.rope_head_dim, c.rope_theta, 0, c.rope_factor, c.beta_fast, c.beta_slow);
+        let rope_compress = RopeTable::new(
+            c.rope_head_dim,
+            c.compress_rope_theta,
+            c.original_seq_len,
+            c.rope_factor,
+            c.beta_fast,
+            c.beta_slow,
+        );
+        Ok(Self { config, weights, engram_hash, rope_main, rope_compress })
+    }
+
+    pub fn new_state(&self) -> V41State {
+        V41State::new(&self.config)
+    }
+}
+
+/// `{"token_map": [...], "compressed_vocab_size": N}`.
+fn read_token_map(path: &Path) -> Result<Vec<u32>, crate::checkpoint::CheckpointError> {
+    let err = |problem: String| crate::checkpoint::CheckpointError::File { file: path.display().to_string(), problem };
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        err(format!(
+            "cannot read ({e}); an Engram model needs its tokenizer's compressed vocabulary as {ENGRAM_TOKEN_MAP} \
+             beside config.json"
+        ))
+    })?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("not valid JSON: {e}")))?;
+    let list = value
+        .get("token_map")
+        .and_then(|v| v.as_array())
+        .ok_or_else(|| err("missing key `token_map` (a list of compressed ids, one per token id)".into()))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.as_u64()
+                .filter(|&x| x <= u32::MAX as u64)
+                .map(|x| x as u32)
+                .ok_or_else(|| err(format!("key `token_map[{i}]`: expected a compressed id, found {v}")))
+        })
+        .collect()
+}

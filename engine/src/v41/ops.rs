@@ -1,0 +1,191 @@
+//! Row-wise arithmetic of the V4.1 forward pass, in the reference's order of
+//! f32 operations and bf16 roundings: RMSNorm, RoPE, mHC mixing, the blockwise
+//! online-softmax attention over a list of keys.
+
+use deepinfer_kernels::act_quant::round_bf16;
+
+/// `bf16(weight · x · rsqrt(mean(x²) + eps))` of a bf16-valued row, in place.
+pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
+    assert_eq!(x.len(), weight.len(), "rms_norm weight");
+    let mean_sq = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (mean_sq + eps).sqrt();
+    for (v, w) in x.iter_mut().zip(weight) {
+        *v = round_bf16(w * (*v * inv));
+    }
+}
+
+/// Rotary tables of one attention kind, f32 as the reference computes them
+/// (YaRN without an attention factor when `original_seq_len > 0`).
+pub struct RopeTable {
+    pub freqs: Vec<f32>,
+}
+
+impl RopeTable {
+    pub fn new(dim: usize, base: f64, original_seq_len: usize, factor: f64, beta_fast: f64, beta_slow: f64) -> Self {
+        let half = dim / 2;
+        let mut freqs: Vec<f32> =
+            (0..half).map(|i| 1.0 / (base as f32).powf((2 * i) as f32 / dim as f32)).collect();
+        if original_seq_len > 0 {
+            let corrected = |rotations: f64| {
+                dim as f64 * (original_seq_len as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                    / (2.0 * base.ln())
+            };
+            let low = corrected(beta_fast).floor().max(0.0);
+            let high = corrected(beta_slow).ceil().min(dim as f64 - 1.0);
+            let span = (high - low).max(1e-3) as f32;
+            for (i, f) in freqs.iter_mut().enumerate() {
+                let ramp = ((i as f32 - low as f32) / span).clamp(0.0, 1.0);
+                let smooth = 1.0 - ramp;
+                *f = *f / factor as f32 * (1.0 - smooth) + *f * smooth;
+            }
+        }
+        Self { freqs }
+    }
+
+    /// Rotate the pairs of `x` (a bf16-valued slice of `2 · freqs.len()`) to
+    /// `position` (or back, `inverse`), rounding the result to bf16.
+    pub fn apply(&self, x: &mut [f32], position: usize, inverse: bool) {
+        assert_eq!(x.len(), 2 * self.freqs.len(), "rope slice");
+        for (pair, &f) in x.chunks_exact_mut(2).zip(&self.freqs) {
+            let angle = position as f32 * f;
+            let (c, s) = (angle.cos(), if inverse { -angle.sin() } else { angle.sin() });
+            let (a, b) = (pair[0], pair[1]);
+            pair[0] = round_bf16(a * c - b * s);
+            pair[1] = round_bf16(a * s + b * c);
+        }
+    }
+}
+
+/// mHC coefficients of one token for one sublayer.
+pub struct Mix {
+    pub pre: Vec<f32>,
+    pub post: Vec<f32>,
+    /// `[hc, hc]`: `comb[i · hc + j]` weighs input stream `i` into output stream `j`.
+    pub comb: Vec<f32>,
+}
+
+/// The mixes of one token from its streams `[hc · dim]` (bf16 values).
+pub fn hc_mixes(
+    streams: &[f32],
+    mix: &[f32],
+    scale: &[f32; 3],
+    base: &[f32],
+    hc: usize,
+    iters: usize,
+    norm_eps: f32,
+    hc_eps: f32,
+) -> Mix {
+    let width = streams.len();
+    let rsqrt = 1.0 / (streams.iter().map(|v| v * v).sum::<f32>() / width as f32 + norm_eps).sqrt();
+    let m: Vec<f32> = mix.chunks_exact(width).map(|row| dot(streams, row) * rsqrt).collect();
+    let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
+    let pre = (0..hc).map(|j| sigmoid(m[j] * scale[0] + base[j]) + hc_eps).collect();
+    let post = (0..hc).map(|j| 2.0 * sigmoid(m[hc + j] * scale[1] + base[hc + j])).collect();
+    let mut comb: Vec<f32> = (0..hc * hc).map(|k| m[2 * hc + k] * scale[2] + base[2 * hc + k]).collect();
+    for row in comb.chunks_exact_mut(hc) {
+        let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        row.iter_mut().for_each(|v| *v = (*v - max).exp());
+        let sum: f32 = row.iter().sum();
+        row.iter_mut().for_each(|v| *v = *v / sum + hc_eps);
+    }
+    normalize_columns(&mut comb, hc, hc_eps);
+    for _ in 1..iters {
+        for row in comb.chunks_exact_mut(hc) {
+            let sum: f32 = row.iter().sum::<f32>() + hc_eps;
+            row.iter_mut().for_each(|v| *v /= sum);
+        }
+        normalize_columns(&mut comb, hc, hc_eps);
+    }
+    Mix { pre, post, comb }
+}
+
+fn normalize_columns(comb: &mut [f32], hc: usize, eps: f32) {
+    for j in 0..hc {
+        let sum: f32 = (0..hc).map(|i| comb[i * hc + j]).sum::<f32>() + eps;
+        (0..hc).for_each(|i| comb[i * hc + j] /= sum);
+    }
+}
+
+/// `bf16(Σ_i pre[i] · streams[i])`.
+pub fn hc_pre(streams: &[f32], pre: &[f32], out: &mut [f32]) {
+    let d = out.len();
+    for (c, o) in out.iter_mut().enumerate() {
+        let mut acc = 0.0f32;
+        for (i, &p) in pre.iter().enumerate() {
+            acc += p * streams[i * d + c];
+        }
+        *o = round_bf16(acc);
+    }
+}
+
+/// `streams[j] ← bf16(post[j] · output + Σ_i comb[i][j] · streams[i])`.
+pub fn hc_post(streams: &mut [f32], output: &[f32], mix: &Mix) {
+    let d = output.len();
+    let hc = mix.post.len();
+    let residual = streams.to_vec();
+    for j in 0..hc {
+        for c in 0..d {
+            let mut acc = 0.0f32;
+            for i in 0..hc {
+                acc += mix.comb[i * hc + j] * residual[i * d + c];
+            }
+            streams[j * d + c] = round_bf16(mix.post[j] * output[c] + acc);
+        }
+    }
+}
+
+/// f32 dot product in index order.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).fold(0.0f32, |acc, (x, y)| acc + x * y)
+}
+
+/// Keys are visited in blocks of this many list slots.
+const ATTENTION_BLOCK: usize = 64;
+
+/// Attention of one query (`heads × head_dim`, bf16 values) over a list of
+/// key/value rows where `None` marks an empty slot, with an attention sink:
+/// online softmax over blocks of 64 slots, probabilities rounded to bf16
+/// against the running maximum before they weigh the values, output bf16.
+pub fn sparse_attention(q: &[f32], keys: &[Option<&[f32]>], sink: &[f32], scale: f32, out: &mut [f32]) {
+    let heads = sink.len();
+    let d = q.len() / heads;
+    for h in 0..heads {
+        let qh = &q[h * d..(h + 1) * d];
+        let mut acc = vec![0.0f32; d];
+        let mut sum_exp = 0.0f32;
+        let mut max = -1e30f32;
+        for block in keys.chunks(ATTENTION_BLOCK) {
+            let scores: Vec<f32> =
+                block.iter().map(|k| k.map_or(f32::NEG_INFINITY, |k| dot(qh, k) * scale)).collect();
+            let new_max = scores.iter().fold(max, |a, &b| a.max(b));
+            let rescale = (max - new_max).exp();
+            max = new_max;
+            let p: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+            sum_exp = sum_exp * rescale + p.iter().sum::<f32>();
+            let mut weighted = vec![0.0f32; d];
+            for (k, &pk) in block.iter().zip(&p) {
+                if let Some(k) = k {
+                    let w = round_bf16(pk);
+                    weighted.iter_mut().zip(*k).for_each(|(a, v)| *a += w * v);
+                }
+            }
+            acc.iter_mut().zip(&weighted).for_each(|(a, w)| *a = *a * rescale + w);
+        }
+        sum_exp += (sink[h] - max).exp();
+        for (o, a) in out[h * d..(h + 1) * d].iter_mut().zip(&acc) {
+            *o = round_bf16(a / sum_exp);
+        }
+    }
+}
+
+/// Indices of the `k` largest values, higher value first and equal values by
+/// lower index (a stable order; −0 equals +0).
+pub fn top_k_stable(values: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..values.len()).collect();
+    idx.sort_by(|&a, &b| {
+        let (x, y) = (values[a], values[b]);
+        y.partial_cmp(&x).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(&b))
+    });
+    idx.truncate(k);
+    idx
+}
