@@ -30,6 +30,7 @@ use crate::constraint::TokenConstraint;
 use crate::kv_pool::BlockId;
 use crate::model::state::CompressorState;
 use crate::model::{Chunk, LogitsWanted, Model, SequenceState};
+use crate::prefix_cache::PrefixMode;
 use crate::request::{FinishReason, Finished, Request, RequestError, RequestId, RequestUpdate, TokenOutput};
 use crate::sampling::{adjust_logits, sample};
 pub use crate::scheduler::{EngineConfig, EngineConfigError};
@@ -98,7 +99,11 @@ pub struct Engine<M: Deref<Target = Model> = Arc<Model>> {
 }
 
 impl<M: Deref<Target = Model>> Engine<M> {
-    pub fn new(model: M, config: EngineConfig) -> Result<Self, EngineConfigError> {
+    pub fn new(model: M, mut config: EngineConfig) -> Result<Self, EngineConfigError> {
+        // A V4.1 state is not yet restored from cached blocks: it runs without prefix hits.
+        if model.is_v41() {
+            config.prefix_mode = PrefixMode::Off;
+        }
         let scheduler = Scheduler::new(&model.config, config)?;
         Ok(Self { model, scheduler, states: BTreeMap::new(), stored: BTreeMap::new(), constraints: BTreeMap::new() })
     }

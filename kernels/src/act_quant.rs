@@ -5,9 +5,9 @@
 //! FP8 activations with FP8 or FP4 weights.
 //!
 //! Every function is element- or row-wise over fixed groups, so results do not
-//! depend on the batch. The GEMM sums each 32-wide K block in f32, scales it by
-//! both block scales and accumulates the blocks in K order, as DeepSeek's kernel
-//! does.
+//! depend on the batch. The GEMM sums each 32-wide K block exactly, scales it
+//! by both block scales and accumulates the blocks in f32 in K order, as
+//! DeepSeek's kernel does; other products accumulate in f64 and round once.
 
 use crate::dtype::{
     bf16_to_f32, f32_to_bf16, f32_to_fp4_e2m1, f32_to_fp8_e4m3, fp8_e4m3_to_f32, FP4_E2M1_VALUES, FP8_E4M3_MAX,
@@ -124,9 +124,19 @@ pub fn quantized_linear(w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
     out
 }
 
-/// The f32 product `x · Wᵀ` without any rounding of the output.
+/// The product `x · Wᵀ`, each output accumulated in f64 (exact products) and
+/// rounded once to f32: a result that no summation order can change.
 pub fn plain_linear(w: &Linear, x: &[f32], n: usize, out: &mut [f32]) {
-    w.forward(x, n, out);
+    assert_eq!(x.len(), n * w.cols, "linear input");
+    assert_eq!(out.len(), n * w.rows, "linear output");
+    let mut row = vec![0.0f32; w.cols];
+    for r in 0..w.rows {
+        w.dequantize_row(r, &mut row);
+        for t in 0..n {
+            let input = &x[t * w.cols..(t + 1) * w.cols];
+            out[t * w.rows + r] = input.iter().zip(&row).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() as f32;
+        }
+    }
 }
 
 /// A quantised weight decoded to its unscaled element values, with the scale of
@@ -168,11 +178,12 @@ impl<'a> WeightTable<'a> {
     fn scaled_dot(&self, r: usize, q: &Fp8Row) -> f32 {
         let mut acc = 0.0f32;
         for b in 0..self.blocks {
-            let mut partial = 0.0f32;
+            // FP8 × FP8 (or FP4) products are exact and their block sum is exact in f64.
+            let mut partial = 0.0f64;
             for c in b * ACT_BLOCK..(b + 1) * ACT_BLOCK {
-                partial += q.values[c] * self.element(r, c);
+                partial += q.values[c] as f64 * self.element(r, c) as f64;
             }
-            acc += partial * q.scales[b] * self.scales[r * self.blocks + b];
+            acc += partial as f32 * q.scales[b] * self.scales[r * self.blocks + b];
         }
         acc
     }

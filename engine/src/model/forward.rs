@@ -75,6 +75,9 @@ pub struct MtpChunk<'a> {
 impl Model {
     /// Run the chunks through the model, advancing each state.
     pub fn forward(&self, chunks: &mut [Chunk], wanted: LogitsWanted, keep_streams: bool) -> Vec<ChunkOutput> {
+        if let Some(m) = &self.v41 {
+            return chunks.iter_mut().map(|c| forward_v41(m, c, wanted)).collect();
+        }
         let mut pass = self.begin_pass(chunks);
         while !pass.is_done() {
             let layer = pass.layer;
@@ -295,4 +298,23 @@ fn segments(chunks: impl Iterator<Item = (usize, usize, bool)>) -> Vec<Segment> 
             s
         })
         .collect()
+}
+
+/// One chunk through the V4.1 forward pass (sequence by sequence: its kernels
+/// are row-wise, so a sequence's results do not depend on the batch).
+fn forward_v41(m: &crate::v41::ModelV41, c: &mut Chunk, wanted: LogitsWanted) -> ChunkOutput {
+    use crate::v41::Rows;
+    assert!(!c.replay, "DeepSeek-V4.1 sequences are not restored by replay");
+    let state = c.state.v41.as_mut().expect("a V4.1 model runs on V4.1 states");
+    if c.tokens.is_empty() {
+        return ChunkOutput::default();
+    }
+    let rows = match wanted {
+        LogitsWanted::None => Rows::None,
+        LogitsWanted::Last => Rows::Last,
+        LogitsWanted::All => Rows::All,
+    };
+    let out = m.forward(c.tokens, state, rows);
+    c.state.position += c.tokens.len();
+    ChunkOutput { logits: out.logits, streams: Vec::new() }
 }

@@ -13,6 +13,7 @@ use deepinfer_kernels::ops::{Rope, Yarn};
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::{AttentionKind, ConfigError, ModelConfig};
+use crate::v41::{ModelV41, V41Config};
 pub use forward::{Chunk, ChunkOutput, LogitsWanted, MtpChunk, Pass};
 pub use moe::{Dispatch, ExpertOutputs, Route};
 pub use state::SequenceState;
@@ -27,16 +28,23 @@ pub enum LoadError {
 }
 
 /// A loaded model: configuration, weights and the rotary tables.
+///
+/// A DeepSeek-V4.1 model runs its own forward pass (`v41`); `config` is then
+/// its scheduling view and `weights` holds no V4 layers.
 pub struct Model {
     pub config: ModelConfig,
     pub weights: Weights,
     rope_main: Rope,
     rope_compress: Rope,
+    pub v41: Option<Box<ModelV41>>,
 }
 
 impl Model {
     /// Load `config.json` and the `*.safetensors` weights from a Hugging Face directory.
     pub fn load(dir: &Path) -> Result<Self, LoadError> {
+        if is_v41_dir(dir)? {
+            return Ok(Self::from_v41(ModelV41::load(dir)?));
+        }
         let config = ModelConfig::from_file(&dir.join("config.json"))?;
         let checkpoint = Checkpoint::open(dir)?;
         let weights = Weights::load(&checkpoint, &config)?;
@@ -53,12 +61,34 @@ impl Model {
             attention_factor: y.attention_factor,
         });
         let rope_compress = Rope::new(config.rope_dim, config.compress_rope_theta, yarn);
-        Self { config, weights, rope_main, rope_compress }
+        Self { config, weights, rope_main, rope_compress, v41: None }
+    }
+
+    /// Wrap a DeepSeek-V4.1 model.
+    pub fn from_v41(model: ModelV41) -> Self {
+        let config = model.config.scheduling_view();
+        let rope = Rope::new(config.rope_dim, config.rope_theta, None);
+        Self {
+            config,
+            weights: Weights::empty(),
+            rope_main: rope.clone(),
+            rope_compress: rope,
+            v41: Some(Box::new(model)),
+        }
+    }
+
+    pub fn is_v41(&self) -> bool {
+        self.v41.is_some()
     }
 
     /// A fresh state for a new sequence.
     pub fn new_state(&self) -> SequenceState {
-        SequenceState::new(&self.config)
+        let mut state = SequenceState::new(&self.config);
+        if let Some(m) = &self.v41 {
+            state.layers.clear();
+            state.v41 = Some(m.new_state());
+        }
+        state
     }
 
     /// Whether the checkpoint carried an MTP block.
@@ -72,4 +102,13 @@ impl Model {
             _ => &self.rope_compress,
         }
     }
+}
+
+/// Whether `dir/config.json` describes DeepSeek-V4.1.
+fn is_v41_dir(dir: &Path) -> Result<bool, ConfigError> {
+    let path = dir.join("config.json");
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io { file: file.clone(), source })?;
+    let value: serde_json::Value = serde_json::from_str(&text).map_err(|source| ConfigError::Json { file, source })?;
+    Ok(V41Config::is_v41(&value))
 }

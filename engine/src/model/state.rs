@@ -64,6 +64,8 @@ pub struct SequenceState {
     /// Tokens the MTP block has processed, and its layer state.
     pub mtp_position: usize,
     pub mtp: Vec<LayerState>,
+    /// The whole state of a DeepSeek-V4.1 sequence (its layers share compressed KV).
+    pub v41: Option<crate::v41::V41State>,
 }
 
 impl SequenceState {
@@ -73,11 +75,12 @@ impl SequenceState {
             layers: cfg.attention.iter().map(|&k| LayerState::new(k)).collect(),
             mtp_position: 0,
             mtp: (0..cfg.num_mtp_layers).map(|_| LayerState::new(AttentionKind::Window)).collect(),
+            v41: None,
         }
     }
 
     /// Bytes of KV and compressor state held for this sequence.
     pub fn state_bytes(&self) -> usize {
-        4 * self.layers.iter().chain(&self.mtp).map(LayerState::len_f32).sum::<usize>()
+        self.v41.as_ref().map_or(0, crate::v41::V41State::state_bytes) + 4 * self.layers.iter().chain(&self.mtp).map(LayerState::len_f32).sum::<usize>()
     }
 }

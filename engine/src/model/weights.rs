@@ -301,6 +301,20 @@ impl Loader<'_> {
 }
 
 impl Weights {
+    /// No layers: the V4 part of a model that runs another architecture.
+    pub fn empty() -> Self {
+        let none = || Linear::from_f32(0, 0, Vec::new());
+        Self {
+            embed: none(),
+            blocks: Vec::new(),
+            hc_head: HyperHead { mix: none(), base: Vec::new(), scale: 1.0 },
+            norm: Vec::new(),
+            head: none(),
+            mtp: Vec::new(),
+            notices: Vec::new(),
+        }
+    }
+
     /// Load every tensor the forward pass needs; MTP blocks only if present.
     pub fn load(ck: &Checkpoint, cfg: &ModelConfig) -> Result<Self, CheckpointError> {
         let l = Loader { ck, cfg };

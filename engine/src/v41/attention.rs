@@ -117,7 +117,7 @@ pub fn forward(
 
 /// The grouped low-rank output: each group's heads through its own block of
 /// `wo_a` (bf16), then `wo_b`.
-fn output_projection(cfg: &V41Config, attn: &Attention, o: &[f32], n: usize) -> Vec<f32> {
+pub(super) fn output_projection(cfg: &V41Config, attn: &Attention, o: &[f32], n: usize) -> Vec<f32> {
     let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
     let group_in = cfg.n_heads * cfg.head_dim / groups;
     let mut mid = vec![0.0f32; n * groups * rank];
@@ -213,10 +213,8 @@ fn compress(cfg: &V41Config, c: &Compressor, ratio: usize, x: &[f32], span: Span
                     let mut pooled = vec![0.0f32; hd];
                     for (ch, out) in pooled.iter_mut().enumerate() {
                         let s: Vec<f32> = (0..ratio).map(|i| src.pending_score[i * hd + ch]).collect();
-                        let max = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                        let e: Vec<f32> = s.iter().map(|v| (v - max).exp()).collect();
-                        let sum: f32 = e.iter().sum();
-                        *out = (0..ratio).map(|i| src.pending_kv[i * hd + ch] * (e[i] / sum)).sum();
+                        let weights = ops::softmax(&s);
+                        *out = ops::sum((0..ratio).map(|i| src.pending_kv[i * hd + ch] * weights[i]));
                     }
                     round_bf16_all(&mut pooled);
                     ops::rms_norm(&mut pooled, &c.norm, cfg.norm_eps);
@@ -268,12 +266,10 @@ fn choose(
                     return f32::NEG_INFINITY;
                 }
                 let k = &keys[j * ihd..(j + 1) * ihd];
-                let mut sum = 0.0f32;
-                for h in 0..ih {
+                round_bf16(ops::sum((0..ih).map(|h| {
                     let s = round_bf16(ops::dot(&q[(t * ih + h) * ihd..(t * ih + h + 1) * ihd], k)).max(0.0);
-                    sum += round_bf16(s * weights[t * ih + h]);
-                }
-                round_bf16(sum)
+                    round_bf16(s * weights[t * ih + h])
+                })))
             })
             .collect();
         match plan.candidate {

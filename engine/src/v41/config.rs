@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::config::{ConfigError, Reader};
 
@@ -124,6 +124,8 @@ pub struct V41Config {
     pub dspark: Option<DsparkConfig>,
     pub n_mtp_layers: usize,
     pub max_seq_len: usize,
+    pub bos_token_id: u32,
+    pub eos_token_id: u32,
     pub layers: Vec<LayerPlan>,
 }
 
@@ -149,7 +151,8 @@ impl V41Config {
             key: "<root>".into(),
             problem: "expected a JSON object".into(),
         })?;
-        let r = Reader { file, map };
+        let flat = flat_keys(map, file)?;
+        let r = Reader { file, map: &flat };
         Self::read(&r)
     }
 
@@ -289,6 +292,8 @@ impl V41Config {
             dspark,
             n_mtp_layers,
             max_seq_len: r.opt_usize("max_seq_len")?.unwrap_or(1 << 20),
+            bos_token_id: r.token_id("bos_token_id", 0)?,
+            eos_token_id: r.token_id("eos_token_id", 1)?,
             layers,
         })
     }
@@ -428,5 +433,133 @@ impl V41Config {
     /// Layers whose index keys a sequence keeps (the KV sources).
     pub fn kv_source_layers(&self) -> Vec<usize> {
         (0..self.n_layers).filter(|&l| self.layers[l].owns_compressor(l)).collect()
+    }
+}
+
+/// Hugging Face `config.json` spellings (under `text_config`) → the reference's `ModelArgs` keys.
+const HF_KEYS: &[(&str, &str)] = &[
+    ("hidden_size", "dim"),
+    ("moe_intermediate_size", "moe_inter_dim"),
+    ("num_hidden_layers", "n_layers"),
+    ("num_attention_heads", "n_heads"),
+    ("qk_rope_head_dim", "rope_head_dim"),
+    ("rms_norm_eps", "norm_eps"),
+    ("num_experts_per_tok", "n_activated_experts"),
+    ("scoring_func", "score_func"),
+    ("routed_scaling_factor", "route_scale"),
+    ("sliding_window", "window_size"),
+    ("kv_source_layer_ids", "kv_source_layers"),
+    ("index_source_layer_ids", "index_source_layers"),
+    ("candidate_source_layer_id", "candidate_source_layer"),
+    ("engram_pad_token_id", "engram_pad_id"),
+    ("num_nextn_predict_layers", "n_mtp_layers"),
+    ("dspark_num_experts_per_tok", "dspark_n_activated_experts"),
+    ("max_position_embeddings", "max_seq_len"),
+];
+
+/// The config as one flat map of `ModelArgs` keys, whichever spelling the file uses.
+fn flat_keys(root: &Map<String, Value>, file: &str) -> Result<Map<String, Value>, ConfigError> {
+    let invalid = |key: &str, problem: String| ConfigError::Invalid { file: file.into(), key: key.into(), problem };
+    let Some(text) = root.get("text_config") else { return Ok(root.clone()) };
+    let text = text.as_object().ok_or_else(|| invalid("text_config", "expected an object".into()))?;
+    let mut flat = text.clone();
+    for key in ["bos_token_id", "eos_token_id"] {
+        if let (Some(v), false) = (root.get(key), flat.contains_key(key)) {
+            flat.insert(key.to_string(), v.clone());
+        }
+    }
+    for (hf, ours) in HF_KEYS {
+        if let (Some(v), false) = (text.get(*hf), text.contains_key(*ours)) {
+            flat.insert(ours.to_string(), v.clone());
+        }
+    }
+    if let Some(kv_heads) = text.get("num_key_value_heads") {
+        if kv_heads.as_u64() != Some(1) {
+            return Err(invalid("text_config.num_key_value_heads", format!("DeepSeek-V4.1 shares one KV head, found {kv_heads}")));
+        }
+    }
+    if let Some(rope) = text.get("rope_scaling").and_then(Value::as_object) {
+        for (hf, ours) in [
+            ("factor", "rope_factor"),
+            ("beta_fast", "beta_fast"),
+            ("beta_slow", "beta_slow"),
+            ("original_max_position_embeddings", "original_seq_len"),
+        ] {
+            if let Some(v) = rope.get(hf) {
+                flat.entry(ours.to_string()).or_insert_with(|| v.clone());
+            }
+        }
+    }
+    if let Some(q) = root.get("quantization_config").and_then(Value::as_object) {
+        if let Some(block) = q.get("weight_block_size") {
+            if block != &serde_json::json!([32, 32]) {
+                return Err(invalid(
+                    "quantization_config.weight_block_size",
+                    format!("DeepSeek-V4.1 stores 32×32 FP8 blocks, found {block}"),
+                ));
+            }
+        }
+        if let Some(fmt) = q.get("scale_fmt").filter(|f| f.as_str() != Some("ue8m0")) {
+            return Err(invalid("quantization_config.scale_fmt", format!("only \"ue8m0\" is supported, found {fmt}")));
+        }
+        if let Some(e) = q.get("expert_dtype") {
+            flat.entry("expert_dtype".to_string()).or_insert_with(|| e.clone());
+        }
+    }
+    Ok(flat)
+}
+
+impl V41Config {
+    /// The V4 `ModelConfig` the scheduler, KV accounting and cost model read:
+    /// shapes, and per layer `Csa` (entries + index keys) for the KV sources
+    /// that hold compressed state and `Window` for the rest.
+    pub fn scheduling_view(&self) -> crate::config::ModelConfig {
+        use crate::config::{AttentionKind, ModelConfig, QuantConfig, RoutingKind};
+        let attention = (0..self.n_layers)
+            .map(|l| {
+                let p = self.layers[l];
+                if p.owns_compressor(l) {
+                    AttentionKind::Csa { ratio: p.ratio }
+                } else {
+                    AttentionKind::Window
+                }
+            })
+            .collect();
+        ModelConfig {
+            vocab_size: self.vocab_size,
+            hidden_size: self.dim,
+            num_layers: self.n_layers,
+            num_heads: self.n_heads,
+            head_dim: self.head_dim,
+            rope_dim: self.rope_head_dim,
+            q_lora_rank: self.q_lora_rank,
+            o_groups: self.o_groups,
+            o_lora_rank: self.o_lora_rank,
+            sliding_window: self.window_size,
+            attention,
+            index_n_heads: self.index_n_heads,
+            index_head_dim: self.index_head_dim,
+            index_topk: self.index_topk,
+            n_routed_experts: self.n_routed_experts,
+            n_shared_experts: 1,
+            experts_per_token: self.n_activated_experts,
+            moe_intermediate_size: self.moe_inter_dim,
+            routing: vec![RoutingKind::TopK; self.n_layers],
+            routed_scaling_factor: self.route_scale,
+            norm_topk_prob: self.norm_topk_prob,
+            swiglu_limit: self.swiglu_limit,
+            hc_mult: self.hc_mult,
+            hc_sinkhorn_iters: self.hc_sinkhorn_iters,
+            hc_eps: self.hc_eps,
+            rms_norm_eps: self.norm_eps,
+            rope_theta: self.rope_theta,
+            compress_rope_theta: self.compress_rope_theta,
+            compress_yarn: None,
+            max_position_embeddings: self.max_seq_len,
+            num_mtp_layers: 0,
+            bos_token_id: self.bos_token_id,
+            eos_token_id: self.eos_token_id,
+            quant: QuantConfig { fp8_block: (32, 32) },
+        }
     }
 }

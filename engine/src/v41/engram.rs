@@ -171,14 +171,10 @@ impl EngramTable {
 /// The gate of one (token, stream): sigmoid of the signed square root of the
 /// normalised stream·key product.
 pub fn gate(stream: &[f32], key: &[f32], weight: &[f32], eps: f32) -> f32 {
+    use super::ops::{mean_square, rsqrt, sigmoid, sum};
     let d = stream.len();
-    let mean_sq = |x: &[f32]| x.iter().map(|v| v * v).sum::<f32>() / d as f32;
-    let rstd = (1.0 / (mean_sq(stream) + eps).sqrt()) * (1.0 / (mean_sq(key) + eps).sqrt());
-    let mut dot = 0.0f32;
-    for ((h, w), k) in stream.iter().zip(weight).zip(key) {
-        dot += h * w * k;
-    }
-    let dot = dot * rstd * (d as f32).powf(-0.5);
-    let root = dot.abs().max(1e-6).sqrt().copysign(dot);
-    1.0 / (1.0 + (-root).exp())
+    let rstd = rsqrt(mean_square(stream) + eps) * rsqrt(mean_square(key) + eps);
+    let dot = sum(stream.iter().zip(weight).zip(key).map(|((h, w), k)| h * w * k));
+    let dot = dot * rstd * (d as f64).powf(-0.5) as f32;
+    sigmoid(dot.abs().max(1e-6).sqrt().copysign(dot))
 }

@@ -5,7 +5,7 @@
 use deepinfer_kernels::act_quant::{plain_linear, quantized_linear, round_bf16_all};
 
 use super::config::{ScoreFunc, V41Config};
-use super::ops::top_k_stable;
+use super::ops::{self, top_k_stable};
 use super::weights::{Expert, Moe};
 
 /// Experts and weights of one token.
@@ -24,35 +24,21 @@ pub fn route(cfg: &V41Config, moe: &Moe, x: &[f32], n: usize) -> Vec<Route> {
         .map(|row| {
             let row: Vec<f32> = row.iter().map(|v| v / cfg.gate_temp).collect();
             let scores: Vec<f32> = match cfg.score_func {
-                ScoreFunc::Softmax => {
-                    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-                    let ex: Vec<f32> = row.iter().map(|v| (v - max).exp()).collect();
-                    let sum: f32 = ex.iter().sum();
-                    ex.iter().map(|v| v / sum).collect()
-                }
-                ScoreFunc::Sigmoid => row.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
-                ScoreFunc::SqrtSoftplus => row.iter().map(|&v| softplus(v).sqrt()).collect(),
+                ScoreFunc::Softmax => ops::softmax(&row),
+                ScoreFunc::Sigmoid => row.iter().map(|&v| ops::sigmoid(v)).collect(),
+                ScoreFunc::SqrtSoftplus => row.iter().map(|&v| ops::softplus(v).sqrt()).collect(),
             };
             let biased: Vec<f32> = scores.iter().zip(&moe.bias).map(|(s, b)| s + b).collect();
             let experts = top_k_stable(&biased, moe.n_activated);
             let mut weights: Vec<f32> = experts.iter().map(|&i| scores[i]).collect();
             if cfg.norm_topk_prob && moe.n_activated > 1 {
-                let sum = weights.iter().sum::<f32>() + 1e-20;
+                let sum = ops::sum(weights.iter().copied()) + 1e-20;
                 weights.iter_mut().for_each(|w| *w /= sum);
             }
             weights.iter_mut().for_each(|w| *w *= cfg.route_scale);
             Route { experts, weights }
         })
         .collect()
-}
-
-/// torch's softplus (threshold 20: linear above it).
-fn softplus(x: f32) -> f32 {
-    if x > 20.0 {
-        x
-    } else {
-        x.exp().ln_1p()
-    }
 }
 
 /// One expert over `rows` (bf16 values), each scaled by its routing weight
@@ -69,7 +55,7 @@ pub fn expert_forward(cfg: &V41Config, expert: &Expert, x: &[f32], weights: Opti
         .enumerate()
         .map(|(i, (&g, &u))| {
             let (g, u) = if limit > 0.0 { (g.min(limit), u.clamp(-limit, limit)) } else { (g, u) };
-            let h = g / (1.0 + (-g).exp()) * u;
+            let h = ops::silu(g) * u;
             match weights {
                 Some(w) => w[i / inter] * h,
                 None => h,

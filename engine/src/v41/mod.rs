@@ -5,6 +5,7 @@
 
 pub mod attention;
 pub mod config;
+pub mod dspark;
 pub mod engram;
 pub mod ffn;
 pub mod forward;
@@ -16,6 +17,7 @@ pub mod weights;
 use std::path::Path;
 
 pub use config::V41Config;
+pub use dspark::Drafts;
 use engram::EngramHash;
 pub use forward::{ChunkResult, Rows};
 use ops::RopeTable;
@@ -104,4 +106,12 @@ fn read_token_map(path: &Path) -> Result<Vec<u32>, crate::checkpoint::Checkpoint
                 .ok_or_else(|| err(format!("key `token_map[{i}]`: expected a compressed id, found {v}")))
         })
         .collect()
+}
+
+/// Temporary activation trace for debugging against the reference.
+pub static TRACE: std::sync::Mutex<Option<Vec<(String, Vec<f32>)>>> = std::sync::Mutex::new(None);
+pub fn trace(name: &str, data: &[f32]) {
+    if let Some(t) = TRACE.lock().unwrap().as_mut() {
+        t.push((name.to_string(), data.to_vec()));
+    }
 }

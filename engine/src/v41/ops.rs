@@ -1,17 +1,62 @@
 //! Row-wise arithmetic of the V4.1 forward pass, in the reference's order of
 //! f32 operations and bf16 roundings: RMSNorm, RoPE, mHC mixing, the blockwise
 //! online-softmax attention over a list of keys.
+//!
+//! What the reference leaves to its libraries (the order of a sum, the last
+//! bit of `exp`) is defined here as the f64 result rounded once to f32: every
+//! dot product and reduction accumulates in f64, every transcendental is
+//! evaluated in f64. Element-wise f32 arithmetic is IEEE on both sides.
 
 use deepinfer_kernels::act_quant::round_bf16;
 
 /// `bf16(weight · x · rsqrt(mean(x²) + eps))` of a bf16-valued row, in place.
 pub fn rms_norm(x: &mut [f32], weight: &[f32], eps: f32) {
     assert_eq!(x.len(), weight.len(), "rms_norm weight");
-    let mean_sq = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
-    let inv = 1.0 / (mean_sq + eps).sqrt();
+    let inv = rsqrt(mean_square(x) + eps);
     for (v, w) in x.iter_mut().zip(weight) {
         *v = round_bf16(w * (*v * inv));
     }
+}
+
+/// `mean(x²)`: f32 squares, summed in f64.
+pub fn mean_square(x: &[f32]) -> f32 {
+    (x.iter().map(|&v| (v * v) as f64).sum::<f64>() / x.len() as f64) as f32
+}
+
+/// Σ in f64, rounded once.
+pub fn sum(values: impl IntoIterator<Item = f32>) -> f32 {
+    values.into_iter().map(f64::from).sum::<f64>() as f32
+}
+
+pub fn rsqrt(x: f32) -> f32 {
+    (1.0 / (x as f64).sqrt()) as f32
+}
+
+pub fn exp(x: f32) -> f32 {
+    (x as f64).exp() as f32
+}
+
+pub fn sigmoid(x: f32) -> f32 {
+    (1.0 / (1.0 + (-(x as f64)).exp())) as f32
+}
+
+pub fn silu(x: f32) -> f32 {
+    let x = x as f64;
+    (x / (1.0 + (-x).exp())) as f32
+}
+
+/// torch's softplus (linear above 20), in f64.
+pub fn softplus(x: f32) -> f32 {
+    let x = x as f64;
+    (if x > 20.0 { x } else { x.exp().ln_1p() }) as f32
+}
+
+/// Softmax of a row in f64, rounded once per element.
+pub fn softmax(x: &[f32]) -> Vec<f32> {
+    let max = x.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b as f64));
+    let e: Vec<f64> = x.iter().map(|&v| (v as f64 - max).exp()).collect();
+    let total: f64 = e.iter().sum();
+    e.iter().map(|v| (v / total) as f32).collect()
 }
 
 /// Rotary tables of one attention kind, f32 as the reference computes them
@@ -24,7 +69,7 @@ impl RopeTable {
     pub fn new(dim: usize, base: f64, original_seq_len: usize, factor: f64, beta_fast: f64, beta_slow: f64) -> Self {
         let half = dim / 2;
         let mut freqs: Vec<f32> =
-            (0..half).map(|i| 1.0 / (base as f32).powf((2 * i) as f32 / dim as f32)).collect();
+            (0..half).map(|i| 1.0 / base.powf(((2 * i) as f32 / dim as f32) as f64) as f32).collect();
         if original_seq_len > 0 {
             let corrected = |rotations: f64| {
                 dim as f64 * (original_seq_len as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln()
@@ -47,8 +92,9 @@ impl RopeTable {
     pub fn apply(&self, x: &mut [f32], position: usize, inverse: bool) {
         assert_eq!(x.len(), 2 * self.freqs.len(), "rope slice");
         for (pair, &f) in x.chunks_exact_mut(2).zip(&self.freqs) {
-            let angle = position as f32 * f;
-            let (c, s) = (angle.cos(), if inverse { -angle.sin() } else { angle.sin() });
+            let angle = (position as f32 * f) as f64;
+            let (c, s) = (angle.cos() as f32, angle.sin() as f32);
+            let s = if inverse { -s } else { s };
             let (a, b) = (pair[0], pair[1]);
             pair[0] = round_bf16(a * c - b * s);
             pair[1] = round_bf16(a * s + b * c);
@@ -75,24 +121,22 @@ pub fn hc_mixes(
     norm_eps: f32,
     hc_eps: f32,
 ) -> Mix {
-    let width = streams.len();
-    let rsqrt = 1.0 / (streams.iter().map(|v| v * v).sum::<f32>() / width as f32 + norm_eps).sqrt();
-    let m: Vec<f32> = mix.chunks_exact(width).map(|row| dot(streams, row) * rsqrt).collect();
-    let sigmoid = |x: f32| 1.0 / (1.0 + (-x).exp());
+    let inv = rsqrt(mean_square(streams) + norm_eps);
+    let m: Vec<f32> = mix.chunks_exact(streams.len()).map(|row| dot(streams, row) * inv).collect();
     let pre = (0..hc).map(|j| sigmoid(m[j] * scale[0] + base[j]) + hc_eps).collect();
     let post = (0..hc).map(|j| 2.0 * sigmoid(m[hc + j] * scale[1] + base[hc + j])).collect();
     let mut comb: Vec<f32> = (0..hc * hc).map(|k| m[2 * hc + k] * scale[2] + base[2 * hc + k]).collect();
     for row in comb.chunks_exact_mut(hc) {
         let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        row.iter_mut().for_each(|v| *v = (*v - max).exp());
-        let sum: f32 = row.iter().sum();
-        row.iter_mut().for_each(|v| *v = *v / sum + hc_eps);
+        row.iter_mut().for_each(|v| *v = exp(*v - max));
+        let total = sum(row.iter().copied());
+        row.iter_mut().for_each(|v| *v = *v / total + hc_eps);
     }
     normalize_columns(&mut comb, hc, hc_eps);
     for _ in 1..iters {
         for row in comb.chunks_exact_mut(hc) {
-            let sum: f32 = row.iter().sum::<f32>() + hc_eps;
-            row.iter_mut().for_each(|v| *v /= sum);
+            let total = sum(row.iter().copied()) + hc_eps;
+            row.iter_mut().for_each(|v| *v /= total);
         }
         normalize_columns(&mut comb, hc, hc_eps);
     }
@@ -101,8 +145,8 @@ pub fn hc_mixes(
 
 fn normalize_columns(comb: &mut [f32], hc: usize, eps: f32) {
     for j in 0..hc {
-        let sum: f32 = (0..hc).map(|i| comb[i * hc + j]).sum::<f32>() + eps;
-        (0..hc).for_each(|i| comb[i * hc + j] /= sum);
+        let total = sum((0..hc).map(|i| comb[i * hc + j])) + eps;
+        (0..hc).for_each(|i| comb[i * hc + j] /= total);
     }
 }
 
@@ -110,11 +154,7 @@ fn normalize_columns(comb: &mut [f32], hc: usize, eps: f32) {
 pub fn hc_pre(streams: &[f32], pre: &[f32], out: &mut [f32]) {
     let d = out.len();
     for (c, o) in out.iter_mut().enumerate() {
-        let mut acc = 0.0f32;
-        for (i, &p) in pre.iter().enumerate() {
-            acc += p * streams[i * d + c];
-        }
-        *o = round_bf16(acc);
+        *o = round_bf16(sum(pre.iter().enumerate().map(|(i, &p)| p * streams[i * d + c])));
     }
 }
 
@@ -125,18 +165,15 @@ pub fn hc_post(streams: &mut [f32], output: &[f32], mix: &Mix) {
     let residual = streams.to_vec();
     for j in 0..hc {
         for c in 0..d {
-            let mut acc = 0.0f32;
-            for i in 0..hc {
-                acc += mix.comb[i * hc + j] * residual[i * d + c];
-            }
-            streams[j * d + c] = round_bf16(mix.post[j] * output[c] + acc);
+            let mixed = sum((0..hc).map(|i| mix.comb[i * hc + j] * residual[i * d + c]));
+            streams[j * d + c] = round_bf16(mix.post[j] * output[c] + mixed);
         }
     }
 }
 
-/// f32 dot product in index order.
+/// Dot product accumulated in f64 (exact products), rounded once.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).fold(0.0f32, |acc, (x, y)| acc + x * y)
+    a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>() as f32
 }
 
 /// Keys are visited in blocks of this many list slots.
@@ -158,20 +195,20 @@ pub fn sparse_attention(q: &[f32], keys: &[Option<&[f32]>], sink: &[f32], scale:
             let scores: Vec<f32> =
                 block.iter().map(|k| k.map_or(f32::NEG_INFINITY, |k| dot(qh, k) * scale)).collect();
             let new_max = scores.iter().fold(max, |a, &b| a.max(b));
-            let rescale = (max - new_max).exp();
+            let rescale = exp(max - new_max);
             max = new_max;
-            let p: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
-            sum_exp = sum_exp * rescale + p.iter().sum::<f32>();
-            let mut weighted = vec![0.0f32; d];
+            let p: Vec<f32> = scores.iter().map(|s| exp(s - max)).collect();
+            sum_exp = sum_exp * rescale + sum(p.iter().copied());
+            let mut weighted = vec![0.0f64; d];
             for (k, &pk) in block.iter().zip(&p) {
                 if let Some(k) = k {
-                    let w = round_bf16(pk);
-                    weighted.iter_mut().zip(*k).for_each(|(a, v)| *a += w * v);
+                    let w = round_bf16(pk) as f64;
+                    weighted.iter_mut().zip(*k).for_each(|(a, &v)| *a += w * v as f64);
                 }
             }
-            acc.iter_mut().zip(&weighted).for_each(|(a, w)| *a = *a * rescale + w);
+            acc.iter_mut().zip(&weighted).for_each(|(a, &w)| *a = *a * rescale + w as f32);
         }
-        sum_exp += (sink[h] - max).exp();
+        sum_exp += exp(sink[h] - max);
         for (o, a) in out[h * d..(h + 1) * d].iter_mut().zip(&acc) {
             *o = round_bf16(a / sum_exp);
         }
