@@ -18,6 +18,7 @@ pub mod kv_pool;
 pub mod model;
 pub mod prefix_cache;
 pub mod presets;
+pub mod presets_v41;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;

@@ -26,15 +26,23 @@ pub enum Preset {
     TinyV4,
     /// Hidden 1024, 8 layers, 32 routed experts (4 active): a benchmark-sized model.
     SmallV4,
+    /// DeepSeek-V4.1, hidden 64, 8 layers (window, a ratio-2 group with a reuse layer and
+    /// an index source without keys, a ratio-1 group with the candidate filter) + 1 DSpark
+    /// layer, Engram before layers 0 and 2.
+    TinyV41,
+    /// DeepSeek-V4.1 with the tiny layout at hidden 1024: a benchmark-sized model.
+    SmallV41,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 2] = [Preset::TinyV4, Preset::SmallV4];
+    pub const ALL: [Preset; 4] = [Preset::TinyV4, Preset::SmallV4, Preset::TinyV41, Preset::SmallV41];
 
     pub fn name(self) -> &'static str {
         match self {
             Preset::TinyV4 => "tiny-v4",
             Preset::SmallV4 => "small-v4",
+            Preset::TinyV41 => "tiny-v41",
+            Preset::SmallV41 => "small-v41",
         }
     }
 
@@ -42,15 +50,24 @@ impl Preset {
         Self::ALL.into_iter().find(|p| p.name() == name)
     }
 
-    /// The preset's `config.json` (modern `DeepseekV4Config` keys).
+    pub fn is_v41(self) -> bool {
+        matches!(self, Preset::TinyV41 | Preset::SmallV41)
+    }
+
+    /// The preset's `config.json` (modern `DeepseekV4Config` keys; for V4.1 the reference's).
     pub fn config_json(self) -> Value {
+        match self {
+            Preset::TinyV41 => return crate::presets_v41::config_json(&crate::presets_v41::TINY),
+            Preset::SmallV41 => return crate::presets_v41::config_json(&crate::presets_v41::SMALL),
+            _ => {}
+        }
         let (vocab, hidden, layers, heads, head_dim, rope, q_lora, groups, o_lora, window) = match self {
             Preset::TinyV4 => (1024, 64, 7, 4, 64, 16, 32, 2, 32, 8),
-            Preset::SmallV4 => (1024, 1024, 8, 16, 128, 64, 512, 4, 256, 128),
+            _ => (1024, 1024, 8, 16, 128, 64, 512, 4, 256, 128),
         };
         let (index_heads, index_dim, topk, experts, active, inter, hash, hca) = match self {
             Preset::TinyV4 => (2, 32, 2, 8, 2, 32, 3, 16),
-            Preset::SmallV4 => (8, 64, 64, 32, 4, 256, 2, 128),
+            _ => (8, 64, 64, 32, 4, 256, 2, 128),
         };
         let layer_types: Vec<&str> = (0..layers)
             .map(|i| match i {
@@ -108,7 +125,14 @@ impl Preset {
     }
 
     pub fn config(self) -> ModelConfig {
+        if self.is_v41() {
+            return self.v41_config().scheduling_view();
+        }
         ModelConfig::from_json_str(&self.config_json().to_string(), self.name()).expect("preset config is valid")
+    }
+
+    pub fn v41_config(self) -> crate::v41::V41Config {
+        crate::v41::V41Config::from_json_str(&self.config_json().to_string(), self.name()).expect("preset config is valid")
     }
 }
 
@@ -141,12 +165,12 @@ pub fn serialize(tensors: &[TensorData]) -> Vec<u8> {
 }
 
 /// SplitMix64 normals: a small seeded stream, stable across platforms.
-struct Normal {
-    state: u64,
+pub(crate) struct Normal {
+    pub(crate) state: u64,
 }
 
 impl Normal {
-    fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -160,18 +184,18 @@ impl Normal {
         let (u, v) = (self.uniform(), self.uniform());
         ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()) as f32 * std
     }
-    fn vec(&mut self, len: usize, mean: f32, std: f32) -> Vec<f32> {
+    pub(crate) fn vec(&mut self, len: usize, mean: f32, std: f32) -> Vec<f32> {
         (0..len).map(|_| mean + self.sample(std)).collect()
     }
 }
 
-struct Writer {
-    rng: Normal,
-    tensors: Vec<TensorData>,
+pub(crate) struct Writer {
+    pub(crate) rng: Normal,
+    pub(crate) tensors: Vec<TensorData>,
 }
 
 impl Writer {
-    fn f32(&mut self, name: &str, shape: &[usize], mean: f32, std: f32) {
+    pub(crate) fn f32(&mut self, name: &str, shape: &[usize], mean: f32, std: f32) {
         let v = self.rng.vec(shape.iter().product(), mean, std);
         self.tensors.push(TensorData {
             name: name.into(),
@@ -180,7 +204,7 @@ impl Writer {
             data: v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         });
     }
-    fn bf16(&mut self, name: &str, rows: usize, cols: usize, std: f32) {
+    pub(crate) fn bf16(&mut self, name: &str, rows: usize, cols: usize, std: f32) {
         let v = self.rng.vec(rows * cols, 0.0, std);
         self.tensors.push(TensorData {
             name: format!("{name}.weight"),
@@ -189,7 +213,7 @@ impl Writer {
             data: v.iter().flat_map(|x| f32_to_bf16(*x).to_le_bytes()).collect(),
         });
     }
-    fn fp8(&mut self, name: &str, rows: usize, cols: usize, block: usize) {
+    pub(crate) fn fp8(&mut self, name: &str, rows: usize, cols: usize, block: usize) {
         let v = self.rng.vec(rows * cols, 0.0, 1.0 / (cols as f32).sqrt());
         let q = quantize_fp8_blocks(&v, rows, cols, block);
         self.tensors.push(TensorData {
@@ -205,7 +229,7 @@ impl Writer {
             data: q.scales,
         });
     }
-    fn fp4(&mut self, name: &str, rows: usize, cols: usize) {
+    pub(crate) fn fp4(&mut self, name: &str, rows: usize, cols: usize) {
         let v = self.rng.vec(rows * cols, 0.0, 1.0 / (cols as f32).sqrt());
         let q = quantize_fp4_rows(&v, rows, cols, 32);
         self.tensors.push(TensorData {
@@ -221,7 +245,7 @@ impl Writer {
             data: q.scales,
         });
     }
-    fn norm(&mut self, name: &str, len: usize) {
+    pub(crate) fn norm(&mut self, name: &str, len: usize) {
         self.f32(name, &[len], 1.0, 0.1);
     }
     fn hyper(&mut self, prefix: &str, cfg: &ModelConfig) {
@@ -341,6 +365,14 @@ pub fn random_checkpoint(cfg: &ModelConfig, seed: u64) -> Vec<TensorData> {
 
 /// Build a preset model in memory, without touching the file system.
 pub fn build(preset: Preset, seed: u64) -> Result<Model, LoadError> {
+    if preset.is_v41() {
+        let cfg = preset.v41_config();
+        let bytes = Bytes::from(serialize(&crate::presets_v41::random_checkpoint(&cfg, seed)));
+        let checkpoint = Checkpoint::from_bytes(&format!("builtin:{}", preset.name()), bytes)?;
+        let weights = crate::v41::weights::Weights::load(&checkpoint, &cfg)?;
+        let map = crate::presets_v41::token_map(cfg.vocab_size);
+        return Ok(Model::from_v41(crate::v41::ModelV41::new(cfg, weights, Some(map))?));
+    }
     let cfg = preset.config();
     let bytes = Bytes::from(serialize(&random_checkpoint(&cfg, seed)));
     let checkpoint = Checkpoint::from_bytes(&format!("builtin:{}", preset.name()), bytes)?;

@@ -42,6 +42,28 @@ pub fn quantize_fp8_blocks(w: &[f32], rows: usize, cols: usize, block: usize) ->
     Quantized { codes, scales, scale_shape: (grid_r, grid_c) }
 }
 
+/// FP8 e4m3 with one UE8M0 scale per `block` columns of each row (the Engram tables).
+pub fn quantize_fp8_rows(w: &[f32], rows: usize, cols: usize, block: usize) -> Quantized {
+    assert_eq!(w.len(), rows * cols);
+    assert!(cols.is_multiple_of(block), "fp8 rows need cols divisible by {block}");
+    let blocks = cols / block;
+    let mut scales = vec![0u8; rows * blocks];
+    let mut codes = vec![0u8; rows * cols];
+    for r in 0..rows {
+        for b in 0..blocks {
+            let seg = &w[r * cols + b * block..r * cols + (b + 1) * block];
+            let max_abs = seg.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let code = ue8m0_scale_for(max_abs, FP8_E4M3_MAX);
+            scales[r * blocks + b] = code;
+            let s = ue8m0_to_f32(code);
+            for (c, &v) in seg.iter().enumerate() {
+                codes[r * cols + b * block + c] = f32_to_fp8_e4m3(v / s);
+            }
+        }
+    }
+    Quantized { codes, scales, scale_shape: (rows, blocks) }
+}
+
 /// FP4 e2m1 packed two per byte (even column low nibble), one UE8M0 scale per
 /// `block` columns of each row. `cols` must be a multiple of `block` and of 2.
 pub fn quantize_fp4_rows(w: &[f32], rows: usize, cols: usize, block: usize) -> Quantized {

@@ -3,6 +3,8 @@
 use anyhow::{bail, Context};
 use deepinfer_engine::config::ModelConfig;
 use deepinfer_engine::presets::{random_checkpoint, serialize, Preset};
+use deepinfer_engine::presets_v41;
+use deepinfer_engine::v41::{V41Config, ENGRAM_TOKEN_MAP};
 
 use crate::cli::InitArgs;
 use crate::tokenizer::{builtin_tokenizer_json, load_tokenizer};
@@ -25,13 +27,22 @@ pub fn run(args: &InitArgs) -> anyhow::Result<()> {
             std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?
         }
     };
-    let config = ModelConfig::from_json_str(&config_json.to_string(), preset.name())?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("{}: cannot create directory", args.out.display()))?;
     let write = |name: &str, bytes: &[u8]| {
         let path = args.out.join(name);
         std::fs::write(&path, bytes).with_context(|| format!("{}: cannot write", path.display()))
     };
-    let tensors = random_checkpoint(&config, args.seed);
+    let tensors = if preset.is_v41() {
+        let config = V41Config::from_json_str(&config_json.to_string(), preset.name())?;
+        if config.engram.is_some() {
+            let map = presets_v41::token_map_json(config.vocab_size);
+            write(ENGRAM_TOKEN_MAP, serde_json::to_string(&map)?.as_bytes())?;
+        }
+        presets_v41::random_checkpoint(&config, args.seed)
+    } else {
+        let config = ModelConfig::from_json_str(&config_json.to_string(), preset.name())?;
+        random_checkpoint(&config, args.seed)
+    };
     let weights = serialize(&tensors);
     write("config.json", serde_json::to_string_pretty(&config_json)?.as_bytes())?;
     write("model.safetensors", &weights)?;

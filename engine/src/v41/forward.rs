@@ -52,7 +52,6 @@ impl ModelV41 {
         for (l, block) in self.weights.blocks.iter().enumerate() {
             if let (Some(e), Some(slot)) = (&block.engram, cfg.layers[l].engram) {
                 self.apply_engram(e, &engram_rows, slot, &mut streams, n);
-                super::trace(&format!("engram{l}"), &streams);
             }
             if let Some(i) = targets.iter().position(|&x| x == l) {
                 for t in 0..n {
@@ -61,7 +60,6 @@ impl ModelV41 {
                 }
             }
             pre = self.block_forward(l, block, &mut streams, &pre, span, state, &mut shared);
-            super::trace(&format!("layer{l}"), &streams);
         }
         state.position += n;
 
@@ -97,7 +95,6 @@ impl ModelV41 {
         let cfg = &self.config;
         let (d, hc, n) = (cfg.dim, cfg.hc_mult, span.len);
         let attn_mixes = self.mixes(&block.hc_attn, streams, n);
-        super::trace(&format!("mixA{layer}"), &attn_mixes.iter().flat_map(|m| m.pre.iter().chain(&m.post).chain(&m.comb).copied()).collect::<Vec<f32>>());
         let mut x = vec![0.0f32; n * d];
         for t in 0..n {
             let out = &mut x[t * d..(t + 1) * d];
@@ -106,21 +103,17 @@ impl ModelV41 {
         }
         let rope = if cfg.layers.get(layer).is_some_and(|p| p.ratio > 0) { &self.rope_compress } else { &self.rope_main };
         let out = attention::forward(cfg, layer, &block.attn, rope, &x, span, state, shared);
-        super::trace(&format!("attn{layer}"), &out);
         for t in 0..n {
             ops::hc_post(&mut streams[t * hc * d..(t + 1) * hc * d], &out[t * d..(t + 1) * d], &attn_mixes[t]);
         }
 
         let ffn_mixes = self.mixes(&block.hc_ffn, streams, n);
-        super::trace(&format!("mixF{layer}"), &ffn_mixes.iter().flat_map(|m| m.pre.iter().chain(&m.post).chain(&m.comb).copied()).collect::<Vec<f32>>());
-        super::trace(&format!("postattn{layer}"), streams);
         for t in 0..n {
             let out = &mut x[t * d..(t + 1) * d];
             ops::hc_pre(&streams[t * hc * d..(t + 1) * hc * d], &attn_mixes[t].pre, out);
             ops::rms_norm(out, &block.ffn_norm, cfg.norm_eps);
         }
         let out = ffn::forward(cfg, &block.moe, &x, n);
-        super::trace(&format!("ffn{layer}"), &out);
         for t in 0..n {
             ops::hc_post(&mut streams[t * hc * d..(t + 1) * hc * d], &out[t * d..(t + 1) * d], &ffn_mixes[t]);
         }

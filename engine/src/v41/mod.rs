@@ -108,10 +108,3 @@ fn read_token_map(path: &Path) -> Result<Vec<u32>, crate::checkpoint::Checkpoint
         .collect()
 }
 
-/// Temporary activation trace for debugging against the reference.
-pub static TRACE: std::sync::Mutex<Option<Vec<(String, Vec<f32>)>>> = std::sync::Mutex::new(None);
-pub fn trace(name: &str, data: &[f32]) {
-    if let Some(t) = TRACE.lock().unwrap().as_mut() {
-        t.push((name.to_string(), data.to_vec()));
-    }
-}

@@ -95,9 +95,9 @@ impl RopeTable {
             let angle = (position as f32 * f) as f64;
             let (c, s) = (angle.cos() as f32, angle.sin() as f32);
             let s = if inverse { -s } else { s };
-            let (a, b) = (pair[0], pair[1]);
-            pair[0] = round_bf16(a * c - b * s);
-            pair[1] = round_bf16(a * s + b * c);
+            let (a, b, c, s) = (pair[0] as f64, pair[1] as f64, c as f64, s as f64);
+            pair[0] = round_bf16((a * c - b * s) as f32);
+            pair[1] = round_bf16((a * s + b * c) as f32);
         }
     }
 }
