@@ -9,6 +9,7 @@ use std::time::Duration;
 use deepinfer_engine::config::ModelConfig;
 use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::model::Model;
+use deepinfer_engine::prefix_cache::PrefixMode;
 use deepinfer_engine::scheduler::EngineConfig;
 use ractor::ActorCell;
 
@@ -206,6 +207,8 @@ impl Ctx {
     /// The batching policy of `instance`'s scheduler.
     pub fn engine_for(&self, instance: u32) -> EngineConfig {
         match &self.modelled {
+            // A V4.1 state is not yet restored from cached blocks.
+            None if self.model.is_v41() => EngineConfig { prefix_mode: PrefixMode::Off, ..self.engine.clone() },
             None => self.engine.clone(),
             Some(m) => {
                 let bt = self.block_tokens;

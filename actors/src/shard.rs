@@ -60,22 +60,36 @@ impl ShardState {
             }
             rows += x.rows as u64;
         }
-        if rows * cfg.hidden_size as u64 != body.len() as u64 {
+        if rows * self.row_width() as u64 != body.len() as u64 {
             return Err(ResultStatus::Invalid(format!("{rows} rows but a body of {} values", body.len())));
         }
         Ok(())
     }
 
+    /// Values per dispatched row: its hidden state, and its routing weight for
+    /// models whose experts apply it.
+    fn row_width(&self) -> usize {
+        self.ctx.model.config.hidden_size + usize::from(self.ctx.model.experts_take_weights())
+    }
+
     fn compute(&self, h: &DispatchHeader, body: &[f32]) -> Vec<f32> {
-        let d = self.ctx.model.config.hidden_size;
+        let model = &self.ctx.model;
+        let d = model.config.hidden_size;
         let mut out = Vec::with_capacity(body.len());
         let mut at = 0;
         for x in &h.experts {
-            let n = x.rows as usize * d;
-            if n > 0 {
-                out.extend(self.ctx.model.expert_forward(h.layer as usize, x.expert as usize, &body[at..at + n]));
+            let rows = x.rows as usize;
+            let (layer, expert) = (h.layer as usize, x.expert as usize);
+            if rows > 0 {
+                let input = &body[at..at + rows * d];
+                if model.experts_take_weights() {
+                    let weights = &body[at + rows * d..at + rows * (d + 1)];
+                    out.extend(model.expert_forward_weighted(layer, expert, input, weights));
+                } else {
+                    out.extend(model.expert_forward(layer, expert, input));
+                }
             }
-            at += n;
+            at += rows * self.row_width();
         }
         out
     }

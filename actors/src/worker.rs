@@ -448,6 +448,10 @@ impl WorkerState {
             let mut rows = Vec::with_capacity(experts.len());
             for (e, pairs) in &experts {
                 body.extend(dispatch.gather(pairs));
+                // Experts that weigh their rows before the down projection get the weights after the rows.
+                if ctx.model.experts_take_weights() {
+                    body.extend(dispatch.weights_of(pairs));
+                }
                 rows.push(ExpertRows { expert: *e, rows: pairs.len() as u32 });
             }
             let h = DispatchHeader {

@@ -3,9 +3,10 @@
 
 mod common;
 
-use common::{assert_same, model, reference, requests};
+use common::{assert_same, model, model_v41, prompt, reference, request, requests};
 use deepinfer_actors::placement::Placement;
 use deepinfer_actors::{run_in_process, run_simulated, ClusterConfig};
+use deepinfer_engine::sampling::SamplingParams;
 
 fn config(devices: u32, ep: u32) -> ClusterConfig {
     let mut cfg = ClusterConfig::new(devices, ep);
@@ -42,6 +43,22 @@ fn eight_devices_expert_parallel_eight_match_one_device() {
     }
     let real = run_in_process(m.clone(), config(8, 8), &reqs, 2).unwrap();
     assert_same(&real.outputs, &want, "8 × EP 8, in-process");
+}
+
+/// DeepSeek-V4.1 ships each row's routing weight with it (its experts apply it
+/// before the down projection); prompts long enough for both KV groups to
+/// compress and the candidate filter to choose.
+#[test]
+fn v41_eight_devices_expert_parallel_eight_match_one_device() {
+    let m = model_v41();
+    let mut reqs = requests(4, 4);
+    reqs.push(request(prompt(90, 5), 6, SamplingParams::default()));
+    let want = reference(&m, &reqs);
+    let sim = run_simulated(m.clone(), config(8, 8), &reqs).unwrap();
+    assert_same(&sim.outputs, &want, "V4.1, 8 × EP 8, simulated");
+    assert_eq!(sim.metrics.frames_rejected, 0);
+    let real = run_in_process(m.clone(), config(8, 8), &reqs, 2).unwrap();
+    assert_same(&real.outputs, &want, "V4.1, 8 × EP 8, in-process");
 }
 
 #[test]

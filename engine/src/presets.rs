@@ -132,7 +132,8 @@ impl Preset {
     }
 
     pub fn v41_config(self) -> crate::v41::V41Config {
-        crate::v41::V41Config::from_json_str(&self.config_json().to_string(), self.name()).expect("preset config is valid")
+        crate::v41::V41Config::from_json_str(&self.config_json().to_string(), self.name())
+            .expect("preset config is valid")
     }
 }
 

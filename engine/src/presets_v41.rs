@@ -174,7 +174,12 @@ impl Writer {
     fn engram_table(&mut self, name: &str, rows: usize, cols: usize) {
         let v = self.rng.vec(rows * cols, 0.0, 1.0);
         let q = quantize_fp8_rows(&v, rows, cols, 32);
-        self.tensors.push(TensorData { name: format!("{name}.weight"), dtype: Dtype::F8_E4M3, shape: vec![rows, cols], data: q.codes });
+        self.tensors.push(TensorData {
+            name: format!("{name}.weight"),
+            dtype: Dtype::F8_E4M3,
+            shape: vec![rows, cols],
+            data: q.codes,
+        });
         self.tensors.push(TensorData {
             name: format!("{name}.scale"),
             dtype: Dtype::F8_E8M0,
@@ -270,7 +275,12 @@ pub fn random_checkpoint(c: &V41Config, seed: u64) -> Vec<TensorData> {
             if k + 1 == c.n_mtp_layers {
                 w.f32(&format!("{p}.norm.weight"), &[d], 1.0, 0.1);
                 w.bf16(&format!("{p}.markov_head.embed"), c.vocab_size, ds.markov_rank, 1.0);
-                w.bf16(&format!("{p}.markov_head.head"), c.vocab_size, ds.markov_rank, 1.0 / (ds.markov_rank as f32).sqrt());
+                w.bf16(
+                    &format!("{p}.markov_head.head"),
+                    c.vocab_size,
+                    ds.markov_rank,
+                    1.0 / (ds.markov_rank as f32).sqrt(),
+                );
                 w.bf16(&format!("{p}.confidence_head.proj"), 1, d + ds.markov_rank, 1.0 / (d as f32).sqrt());
             }
         }

@@ -14,6 +14,12 @@ pub fn model() -> Arc<Model> {
     Arc::clone(MODEL.get_or_init(|| Arc::new(build(Preset::TinyV4, 7).expect("tiny-v4 builds"))))
 }
 
+/// The DeepSeek-V4.1 preset (Engram, CSA2 groups, the candidate filter).
+pub fn model_v41() -> Arc<Model> {
+    static MODEL: OnceLock<Arc<Model>> = OnceLock::new();
+    Arc::clone(MODEL.get_or_init(|| Arc::new(build(Preset::TinyV41, 7).expect("tiny-v41 builds"))))
+}
+
 pub fn prompt(len: usize, salt: u32) -> Vec<u32> {
     (0..len as u32).map(|i| 2 + (i.wrapping_mul(2654435761).wrapping_add(salt * 97) >> 7) % 1000).collect()
 }

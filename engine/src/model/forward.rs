@@ -51,16 +51,18 @@ pub struct Pass {
     layer: usize,
     num_layers: usize,
     pending: Option<(Vec<hyper::Mix>, moe::Dispatch)>,
+    /// The pass of a DeepSeek-V4.1 model (the fields above are then unused).
+    v41: Option<crate::v41::forward::PassV41>,
 }
 
 impl Pass {
     /// The layer the next `attend` runs.
     pub fn layer(&self) -> usize {
-        self.layer
+        self.v41.as_ref().map_or(self.layer, |p| p.layer())
     }
 
     pub fn is_done(&self) -> bool {
-        self.layer == self.num_layers
+        self.layer() == self.num_layers
     }
 }
 
@@ -75,22 +77,51 @@ pub struct MtpChunk<'a> {
 impl Model {
     /// Run the chunks through the model, advancing each state.
     pub fn forward(&self, chunks: &mut [Chunk], wanted: LogitsWanted, keep_streams: bool) -> Vec<ChunkOutput> {
-        if let Some(m) = &self.v41 {
-            return chunks.iter_mut().map(|c| forward_v41(m, c, wanted)).collect();
-        }
         let mut pass = self.begin_pass(chunks);
         while !pass.is_done() {
-            let layer = pass.layer;
-            let dispatch = self.attend(&mut pass, chunks);
-            let outputs = moe::run_all_experts(&self.weights.blocks[layer].moe, &self.config, dispatch);
+            let layer = pass.layer();
+            let dispatch = self.attend(&mut pass, chunks).clone();
+            let outputs = self.run_experts(layer, &dispatch);
             self.combine(&mut pass, &outputs);
         }
         self.finish_pass(pass, chunks, wanted, keep_streams)
     }
 
+    /// Every routed expert of `layer` for a dispatch, computed here.
+    pub fn run_experts(&self, layer: usize, dispatch: &moe::Dispatch) -> moe::ExpertOutputs {
+        match &self.v41 {
+            Some(m) => m.run_experts(layer, dispatch),
+            None => moe::run_all_experts(&self.weights.blocks[layer].moe, &self.config, dispatch),
+        }
+    }
+
+    /// Whether a dispatch carries each row's routing weight to the expert (V4.1
+    /// applies it before the down projection); V4 weighs the outputs instead.
+    pub fn experts_take_weights(&self) -> bool {
+        self.v41.is_some()
+    }
+
     /// Start a forward pass that the caller drives layer by layer: `attend`,
     /// run the routed experts wherever they live, `combine`; then `finish_pass`.
     pub fn begin_pass(&self, chunks: &[Chunk]) -> Pass {
+        if let Some(m) = &self.v41 {
+            let inputs: Vec<(&[u32], &crate::v41::V41State)> = chunks
+                .iter()
+                .map(|c| {
+                    assert!(!c.replay && !c.tokens.is_empty(), "V4.1 chunks are non-empty and never replayed");
+                    (c.tokens, c.state.v41.as_ref().expect("a V4.1 model runs on V4.1 states"))
+                })
+                .collect();
+            return Pass {
+                tokens: Vec::new(),
+                segments: Vec::new(),
+                streams: Vec::new(),
+                layer: 0,
+                num_layers: m.config.n_layers,
+                pending: None,
+                v41: Some(m.begin(&inputs)),
+            };
+        }
         let cfg = &self.config;
         let d = cfg.hidden_size;
         let hc = cfg.hc_mult;
@@ -105,11 +136,17 @@ impl Model {
                 streams[(t * hc + k) * d..][..d].copy_from_slice(&row);
             }
         }
-        Pass { tokens, segments, streams, layer: 0, num_layers: self.weights.blocks.len(), pending: None }
+        Pass { tokens, segments, streams, layer: 0, num_layers: self.weights.blocks.len(), pending: None, v41: None }
     }
 
     /// Run the current layer's attention and routing; returns what the routed experts must compute.
     pub fn attend<'p>(&self, pass: &'p mut Pass, chunks: &mut [Chunk]) -> &'p moe::Dispatch {
+        if let Some(m) = &self.v41 {
+            let p = pass.v41.as_mut().expect("a V4.1 pass");
+            let mut states: Vec<&mut crate::v41::V41State> =
+                chunks.iter_mut().map(|c| c.state.v41.as_mut().expect("V4.1 state")).collect();
+            return m.attend(p, &mut states);
+        }
         assert!(pass.pending.is_none() && !pass.is_done(), "attend once per layer");
         let l = pass.layer;
         let mut states: Vec<&mut LayerState> = chunks.iter_mut().map(|c| &mut c.state.layers[l]).collect();
@@ -125,6 +162,10 @@ impl Model {
 
     /// Finish the current layer with the routed experts' outputs.
     pub fn combine(&self, pass: &mut Pass, outputs: &moe::ExpertOutputs) {
+        if let (Some(m), Some(p)) = (&self.v41, pass.v41.as_mut()) {
+            m.combine(p, outputs);
+            return;
+        }
         let (mixes, dispatch) = pass.pending.take().expect("attend before combine");
         self.finish_block(&self.weights.blocks[pass.layer], &mixes, &dispatch, outputs, &mut pass.streams);
         pass.layer += 1;
@@ -132,7 +173,16 @@ impl Model {
 
     /// Outputs `[rows, D]` of routed expert `expert` of layer `layer` for gathered input rows.
     pub fn expert_forward(&self, layer: usize, expert: usize, x_rows: &[f32]) -> Vec<f32> {
+        assert!(self.v41.is_none(), "V4.1 experts take their rows' routing weights");
         moe::expert_forward(&self.weights.blocks[layer].moe, &self.config, expert, x_rows)
+    }
+
+    /// [`Model::expert_forward`] for models whose experts apply the routing weight.
+    pub fn expert_forward_weighted(&self, layer: usize, expert: usize, x_rows: &[f32], weights: &[f32]) -> Vec<f32> {
+        match &self.v41 {
+            Some(m) => m.expert_forward(layer, expert, x_rows, weights),
+            None => self.expert_forward(layer, expert, x_rows),
+        }
     }
 
     /// After the last layer: logits (and streams) per chunk; advances each state's position.
@@ -144,6 +194,24 @@ impl Model {
         keep_streams: bool,
     ) -> Vec<ChunkOutput> {
         assert!(pass.is_done(), "every layer ran");
+        if let (Some(m), Some(p)) = (&self.v41, pass.v41) {
+            use crate::v41::Rows;
+            let rows = match wanted {
+                LogitsWanted::None => Rows::None,
+                LogitsWanted::Last => Rows::Last,
+                LogitsWanted::All => Rows::All,
+            };
+            for c in chunks.iter_mut() {
+                c.state.position += c.tokens.len();
+            }
+            let mut states: Vec<&mut crate::v41::V41State> =
+                chunks.iter_mut().map(|c| c.state.v41.as_mut().expect("V4.1 state")).collect();
+            return m
+                .finish(p, &mut states, rows)
+                .into_iter()
+                .map(|r| ChunkOutput { logits: r.logits, streams: Vec::new() })
+                .collect();
+        }
         let d = self.config.hidden_size;
         let hc = self.config.hc_mult;
         for c in chunks.iter_mut() {
@@ -298,23 +366,4 @@ fn segments(chunks: impl Iterator<Item = (usize, usize, bool)>) -> Vec<Segment> 
             s
         })
         .collect()
-}
-
-/// One chunk through the V4.1 forward pass (sequence by sequence: its kernels
-/// are row-wise, so a sequence's results do not depend on the batch).
-fn forward_v41(m: &crate::v41::ModelV41, c: &mut Chunk, wanted: LogitsWanted) -> ChunkOutput {
-    use crate::v41::Rows;
-    assert!(!c.replay, "DeepSeek-V4.1 sequences are not restored by replay");
-    let state = c.state.v41.as_mut().expect("a V4.1 model runs on V4.1 states");
-    if c.tokens.is_empty() {
-        return ChunkOutput::default();
-    }
-    let rows = match wanted {
-        LogitsWanted::None => Rows::None,
-        LogitsWanted::Last => Rows::Last,
-        LogitsWanted::All => Rows::All,
-    };
-    let out = m.forward(c.tokens, state, rows);
-    c.state.position += c.tokens.len();
-    ChunkOutput { logits: out.logits, streams: Vec::new() }
 }

@@ -95,6 +95,11 @@ impl Dispatch {
         out
     }
 
+    /// The routing weight of each of `pairs`.
+    pub fn weights_of(&self, pairs: &[(usize, usize)]) -> Vec<f32> {
+        pairs.iter().map(|&(t, slot)| self.routes[t].weights[slot]).collect()
+    }
+
     /// Experts used by at least one row, ascending.
     pub fn experts_hit(&self) -> Vec<usize> {
         let mut hit: Vec<usize> = self.routes.iter().flat_map(|r| r.experts.iter().copied()).collect();
@@ -131,6 +136,12 @@ impl ExpertOutputs {
 
     pub fn is_complete(&self) -> bool {
         self.filled.iter().all(|&f| f)
+    }
+
+    /// The output `[D]` of routing slot `slot` of row `t`.
+    pub fn slot(&self, t: usize, slot: usize) -> &[f32] {
+        let at = t * self.k + slot;
+        &self.values[at * self.d..(at + 1) * self.d]
     }
 }
 

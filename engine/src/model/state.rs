@@ -81,6 +81,7 @@ impl SequenceState {
 
     /// Bytes of KV and compressor state held for this sequence.
     pub fn state_bytes(&self) -> usize {
-        self.v41.as_ref().map_or(0, crate::v41::V41State::state_bytes) + 4 * self.layers.iter().chain(&self.mtp).map(LayerState::len_f32).sum::<usize>()
+        self.v41.as_ref().map_or(0, crate::v41::V41State::state_bytes)
+            + 4 * self.layers.iter().chain(&self.mtp).map(LayerState::len_f32).sum::<usize>()
     }
 }

@@ -104,7 +104,13 @@ pub fn forward(
             keys.extend((oldest..=p).map(row));
         }
         keys.extend(selection[t].iter().map(|&j| Some(&entries[j * hd..(j + 1) * hd])));
-        ops::sparse_attention(&q[t * heads * hd..(t + 1) * heads * hd], &keys, &attn.sink, scale, &mut out[t * heads * hd..(t + 1) * heads * hd]);
+        ops::sparse_attention(
+            &q[t * heads * hd..(t + 1) * heads * hd],
+            &keys,
+            &attn.sink,
+            scale,
+            &mut out[t * heads * hd..(t + 1) * heads * hd],
+        );
         for head in out[t * heads * hd..(t + 1) * heads * hd].chunks_exact_mut(hd) {
             rope.apply(&mut head[hd - rd..], p, true);
         }

@@ -197,13 +197,19 @@ impl V41Config {
         if compress_ratios.len() != n_layers + n_mtp_layers && compress_ratios.len() != n_layers {
             return Err(r.invalid(
                 "compress_ratios",
-                format!("has {} entries; expected n_layers ({n_layers}) or n_layers + n_mtp_layers", compress_ratios.len()),
+                format!(
+                    "has {} entries; expected n_layers ({n_layers}) or n_layers + n_mtp_layers",
+                    compress_ratios.len()
+                ),
             ));
         }
         if let Some(bad) = compress_ratios[n_layers.min(compress_ratios.len())..].iter().position(|&x| x != 0) {
             return Err(r.invalid(
                 "compress_ratios",
-                format!("entry {} belongs to a DSpark layer, which attends over its window only: expected 0", n_layers + bad),
+                format!(
+                    "entry {} belongs to a DSpark layer, which attends over its window only: expected 0",
+                    n_layers + bad
+                ),
             ));
         }
         let index_head_dim = r.positive("index_head_dim")?;
@@ -303,7 +309,8 @@ impl V41Config {
         if layer_ids.is_empty() {
             return Ok(None);
         }
-        let num_embeddings = r.usize_list("engram_num_embeddings")?.ok_or_else(|| r.missing("engram_num_embeddings"))?;
+        let num_embeddings =
+            r.usize_list("engram_num_embeddings")?.ok_or_else(|| r.missing("engram_num_embeddings"))?;
         if num_embeddings.len() != layer_ids.len() {
             return Err(r.invalid("engram_num_embeddings", "needs one entry per engram_layer_ids entry"));
         }
@@ -397,12 +404,16 @@ impl V41Config {
             let problem = |what: &str| {
                 r.invalid("compress_ratios", format!("layer {layer} has ratio {ratio} but no {what} at or before it"))
             };
-            let (kv_source, index_source) = (kv.ok_or_else(|| problem("KV source"))?, index.ok_or_else(|| problem("index source"))?);
+            let (kv_source, index_source) =
+                (kv.ok_or_else(|| problem("KV source"))?, index.ok_or_else(|| problem("index source"))?);
             for source in [kv_source, index_source] {
                 if ratios[source] != ratio {
                     return Err(r.invalid(
                         "compress_ratios",
-                        format!("layer {layer} (ratio {ratio}) would share layer {source}'s ratio-{} KV", ratios[source]),
+                        format!(
+                            "layer {layer} (ratio {ratio}) would share layer {source}'s ratio-{} KV",
+                            ratios[source]
+                        ),
                     ));
                 }
             }
@@ -414,7 +425,13 @@ impl V41Config {
             if candidate == CandidateRole::Consumer && ratios[candidate_source.unwrap()] != ratio {
                 return Err(r.invalid("candidate_source_layer", "candidate consumers must share the source's ratio"));
             }
-            plans.push(LayerPlan { ratio, kv_source: Some(kv_source), index_source: Some(index_source), candidate, engram: engram_slot });
+            plans.push(LayerPlan {
+                ratio,
+                kv_source: Some(kv_source),
+                index_source: Some(index_source),
+                candidate,
+                engram: engram_slot,
+            });
         }
         Ok(plans)
     }
@@ -475,7 +492,10 @@ fn flat_keys(root: &Map<String, Value>, file: &str) -> Result<Map<String, Value>
     }
     if let Some(kv_heads) = text.get("num_key_value_heads") {
         if kv_heads.as_u64() != Some(1) {
-            return Err(invalid("text_config.num_key_value_heads", format!("DeepSeek-V4.1 shares one KV head, found {kv_heads}")));
+            return Err(invalid(
+                "text_config.num_key_value_heads",
+                format!("DeepSeek-V4.1 shares one KV head, found {kv_heads}"),
+            ));
         }
     }
     if let Some(rope) = text.get("rope_scaling").and_then(Value::as_object) {

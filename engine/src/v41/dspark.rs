@@ -99,12 +99,20 @@ impl ModelV41 {
     }
 
     /// One draft block over the block's positions `p + 1 ..`; returns its FFN `pre`.
-    fn draft_block(&self, layer: &DsparkLayer, window: &[f32], streams: &mut [f32], pre: &[Vec<f32>], p: usize) -> Vec<Vec<f32>> {
+    fn draft_block(
+        &self,
+        layer: &DsparkLayer,
+        window: &[f32],
+        streams: &mut [f32],
+        pre: &[Vec<f32>],
+        p: usize,
+    ) -> Vec<Vec<f32>> {
         let cfg = &self.config;
         let block: &Block = &layer.block;
         let (d, hc) = (cfg.dim, cfg.hc_mult);
         let n = pre.len();
-        let attn_mixes: Vec<Mix> = (0..n).map(|t| self.mix_of(&block.hc_attn, &streams[t * hc * d..(t + 1) * hc * d])).collect();
+        let attn_mixes: Vec<Mix> =
+            (0..n).map(|t| self.mix_of(&block.hc_attn, &streams[t * hc * d..(t + 1) * hc * d])).collect();
         let mut x = vec![0.0f32; n * d];
         for t in 0..n {
             let out = &mut x[t * d..(t + 1) * d];
@@ -115,7 +123,8 @@ impl ModelV41 {
         for t in 0..n {
             ops::hc_post(&mut streams[t * hc * d..(t + 1) * hc * d], &out[t * d..(t + 1) * d], &attn_mixes[t]);
         }
-        let ffn_mixes: Vec<Mix> = (0..n).map(|t| self.mix_of(&block.hc_ffn, &streams[t * hc * d..(t + 1) * hc * d])).collect();
+        let ffn_mixes: Vec<Mix> =
+            (0..n).map(|t| self.mix_of(&block.hc_ffn, &streams[t * hc * d..(t + 1) * hc * d])).collect();
         for t in 0..n {
             let out = &mut x[t * d..(t + 1) * d];
             ops::hc_pre(&streams[t * hc * d..(t + 1) * hc * d], &attn_mixes[t].pre, out);

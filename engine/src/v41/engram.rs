@@ -115,7 +115,15 @@ impl EngramHash {
                 (0..cfg.max_ngram_size).map(|_| rng.integer_below(bound) * 2 + 1).collect()
             })
             .collect();
-        Ok(Self { max_ngram_size: cfg.max_ngram_size, n_heads: cfg.n_heads, primes, offsets, multipliers, token_map, pad })
+        Ok(Self {
+            max_ngram_size: cfg.max_ngram_size,
+            n_heads: cfg.n_heads,
+            primes,
+            offsets,
+            multipliers,
+            token_map,
+            pad,
+        })
     }
 
     /// Table rows of every Engram layer for the position whose compressed
@@ -123,8 +131,9 @@ impl EngramHash {
     pub fn rows(&self, history: &[u64]) -> Vec<Vec<u64>> {
         let n = self.max_ngram_size;
         // Look-back tokens, current first; slots before the sequence start take the pad id.
-        let tokens: Vec<u64> =
-            (0..n).map(|shift| if shift < history.len() { history[history.len() - 1 - shift] } else { self.pad }).collect();
+        let tokens: Vec<u64> = (0..n)
+            .map(|shift| if shift < history.len() { history[history.len() - 1 - shift] } else { self.pad })
+            .collect();
         self.multipliers
             .iter()
             .enumerate()

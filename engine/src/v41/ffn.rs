@@ -7,13 +7,7 @@ use deepinfer_kernels::act_quant::{plain_linear, quantized_linear, round_bf16_al
 use super::config::{ScoreFunc, V41Config};
 use super::ops::{self, top_k_stable};
 use super::weights::{Expert, Moe};
-
-/// Experts and weights of one token.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Route {
-    pub experts: Vec<usize>,
-    pub weights: Vec<f32>,
-}
+use crate::model::{Dispatch, ExpertOutputs, Route};
 
 pub fn route(cfg: &V41Config, moe: &Moe, x: &[f32], n: usize) -> Vec<Route> {
     let e = moe.experts.len();
@@ -66,30 +60,36 @@ pub fn expert_forward(cfg: &V41Config, expert: &Expert, x: &[f32], weights: Opti
     quantized_linear(&expert.w2, &act, n)
 }
 
-/// The MoE output `[n, dim]` (bf16 values): routed experts summed in f32 in
-/// ascending expert order, then the shared expert.
-pub fn forward(cfg: &V41Config, moe: &Moe, x: &[f32], n: usize) -> Vec<f32> {
+/// The MoE output `[n, dim]` (bf16 values): routed outputs (weight already
+/// applied) summed in f32 in ascending expert order, then the shared expert.
+pub fn combine(cfg: &V41Config, moe: &Moe, dispatch: &Dispatch, outputs: &ExpertOutputs) -> Vec<f32> {
+    assert!(outputs.is_complete(), "every routed slot has an output");
     let d = cfg.dim;
-    let routes = route(cfg, moe, x, n);
+    let n = dispatch.routes.len();
     let mut y = vec![0.0f32; n * d];
-    for (e, expert) in moe.experts.iter().enumerate() {
-        let pairs: Vec<(usize, f32)> = routes
-            .iter()
-            .enumerate()
-            .flat_map(|(t, r)| r.experts.iter().zip(&r.weights).filter(|(&x, _)| x == e).map(move |(_, &w)| (t, w)))
-            .collect();
-        if pairs.is_empty() {
-            continue;
-        }
-        let rows: Vec<f32> = pairs.iter().flat_map(|&(t, _)| x[t * d..(t + 1) * d].iter().copied()).collect();
-        let w: Vec<f32> = pairs.iter().map(|&(_, w)| w).collect();
-        let out = expert_forward(cfg, expert, &rows, Some(&w));
-        for (i, &(t, _)) in pairs.iter().enumerate() {
-            y[t * d..(t + 1) * d].iter_mut().zip(&out[i * d..(i + 1) * d]).for_each(|(a, b)| *a += b);
+    for (t, r) in dispatch.routes.iter().enumerate() {
+        let mut order: Vec<usize> = (0..r.experts.len()).collect();
+        order.sort_by_key(|&slot| (r.experts[slot], slot));
+        let row = &mut y[t * d..(t + 1) * d];
+        for slot in order {
+            row.iter_mut().zip(outputs.slot(t, slot)).for_each(|(a, b)| *a += b);
         }
     }
-    let shared = expert_forward(cfg, &moe.shared, x, None);
+    let shared = expert_forward(cfg, &moe.shared, &dispatch.x, None);
     y.iter_mut().zip(&shared).for_each(|(a, b)| *a += b);
     round_bf16_all(&mut y);
     y
+}
+
+/// Route, run every expert here and combine (the DSpark layers).
+pub fn forward(cfg: &V41Config, moe: &Moe, x: &[f32], n: usize) -> Vec<f32> {
+    let dispatch = Dispatch { hidden_size: cfg.dim, x: x.to_vec(), routes: route(cfg, moe, x, n) };
+    let mut outputs = ExpertOutputs::new(&dispatch, moe.n_activated);
+    for e in dispatch.experts_hit() {
+        let pairs = dispatch.rows_for(e);
+        let weights: Vec<f32> = pairs.iter().map(|&(t, slot)| dispatch.routes[t].weights[slot]).collect();
+        let out = expert_forward(cfg, &moe.experts[e], &dispatch.gather(&pairs), Some(&weights));
+        outputs.store(&pairs, &out);
+    }
+    combine(cfg, moe, &dispatch, &outputs)
 }

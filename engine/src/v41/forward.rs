@@ -12,6 +12,7 @@ use super::ops::{self, Mix};
 use super::state::V41State;
 use super::weights::{Block, HyperConnection};
 use super::ModelV41;
+use crate::model::{Dispatch, ExpertOutputs};
 
 /// Rows of the final hidden state (or logits) a chunk asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,61 +29,198 @@ pub struct ChunkResult {
     pub main_hidden: Vec<f32>,
 }
 
+/// One sequence's part of a pass.
+struct SeqPass {
+    span: Span,
+    tokens: Vec<u32>,
+    streams: Vec<f32>,
+    /// Per token: the `pre` the next sublayer collapses the streams with.
+    pre: Vec<Vec<f32>>,
+    engram_rows: Vec<Vec<Vec<u64>>>,
+    shared: Shared,
+    main_hidden: Vec<f32>,
+    /// The FFN mixes of the layer in progress.
+    ffn_mixes: Vec<Mix>,
+}
+
+/// A forward pass over a batch of chunks, driven layer by layer so that the
+/// routed experts can run elsewhere (expert parallelism): `attend`, compute
+/// the dispatch's experts, `combine`; then `finish`.
+pub struct PassV41 {
+    seqs: Vec<SeqPass>,
+    layer: usize,
+    dispatch: Option<Dispatch>,
+}
+
+impl PassV41 {
+    pub fn layer(&self) -> usize {
+        self.layer
+    }
+}
+
 impl ModelV41 {
     /// Run `tokens` (positions `state.position..`) through the backbone.
     pub fn forward(&self, tokens: &[u32], state: &mut V41State, rows: Rows) -> ChunkResult {
-        let cfg = &self.config;
-        let (d, hc, n) = (cfg.dim, cfg.hc_mult, tokens.len());
-        assert!(n > 0, "an empty chunk");
-        let span = Span { start: state.position, len: n };
-        let engram_rows = self.engram_rows(tokens, state);
-
-        let mut streams = vec![0.0f32; n * hc * d];
-        let mut row = vec![0.0f32; d];
-        for (t, &tok) in tokens.iter().enumerate() {
-            self.weights.embed.dequantize_row((tok as usize).min(cfg.vocab_size - 1), &mut row);
-            for k in 0..hc {
-                streams[(t * hc + k) * d..(t * hc + k + 1) * d].copy_from_slice(&row);
-            }
+        assert!(!tokens.is_empty(), "an empty chunk");
+        let mut pass = self.begin(&[(tokens, &*state)]);
+        while !self.is_done(&pass) {
+            let dispatch = self.attend(&mut pass, &mut [&mut *state]).clone();
+            let outputs = self.run_experts(pass.layer, &dispatch);
+            self.combine(&mut pass, &outputs);
         }
-        let mut pre: Vec<Vec<f32>> = vec![one_hot(hc); n];
+        self.finish(pass, &mut [state], rows).pop().expect("one chunk")
+    }
+
+    /// Embed the chunks and hash their n-grams.
+    pub fn begin(&self, chunks: &[(&[u32], &V41State)]) -> PassV41 {
+        let cfg = &self.config;
+        let (d, hc) = (cfg.dim, cfg.hc_mult);
+        let targets = cfg.dspark.as_ref().map_or(0, |s| s.target_layer_ids.len());
+        let mut row = vec![0.0f32; d];
+        let seqs = chunks
+            .iter()
+            .map(|&(tokens, state)| {
+                let n = tokens.len();
+                let mut streams = vec![0.0f32; n * hc * d];
+                for (t, &tok) in tokens.iter().enumerate() {
+                    self.weights.embed.dequantize_row((tok as usize).min(cfg.vocab_size - 1), &mut row);
+                    for k in 0..hc {
+                        streams[(t * hc + k) * d..(t * hc + k + 1) * d].copy_from_slice(&row);
+                    }
+                }
+                SeqPass {
+                    span: Span { start: state.position, len: n },
+                    tokens: tokens.to_vec(),
+                    streams,
+                    pre: vec![one_hot(hc); n],
+                    engram_rows: self.engram_rows(tokens, &state.engram_history),
+                    shared: Shared::default(),
+                    main_hidden: vec![0.0f32; n * targets * d],
+                    ffn_mixes: Vec::new(),
+                }
+            })
+            .collect();
+        PassV41 { seqs, layer: 0, dispatch: None }
+    }
+
+    pub fn is_done(&self, pass: &PassV41) -> bool {
+        pass.layer == self.config.n_layers
+    }
+
+    /// The current layer up to the routed experts: Engram, attention, the FFN's
+    /// collapse, norm and routing. Returns what the experts must compute.
+    pub fn attend<'p>(&self, pass: &'p mut PassV41, states: &mut [&mut V41State]) -> &'p Dispatch {
+        assert!(pass.dispatch.is_none() && !self.is_done(pass), "attend once per layer");
+        assert_eq!(states.len(), pass.seqs.len(), "one state per chunk");
+        let cfg = &self.config;
+        let (d, hc, l) = (cfg.dim, cfg.hc_mult, pass.layer);
+        let block = &self.weights.blocks[l];
         let targets = cfg.dspark.as_ref().map_or(&[][..], |s| &s.target_layer_ids[..]);
-        let mut main_hidden = vec![0.0f32; n * targets.len() * d];
-        let mut shared = Shared::default();
-        for (l, block) in self.weights.blocks.iter().enumerate() {
+        let mut x_all = Vec::new();
+        for (seq, state) in pass.seqs.iter_mut().zip(states.iter_mut()) {
+            let n = seq.span.len;
             if let (Some(e), Some(slot)) = (&block.engram, cfg.layers[l].engram) {
-                self.apply_engram(e, &engram_rows, slot, &mut streams, n);
+                self.apply_engram(e, &seq.engram_rows, slot, &mut seq.streams, n);
             }
             if let Some(i) = targets.iter().position(|&x| x == l) {
                 for t in 0..n {
-                    let out = &mut main_hidden[(t * targets.len() + i) * d..(t * targets.len() + i + 1) * d];
-                    mean_streams(&streams[t * hc * d..(t + 1) * hc * d], hc, out);
+                    let out = &mut seq.main_hidden[(t * targets.len() + i) * d..(t * targets.len() + i + 1) * d];
+                    mean_streams(&seq.streams[t * hc * d..(t + 1) * hc * d], hc, out);
                 }
             }
-            pre = self.block_forward(l, block, &mut streams, &pre, span, state, &mut shared);
+            let (mixes, x) =
+                self.attention_sublayer(l, block, &mut seq.streams, &seq.pre, seq.span, state, &mut seq.shared);
+            seq.ffn_mixes = mixes;
+            x_all.extend_from_slice(&x);
         }
-        state.position += n;
-
-        let wanted = match rows {
-            Rows::None => 0..0,
-            Rows::Last => n - 1..n,
-            Rows::All => 0..n,
-        };
-        let m = wanted.len();
-        let mut x = vec![0.0f32; m * d];
-        for (i, t) in wanted.enumerate() {
-            let out = &mut x[i * d..(i + 1) * d];
-            ops::hc_pre(&streams[t * hc * d..(t + 1) * hc * d], &pre[t], out);
-            ops::rms_norm(out, &self.weights.norm, cfg.norm_eps);
-        }
-        let mut logits = vec![0.0f32; m * cfg.vocab_size];
-        plain_linear(&self.weights.head, &x, m, &mut logits);
-        ChunkResult { logits, main_hidden }
+        let n_all = x_all.len() / d;
+        let routes = ffn::route(cfg, &block.moe, &x_all, n_all);
+        pass.dispatch.insert(Dispatch { hidden_size: d, x: x_all, routes })
     }
 
-    /// One block; returns the `pre` of its FFN mixes (the next block's attention collapse).
+    /// Finish the current layer with the routed experts' outputs (routing weight applied).
+    pub fn combine(&self, pass: &mut PassV41, outputs: &ExpertOutputs) {
+        let dispatch = pass.dispatch.take().expect("attend before combine");
+        let cfg = &self.config;
+        let (d, hc) = (cfg.dim, cfg.hc_mult);
+        let y = ffn::combine(cfg, &self.weights.blocks[pass.layer].moe, &dispatch, outputs);
+        let mut at = 0;
+        for seq in &mut pass.seqs {
+            let n = seq.span.len;
+            for t in 0..n {
+                ops::hc_post(
+                    &mut seq.streams[t * hc * d..(t + 1) * hc * d],
+                    &y[(at + t) * d..(at + t + 1) * d],
+                    &seq.ffn_mixes[t],
+                );
+            }
+            seq.pre = std::mem::take(&mut seq.ffn_mixes).into_iter().map(|m| m.pre).collect();
+            at += n;
+        }
+        pass.layer += 1;
+    }
+
+    /// Run every routed expert of a dispatch here.
+    pub fn run_experts(&self, layer: usize, dispatch: &Dispatch) -> ExpertOutputs {
+        let moe = &self.weights.blocks[layer].moe;
+        let mut outputs = ExpertOutputs::new(dispatch, moe.n_activated);
+        for e in dispatch.experts_hit() {
+            let pairs = dispatch.rows_for(e);
+            let weights: Vec<f32> = pairs.iter().map(|&(t, slot)| dispatch.routes[t].weights[slot]).collect();
+            let y = ffn::expert_forward(&self.config, &moe.experts[e], &dispatch.gather(&pairs), Some(&weights));
+            outputs.store(&pairs, &y);
+        }
+        outputs
+    }
+
+    /// Outputs `[rows, dim]` of routed expert `expert` of `layer` for input rows, each
+    /// scaled by its routing weight before the down projection.
+    pub fn expert_forward(&self, layer: usize, expert: usize, x_rows: &[f32], weights: &[f32]) -> Vec<f32> {
+        ffn::expert_forward(&self.config, &self.weights.blocks[layer].moe.experts[expert], x_rows, Some(weights))
+    }
+
+    /// After the last layer: logits per chunk; advances the states.
+    pub fn finish(&self, pass: PassV41, states: &mut [&mut V41State], rows: Rows) -> Vec<ChunkResult> {
+        assert!(self.is_done(&pass), "every layer ran");
+        let cfg = &self.config;
+        let (d, hc) = (cfg.dim, cfg.hc_mult);
+        pass.seqs
+            .into_iter()
+            .zip(states.iter_mut())
+            .map(|(seq, state)| {
+                let n = seq.span.len;
+                state.position += n;
+                if let Some(hash) = &self.engram_hash {
+                    for &tok in &seq.tokens {
+                        state.engram_history.push(hash.compress(tok));
+                    }
+                    let keep = hash.max_ngram_size.min(state.engram_history.len());
+                    let from = state.engram_history.len() - keep;
+                    state.engram_history.drain(..from);
+                }
+                let wanted = match rows {
+                    Rows::None => 0..0,
+                    Rows::Last => n - 1..n,
+                    Rows::All => 0..n,
+                };
+                let m = wanted.len();
+                let mut x = vec![0.0f32; m * d];
+                for (i, t) in wanted.enumerate() {
+                    let out = &mut x[i * d..(i + 1) * d];
+                    ops::hc_pre(&seq.streams[t * hc * d..(t + 1) * hc * d], &seq.pre[t], out);
+                    ops::rms_norm(out, &self.weights.norm, cfg.norm_eps);
+                }
+                let mut logits = vec![0.0f32; m * cfg.vocab_size];
+                plain_linear(&self.weights.head, &x, m, &mut logits);
+                ChunkResult { logits, main_hidden: seq.main_hidden }
+            })
+            .collect()
+    }
+
+    /// The attention sublayer of a block with its mHC mixing; returns the FFN
+    /// mixes and the FFN's (collapsed, normalised) input.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn block_forward(
+    fn attention_sublayer(
         &self,
         layer: usize,
         block: &Block,
@@ -91,7 +229,7 @@ impl ModelV41 {
         span: Span,
         state: &mut V41State,
         shared: &mut Shared,
-    ) -> Vec<Vec<f32>> {
+    ) -> (Vec<Mix>, Vec<f32>) {
         let cfg = &self.config;
         let (d, hc, n) = (cfg.dim, cfg.hc_mult, span.len);
         let attn_mixes = self.mixes(&block.hc_attn, streams, n);
@@ -101,23 +239,18 @@ impl ModelV41 {
             ops::hc_pre(&streams[t * hc * d..(t + 1) * hc * d], &pre[t], out);
             ops::rms_norm(out, &block.attn_norm, cfg.norm_eps);
         }
-        let rope = if cfg.layers.get(layer).is_some_and(|p| p.ratio > 0) { &self.rope_compress } else { &self.rope_main };
+        let rope = if cfg.layers[layer].ratio > 0 { &self.rope_compress } else { &self.rope_main };
         let out = attention::forward(cfg, layer, &block.attn, rope, &x, span, state, shared);
         for t in 0..n {
             ops::hc_post(&mut streams[t * hc * d..(t + 1) * hc * d], &out[t * d..(t + 1) * d], &attn_mixes[t]);
         }
-
         let ffn_mixes = self.mixes(&block.hc_ffn, streams, n);
         for t in 0..n {
             let out = &mut x[t * d..(t + 1) * d];
             ops::hc_pre(&streams[t * hc * d..(t + 1) * hc * d], &attn_mixes[t].pre, out);
             ops::rms_norm(out, &block.ffn_norm, cfg.norm_eps);
         }
-        let out = ffn::forward(cfg, &block.moe, &x, n);
-        for t in 0..n {
-            ops::hc_post(&mut streams[t * hc * d..(t + 1) * hc * d], &out[t * d..(t + 1) * d], &ffn_mixes[t]);
-        }
-        ffn_mixes.into_iter().map(|m| m.pre).collect()
+        (ffn_mixes, x)
     }
 
     fn mixes(&self, h: &HyperConnection, streams: &[f32], n: usize) -> Vec<Mix> {
@@ -139,22 +272,29 @@ impl ModelV41 {
             .collect()
     }
 
-    /// Per token, per Engram layer, the table rows it looks up; advances the look-back.
-    fn engram_rows(&self, tokens: &[u32], state: &mut V41State) -> Vec<Vec<Vec<u64>>> {
+    /// Per token, per Engram layer, the table rows it looks up, after the look-back `history`.
+    fn engram_rows(&self, tokens: &[u32], history: &[u64]) -> Vec<Vec<Vec<u64>>> {
         let Some(hash) = &self.engram_hash else { return Vec::new() };
+        let mut window: Vec<u64> = history.to_vec();
         tokens
             .iter()
             .map(|&tok| {
-                state.engram_history.push(hash.compress(tok));
-                let keep = hash.max_ngram_size.min(state.engram_history.len());
-                let from = state.engram_history.len() - keep;
-                state.engram_history.drain(..from);
-                hash.rows(&state.engram_history)
+                window.push(hash.compress(tok));
+                let keep = hash.max_ngram_size.min(window.len());
+                window.drain(..window.len() - keep);
+                hash.rows(&window)
             })
             .collect()
     }
 
-    fn apply_engram(&self, e: &super::weights::Engram, rows: &[Vec<Vec<u64>>], slot: usize, streams: &mut [f32], n: usize) {
+    fn apply_engram(
+        &self,
+        e: &super::weights::Engram,
+        rows: &[Vec<Vec<u64>>],
+        slot: usize,
+        streams: &mut [f32],
+        n: usize,
+    ) {
         let cfg = &self.config;
         let (d, hc) = (cfg.dim, cfg.hc_mult);
         let ecfg = cfg.engram.as_ref().expect("engram config");
@@ -162,7 +302,10 @@ impl ModelV41 {
         let mut looked_up = vec![0.0f32; n * width];
         for t in 0..n {
             for (c, &r) in rows[t][slot].iter().enumerate() {
-                e.table.row(r as usize, &mut looked_up[t * width + c * ecfg.head_dim..t * width + (c + 1) * ecfg.head_dim]);
+                e.table.row(
+                    r as usize,
+                    &mut looked_up[t * width + c * ecfg.head_dim..t * width + (c + 1) * ecfg.head_dim],
+                );
             }
         }
         let kv = deepinfer_kernels::act_quant::quantized_linear(&e.wkv, &looked_up, n);

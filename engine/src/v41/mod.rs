@@ -52,9 +52,8 @@ impl ModelV41 {
 
     pub fn new(config: V41Config, weights: Weights, token_map: Option<Vec<u32>>) -> Result<Self, LoadError> {
         let engram_hash = match (&config.engram, token_map) {
-            (Some(e), Some(map)) => Some(EngramHash::new(e, map).map_err(|problem| crate::checkpoint::CheckpointError::File {
-                file: ENGRAM_TOKEN_MAP.into(),
-                problem,
+            (Some(e), Some(map)) => Some(EngramHash::new(e, map).map_err(|problem| {
+                crate::checkpoint::CheckpointError::File { file: ENGRAM_TOKEN_MAP.into(), problem }
             })?),
             (Some(_), None) => {
                 return Err(crate::checkpoint::CheckpointError::File {
@@ -107,4 +106,3 @@ fn read_token_map(path: &Path) -> Result<Vec<u32>, crate::checkpoint::Checkpoint
         })
         .collect()
 }
-

@@ -192,8 +192,7 @@ pub fn sparse_attention(q: &[f32], keys: &[Option<&[f32]>], sink: &[f32], scale:
         let mut sum_exp = 0.0f32;
         let mut max = -1e30f32;
         for block in keys.chunks(ATTENTION_BLOCK) {
-            let scores: Vec<f32> =
-                block.iter().map(|k| k.map_or(f32::NEG_INFINITY, |k| dot(qh, k) * scale)).collect();
+            let scores: Vec<f32> = block.iter().map(|k| k.map_or(f32::NEG_INFINITY, |k| dot(qh, k) * scale)).collect();
             let new_max = scores.iter().fold(max, |a, &b| a.max(b));
             let rescale = exp(max - new_max);
             max = new_max;

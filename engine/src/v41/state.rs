@@ -35,9 +35,7 @@ impl V41State {
         Self {
             position: 0,
             windows: vec![Vec::new(); cfg.n_layers],
-            sources: (0..cfg.n_layers)
-                .map(|l| cfg.layers[l].owns_compressor(l).then(SourceState::default))
-                .collect(),
+            sources: (0..cfg.n_layers).map(|l| cfg.layers[l].owns_compressor(l).then(SourceState::default)).collect(),
             engram_history: Vec::new(),
             dspark_windows: vec![Vec::new(); if cfg.dspark.is_some() { cfg.n_mtp_layers } else { 0 }],
         }

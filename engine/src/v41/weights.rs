@@ -188,7 +188,11 @@ impl Loader<'_> {
         };
         let indexer = match plan {
             Some(p) if p.runs_indexer(layer) => Some(Indexer {
-                wq_b: self.linear(&format!("{prefix}.indexer.wq_b"), c.index_n_heads * c.index_head_dim, c.q_lora_rank)?,
+                wq_b: self.linear(
+                    &format!("{prefix}.indexer.wq_b"),
+                    c.index_n_heads * c.index_head_dim,
+                    c.q_lora_rank,
+                )?,
                 weights_proj: self.linear(&format!("{prefix}.indexer.weights_proj"), c.index_n_heads, d)?,
                 wk: if p.owns_compressor(layer) {
                     Some((
@@ -296,7 +300,9 @@ impl Weights {
             head: l.linear("head", v, d)?,
             dspark,
         };
-        ck.check_all_used(|name| name.starts_with("vision.") || name.starts_with("aligner.") || name.starts_with("image_"))?;
+        ck.check_all_used(|name| {
+            name.starts_with("vision.") || name.starts_with("aligner.") || name.starts_with("image_")
+        })?;
         Ok(weights)
     }
 }
