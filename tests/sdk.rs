@@ -29,15 +29,21 @@ fn sdks_available() -> bool {
 }
 
 fn run_script(script: &str) {
+    run_script_on(script, "tiny-v4");
+}
+
+/// `script` against `serve --model builtin:<preset>`.
+fn run_script_on(script: &str, preset: &str) {
     if !sdks_available() {
         return;
     }
-    let server = Served::start(&[]);
+    let model = format!("builtin:{preset}");
+    let server = Served::start(&["--model", &model]);
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sdk").join(script);
     let out = Command::new("python3")
         .arg(&path)
         .env("DEEPINFER_BASE_URL", &server.base)
-        .env("DEEPINFER_MODEL", "tiny-v4")
+        .env("DEEPINFER_MODEL", preset)
         .output()
         .expect("python3 runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -64,4 +70,11 @@ fn forced_tool_calls_parse_and_validate_through_the_sdks() {
 #[test]
 fn anthropic_sdk_messages() {
     run_script("anthropic_sdk.py");
+}
+
+/// DeepSeek-V4.1 behind the same API: the OpenAI and Anthropic SDK scripts unchanged.
+#[test]
+fn the_sdks_against_deepseek_v41() {
+    run_script_on("openai_sdk.py", "tiny-v41");
+    run_script_on("anthropic_sdk.py", "tiny-v41");
 }

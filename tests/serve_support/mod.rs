@@ -20,7 +20,10 @@ impl Served {
 
     pub fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Self {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_deepinfer"));
-        cmd.args(["serve", "--model", "builtin:tiny-v4", "--listen", "127.0.0.1:0"]).args(extra);
+        cmd.args(["serve", "--listen", "127.0.0.1:0"]).args(extra);
+        if !extra.contains(&"--model") {
+            cmd.args(["--model", "builtin:tiny-v4"]);
+        }
         cmd.env_remove("DEEPINFER_API_KEY");
         for (k, v) in env {
             cmd.env(k, v);
