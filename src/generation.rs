@@ -13,6 +13,7 @@ use deepinfer_engine::presets::{build, Preset};
 pub use deepinfer_engine::request::FinishReason;
 use deepinfer_engine::request::Request;
 use deepinfer_engine::sampling::SamplingParams;
+use deepinfer_engine::v41::ModelV41;
 use serde::Deserialize;
 use tokenizers::Tokenizer;
 
@@ -39,7 +40,7 @@ pub fn load_model(spec: &str, seed: u64, tokenizer_path: Option<&Path>) -> anyho
         }
         None => {
             let dir = PathBuf::from(spec);
-            let model = Model::load(&dir).with_context(|| format!("loading model from {}", dir.display()))?;
+            let model = load_dir(&dir, tokenizer_path)?;
             for notice in &model.weights.notices {
                 eprintln!("note: {}: {notice}", dir.display());
             }
@@ -56,6 +57,22 @@ pub fn load_model(spec: &str, seed: u64, tokenizer_path: Option<&Path>) -> anyho
         bail!("tokenizer has {vocab} tokens but the model's vocabulary is {}", model.config.vocab_size);
     }
     Ok(LoadedModel { name, model, tokenizer })
+}
+
+/// A model directory; a DeepSeek-V4.1 Engram model without `engram_token_map.json`
+/// derives its compressed vocabulary from the tokenizer (`tokenizer_path` or the
+/// directory's `tokenizer.json`).
+fn load_dir(dir: &Path, tokenizer_path: Option<&Path>) -> anyhow::Result<Model> {
+    let context = || format!("loading model from {}", dir.display());
+    if ModelV41::needs_token_map(dir) {
+        let tokenizer = tokenizer_path.map(Path::to_path_buf).unwrap_or_else(|| dir.join("tokenizer.json"));
+        if tokenizer.is_file() {
+            let (map, _) = crate::engram_vocab::token_map_of_file(&tokenizer)?;
+            let model = ModelV41::load_with_token_map(dir, Some(map)).with_context(context)?;
+            return Ok(Model::from_v41(model));
+        }
+    }
+    Model::load(dir).with_context(context)
 }
 
 #[derive(Clone, Debug)]

@@ -5,6 +5,7 @@ pub mod cli;
 pub mod cluster;
 pub mod commands;
 pub mod config_file;
+pub mod engram_vocab;
 pub mod generation;
 pub mod scenario;
 pub mod simulate;

@@ -88,3 +88,52 @@ fn model_init_takes_the_real_tokenizer() {
     assert!(!out.trim().is_empty());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// DeepSeek-V4.1: the built-in preset and a `model init`'d directory give the
+/// same tokens; with the real tokenizer the Engram vocabulary is derived from
+/// it at load time (no map file, as in a published checkpoint).
+#[test]
+fn v41_builtin_and_initialised_directory_agree() {
+    let dir = temp_dir("v41");
+    let out = stdout(&deepinfer(&["model", "init", "--preset", "tiny-v41", "--out", dir.to_str().unwrap()]));
+    assert!(out.contains("wrote tiny-v41"), "{out}");
+    assert!(dir.join("engram_token_map.json").is_file());
+    let run = |model: &str| {
+        stdout(&deepinfer(&[
+            "generate",
+            "--model",
+            model,
+            "--prompt",
+            "The quick brown fox",
+            "--max-tokens",
+            "12",
+            "--show-tokens",
+        ]))
+    };
+    assert_eq!(run("builtin:tiny-v41"), run(dir.to_str().unwrap()));
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let real = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/assets/deepseek-v4/tokenizer.json");
+    if !real.exists() {
+        eprintln!("skipped the real tokenizer: {} is not here", real.display());
+        return;
+    }
+    let dir = temp_dir("v41-real");
+    stdout(&deepinfer(&[
+        "model",
+        "init",
+        "--preset",
+        "tiny-v41",
+        "--out",
+        dir.to_str().unwrap(),
+        "--tokenizer",
+        real.to_str().unwrap(),
+    ]));
+    assert!(!dir.join("engram_token_map.json").exists());
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    assert!(config.contains("\"engram_compressed_vocab_size\": 99092"), "{config}");
+    let out =
+        stdout(&deepinfer(&["generate", "--model", dir.to_str().unwrap(), "--prompt", "你好", "--max-tokens", "4"]));
+    assert!(!out.trim().is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+}

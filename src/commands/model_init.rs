@@ -33,11 +33,19 @@ pub fn run(args: &InitArgs) -> anyhow::Result<()> {
         std::fs::write(&path, bytes).with_context(|| format!("{}: cannot write", path.display()))
     };
     let tensors = if preset.is_v41() {
-        let config = V41Config::from_json_str(&config_json.to_string(), preset.name())?;
-        if config.engram.is_some() {
-            let map = presets_v41::token_map_json(config.vocab_size);
-            write(ENGRAM_TOKEN_MAP, serde_json::to_string(&map)?.as_bytes())?;
+        // With a real tokenizer the Engram vocabulary is derived from it at load time,
+        // as for a published checkpoint; the built-in one gets the preset's map file.
+        match &args.tokenizer {
+            Some(path) => {
+                let (_, size) = crate::engram_vocab::token_map_of_file(path)?;
+                config_json["engram_compressed_vocab_size"] = size.into();
+            }
+            None => {
+                let map = presets_v41::token_map_json(config_json["vocab_size"].as_u64().unwrap_or(0) as usize);
+                write(ENGRAM_TOKEN_MAP, serde_json::to_string(&map)?.as_bytes())?;
+            }
         }
+        let config = V41Config::from_json_str(&config_json.to_string(), preset.name())?;
         presets_v41::random_checkpoint(&config, args.seed)
     } else {
         let config = ModelConfig::from_json_str(&config_json.to_string(), preset.name())?;

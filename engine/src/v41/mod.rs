@@ -39,15 +39,30 @@ pub struct ModelV41 {
 }
 
 impl ModelV41 {
+    /// Load a directory; an Engram model reads its compressed vocabulary from
+    /// `engram_token_map.json` (see [`ModelV41::load_with_token_map`] to give it).
     pub fn load(dir: &Path) -> Result<Self, LoadError> {
+        Self::load_with_token_map(dir, None)
+    }
+
+    /// Load a directory with the Engram compressed id of every token id (derived
+    /// from the tokenizer by the caller), else from `engram_token_map.json`.
+    pub fn load_with_token_map(dir: &Path, token_map: Option<Vec<u32>>) -> Result<Self, LoadError> {
         let config = V41Config::from_file(&dir.join("config.json"))?;
         let checkpoint = Checkpoint::open(dir)?;
         let weights = Weights::load(&checkpoint, &config)?;
-        let token_map = match &config.engram {
-            Some(_) => Some(read_token_map(&dir.join(ENGRAM_TOKEN_MAP))?),
-            None => None,
+        let token_map = match (&config.engram, token_map) {
+            (Some(_), Some(map)) => Some(map),
+            (Some(_), None) => Some(read_token_map(&dir.join(ENGRAM_TOKEN_MAP))?),
+            (None, _) => None,
         };
         Self::new(config, weights, token_map)
+    }
+
+    /// Whether `dir` holds a V4.1 model with Engram layers but no token map file.
+    pub fn needs_token_map(dir: &Path) -> bool {
+        let Ok(cfg) = V41Config::from_file(&dir.join("config.json")) else { return false };
+        cfg.engram.is_some() && !dir.join(ENGRAM_TOKEN_MAP).is_file()
     }
 
     pub fn new(config: V41Config, weights: Weights, token_map: Option<Vec<u32>>) -> Result<Self, LoadError> {
@@ -87,8 +102,8 @@ fn read_token_map(path: &Path) -> Result<Vec<u32>, crate::checkpoint::Checkpoint
     let err = |problem: String| crate::checkpoint::CheckpointError::File { file: path.display().to_string(), problem };
     let text = std::fs::read_to_string(path).map_err(|e| {
         err(format!(
-            "cannot read ({e}); an Engram model needs its tokenizer's compressed vocabulary as {ENGRAM_TOKEN_MAP} \
-             beside config.json"
+            "cannot read ({e}); an Engram model needs its tokenizer's compressed vocabulary: \
+             {ENGRAM_TOKEN_MAP} beside config.json, or a tokenizer.json to derive it from"
         ))
     })?;
     let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("not valid JSON: {e}")))?;
