@@ -12,7 +12,7 @@
 use crate::dtype::{
     bf16_to_f32, f32_to_bf16, f32_to_fp4_e2m1, f32_to_fp8_e4m3, fp8_e4m3_to_f32, FP4_E2M1_VALUES, FP8_E4M3_MAX,
 };
-use crate::linear::{Linear, WeightFormat};
+use crate::linear::{Isa, Linear, WeightFormat};
 
 /// Activations share one scale per this many consecutive channels.
 pub const ACT_BLOCK: usize = 32;
@@ -39,6 +39,23 @@ pub fn power_of_two_scale(amax: f32, max_inv: f32) -> f32 {
     f32::from_bits(((log2_ceil + 127) << 23) as u32)
 }
 
+/// The FP8 e4m3 value nearest `x` (ties to even), saturated at ±448.
+#[inline]
+pub fn e4m3_round(x: f32) -> f32 {
+    let x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX);
+    let magnitude = x.abs();
+    let rounded = if magnitude < 2f32.powi(-6) {
+        // Subnormals are the multiples of 2^-9.
+        (magnitude * 512.0).round_ties_even() / 512.0
+    } else {
+        // Keep 3 mantissa bits, rounding the 20 dropped bits to nearest even.
+        let bits = magnitude.to_bits();
+        let lsb = (bits >> 20) & 1;
+        f32::from_bits((bits + 0x7_ffff + lsb) & !0xf_ffff)
+    };
+    rounded.copysign(x)
+}
+
 /// FP8 e4m3 codes of one row and its per-32 power-of-two scales.
 pub struct Fp8Row {
     pub values: Vec<f32>,
@@ -56,7 +73,7 @@ pub fn fp8_quantize_row(x: &[f32]) -> Fp8Row {
     for group in x.chunks_exact(ACT_BLOCK) {
         let amax = group.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-4);
         let s = power_of_two_scale(amax, max_inv);
-        values.extend(group.iter().map(|&v| fp8_e4m3_to_f32(f32_to_fp8_e4m3(v / s))));
+        values.extend(group.iter().map(|&v| e4m3_round(v / s)));
         scales.push(s);
     }
     Fp8Row { values, scales }
@@ -98,100 +115,275 @@ pub fn fp4_round_trip(x: &mut [f32], block: usize, scale: Fp4Scale) {
     }
 }
 
+/// Σ a·b accumulated in f64. Products of f32 values are exact in f64, so the
+/// result is the exact sum rounded a few times in f64; where the exact sum
+/// fits 53 bits (the FP8 × FP8 and FP8 × FP4 blocks of 32) it is exact and no
+/// order of addition can change it. Eight lanes in a fixed order, so every
+/// instruction set gives the same bits (an FMA rounds an exact product once,
+/// as a multiply then an add does).
+#[inline]
+pub fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "dot lengths");
+    match Isa::detect() {
+        // SAFETY: `detect` returns only instruction sets this CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { dot_f64_avx512(a, b) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { dot_f64_avx2(a, b) },
+        _ => dot_f64_lanes(a, b),
+    }
+}
+
+#[inline(always)]
+fn dot_f64_lanes(a: &[f32], b: &[f32]) -> f64 {
+    let mut acc = [0.0f64; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f64 = ac.remainder().iter().zip(bc.remainder()).map(|(&x, &y)| x as f64 * y as f64).sum();
+    for (x, y) in ac.zip(bc) {
+        for j in 0..8 {
+            acc[j] += x[j] as f64 * y[j] as f64;
+        }
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_f64_avx512(a: &[f32], b: &[f32]) -> f64 {
+    dot_f64_lanes(a, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_f64_avx2(a: &[f32], b: &[f32]) -> f64 {
+    dot_f64_lanes(a, b)
+}
+
+/// `p[i] += w · a[i]` in f64 (exact products; used where the sums stay exact).
+#[inline]
+fn axpy_f64(p: &mut [f64], w: f64, a: &[f64]) {
+    match Isa::detect() {
+        // SAFETY: `detect` returns only instruction sets this CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { axpy_f64_avx512(p, w, a) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { axpy_f64_avx2(p, w, a) },
+        _ => axpy_f64_plain(p, w, a),
+    }
+}
+
+#[inline(always)]
+fn axpy_f64_plain(p: &mut [f64], w: f64, a: &[f64]) {
+    for (p, &a) in p.iter_mut().zip(a) {
+        *p += w * a;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn axpy_f64_avx512(p: &mut [f64], w: f64, a: &[f64]) {
+    axpy_f64_plain(p, w, a)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpy_f64_avx2(p: &mut [f64], w: f64, a: &[f64]) {
+    axpy_f64_plain(p, w, a)
+}
+
+/// Multiply-adds above which a linear is spread over threads (each output is
+/// computed alone, so the bits do not depend on the split).
+const PARALLEL_MIN_WORK: usize = 1 << 16;
+
+/// `out[t · rows + r] = f(weight row r decoded, r, t)` for every output, in
+/// parallel over rows for large layers.
+fn by_row(
+    w: &Linear,
+    n: usize,
+    decode: impl Fn(usize, &mut [f32]) + Sync,
+    f: impl Fn(&[f32], usize, usize) -> f32 + Sync,
+) -> Vec<f32> {
+    use rayon::prelude::*;
+    let column = |r: usize| {
+        let mut row = vec![0.0f32; w.cols];
+        decode(r, &mut row);
+        (0..n).map(|t| f(&row, r, t)).collect::<Vec<f32>>()
+    };
+    let columns: Vec<Vec<f32>> = if w.rows * w.cols * n >= PARALLEL_MIN_WORK {
+        (0..w.rows).into_par_iter().map(column).collect()
+    } else {
+        (0..w.rows).map(column).collect()
+    };
+    let mut out = vec![0.0f32; n * w.rows];
+    for (r, col) in columns.iter().enumerate() {
+        for (t, &v) in col.iter().enumerate() {
+            out[t * w.rows + r] = v;
+        }
+    }
+    out
+}
+
 /// `out[n × rows]` (bf16 values) of a quantised linear over bf16-valued input
 /// rows `x[n × cols]`: each row is quantised to FP8 per 32, then multiplied
 /// with the FP8 (32 × 32 blocks) or FP4 (per-32 row scales) weight block by
 /// block. BF16 and F32 weights take the plain product, rounded to bf16.
 pub fn quantized_linear(w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
     assert_eq!(x.len(), n * w.cols, "quantised linear input");
-    let mut out = vec![0.0f32; n * w.rows];
     match &w.format {
         WeightFormat::Fp8 { block_cols, .. } | WeightFormat::Fp4 { block_cols, .. } => {
             assert_eq!(*block_cols, ACT_BLOCK, "weight scale blocks must be 32 wide along K");
-            let table = WeightTable::new(w);
-            for t in 0..n {
-                let q = fp8_quantize_row(&x[t * w.cols..(t + 1) * w.cols]);
-                for r in 0..w.rows {
-                    out[t * w.rows + r] = round_bf16(table.scaled_dot(r, &q));
-                }
+            let quantized: Vec<Fp8Row> = x.chunks_exact(w.cols).map(fp8_quantize_row).collect();
+            let scales = block_scales(w);
+            if n >= ROWS_FOR_TILES {
+                return tiled_fp8_linear(w, &quantized, &scales);
             }
+            let blocks = w.cols / ACT_BLOCK;
+            by_row(
+                w,
+                n,
+                |r, row| unscaled_row(w, r, row),
+                |row, r, t| {
+                    let q = &quantized[t];
+                    let mut acc = 0.0f32;
+                    for b in 0..blocks {
+                        let span = b * ACT_BLOCK..(b + 1) * ACT_BLOCK;
+                        // The block sum is exact (see dot_f64), whatever the order of addition.
+                        let partial = dot_f64(&q.values[span.clone()], &row[span]) as f32;
+                        acc += partial * q.scales[b] * scales[r * blocks + b];
+                    }
+                    round_bf16(acc)
+                },
+            )
         }
         WeightFormat::Bf16(_) | WeightFormat::F32(_) => {
+            let mut out = vec![0.0f32; n * w.rows];
             plain_linear(w, x, n, &mut out);
             round_bf16_all(&mut out);
+            out
+        }
+    }
+}
+
+/// Input rows from which the quantised product runs input rows in SIMD lanes.
+const ROWS_FOR_TILES: usize = 8;
+
+/// The quantised product with the input rows in the SIMD lanes: per weight row
+/// and K block, the exact block sums of all input rows at once (any order
+/// gives the same exact sums), then the blocks scaled and accumulated in f32 in
+/// K order per output, as in the row-by-row path: the same bits for any batch.
+fn tiled_fp8_linear(w: &Linear, quantized: &[Fp8Row], scales: &[f32]) -> Vec<f32> {
+    use rayon::prelude::*;
+    let (n, cols, rows) = (quantized.len(), w.cols, w.rows);
+    let blocks = cols / ACT_BLOCK;
+    // Activations transposed to [cols][n], in f64.
+    let mut at = vec![0.0f64; cols * n];
+    for (t, q) in quantized.iter().enumerate() {
+        for (c, &v) in q.values.iter().enumerate() {
+            at[c * n + t] = v as f64;
+        }
+    }
+    let column = |r: usize| {
+        let mut row = vec![0.0f32; cols];
+        unscaled_row(w, r, &mut row);
+        let mut acc = vec![0.0f32; n];
+        let mut partial = vec![0.0f64; n];
+        for b in 0..blocks {
+            partial.iter_mut().for_each(|p| *p = 0.0);
+            for c in b * ACT_BLOCK..(b + 1) * ACT_BLOCK {
+                let wv = row[c] as f64;
+                if wv != 0.0 {
+                    axpy_f64(&mut partial, wv, &at[c * n..(c + 1) * n]);
+                }
+            }
+            let ws = scales[r * blocks + b];
+            for (t, (a, &p)) in acc.iter_mut().zip(&partial).enumerate() {
+                *a += p as f32 * quantized[t].scales[b] * ws;
+            }
+        }
+        acc.into_iter().map(round_bf16).collect::<Vec<f32>>()
+    };
+    let columns: Vec<Vec<f32>> = if rows * cols * n >= PARALLEL_MIN_WORK {
+        (0..rows).into_par_iter().map(column).collect()
+    } else {
+        (0..rows).map(column).collect()
+    };
+    let mut out = vec![0.0f32; n * rows];
+    for (r, col) in columns.iter().enumerate() {
+        for (t, &v) in col.iter().enumerate() {
+            out[t * rows + r] = v;
         }
     }
     out
 }
 
-/// The product `x · Wᵀ`, each output accumulated in f64 (exact products) and
-/// rounded once to f32: a result that no summation order can change.
+/// The product `x · Wᵀ`, each output accumulated in f64 and rounded once to f32.
 pub fn plain_linear(w: &Linear, x: &[f32], n: usize, out: &mut [f32]) {
     assert_eq!(x.len(), n * w.cols, "linear input");
     assert_eq!(out.len(), n * w.rows, "linear output");
-    let mut row = vec![0.0f32; w.cols];
-    for r in 0..w.rows {
-        w.dequantize_row(r, &mut row);
-        for t in 0..n {
-            let input = &x[t * w.cols..(t + 1) * w.cols];
-            out[t * w.rows + r] = input.iter().zip(&row).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() as f32;
+    let result = by_row(w, n, |r, row| w.dequantize_row(r, row), |row, _, t| {
+        dot_f64(&x[t * w.cols..(t + 1) * w.cols], row) as f32
+    });
+    out.copy_from_slice(&result);
+}
+
+/// The scale of every (row, 32-wide K block) of a quantised weight.
+fn block_scales(w: &Linear) -> Vec<f32> {
+    let blocks = w.cols / ACT_BLOCK;
+    match &w.format {
+        WeightFormat::Fp8 { scales, block_rows, block_cols, .. } => {
+            let per_row = w.cols.div_ceil(*block_cols);
+            (0..w.rows).flat_map(|r| (0..blocks).map(move |b| scales[(r / block_rows) * per_row + b])).collect()
         }
+        WeightFormat::Fp4 { scales, .. } => scales.clone(),
+        _ => unreachable!("only quantised weights have block scales"),
     }
 }
 
-/// A quantised weight decoded to its unscaled element values, with the scale of
-/// every (row, K block).
-struct WeightTable<'a> {
-    weight: &'a Linear,
-    blocks: usize,
-    scales: Vec<f32>,
-}
-
-impl<'a> WeightTable<'a> {
-    fn new(weight: &'a Linear) -> Self {
-        let blocks = weight.cols / ACT_BLOCK;
-        let scales = match &weight.format {
-            WeightFormat::Fp8 { scales, block_rows, block_cols, .. } => {
-                let per_row = weight.cols.div_ceil(*block_cols);
-                (0..weight.rows)
-                    .flat_map(|r| (0..blocks).map(move |b| scales[(r / block_rows) * per_row + b]))
-                    .collect()
+/// Row `r` of a quantised weight as its element values, scales not applied.
+fn unscaled_row(w: &Linear, r: usize, out: &mut [f32]) {
+    match &w.format {
+        WeightFormat::Fp8 { data, .. } => {
+            for (o, &b) in out.iter_mut().zip(&data[r * w.cols..(r + 1) * w.cols]) {
+                *o = fp8_e4m3_to_f32(b);
             }
-            WeightFormat::Fp4 { scales, .. } => scales.clone(),
-            _ => unreachable!("only quantised weights have a table"),
-        };
-        Self { weight, blocks, scales }
-    }
-
-    fn element(&self, r: usize, c: usize) -> f32 {
-        match &self.weight.format {
-            WeightFormat::Fp8 { data, .. } => fp8_e4m3_to_f32(data[r * self.weight.cols + c]),
-            WeightFormat::Fp4 { data, .. } => {
-                let byte = data[(r * self.weight.cols + c) / 2];
-                FP4_E2M1_VALUES[if c % 2 == 0 { byte & 0xf } else { byte >> 4 } as usize]
-            }
-            _ => unreachable!("only quantised weights have a table"),
         }
-    }
-
-    /// Σ over K blocks of (Σ a·w in the block) · a_scale · w_scale, blocks in order.
-    fn scaled_dot(&self, r: usize, q: &Fp8Row) -> f32 {
-        let mut acc = 0.0f32;
-        for b in 0..self.blocks {
-            // FP8 × FP8 (or FP4) products are exact and their block sum is exact in f64.
-            let mut partial = 0.0f64;
-            for c in b * ACT_BLOCK..(b + 1) * ACT_BLOCK {
-                partial += q.values[c] as f64 * self.element(r, c) as f64;
+        WeightFormat::Fp4 { data, .. } => {
+            for (pair, &b) in out.chunks_exact_mut(2).zip(&data[r * w.cols / 2..(r + 1) * w.cols / 2]) {
+                pair[0] = FP4_E2M1_VALUES[(b & 0xf) as usize];
+                pair[1] = FP4_E2M1_VALUES[(b >> 4) as usize];
             }
-            acc += partial as f32 * q.scales[b] * self.scales[r * self.blocks + b];
         }
-        acc
+        _ => unreachable!("only quantised weights have unscaled rows"),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bit-level rounding gives the value of the code the table search picks.
+    #[test]
+    fn e4m3_round_matches_the_encoder() {
+        let mut probes: Vec<f32> = (0u8..=0x7e)
+            .flat_map(|c| {
+                let v = fp8_e4m3_to_f32(c);
+                let next = fp8_e4m3_to_f32((c + 1).min(0x7e));
+                [v, (v + next) / 2.0, f32::from_bits(v.to_bits() + 1), f32::from_bits(v.to_bits().max(1) - 1), -v]
+            })
+            .collect();
+        probes.extend([0.0, -0.0, 1e-9, 447.9, 500.0, -1e6, 2f32.powi(-6) * 0.99]);
+        let mut x = 0x9e37_79b9u32;
+        for _ in 0..50_000 {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            probes.push(f32::from_bits(x & 0x43ff_ffff) * if x & 2 == 0 { 1.0 } else { -1.0 });
+        }
+        for v in probes {
+            let want = fp8_e4m3_to_f32(f32_to_fp8_e4m3(v));
+            assert_eq!(e4m3_round(v).to_bits(), want.to_bits(), "{v:e}");
+        }
+    }
 
     #[test]
     fn power_of_two_scale_rounds_up() {

@@ -173,7 +173,7 @@ pub fn hc_post(streams: &mut [f32], output: &[f32], mix: &Mix) {
 
 /// Dot product accumulated in f64 (exact products), rounded once.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>() as f32
+    deepinfer_kernels::act_quant::dot_f64(a, b) as f32
 }
 
 /// Keys are visited in blocks of this many list slots.
