@@ -1,5 +1,6 @@
 //! Model throughput on CPU: prefill tokens/s, and decode tokens/s at batch 1
-//! and 32, for the built-in presets. `cargo bench --bench forward`.
+//! and 32, for the built-in presets (V4 and V4.1). `cargo bench --bench forward`
+//! (or `-- v41` for the V4.1 presets only).
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
 use deepinfer_engine::model::{Chunk, LogitsWanted, Model, SequenceState};
@@ -25,7 +26,8 @@ fn bench_preset(c: &mut Criterion, preset: Preset) {
     let model = build(preset, 1).expect("preset builds");
     let mut group = c.benchmark_group(preset.name());
     group.sample_size(10);
-    group.measurement_time(std::time::Duration::from_secs(if preset == Preset::TinyV4 { 3 } else { 10 }));
+    let small = matches!(preset, Preset::SmallV4 | Preset::SmallV41);
+    group.measurement_time(std::time::Duration::from_secs(if small { 10 } else { 3 }));
 
     let tokens = prompt(PROMPT_TOKENS, 0);
     group.throughput(Throughput::Elements(PROMPT_TOKENS as u64));
@@ -63,5 +65,13 @@ fn small(c: &mut Criterion) {
     bench_preset(c, Preset::SmallV4);
 }
 
-criterion_group!(benches, tiny, small);
+fn tiny_v41(c: &mut Criterion) {
+    bench_preset(c, Preset::TinyV41);
+}
+
+fn small_v41(c: &mut Criterion) {
+    bench_preset(c, Preset::SmallV41);
+}
+
+criterion_group!(benches, tiny, small, tiny_v41, small_v41);
 criterion_main!(benches);

@@ -159,6 +159,44 @@ unsafe fn dot_f64_avx2(a: &[f32], b: &[f32]) -> f64 {
     dot_f64_lanes(a, b)
 }
 
+/// Σ over 32-wide blocks, in K order, of (exact block sum of a·w) · a_scale ·
+/// w_scale, in f32: one output of the quantised product.
+#[inline]
+fn scaled_blocks(q: &Fp8Row, row: &[f32], w_scales: &[f32]) -> f32 {
+    match Isa::detect() {
+        // SAFETY: `detect` returns only instruction sets this CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { scaled_blocks_avx512(q, row, w_scales) },
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { scaled_blocks_avx2(q, row, w_scales) },
+        _ => scaled_blocks_plain(q, row, w_scales),
+    }
+}
+
+#[inline(always)]
+fn scaled_blocks_plain(q: &Fp8Row, row: &[f32], w_scales: &[f32]) -> f32 {
+    let mut acc = 0.0f32;
+    for ((a, w), (&a_scale, &w_scale)) in
+        q.values.chunks_exact(ACT_BLOCK).zip(row.chunks_exact(ACT_BLOCK)).zip(q.scales.iter().zip(w_scales))
+    {
+        // The block sum is exact (see dot_f64), whatever the order of addition.
+        acc += dot_f64_lanes(a, w) as f32 * a_scale * w_scale;
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scaled_blocks_avx512(q: &Fp8Row, row: &[f32], w_scales: &[f32]) -> f32 {
+    scaled_blocks_plain(q, row, w_scales)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn scaled_blocks_avx2(q: &Fp8Row, row: &[f32], w_scales: &[f32]) -> f32 {
+    scaled_blocks_plain(q, row, w_scales)
+}
+
 /// `p[i] += w · a[i]` in f64 (exact products; used where the sums stay exact).
 #[inline]
 fn axpy_f64(p: &mut [f64], w: f64, a: &[f64]) {
@@ -242,17 +280,7 @@ pub fn quantized_linear(w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
                 w,
                 n,
                 |r, row| unscaled_row(w, r, row),
-                |row, r, t| {
-                    let q = &quantized[t];
-                    let mut acc = 0.0f32;
-                    for b in 0..blocks {
-                        let span = b * ACT_BLOCK..(b + 1) * ACT_BLOCK;
-                        // The block sum is exact (see dot_f64), whatever the order of addition.
-                        let partial = dot_f64(&q.values[span.clone()], &row[span]) as f32;
-                        acc += partial * q.scales[b] * scales[r * blocks + b];
-                    }
-                    round_bf16(acc)
-                },
+                |row, r, t| round_bf16(scaled_blocks(&quantized[t], row, &scales[r * blocks..(r + 1) * blocks])),
             )
         }
         WeightFormat::Bf16(_) | WeightFormat::F32(_) => {
@@ -282,30 +310,42 @@ fn tiled_fp8_linear(w: &Linear, quantized: &[Fp8Row], scales: &[f32]) -> Vec<f32
             at[c * n + t] = v as f64;
         }
     }
-    let column = |r: usize| {
-        let mut row = vec![0.0f32; cols];
-        unscaled_row(w, r, &mut row);
-        let mut acc = vec![0.0f32; n];
-        let mut partial = vec![0.0f64; n];
+    // Weight rows in groups, so each transposed activation row is read once per group.
+    const GROUP: usize = 8;
+    let group = |g: usize| {
+        let members: Vec<usize> = (g * GROUP..((g + 1) * GROUP).min(rows)).collect();
+        let mut weights = vec![0.0f32; members.len() * cols];
+        for (i, &r) in members.iter().enumerate() {
+            unscaled_row(w, r, &mut weights[i * cols..(i + 1) * cols]);
+        }
+        let mut acc = vec![0.0f32; members.len() * n];
+        let mut partial = vec![0.0f64; members.len() * n];
         for b in 0..blocks {
             partial.iter_mut().for_each(|p| *p = 0.0);
             for c in b * ACT_BLOCK..(b + 1) * ACT_BLOCK {
-                let wv = row[c] as f64;
-                if wv != 0.0 {
-                    axpy_f64(&mut partial, wv, &at[c * n..(c + 1) * n]);
+                let a = &at[c * n..(c + 1) * n];
+                for (i, p) in partial.chunks_exact_mut(n).enumerate() {
+                    let wv = weights[i * cols + c] as f64;
+                    if wv != 0.0 {
+                        axpy_f64(p, wv, a);
+                    }
                 }
             }
-            let ws = scales[r * blocks + b];
-            for (t, (a, &p)) in acc.iter_mut().zip(&partial).enumerate() {
-                *a += p as f32 * quantized[t].scales[b] * ws;
+            for (i, &r) in members.iter().enumerate() {
+                let ws = scales[r * blocks + b];
+                let (acc_r, part_r) = (&mut acc[i * n..(i + 1) * n], &partial[i * n..(i + 1) * n]);
+                for (t, (a, &p)) in acc_r.iter_mut().zip(part_r).enumerate() {
+                    *a += p as f32 * quantized[t].scales[b] * ws;
+                }
             }
         }
-        acc.into_iter().map(round_bf16).collect::<Vec<f32>>()
+        acc.chunks_exact(n).map(|c| c.iter().map(|&v| round_bf16(v)).collect::<Vec<f32>>()).collect::<Vec<_>>()
     };
+    let groups = rows.div_ceil(GROUP);
     let columns: Vec<Vec<f32>> = if rows * cols * n >= PARALLEL_MIN_WORK {
-        (0..rows).into_par_iter().map(column).collect()
+        (0..groups).into_par_iter().flat_map_iter(group).collect()
     } else {
-        (0..rows).map(column).collect()
+        (0..groups).flat_map(group).collect()
     };
     let mut out = vec![0.0f32; n * rows];
     for (r, col) in columns.iter().enumerate() {
