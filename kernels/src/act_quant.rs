@@ -360,9 +360,12 @@ fn tiled_fp8_linear(w: &Linear, quantized: &[Fp8Row], scales: &[f32]) -> Vec<f32
 pub fn plain_linear(w: &Linear, x: &[f32], n: usize, out: &mut [f32]) {
     assert_eq!(x.len(), n * w.cols, "linear input");
     assert_eq!(out.len(), n * w.rows, "linear output");
-    let result = by_row(w, n, |r, row| w.dequantize_row(r, row), |row, _, t| {
-        dot_f64(&x[t * w.cols..(t + 1) * w.cols], row) as f32
-    });
+    let result = by_row(
+        w,
+        n,
+        |r, row| w.dequantize_row(r, row),
+        |row, _, t| dot_f64(&x[t * w.cols..(t + 1) * w.cols], row) as f32,
+    );
     out.copy_from_slice(&result);
 }
 

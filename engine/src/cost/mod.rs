@@ -10,6 +10,7 @@
 pub mod experts;
 pub mod hardware;
 pub mod model;
+pub mod v41;
 
 pub use hardware::{Hardware, HardwareKind};
 pub use model::{ModelCost, ModelKind};
@@ -82,7 +83,8 @@ pub fn step_cost(hw: &Hardware, model: &ModelCost, step: &DeviceStep, eff: Effic
     // HBM: dense weights once per step, the hit experts' weights, the KV state each sequence reads.
     let kv_bytes: f64 = step.sequences.iter().map(|s| model.kv_read_bytes(s.new_tokens, s.context)).sum();
     let weight_bytes = model.dense_weight_bytes() + step.experts_hit as f64 * model.expert_weight_bytes_all_layers();
-    let memory_s = (weight_bytes + kv_bytes) / hw.hbm_bytes_per_s() / eff.memory;
+    let table_bytes = tokens as f64 * model.table_read_bytes_per_token();
+    let memory_s = (weight_bytes + kv_bytes + table_bytes) / hw.hbm_bytes_per_s() / eff.memory;
 
     // Network: each token goes to `k` experts and comes back, per MoE layer. As
     // DeepEP does, a token crosses to each remote node once and fans out to that

@@ -8,8 +8,8 @@ pub enum ModelKind {
     DeepSeekV3,
     /// DeepSeek-V4-Flash: window + CSA/HCA attention, 43 layers, 256 experts (6 active), FP4 experts.
     V4Flash,
-    /// DeepSeek-V4.1-Flash (third-party configs): hidden 5120, 40 layers, 384 experts (6 active);
-    /// its shared compressed KV is approximated by V4-Flash's per-layer compression.
+    /// DeepSeek-V4.1-Flash: hidden 5120, 40 layers (CSA2: 2 window, 18 ratio-2, 20 ratio-1; KV
+    /// held by 4 source layers), 384 experts (6 active), Engram on 2 layers.
     V41Flash,
 }
 
@@ -33,6 +33,8 @@ pub enum Attention {
         index_dim: usize,
         index_topk: usize,
     },
+    /// V4.1: CSA2 shared compressed KV, the two-level indexer, Engram.
+    V41(super::v41::V41Attention),
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -168,15 +170,15 @@ impl ModelKind {
                 dense_layers: 0,
                 hidden: 5120,
                 vocab: 129280,
-                attention: with_layers(v4(1280), 19, 19),
+                attention: Attention::V41(super::v41::V41Attention::released()),
                 experts: 384,
                 experts_per_token: 6,
                 shared_experts: 1,
-                expert_inter: 2048,
+                expert_inter: 2304,
                 dense_inter: 0,
                 expert_bits: 4,
                 dense_bits: 8,
-                kv_element_bytes: 2,
+                kv_element_bytes: 1,
                 context: CONTEXT,
             },
         }
@@ -226,6 +228,23 @@ impl ModelCost {
                 let hca = 2.0 * hd * h;
                 base + (csa * csa_layers as f64 + hca * hca_layers as f64) / self.layers as f64
             }
+            Attention::V41(ref a) => a.params(self.hidden) / self.layers as f64,
+        }
+    }
+
+    /// Bytes of memory tables read by row (V4.1's Engram), outside the compute parameters.
+    pub fn table_bytes(&self) -> f64 {
+        match self.attention {
+            Attention::V41(ref a) => a.engram_table_bytes(),
+            _ => 0.0,
+        }
+    }
+
+    /// Bytes of table rows each new token reads (V4.1's Engram lookups).
+    pub fn table_read_bytes_per_token(&self) -> f64 {
+        match self.attention {
+            Attention::V41(ref a) => a.engram_read_bytes_per_token(),
+            _ => 0.0,
         }
     }
 
@@ -316,6 +335,7 @@ impl ModelCost {
                 let window_only = self.layers - csa_layers - hca_layers;
                 window_only as f64 * win * per_key + csa_layers as f64 * csa + hca_layers as f64 * hca
             }
+            Attention::V41(ref a) => a.flops_per_token(visible),
         };
         per_token * new as f64
     }
@@ -356,6 +376,7 @@ impl ModelCost {
                 let window_only = self.layers - csa_layers - hca_layers;
                 window_only as f64 * win + csa_layers as f64 * csa + hca_layers as f64 * hca
             }
+            Attention::V41(ref a) => a.kv_bytes(visible, only_selected),
         }
     }
 
