@@ -111,7 +111,7 @@ impl EngineArgs {
 /// Which model to load, shared by the commands that run one.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// A Hugging Face model directory, or `builtin:tiny-v4` / `builtin:small-v4`.
+    /// A Hugging Face model directory, or `builtin:tiny-v4` / `small-v4` / `tiny-v41` / `small-v41`.
     #[arg(long, default_value = "builtin:tiny-v4")]
     pub model: String,
     /// Seed of a built-in model's random weights.

@@ -34,7 +34,7 @@ use deepinfer_engine::prefix_cache::block_hash;
 use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId};
 use deepinfer_engine::sampling::SamplingParams;
 use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler as Policy, StepPlan};
-use deepinfer_engine::transfer::{parts_values, state_from_parts};
+use deepinfer_engine::transfer::parts_values;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
@@ -1138,7 +1138,7 @@ impl SchedulerState {
             // Modelled devices move positions, not values.
             Ok(())
         } else {
-            state_from_parts(cfg, &lens, &values, cfg.max_position_embeddings).and_then(|s| {
+            self.ctx.model.state_from_parts(&lens, &values, cfg.max_position_embeddings).and_then(|s| {
                 if s.position + 1 == position {
                     Ok(())
                 } else {

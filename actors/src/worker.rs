@@ -22,7 +22,7 @@ use deepinfer_engine::cost::SeqWork;
 use deepinfer_engine::engine::{restore_state, step_segments, BlockValues};
 use deepinfer_engine::model::{Chunk, ExpertOutputs, LogitsWanted, Pass, SequenceState};
 use deepinfer_engine::sampling::{sample, SamplingParams};
-use deepinfer_engine::transfer::{parts_values, state_from_parts, state_to_parts};
+use deepinfer_engine::transfer::{parts_values, state_to_parts};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
@@ -293,7 +293,7 @@ impl WorkerState {
                     let data =
                         body.get(at..at.saturating_add(size)).ok_or_else(|| "the body is too short".to_string())?;
                     at += size;
-                    let state = state_from_parts(cfg, &it.import, data, cfg.max_position_embeddings)?;
+                    let state = self.ctx.model.state_from_parts(&it.import, data, cfg.max_position_embeddings)?;
                     if state.position != position {
                         return Err(format!("state at {} for position {position}", state.position));
                     }

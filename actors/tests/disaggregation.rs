@@ -10,7 +10,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{assert_same, model, prompt, reference, request, requests};
+use common::{assert_same, model, model_v41, prompt, reference, request, requests};
 use deepinfer_actors::disagg::{EplbConfig, InstanceKind};
 use deepinfer_actors::faults::{FaultPlan, KillRule, MessageAction, MessageRule, Target};
 use deepinfer_actors::rng::Seed;
@@ -72,6 +72,21 @@ fn prefill_on_one_instance_decode_on_another_matches_one_device() {
     assert_same(&sim.outputs, &want, "2 + 2 (EP 2) disaggregated, simulated");
     let real = run_in_process(m.clone(), split(1), &reqs, 2).unwrap();
     assert_same(&real.outputs, &want, "1 + 1 disaggregated, in-process");
+}
+
+/// DeepSeek-V4.1: the moved state is each KV group's entries and index keys,
+/// every layer's window, the open ratio-2 groups and the Engram look-back.
+#[test]
+fn v41_prefill_on_one_instance_decode_on_another_matches_one_device() {
+    let m = model_v41();
+    let reqs = workload();
+    let want = reference(&m, &reqs);
+    let sim = run_simulated(m.clone(), split(1), &reqs).unwrap();
+    assert_same(&sim.outputs, &want, "V4.1, 1 + 1 disaggregated, simulated");
+    assert_eq!(count(&sim.log, "adopts request"), reqs.len(), "adoptions");
+    assert_eq!(count(&sim.log, "recomputes request"), 0);
+    let real = run_in_process(m.clone(), split(2), &reqs, 2).unwrap();
+    assert_same(&real.outputs, &want, "V4.1, 2 + 2 (EP 2) disaggregated, in-process");
 }
 
 #[test]

@@ -20,8 +20,11 @@ const ABSENT: u32 = u32::MAX;
 const PART: usize = 6;
 const PER_LAYER: usize = 1 + 2 * PART;
 
-/// Lengths and values of `state`.
+/// Lengths and values of `state` (a V4.1 state in its own form, see `v41::transfer`).
 pub fn state_to_parts(state: &SequenceState) -> (Vec<u32>, Vec<f32>) {
+    if let Some(s) = &state.v41 {
+        return crate::v41::transfer::to_parts(s);
+    }
     let mut lens = vec![state.position as u32, state.mtp_position as u32];
     let mut data = Vec::with_capacity(state.state_bytes() / 4);
     for layer in state.layers.iter().chain(&state.mtp) {
@@ -48,6 +51,9 @@ pub fn state_to_parts(state: &SequenceState) -> (Vec<u32>, Vec<f32>) {
 
 /// Values `lens` measures, or `None` when the lengths are malformed or overflow.
 pub fn parts_values(lens: &[u32]) -> Option<usize> {
+    if lens.first() == Some(&crate::v41::transfer::TAG) {
+        return crate::v41::transfer::parts_values(lens);
+    }
     if lens.len() < 2 || !(lens.len() - 2).is_multiple_of(PER_LAYER) {
         return None;
     }
@@ -102,6 +108,22 @@ fn expected_lens(cfg: &ModelConfig, position: usize, mtp_position: usize) -> Vec
         }
     }
     lens
+}
+
+impl crate::model::Model {
+    /// [`state_from_parts`] for this model, V4 or V4.1.
+    pub fn state_from_parts(&self, lens: &[u32], data: &[f32], max_position: usize) -> Result<SequenceState, String> {
+        match &self.v41 {
+            Some(m) => {
+                let inner = crate::v41::transfer::from_parts(&m.config, lens, data, max_position)?;
+                let mut state = self.new_state();
+                state.position = inner.position;
+                state.v41 = Some(inner);
+                Ok(state)
+            }
+            None => state_from_parts(&self.config, lens, data, max_position),
+        }
+    }
 }
 
 /// The inverse of [`state_to_parts`], checked against the model: the lengths
@@ -183,6 +205,31 @@ mod tests {
         let mut b = [Chunk { tokens: &next, state: &mut moved, replay: false }];
         let lb = m.forward(&mut b, LogitsWanted::Last, false);
         assert_eq!(la[0].logits, lb[0].logits);
+    }
+
+    /// A V4.1 state (both KV groups, Engram, DSpark) moves and decodes on identically;
+    /// every changed length is refused.
+    #[test]
+    fn a_moved_v41_state_decodes_bit_identically() {
+        let m = build(Preset::TinyV41, 7).expect("tiny-v41 builds");
+        let prompt: Vec<u32> = (0..131).map(|i| (i * 37 % 200) as u32 + 3).collect();
+        let mut state = m.new_state();
+        m.forward(&mut [Chunk::new(&prompt, &mut state)], LogitsWanted::Last, false);
+        let (lens, data) = state_to_parts(&state);
+        assert_eq!(parts_values(&lens), Some(data.len()));
+        let mut moved = m.state_from_parts(&lens, &data, 4096).unwrap();
+        assert_eq!(moved, state);
+        let next = [42u32, 7, 99];
+        let la = m.forward(&mut [Chunk::new(&next, &mut state)], LogitsWanted::Last, false);
+        let lb = m.forward(&mut [Chunk::new(&next, &mut moved)], LogitsWanted::Last, false);
+        assert_eq!(la[0].logits, lb[0].logits);
+        assert!(m.state_from_parts(&lens, &data[1..], 4096).is_err());
+        assert!(m.state_from_parts(&lens, &data, 130).is_err());
+        for i in 1..lens.len() {
+            let mut bad = lens.clone();
+            bad[i] = bad[i].wrapping_add(1);
+            assert!(m.state_from_parts(&bad, &data, 4096).is_err(), "length {i} changed");
+        }
     }
 
     #[test]

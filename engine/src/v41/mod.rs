@@ -12,6 +12,7 @@ pub mod forward;
 pub mod numpy_rng;
 pub mod ops;
 pub mod state;
+pub mod transfer;
 pub mod weights;
 
 use std::path::Path;
