@@ -42,6 +42,7 @@ impl Span {
 }
 
 /// Run the attention sublayer on `x` `[len, dim]` (bf16 values).
+#[allow(clippy::too_many_arguments)]
 pub fn forward(
     cfg: &V41Config,
     layer: usize,

@@ -164,7 +164,7 @@ impl V41Config {
         let head_dim = r.positive("head_dim")?;
         let rope_head_dim = r.positive("rope_head_dim")?;
         let multiple_of = |key: &str, value: usize, unit: usize| {
-            if value % unit != 0 {
+            if !value.is_multiple_of(unit) {
                 Err(r.invalid(key, format!("{value} must be a multiple of {unit} (activation quantisation groups)")))
             } else {
                 Ok(())
@@ -444,6 +444,15 @@ impl V41Config {
                 if d.n_activated_experts > 0 { d.n_activated_experts } else { self.n_activated_experts },
             ),
             _ => (self.n_routed_experts, self.n_activated_experts),
+        }
+    }
+
+    pub fn mix_shape(&self) -> super::ops::MixShape {
+        super::ops::MixShape {
+            hc: self.hc_mult,
+            iters: self.hc_sinkhorn_iters,
+            norm_eps: self.norm_eps,
+            hc_eps: self.hc_eps,
         }
     }
 

@@ -139,7 +139,7 @@ impl ModelV41 {
 
     fn mix_of(&self, h: &super::weights::HyperConnection, streams: &[f32]) -> Mix {
         let cfg = &self.config;
-        ops::hc_mixes(streams, &h.mix, &h.scale, &h.base, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.norm_eps, cfg.hc_eps)
+        ops::hc_mixes(streams, &h.mix, &h.scale, &h.base, cfg.mix_shape())
     }
 
     /// Every block position attends to the target's window (ring slots in slot

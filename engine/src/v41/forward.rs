@@ -257,18 +257,7 @@ impl ModelV41 {
         let cfg = &self.config;
         let width = cfg.hc_mult * cfg.dim;
         (0..n)
-            .map(|t| {
-                ops::hc_mixes(
-                    &streams[t * width..(t + 1) * width],
-                    &h.mix,
-                    &h.scale,
-                    &h.base,
-                    cfg.hc_mult,
-                    cfg.hc_sinkhorn_iters,
-                    cfg.norm_eps,
-                    cfg.hc_eps,
-                )
-            })
+            .map(|t| ops::hc_mixes(&streams[t * width..(t + 1) * width], &h.mix, &h.scale, &h.base, cfg.mix_shape()))
             .collect()
     }
 

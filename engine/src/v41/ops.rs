@@ -110,17 +110,18 @@ pub struct Mix {
     pub comb: Vec<f32>,
 }
 
+/// The mHC constants of a model.
+#[derive(Clone, Copy, Debug)]
+pub struct MixShape {
+    pub hc: usize,
+    pub iters: usize,
+    pub norm_eps: f32,
+    pub hc_eps: f32,
+}
+
 /// The mixes of one token from its streams `[hc · dim]` (bf16 values).
-pub fn hc_mixes(
-    streams: &[f32],
-    mix: &[f32],
-    scale: &[f32; 3],
-    base: &[f32],
-    hc: usize,
-    iters: usize,
-    norm_eps: f32,
-    hc_eps: f32,
-) -> Mix {
+pub fn hc_mixes(streams: &[f32], mix: &[f32], scale: &[f32; 3], base: &[f32], shape: MixShape) -> Mix {
+    let MixShape { hc, iters, norm_eps, hc_eps } = shape;
     let inv = rsqrt(mean_square(streams) + norm_eps);
     let m: Vec<f32> = mix.chunks_exact(streams.len()).map(|row| dot(streams, row) * inv).collect();
     let pre = (0..hc).map(|j| sigmoid(m[j] * scale[0] + base[j]) + hc_eps).collect();

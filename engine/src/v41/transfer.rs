@@ -79,7 +79,9 @@ pub fn from_parts(cfg: &V41Config, lens: &[u32], data: &[f32], max_position: usi
     if lens.len() != want.len() + drafts || lens[..want.len()] != want[..] {
         return Err(format!("lengths do not fit the model at position {position}"));
     }
-    if lens[want.len()..].iter().any(|&n| n as usize > cfg.window_size * cfg.head_dim || n as usize % cfg.head_dim != 0)
+    if lens[want.len()..]
+        .iter()
+        .any(|&n| n as usize > cfg.window_size * cfg.head_dim || !(n as usize).is_multiple_of(cfg.head_dim))
     {
         return Err("a DSpark window longer than the window".to_string());
     }
