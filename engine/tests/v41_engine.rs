@@ -47,3 +47,49 @@ fn a_sequence_in_a_batch_computes_as_alone() {
         assert_eq!(out.logits, alone[i], "sequence {i}");
     }
 }
+
+/// A written tiny-v41 directory whose config is then edited by `edit`.
+fn directory_with(name: &str, edit: impl Fn(&mut serde_json::Value)) -> std::path::PathBuf {
+    use deepinfer_engine::presets::serialize;
+    use deepinfer_engine::presets_v41::{random_checkpoint, token_map_json};
+    let dir = std::env::temp_dir().join(format!("deepinfer-v41-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut config = Preset::TinyV41.config_json();
+    let tensors = random_checkpoint(&Preset::TinyV41.v41_config(), 1);
+    std::fs::write(dir.join("model.safetensors"), serialize(&tensors)).unwrap();
+    std::fs::write(dir.join("engram_token_map.json"), token_map_json(1024).to_string()).unwrap();
+    edit(&mut config);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    dir
+}
+
+fn load_error(dir: &std::path::Path) -> String {
+    let err = Model::load(dir).err().expect("the load fails").to_string();
+    let _ = std::fs::remove_dir_all(dir);
+    err
+}
+
+#[test]
+fn bad_v41_configs_and_checkpoints_name_the_file_and_key() {
+    let dir = directory_with("no-source", |c| c["kv_source_layers"] = serde_json::json!([4]));
+    let err = load_error(&dir);
+    assert!(err.contains("config.json") && err.contains("compress_ratios") && err.contains("no KV source"), "{err}");
+
+    let dir = directory_with("few-blocks", |c| c["candidate_topk_blocks"] = serde_json::json!(2));
+    let err = load_error(&dir);
+    assert!(err.contains("candidate_topk_blocks") && err.contains("fewer than index_topk"), "{err}");
+
+    let dir = directory_with("bad-ratio", |c| c["compress_ratios"] = serde_json::json!([0, 2, 2, 2, 1, 1, 1, 1]));
+    let err = load_error(&dir);
+    assert!(err.contains("compress_ratios"), "{err}");
+
+    let dir = directory_with("wrong-shape", |c| c["dim"] = serde_json::json!(96));
+    let err = load_error(&dir);
+    assert!(err.contains("model.safetensors") && err.contains("shape"), "{err}");
+
+    let dir = directory_with("no-map", |_| {});
+    std::fs::remove_file(dir.join("engram_token_map.json")).unwrap();
+    let err = load_error(&dir);
+    assert!(err.contains("engram_token_map.json") && err.contains("tokenizer.json"), "{err}");
+}

@@ -194,11 +194,11 @@ impl V41Config {
             other => return Err(r.invalid("score_func", format!("unknown score function {other:?}"))),
         };
         let compress_ratios = r.usize_list("compress_ratios")?.ok_or_else(|| r.missing("compress_ratios"))?;
-        if compress_ratios.len() != n_layers + n_mtp_layers && compress_ratios.len() != n_layers {
+        if compress_ratios.len() != n_layers + n_mtp_layers {
             return Err(r.invalid(
                 "compress_ratios",
                 format!(
-                    "has {} entries; expected n_layers ({n_layers}) or n_layers + n_mtp_layers",
+                    "has {} entries; expected one per layer, draft layers included ({n_layers} + {n_mtp_layers})",
                     compress_ratios.len()
                 ),
             ));
