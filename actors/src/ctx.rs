@@ -207,7 +207,7 @@ impl Ctx {
     /// The batching policy of `instance`'s scheduler.
     pub fn engine_for(&self, instance: u32) -> EngineConfig {
         match &self.modelled {
-            // A V4.1 state is not yet restored from cached blocks.
+            // V4.1 blocks (windows included) do not travel between nodes yet.
             None if self.model.is_v41() => EngineConfig { prefix_mode: PrefixMode::Off, ..self.engine.clone() },
             None => self.engine.clone(),
             Some(m) => {

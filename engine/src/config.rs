@@ -104,6 +104,8 @@ pub struct ModelConfig {
     pub bos_token_id: u32,
     pub eos_token_id: u32,
     pub quant: QuantConfig,
+    /// Prefix-cache blocks carry the window state, so a hit needs no replay (V4.1).
+    pub blocks_hold_windows: bool,
 }
 
 pub(crate) struct Reader<'a> {
@@ -298,6 +300,7 @@ impl ModelConfig {
             bos_token_id: r.token_id("bos_token_id", 0)?,
             eos_token_id: r.token_id("eos_token_id", 1)?,
             quant,
+            blocks_hold_windows: false,
         })
     }
 

@@ -30,7 +30,6 @@ use crate::constraint::TokenConstraint;
 use crate::kv_pool::BlockId;
 use crate::model::state::CompressorState;
 use crate::model::{Chunk, LogitsWanted, Model, SequenceState};
-use crate::prefix_cache::PrefixMode;
 use crate::request::{FinishReason, Finished, Request, RequestError, RequestId, RequestUpdate, TokenOutput};
 use crate::sampling::{adjust_logits, sample};
 pub use crate::scheduler::{EngineConfig, EngineConfigError};
@@ -50,6 +49,8 @@ struct CompressorBlock {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct BlockValues {
     layers: Vec<(Option<CompressorBlock>, Option<CompressorBlock>)>,
+    /// A DeepSeek-V4.1 block: its groups' entries and keys, and the state at its end.
+    v41: Option<crate::v41::state::BlockSnapshot>,
 }
 
 /// A finished request with everything it generated.
@@ -99,11 +100,7 @@ pub struct Engine<M: Deref<Target = Model> = Arc<Model>> {
 }
 
 impl<M: Deref<Target = Model>> Engine<M> {
-    pub fn new(model: M, mut config: EngineConfig) -> Result<Self, EngineConfigError> {
-        // A V4.1 state is not yet restored from cached blocks: it runs without prefix hits.
-        if model.is_v41() {
-            config.prefix_mode = PrefixMode::Off;
-        }
+    pub fn new(model: M, config: EngineConfig) -> Result<Self, EngineConfigError> {
         let scheduler = Scheduler::new(&model.config, config)?;
         Ok(Self { model, scheduler, states: BTreeMap::new(), stored: BTreeMap::new(), constraints: BTreeMap::new() })
     }
@@ -279,6 +276,13 @@ impl<M: Deref<Target = Model>> Engine<M> {
 /// positioned at `position` (the start of the replay).
 pub fn restore_state(model: &Model, blocks: &[&BlockValues], position: usize) -> SequenceState {
     let mut state = model.new_state();
+    if let (Some(m), Some(v)) = (&model.v41, state.v41.as_mut()) {
+        let snapshots: Vec<&crate::v41::state::BlockSnapshot> =
+            blocks.iter().map(|b| b.v41.as_ref().expect("a V4.1 block")).collect();
+        *v = crate::v41::V41State::restore(&m.config, &snapshots, position);
+        state.position = position;
+        return state;
+    }
     if let Some(last) = blocks.last() {
         for (l, layer) in state.layers.iter_mut().enumerate() {
             let rebuild = |c: &mut CompressorState, part: fn(&BlockValues, usize) -> Option<&CompressorBlock>| {
@@ -334,6 +338,9 @@ pub fn step_segments(
 
 /// Copy the compressed state of block `k` out of a state whose position is its end.
 fn snapshot(model: &Model, state: &SequenceState, k: usize, bt: usize) -> BlockValues {
+    if let (Some(m), Some(s)) = (&model.v41, &state.v41) {
+        return BlockValues { layers: Vec::new(), v41: Some(s.snapshot(&m.config, k, bt)) };
+    }
     let cfg = &model.config;
     debug_assert_eq!(state.position, (k + 1) * bt);
     let part = |c: &CompressorState, ratio: usize, dim: usize| {
@@ -358,7 +365,7 @@ fn snapshot(model: &Model, state: &SequenceState, k: usize, bt: usize) -> BlockV
             None => (None, None),
         })
         .collect();
-    BlockValues { layers }
+    BlockValues { layers, v41: None }
 }
 
 /// Absent overlap series in [`BlockValues::to_parts`] lengths.
@@ -448,6 +455,6 @@ impl BlockValues {
         if at != data.len() {
             return Err(format!("{} values, {at} expected", data.len()));
         }
-        Ok(Self { layers })
+        Ok(Self { layers, v41: None })
     }
 }

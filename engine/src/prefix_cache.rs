@@ -51,6 +51,8 @@ impl PrefixMode {
         let window = cfg.sliding_window.saturating_sub(1);
         match self {
             PrefixMode::Off => 0,
+            // The blocks restore the window state too: nothing to replay.
+            PrefixMode::Exact | PrefixMode::Bounded if cfg.blocks_hold_windows => 0,
             // Every layer has a sliding window: the window state at layer l
             // depends on layer l−1's window one window further back.
             PrefixMode::Exact => cfg.num_layers * window,

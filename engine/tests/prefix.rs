@@ -163,3 +163,22 @@ fn a_match_no_longer_than_the_replay_is_not_used() {
 fn config_with_blocks(block_tokens: usize) -> EngineConfig {
     EngineConfig { block_tokens: Some(block_tokens), ..config(PrefixMode::Exact) }
 }
+
+/// DeepSeek-V4.1: a block stores its KV groups' entries and index keys and the
+/// state at its end (windows, Engram look-back), so a hit replays nothing and
+/// is bit-identical to a cold run (the preset's window and chosen entries fit
+/// one softmax block, so the key order cannot change a rounding).
+#[test]
+fn v41_exact_prefix_hits_restore_without_replay_and_are_bit_identical() {
+    let model = deepinfer_engine::presets::build(deepinfer_engine::presets::Preset::TinyV41, 2).unwrap();
+    let requests = shared_prefix_requests(300);
+    let (warm, engine) = warm_then_rest(&model, PrefixMode::Exact, &requests);
+    let stats = engine.scheduler().prefix_stats().clone();
+    assert_eq!(stats.hits, 4, "every request after the first hits");
+    assert_eq!(stats.hit_tokens, 4 * 256);
+    assert_eq!(stats.replayed_tokens, 0, "the blocks hold the window state");
+    for (i, (w, r)) in warm.iter().zip(&requests).enumerate() {
+        assert_eq!(w.finished.cached_tokens, if i == 0 { 0 } else { 256 });
+        assert_same(w, &run_alone(&model, r), &format!("V4.1 request {i}"));
+    }
+}

@@ -589,6 +589,7 @@ impl V41Config {
             bos_token_id: self.bos_token_id,
             eos_token_id: self.eos_token_id,
             quant: QuantConfig { fp8_block: (32, 32) },
+            blocks_hold_windows: true,
         }
     }
 }
