@@ -9,7 +9,6 @@ use std::time::Duration;
 use deepinfer_engine::config::ModelConfig;
 use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::model::Model;
-use deepinfer_engine::prefix_cache::PrefixMode;
 use deepinfer_engine::scheduler::EngineConfig;
 use ractor::ActorCell;
 
@@ -207,8 +206,6 @@ impl Ctx {
     /// The batching policy of `instance`'s scheduler.
     pub fn engine_for(&self, instance: u32) -> EngineConfig {
         match &self.modelled {
-            // V4.1 blocks (windows included) do not travel between nodes yet.
-            None if self.model.is_v41() => EngineConfig { prefix_mode: PrefixMode::Off, ..self.engine.clone() },
             None => self.engine.clone(),
             Some(m) => {
                 let bt = self.block_tokens;

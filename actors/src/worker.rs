@@ -19,7 +19,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use deepinfer_engine::cost::SeqWork;
-use deepinfer_engine::engine::{restore_state, step_segments, BlockValues};
+use deepinfer_engine::engine::{check_restore, restore_state, step_segments, BlockValues};
 use deepinfer_engine::model::{Chunk, ExpertOutputs, LogitsWanted, Pass, SequenceState};
 use deepinfer_engine::sampling::{sample, SamplingParams};
 use deepinfer_engine::transfer::{parts_values, state_to_parts};
@@ -328,6 +328,9 @@ impl WorkerState {
             } else if !blocks.is_empty() {
                 self.seqs.remove(&it.seq);
                 let refs: Vec<&BlockValues> = blocks.iter().collect();
+                if let Err(why) = check_restore(&self.ctx.model, &refs, from) {
+                    return fail(self, format!("sequence {}: restored blocks: {why}", it.seq));
+                }
                 restore_state(&self.ctx.model, &refs, from)
             } else if from == 0 {
                 if it.rebuild {

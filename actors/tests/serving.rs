@@ -14,6 +14,7 @@ use deepinfer_actors::supervisor::Intensity;
 use deepinfer_actors::wire::MsgKind;
 use deepinfer_actors::{run_in_process, run_simulated, simulate, Cluster, ClusterConfig, GenRequest, Update};
 use deepinfer_engine::engine::{Completion, Engine, EngineConfig};
+use deepinfer_engine::model::Model;
 use deepinfer_engine::request::{FinishReason, Finished, TokenOutput};
 use deepinfer_engine::sampling::SamplingParams;
 
@@ -53,8 +54,11 @@ fn outcome(tokens: &[TokenOutput], finished: &Finished) -> Outcome {
 
 /// Each request through one single-device engine, all queued up front.
 fn engine_outcomes(requests: &[GenRequest]) -> Vec<Outcome> {
-    let m = model();
-    let mut engine = Engine::new(&*m, EngineConfig::default()).unwrap();
+    engine_outcomes_of(&model(), requests)
+}
+
+fn engine_outcomes_of(m: &Model, requests: &[GenRequest]) -> Vec<Outcome> {
+    let mut engine = Engine::new(m, EngineConfig::default()).unwrap();
     let ids: Vec<_> = requests.iter().map(|r| engine.add_request(r.clone())).collect();
     let mut done = engine.run_to_completion();
     ids.into_iter()
@@ -152,6 +156,30 @@ fn the_cluster_serves_exactly_like_the_engine() {
     cfg.devices_per_node = 4;
     let (got, _) = simulate(m.clone(), cfg, async |c: &mut Cluster| cluster_outcomes(c, &reqs).await).unwrap();
     assert_eq!(got, want, "8 devices, expert parallel 8");
+}
+
+/// DeepSeek-V4.1 in the cluster: prefix blocks (each KV group's entries and
+/// keys, and the windows and Engram look-back at the block's end) are cached,
+/// fetched and restored with no replay; every output equals the engine's.
+#[test]
+fn the_cluster_serves_v41_exactly_like_the_engine_with_prefix_hits() {
+    let m = common::model_v41();
+    let shared = prompt(150, 8);
+    let reqs: Vec<GenRequest> = (0..4u32)
+        .map(|i| request([shared.clone(), prompt(3 + 5 * i as usize, 70 + i)].concat(), 5, SamplingParams::default()))
+        .collect();
+    let want = engine_outcomes_of(&m, &reqs);
+    let mut cfg = two_instances(2);
+    cfg.instances = 1;
+    let (got, report) = simulate(m.clone(), cfg, async |c: &mut Cluster| {
+        let mut all = cluster_outcomes(c, &reqs[..1]).await;
+        all.extend(cluster_outcomes(c, &reqs[1..]).await);
+        all
+    })
+    .unwrap();
+    assert_eq!(got, want, "V4.1 through the cluster");
+    assert!(report.metrics.blocks_stored > 0, "V4.1 prefix blocks were cached");
+    assert!(report.metrics.cache_hits > 0, "a later request hit the cache: {:?}", report.metrics);
 }
 
 /// A request that shares a cached prefix goes to the instance holding it,

@@ -368,6 +368,14 @@ fn snapshot(model: &Model, state: &SequenceState, k: usize, bt: usize) -> BlockV
     BlockValues { layers, v41: None }
 }
 
+/// Whether `blocks` (consecutive from position 0) can restore a state at `position`.
+pub fn check_restore(model: &Model, blocks: &[&BlockValues], position: usize) -> Result<(), String> {
+    match (&model.v41, blocks.last().and_then(|b| b.v41.as_ref())) {
+        (Some(m), Some(last)) => last.fits(&m.config, position),
+        _ => Ok(()),
+    }
+}
+
 /// Absent overlap series in [`BlockValues::to_parts`] lengths.
 const ABSENT: u32 = u32::MAX;
 /// Lengths per layer in [`BlockValues::to_parts`]: for the compressor then
@@ -382,6 +390,9 @@ impl BlockValues {
 
     /// Flat form for a transport: lengths (8 per layer) and the values they measure.
     pub fn to_parts(&self) -> (Vec<u32>, Vec<f32>) {
+        if let Some(v) = &self.v41 {
+            return v.to_parts();
+        }
         let mut lens = Vec::with_capacity(self.layers.len() * LENS_PER_LAYER);
         let mut data = Vec::new();
         for (c, ix) in &self.layers {
@@ -406,6 +417,10 @@ impl BlockValues {
     /// model's layers and the block size: a malformed block is an error,
     /// never a state that would trip the forward pass.
     pub fn from_parts(model: &Model, block_tokens: usize, lens: &[u32], data: &[f32]) -> Result<Self, String> {
+        if let Some(m) = &model.v41 {
+            let v = crate::v41::state::BlockSnapshot::from_parts(&m.config, block_tokens, lens, data)?;
+            return Ok(Self { layers: Vec::new(), v41: Some(v) });
+        }
         let cfg = &model.config;
         if lens.len() != cfg.num_layers * LENS_PER_LAYER {
             return Err(format!("{} lengths for {} layers", lens.len(), cfg.num_layers));

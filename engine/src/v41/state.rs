@@ -110,3 +110,114 @@ impl V41State {
         state
     }
 }
+
+/// First field of a V4.1 block's lengths. The lengths come in fours (a field
+/// kind, then up to three lengths), the layout V4 blocks use too, so a
+/// transport sizes either without knowing which it carries.
+pub const BLOCK_TAG: u32 = u32::MAX - 42;
+const GROUP: u32 = 1;
+const WINDOW: u32 = 2;
+const HISTORY: u32 = 3;
+const DRAFT: u32 = 4;
+
+impl BlockSnapshot {
+    /// Lengths (fours: kind, lengths) and the values they measure.
+    pub fn to_parts(&self) -> (Vec<u32>, Vec<f32>) {
+        let mut lens = vec![BLOCK_TAG, 0, 0, 0];
+        let mut data = Vec::new();
+        for (e, k) in &self.groups {
+            lens.extend([GROUP, e.len() as u32, k.len() as u32, 0]);
+            data.extend_from_slice(e);
+            data.extend_from_slice(k);
+        }
+        for w in &self.windows {
+            lens.extend([WINDOW, w.len() as u32, 0, 0]);
+            data.extend_from_slice(w);
+        }
+        lens.extend([HISTORY, self.engram_history.len() as u32, 0, 0]);
+        data.extend(self.engram_history.iter().map(|&id| id as f32));
+        for w in &self.dspark_windows {
+            lens.extend([DRAFT, w.len() as u32, 0, 0]);
+            data.extend_from_slice(w);
+        }
+        (lens, data)
+    }
+
+    /// The inverse of [`to_parts`](Self::to_parts), checked against the model and the block size.
+    pub fn from_parts(cfg: &V41Config, block_tokens: usize, lens: &[u32], data: &[f32]) -> Result<Self, String> {
+        let sources = cfg.kv_source_layers();
+        let drafts = if cfg.dspark.is_some() { cfg.n_mtp_layers } else { 0 };
+        let fields = 1 + sources.len() + cfg.n_layers + 1 + drafts;
+        if lens.len() != 4 * fields || lens[..4] != [BLOCK_TAG, 0, 0, 0] {
+            return Err(format!("{} lengths, not a V4.1 block of this model", lens.len()));
+        }
+        let (hd, ihd, win) = (cfg.head_dim, cfg.index_head_dim, cfg.window_size);
+        let mut at = 0usize;
+        let mut take = |n: u32| -> Result<Vec<f32>, String> {
+            let v = data.get(at..at + n as usize).ok_or_else(|| format!("{} values, more needed", data.len()))?;
+            at += n as usize;
+            Ok(v.to_vec())
+        };
+        let mut chunks = lens[4..].chunks_exact(4);
+        let mut next = |kind: u32| -> Result<[u32; 3], String> {
+            match chunks.next() {
+                Some(&[k, a, b, c]) if k == kind => Ok([a, b, c]),
+                _ => Err(format!("a field of kind {kind} expected")),
+            }
+        };
+        let mut groups = Vec::with_capacity(sources.len());
+        for &l in &sources {
+            let ratio = cfg.layers[l].ratio;
+            let [e, k, zero] = next(GROUP)?;
+            let entries = block_tokens / ratio;
+            if !block_tokens.is_multiple_of(ratio)
+                || e as usize != entries * hd
+                || k as usize != entries * ihd
+                || zero != 0
+            {
+                return Err(format!("layer {l}: {e}/{k} values do not fit a block of {block_tokens}"));
+            }
+            groups.push((take(e)?, take(k)?));
+        }
+        let mut windows = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let [w, z1, z2] = next(WINDOW)?;
+            if w as usize > win * hd || !(w as usize).is_multiple_of(hd) || z1 != 0 || z2 != 0 {
+                return Err(format!("layer {l}: a window of {w} values"));
+            }
+            windows.push(take(w)?);
+        }
+        let [h, z1, z2] = next(HISTORY)?;
+        let keep = cfg.engram.as_ref().map_or(0, |e| e.max_ngram_size);
+        if h as usize > keep || z1 != 0 || z2 != 0 {
+            return Err(format!("an Engram look-back of {h}"));
+        }
+        let vocab = cfg.engram.as_ref().map_or(0, |e| e.compressed_vocab_size) as f32;
+        let history = take(h)?;
+        if let Some(bad) = history.iter().find(|&&v| !(v >= 0.0 && v < vocab && v.fract() == 0.0)) {
+            return Err(format!("Engram look-back holds {bad}"));
+        }
+        let mut dspark_windows = Vec::with_capacity(drafts);
+        for _ in 0..drafts {
+            let [w, z1, z2] = next(DRAFT)?;
+            if w as usize > win * hd || !(w as usize).is_multiple_of(hd) || z1 != 0 || z2 != 0 {
+                return Err(format!("a DSpark window of {w} values"));
+            }
+            dspark_windows.push(take(w)?);
+        }
+        if at != data.len() {
+            return Err(format!("{} values, {at} expected", data.len()));
+        }
+        Ok(Self { groups, windows, engram_history: history.into_iter().map(|v| v as u64).collect(), dspark_windows })
+    }
+
+    /// Whether this block, the last of a hit ending at `position`, holds the windows a state there has.
+    pub fn fits(&self, cfg: &V41Config, position: usize) -> Result<(), String> {
+        let want = position.min(cfg.window_size) * cfg.head_dim;
+        let history = cfg.engram.as_ref().map_or(0, |e| position.min(e.max_ngram_size));
+        if self.windows.iter().any(|w| w.len() != want) || self.engram_history.len() != history {
+            return Err(format!("the block's windows do not fit position {position}"));
+        }
+        Ok(())
+    }
+}
