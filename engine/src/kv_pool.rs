@@ -125,6 +125,11 @@ impl KvLayout {
                 }
             }
         }
+        // Blocks that hold the window state at their end (V4.1's prefix blocks)
+        // are charged every layer's window too, whether cached or running.
+        if cfg.blocks_hold_windows {
+            compressed += cfg.num_layers * cfg.sliding_window * cfg.head_dim;
+        }
         let window = window_block_tokens * cfg.num_layers * cfg.head_dim;
         Ok(Self {
             block_tokens,
