@@ -7,7 +7,7 @@
 use deepinfer_kernels::act_quant::{fp8_round_trip, plain_linear, quantized_linear};
 
 use super::ffn;
-use super::ops::{self, Mix};
+use super::ops;
 use super::state::V41State;
 use super::weights::{Block, DsparkLayer};
 use super::ModelV41;
@@ -63,7 +63,7 @@ impl ModelV41 {
                 streams[(i * hc + k) * d..(i * hc + k + 1) * d].copy_from_slice(&row);
             }
         }
-        let mut pre: Vec<Vec<f32>> = (0..block).map(|_| one_hot(hc)).collect();
+        let mut pre: Vec<Vec<f32>> = (0..block).map(|_| ops::one_hot(hc)).collect();
         for (k, layer) in self.weights.dspark.iter().enumerate() {
             pre = self.draft_block(layer, &state.dspark_windows[k], &mut streams, &pre, p);
         }
@@ -88,7 +88,7 @@ impl ModelV41 {
             plain_linear(&heads.markov_head, embed, 1, &mut bias);
             let row = &mut logits[i * v..(i + 1) * v];
             row.iter_mut().zip(&bias).for_each(|(l, b)| *l += b);
-            previous = argmax(row);
+            previous = ops::argmax(row);
             tokens.push(previous);
             let input: Vec<f32> = x[i * d..(i + 1) * d].iter().chain(embed).copied().collect();
             let mut c = [0.0f32];
@@ -107,39 +107,10 @@ impl ModelV41 {
         pre: &[Vec<f32>],
         p: usize,
     ) -> Vec<Vec<f32>> {
-        let cfg = &self.config;
-        let block: &Block = &layer.block;
-        let (d, hc) = (cfg.dim, cfg.hc_mult);
-        let n = pre.len();
-        let attn_mixes: Vec<Mix> =
-            (0..n).map(|t| self.mix_of(&block.hc_attn, &streams[t * hc * d..(t + 1) * hc * d])).collect();
-        let mut x = vec![0.0f32; n * d];
-        for t in 0..n {
-            let out = &mut x[t * d..(t + 1) * d];
-            ops::hc_pre(&streams[t * hc * d..(t + 1) * hc * d], &pre[t], out);
-            ops::rms_norm(out, &block.attn_norm, cfg.norm_eps);
-        }
-        let out = self.draft_attention(block, window, &x, p);
-        for t in 0..n {
-            ops::hc_post(&mut streams[t * hc * d..(t + 1) * hc * d], &out[t * d..(t + 1) * d], &attn_mixes[t]);
-        }
-        let ffn_mixes: Vec<Mix> =
-            (0..n).map(|t| self.mix_of(&block.hc_ffn, &streams[t * hc * d..(t + 1) * hc * d])).collect();
-        for t in 0..n {
-            let out = &mut x[t * d..(t + 1) * d];
-            ops::hc_pre(&streams[t * hc * d..(t + 1) * hc * d], &attn_mixes[t].pre, out);
-            ops::rms_norm(out, &block.ffn_norm, cfg.norm_eps);
-        }
-        let out = ffn::forward(cfg, &block.moe, &x, n);
-        for t in 0..n {
-            ops::hc_post(&mut streams[t * hc * d..(t + 1) * hc * d], &out[t * d..(t + 1) * d], &ffn_mixes[t]);
-        }
-        ffn_mixes.into_iter().map(|m| m.pre).collect()
-    }
-
-    fn mix_of(&self, h: &super::weights::HyperConnection, streams: &[f32]) -> Mix {
-        let cfg = &self.config;
-        ops::hc_mixes(streams, &h.mix, &h.scale, &h.base, cfg.mix_shape())
+        let block = &layer.block;
+        let (mixes, x) = self.mixed_attention(block, streams, pre, |x| self.draft_attention(block, window, x, p));
+        let y = ffn::forward(&self.config, &block.moe, &x, pre.len());
+        self.mix_ffn_output(streams, &y, mixes)
     }
 
     /// Every block position attends to the target's window (ring slots in slot
@@ -182,14 +153,4 @@ impl ModelV41 {
         }
         super::attention::output_projection(cfg, attn, &out, n)
     }
-}
-
-fn one_hot(hc: usize) -> Vec<f32> {
-    let mut v = vec![0.0f32; hc];
-    v[0] = 1.0;
-    v
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |a, (i, &v)| if v > a.1 { (i, v) } else { a }).0 as u32
 }

@@ -92,7 +92,7 @@ impl ModelV41 {
                     span: Span { start: state.position, len: n },
                     tokens: tokens.to_vec(),
                     streams,
-                    pre: vec![one_hot(hc); n],
+                    pre: vec![ops::one_hot(hc); n],
                     engram_rows: self.engram_rows(tokens, &state.engram_history),
                     shared: Shared::default(),
                     main_hidden: vec![0.0f32; n * targets * d],
@@ -141,20 +141,13 @@ impl ModelV41 {
     /// Finish the current layer with the routed experts' outputs (routing weight applied).
     pub fn combine(&self, pass: &mut PassV41, outputs: &ExpertOutputs) {
         let dispatch = pass.dispatch.take().expect("attend before combine");
-        let cfg = &self.config;
-        let (d, hc) = (cfg.dim, cfg.hc_mult);
-        let y = ffn::combine(cfg, &self.weights.blocks[pass.layer].moe, &dispatch, outputs);
+        let d = self.config.dim;
+        let y = ffn::combine(&self.config, &self.weights.blocks[pass.layer].moe, &dispatch, outputs);
         let mut at = 0;
         for seq in &mut pass.seqs {
             let n = seq.span.len;
-            for t in 0..n {
-                ops::hc_post(
-                    &mut seq.streams[t * hc * d..(t + 1) * hc * d],
-                    &y[(at + t) * d..(at + t + 1) * d],
-                    &seq.ffn_mixes[t],
-                );
-            }
-            seq.pre = std::mem::take(&mut seq.ffn_mixes).into_iter().map(|m| m.pre).collect();
+            let mixes = std::mem::take(&mut seq.ffn_mixes);
+            seq.pre = self.mix_ffn_output(&mut seq.streams, &y[at * d..(at + n) * d], mixes);
             at += n;
         }
         pass.layer += 1;
@@ -231,7 +224,24 @@ impl ModelV41 {
         shared: &mut Shared,
     ) -> (Vec<Mix>, Vec<f32>) {
         let cfg = &self.config;
-        let (d, hc, n) = (cfg.dim, cfg.hc_mult, span.len);
+        let rope = if cfg.layers[layer].ratio > 0 { &self.rope_compress } else { &self.rope_main };
+        self.mixed_attention(block, streams, pre, |x| {
+            attention::forward(cfg, layer, &block.attn, rope, x, span, state, shared)
+        })
+    }
+
+    /// Single-pass mHC around an attention: collapse the streams with the
+    /// previous sublayer's `pre`, norm, `attend`, mix back; then the FFN's mixes
+    /// and its collapsed, normalised input (collapsed with attention's `pre`).
+    pub(super) fn mixed_attention(
+        &self,
+        block: &Block,
+        streams: &mut [f32],
+        pre: &[Vec<f32>],
+        attend: impl FnOnce(&[f32]) -> Vec<f32>,
+    ) -> (Vec<Mix>, Vec<f32>) {
+        let cfg = &self.config;
+        let (d, hc, n) = (cfg.dim, cfg.hc_mult, pre.len());
         let attn_mixes = self.mixes(&block.hc_attn, streams, n);
         let mut x = vec![0.0f32; n * d];
         for t in 0..n {
@@ -239,8 +249,7 @@ impl ModelV41 {
             ops::hc_pre(&streams[t * hc * d..(t + 1) * hc * d], &pre[t], out);
             ops::rms_norm(out, &block.attn_norm, cfg.norm_eps);
         }
-        let rope = if cfg.layers[layer].ratio > 0 { &self.rope_compress } else { &self.rope_main };
-        let out = attention::forward(cfg, layer, &block.attn, rope, &x, span, state, shared);
+        let out = attend(&x);
         for t in 0..n {
             ops::hc_post(&mut streams[t * hc * d..(t + 1) * hc * d], &out[t * d..(t + 1) * d], &attn_mixes[t]);
         }
@@ -251,6 +260,15 @@ impl ModelV41 {
             ops::rms_norm(out, &block.ffn_norm, cfg.norm_eps);
         }
         (ffn_mixes, x)
+    }
+
+    /// Mix the FFN's output `y` back into the streams; returns the next sublayer's `pre`.
+    pub(super) fn mix_ffn_output(&self, streams: &mut [f32], y: &[f32], mixes: Vec<Mix>) -> Vec<Vec<f32>> {
+        let (d, hc) = (self.config.dim, self.config.hc_mult);
+        for (t, mix) in mixes.iter().enumerate() {
+            ops::hc_post(&mut streams[t * hc * d..(t + 1) * hc * d], &y[t * d..(t + 1) * d], mix);
+        }
+        mixes.into_iter().map(|m| m.pre).collect()
     }
 
     fn mixes(&self, h: &HyperConnection, streams: &[f32], n: usize) -> Vec<Mix> {
@@ -309,12 +327,6 @@ impl ModelV41 {
             }
         }
     }
-}
-
-fn one_hot(hc: usize) -> Vec<f32> {
-    let mut v = vec![0.0f32; hc];
-    v[0] = 1.0;
-    v
 }
 
 /// `bf16(mean over the streams)` of one token.

@@ -226,3 +226,15 @@ pub fn top_k_stable(values: &[f32], k: usize) -> Vec<usize> {
     idx.truncate(k);
     idx
 }
+
+/// The `pre` that collapses the streams into the first one (before layer 0).
+pub fn one_hot(hc: usize) -> Vec<f32> {
+    let mut v = vec![0.0f32; hc];
+    v[0] = 1.0;
+    v
+}
+
+/// Index of the largest value, the first of equal ones (torch's `argmax`).
+pub fn argmax(row: &[f32]) -> u32 {
+    row.iter().enumerate().fold((0, f32::NEG_INFINITY), |a, (i, &v)| if v > a.1 { (i, v) } else { a }).0 as u32
+}
