@@ -189,7 +189,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
             for (i, state) in states.iter_mut().enumerate() {
                 if let Some(&(a, b, replay)) = segments[i].get(w) {
                     let tokens = &self.scheduler.tokens(items[i].id)[a..b];
-                    chunks.push(Chunk { tokens, state, replay });
+                    chunks.push(Chunk { tokens, state, replay, drafts: 0 });
                     members.push(i);
                 }
             }

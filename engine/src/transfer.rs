@@ -161,7 +161,7 @@ pub fn state_from_parts(
     let mut l = lens[2..].chunks_exact(PER_LAYER);
     for layer in state.layers.iter_mut().chain(state.mtp.iter_mut()) {
         let fields = l.next().expect("lengths checked");
-        *layer = LayerState { window: take(fields[0]), compressor: None, indexer: None };
+        *layer = LayerState { window: take(fields[0]), ..LayerState::default() };
         for (p, slot) in [&mut layer.compressor, &mut layer.indexer].into_iter().enumerate() {
             let f = &fields[1 + p * PART..1 + (p + 1) * PART];
             if f[0] == 1 {
@@ -170,7 +170,14 @@ pub fn state_from_parts(
                 let pending_gate = take(f[3]);
                 let overlap_kv = (f[4] != ABSENT).then(|| take(f[4]));
                 let overlap_gate = (f[5] != ABSENT).then(|| take(f[5]));
-                *slot = Some(CompressorState { entries, pending_kv, pending_gate, overlap_kv, overlap_gate });
+                *slot = Some(CompressorState {
+                    entries,
+                    pending_kv,
+                    pending_gate,
+                    overlap_kv,
+                    overlap_gate,
+                    draft_mark: None,
+                });
             }
         }
     }

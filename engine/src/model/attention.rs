@@ -24,6 +24,9 @@ pub struct Segment {
     pub position: usize,
     /// Rebuilding window state only: the compressors already hold these tokens.
     pub replay: bool,
+    /// Trailing tokens that are drafts: the state keeps what they overwrite
+    /// so that they can be taken back (`SequenceState::reject_drafts`).
+    pub drafts: usize,
 }
 
 /// Cos/sin tables for a run of positions.
@@ -70,6 +73,26 @@ fn project(w: &deepinfer_kernels::Linear, x: &[f32], n: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; n * w.rows];
     w.forward(x, n, &mut out);
     out
+}
+
+/// What a ring of `ring` rows must keep aside so that the last `drafts` of
+/// its `total` rows `keys` can be taken back once it holds only the last
+/// `keep`: the rows before the drafts that the trim drops but a ring without
+/// the drafts would hold, and the draft rows the trimmed ring ends with.
+pub(crate) fn draft_window_mark(
+    keys: &[f32],
+    dim: usize,
+    total: usize,
+    keep: usize,
+    drafts: usize,
+    ring: usize,
+) -> (Vec<f32>, usize) {
+    assert!(drafts <= keep && keep <= total, "the ring holds every draft row ({drafts} of {keep})");
+    let before = total - drafts;
+    let ring_start = before - ring.min(before);
+    let kept_start = total - keep;
+    debug_assert!(ring_start <= kept_start);
+    (keys[ring_start * dim..kept_start * dim].to_vec(), drafts)
 }
 
 /// Feed one token's projections into a compressor; emits an entry when its window closes.
@@ -147,7 +170,11 @@ fn run_compressor(
         if seg.replay {
             continue;
         }
+        let first_draft = seg.start + seg.len - seg.drafts;
         for t in seg.start..seg.start + seg.len {
+            if seg.drafts > 0 && t == first_draft {
+                st.mark_drafts();
+            }
             compress_token(c, st, &kv[t * width..(t + 1) * width], &gate[t * width..(t + 1) * width], rope, eps);
         }
     }
@@ -278,6 +305,11 @@ pub fn forward(
         // Keep the last `window − 1` keys for the next step.
         let total = keys.len() / hd;
         let keep = total.min(window - 1);
+        if seg.drafts > 0 {
+            let (dropped, rows) = draft_window_mark(&keys, hd, total, keep, seg.drafts, window - 1);
+            st.draft_window_dropped = Some(dropped);
+            st.draft_rows = rows;
+        }
         keys.drain(..(total - keep) * hd);
         st.window = keys;
     }

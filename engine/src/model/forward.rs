@@ -19,11 +19,15 @@ pub struct Chunk<'a> {
     /// compressor state the state already holds (a prefix-cache hit). The
     /// compressors are not fed; everything else runs as usual.
     pub replay: bool,
+    /// The last `drafts` tokens are speculative: the state can take them back
+    /// afterwards ([`SequenceState::reject_drafts`]) or keep them
+    /// ([`SequenceState::accept_drafts`]). Fewer than the sliding window.
+    pub drafts: usize,
 }
 
 impl<'a> Chunk<'a> {
     pub fn new(tokens: &'a [u32], state: &'a mut SequenceState) -> Self {
-        Self { tokens, state, replay: false }
+        Self { tokens, state, replay: false, drafts: 0 }
     }
 }
 
@@ -33,6 +37,20 @@ pub enum LogitsWanted {
     None,
     Last,
     All,
+    /// The last `n` rows of every chunk (a chunk's drafts and the token before them).
+    Tail(usize),
+}
+
+impl LogitsWanted {
+    /// The rows of a chunk of `len` tokens that get logits.
+    pub fn rows(self, len: usize) -> std::ops::Range<usize> {
+        match self {
+            LogitsWanted::None => 0..0,
+            LogitsWanted::Last => len.saturating_sub(1)..len,
+            LogitsWanted::All => 0..len,
+            LogitsWanted::Tail(n) => len.saturating_sub(n)..len,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -105,11 +123,15 @@ impl Model {
     /// run the routed experts wherever they live, `combine`; then `finish_pass`.
     pub fn begin_pass(&self, chunks: &[Chunk]) -> Pass {
         if let Some(m) = &self.v41 {
-            let inputs: Vec<(&[u32], &crate::v41::V41State)> = chunks
+            let inputs: Vec<crate::v41::ChunkInput> = chunks
                 .iter()
                 .map(|c| {
                     assert!(!c.replay && !c.tokens.is_empty(), "V4.1 chunks are non-empty and never replayed");
-                    (c.tokens, c.state.v41.as_ref().expect("a V4.1 model runs on V4.1 states"))
+                    crate::v41::ChunkInput {
+                        tokens: c.tokens,
+                        state: c.state.v41.as_ref().expect("a V4.1 model runs on V4.1 states"),
+                        drafts: c.drafts,
+                    }
                 })
                 .collect();
             return Pass {
@@ -125,7 +147,11 @@ impl Model {
         let cfg = &self.config;
         let d = cfg.hidden_size;
         let hc = cfg.hc_mult;
-        let segments = segments(chunks.iter().map(|c| (c.tokens.len(), c.state.position, c.replay)));
+        for c in chunks.iter() {
+            assert!(c.drafts == 0 || (!c.replay && c.drafts < cfg.sliding_window), "drafts fit the window");
+            assert!(!c.state.has_drafts(), "the previous drafts were accepted or rejected");
+        }
+        let segments = segments(chunks.iter().map(|c| (c.tokens.len(), c.state.position, c.replay, c.drafts)));
         let tokens: Vec<u32> = chunks.iter().flat_map(|c| c.tokens.iter().copied()).collect();
         let n = tokens.len();
         let mut streams = vec![0.0f32; n * hc * d];
@@ -194,39 +220,37 @@ impl Model {
         keep_streams: bool,
     ) -> Vec<ChunkOutput> {
         assert!(pass.is_done(), "every layer ran");
-        if let (Some(m), Some(p)) = (&self.v41, pass.v41) {
-            use crate::v41::Rows;
-            let rows = match wanted {
-                LogitsWanted::None => Rows::None,
-                LogitsWanted::Last => Rows::Last,
-                LogitsWanted::All => Rows::All,
-            };
-            for c in chunks.iter_mut() {
-                c.state.position += c.tokens.len();
+        let starts: Vec<usize> = chunks.iter().map(|c| c.state.position).collect();
+        for c in chunks.iter_mut() {
+            if c.drafts > 0 {
+                c.state.draft_from = Some(c.state.position + c.tokens.len() - c.drafts);
             }
+            c.state.position += c.tokens.len();
+        }
+        if let (Some(m), Some(p)) = (&self.v41, pass.v41) {
             let mut states: Vec<&mut crate::v41::V41State> =
                 chunks.iter_mut().map(|c| c.state.v41.as_mut().expect("V4.1 state")).collect();
-            return m
-                .finish(p, &mut states, rows)
+            let results = m.finish(p, &mut states, wanted);
+            return results
                 .into_iter()
-                .map(|r| ChunkOutput { logits: r.logits, streams: Vec::new() })
+                .zip(chunks.iter_mut().zip(starts))
+                .map(|(r, (c, start))| {
+                    if m.config.dspark.is_some() {
+                        let state = c.state.v41.as_mut().expect("V4.1 state");
+                        m.dspark_follow(&r.main_hidden, start, c.tokens.len() - c.drafts, state);
+                    }
+                    ChunkOutput { logits: r.logits, streams: if keep_streams { r.main_hidden } else { Vec::new() } }
+                })
                 .collect();
         }
         let d = self.config.hidden_size;
         let hc = self.config.hc_mult;
-        for c in chunks.iter_mut() {
-            c.state.position += c.tokens.len();
-        }
         let streams = &pass.streams;
         pass.segments
             .iter()
             .map(|seg| {
                 let seg_streams = &streams[seg.start * hc * d..(seg.start + seg.len) * hc * d];
-                let rows = match wanted {
-                    LogitsWanted::None => 0..0,
-                    LogitsWanted::Last => seg.len.saturating_sub(1)..seg.len,
-                    LogitsWanted::All => 0..seg.len,
-                };
+                let rows = wanted.rows(seg.len);
                 let logits = self.logits(
                     &self.weights.hc_head,
                     &self.weights.norm,
@@ -240,11 +264,18 @@ impl Model {
 
     /// Run the first MTP block: returns, per chunk, logits `[len, vocab]` predicting the token at `t + 2`.
     pub fn mtp_forward(&self, chunks: &mut [MtpChunk]) -> Vec<Vec<f32>> {
+        self.mtp_forward_rows(chunks, LogitsWanted::All).into_iter().map(|o| o.logits).collect()
+    }
+
+    /// [`Model::mtp_forward`] with the chosen logits rows and the block's output
+    /// streams `[len, hc · D]` (a chain of drafts feeds them back as the next
+    /// position's streams).
+    pub fn mtp_forward_rows(&self, chunks: &mut [MtpChunk], wanted: LogitsWanted) -> Vec<ChunkOutput> {
         let mtp: &Mtp = self.weights.mtp.first().expect("checkpoint has no MTP block");
         let cfg = &self.config;
         let d = cfg.hidden_size;
         let hc = cfg.hc_mult;
-        let segments = segments(chunks.iter().map(|c| (c.next_tokens.len(), c.state.mtp_position, false)));
+        let segments = segments(chunks.iter().map(|c| (c.next_tokens.len(), c.state.mtp_position, false, 0)));
         let tokens: Vec<u32> = chunks.iter().flat_map(|c| c.next_tokens.iter().copied()).collect();
         let n = tokens.len();
 
@@ -278,12 +309,15 @@ impl Model {
         segments
             .iter()
             .map(|seg| {
-                self.logits(
+                let seg_streams = &streams[seg.start * hc * d..(seg.start + seg.len) * hc * d];
+                let rows = wanted.rows(seg.len);
+                let logits = self.logits(
                     &mtp.hc_head,
                     &mtp.norm,
-                    &streams[seg.start * hc * d..(seg.start + seg.len) * hc * d],
-                    seg.len,
-                )
+                    &seg_streams[rows.start * hc * d..rows.end * hc * d],
+                    rows.len(),
+                );
+                ChunkOutput { logits, streams: seg_streams.to_vec() }
             })
             .collect()
     }
@@ -357,11 +391,11 @@ impl Model {
     }
 }
 
-fn segments(chunks: impl Iterator<Item = (usize, usize, bool)>) -> Vec<Segment> {
+fn segments(chunks: impl Iterator<Item = (usize, usize, bool, usize)>) -> Vec<Segment> {
     let mut start = 0;
     chunks
-        .map(|(len, position, replay)| {
-            let s = Segment { start, len, position, replay };
+        .map(|(len, position, replay, drafts)| {
+            let s = Segment { start, len, position, replay, drafts };
             start += len;
             s
         })

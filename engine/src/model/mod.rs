@@ -14,6 +14,7 @@ use deepinfer_kernels::ops::{Rope, Yarn};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::{AttentionKind, ConfigError, ModelConfig};
 use crate::v41::{ModelV41, V41Config};
+pub(crate) use attention::draft_window_mark;
 pub use forward::{Chunk, ChunkOutput, LogitsWanted, MtpChunk, Pass};
 pub use moe::{Dispatch, ExpertOutputs, Route};
 pub use state::SequenceState;

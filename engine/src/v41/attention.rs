@@ -14,7 +14,7 @@ use deepinfer_kernels::act_quant::{
 
 use super::config::{CandidateRole, LayerPlan, V41Config};
 use super::ops::{self, RopeTable};
-use super::state::{SourceState, V41State};
+use super::state::{SourceMark, SourceState, V41State};
 use super::weights::{Attention, Compressor, Indexer};
 
 /// What a chunk's index sources hand to the layers after them.
@@ -31,6 +31,8 @@ pub struct Shared {
 pub struct Span {
     pub start: usize,
     pub len: usize,
+    /// Trailing draft tokens: the state keeps what they overwrite.
+    pub drafts: usize,
 }
 
 impl Span {
@@ -117,6 +119,13 @@ pub fn forward(
         }
     }
     let keep = window.len().min(win * hd);
+    if span.drafts > 0 {
+        let total = window.len() / hd;
+        let (dropped, rows) = crate::model::draft_window_mark(&window, hd, total, keep / hd, span.drafts, win);
+        let mark = state.draft_mark.get_or_insert_with(Default::default);
+        mark.windows.resize(cfg.n_layers, None);
+        mark.windows[layer] = Some((dropped, rows * hd));
+    }
     state.windows[layer] = window.split_off(window.len() - keep);
 
     output_projection(cfg, attn, &out, n)
@@ -158,7 +167,21 @@ fn compressed_step(
     let latents = match &attn.compressor {
         Some(c) => {
             let src = state.sources[layer].as_mut().expect("KV source state");
-            compress(cfg, c, ratio, x, span, src)
+            let (latents, pending) = compress(cfg, c, ratio, x, span, src);
+            if let Some((pending_kv, pending_score)) = pending {
+                // The groups the real tokens close keep their entries and keys.
+                let groups = (span.start + span.len - span.drafts) / ratio;
+                let has_keys = matches!(&attn.indexer, Some(Indexer { wk: Some(_), .. }));
+                let mark = state.draft_mark.get_or_insert_with(Default::default);
+                mark.sources.resize(cfg.n_layers, None);
+                mark.sources[layer] = Some(SourceMark {
+                    entries_len: groups * cfg.head_dim,
+                    keys_len: if has_keys { groups * cfg.index_head_dim } else { 0 },
+                    pending_kv,
+                    pending_score,
+                });
+            }
+            latents
         }
         None => Vec::new(),
     };
@@ -198,9 +221,20 @@ fn compressed_step(
 }
 
 /// Feed the chunk's tokens to a compressor; returns the latents (normalised,
-/// not yet rotated) of the groups the chunk completes.
-fn compress(cfg: &V41Config, c: &Compressor, ratio: usize, x: &[f32], span: Span, src: &mut SourceState) -> Vec<f32> {
+/// not yet rotated) of the groups the chunk completes and, when the chunk
+/// ends in drafts, the open group's rows before the first draft.
+#[allow(clippy::type_complexity)]
+fn compress(
+    cfg: &V41Config,
+    c: &Compressor,
+    ratio: usize,
+    x: &[f32],
+    span: Span,
+    src: &mut SourceState,
+) -> (Vec<f32>, Option<(Vec<f32>, Vec<f32>)>) {
     let (d, hd, n) = (cfg.dim, cfg.head_dim, span.len);
+    let first_draft = n - span.drafts;
+    let mut mark = (span.drafts > 0).then(Default::default);
     let mut latents = Vec::new();
     match &c.wgate {
         None => {
@@ -214,6 +248,9 @@ fn compress(cfg: &V41Config, c: &Compressor, ratio: usize, x: &[f32], span: Span
             plain_linear(wgate, x, n, &mut score);
             assert!(x.len() == n * d);
             for t in 0..n {
+                if span.drafts > 0 && t == first_draft {
+                    mark = Some((src.pending_kv.clone(), src.pending_score.clone()));
+                }
                 src.pending_kv.extend_from_slice(&kv[t * hd..(t + 1) * hd]);
                 src.pending_score.extend_from_slice(&score[t * hd..(t + 1) * hd]);
                 if (span.start + t + 1).is_multiple_of(ratio) {
@@ -232,7 +269,7 @@ fn compress(cfg: &V41Config, c: &Compressor, ratio: usize, x: &[f32], span: Span
             }
         }
     }
-    latents
+    (latents, mark)
 }
 
 /// The two-level indexer: per query, the entries of the top-k index scores

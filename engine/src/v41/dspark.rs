@@ -48,6 +48,29 @@ impl ModelV41 {
         }
     }
 
+    /// Keep the DSpark windows in step with the sequence after a chunk from
+    /// `start` whose first `real` rows are real tokens and the rest drafts:
+    /// the windows before the drafts are marked so that rejecting the drafts
+    /// restores them. Only the last window's worth of rows can matter.
+    pub fn dspark_follow(&self, main_hidden: &[f32], start: usize, real: usize, state: &mut V41State) {
+        let width = main_hidden.len() / (state.position - start).max(1);
+        let n = main_hidden.len() / width.max(1);
+        assert!(real <= n, "real rows of the chunk");
+        let win = self.config.window_size;
+        let observe = |state: &mut V41State, from: usize, to: usize| {
+            let from = from.max(to.saturating_sub(win));
+            if from < to {
+                self.dspark_observe(&main_hidden[from * width..to * width], start + from, state);
+            }
+        };
+        observe(state, 0, real);
+        if real < n {
+            let mark = state.draft_mark.get_or_insert_with(Default::default);
+            mark.dspark_windows = Some(state.dspark_windows.clone());
+            observe(state, real, n);
+        }
+    }
+
     /// Draft the block after position `p`: `next_token` is the target's token at
     /// `p + 1`, `main_hidden` its main hidden row at `p` (already observed).
     pub fn dspark_propose(&self, next_token: u32, p: usize, state: &V41State) -> Drafts {

@@ -20,6 +20,29 @@ pub enum Rows {
     None,
     Last,
     All,
+    /// The last `n` rows (a chunk's drafts and the token before them).
+    Tail(usize),
+}
+
+impl From<crate::model::LogitsWanted> for Rows {
+    fn from(w: crate::model::LogitsWanted) -> Self {
+        use crate::model::LogitsWanted;
+        match w {
+            LogitsWanted::None => Rows::None,
+            LogitsWanted::Last => Rows::Last,
+            LogitsWanted::All => Rows::All,
+            LogitsWanted::Tail(n) => Rows::Tail(n),
+        }
+    }
+}
+
+/// One sequence's chunk for [`ModelV41::begin`].
+#[derive(Clone, Copy)]
+pub struct ChunkInput<'a> {
+    pub tokens: &'a [u32],
+    pub state: &'a V41State,
+    /// Trailing draft tokens (see `Chunk::drafts`).
+    pub drafts: usize,
 }
 
 pub struct ChunkResult {
@@ -62,7 +85,7 @@ impl ModelV41 {
     /// Run `tokens` (positions `state.position..`) through the backbone.
     pub fn forward(&self, tokens: &[u32], state: &mut V41State, rows: Rows) -> ChunkResult {
         assert!(!tokens.is_empty(), "an empty chunk");
-        let mut pass = self.begin(&[(tokens, &*state)]);
+        let mut pass = self.begin(&[ChunkInput { tokens, state: &*state, drafts: 0 }]);
         while !self.is_done(&pass) {
             let dispatch = self.attend(&mut pass, &mut [&mut *state]).clone();
             let outputs = self.run_experts(pass.layer, &dispatch);
@@ -72,15 +95,20 @@ impl ModelV41 {
     }
 
     /// Embed the chunks and hash their n-grams.
-    pub fn begin(&self, chunks: &[(&[u32], &V41State)]) -> PassV41 {
+    pub fn begin(&self, chunks: &[ChunkInput]) -> PassV41 {
         let cfg = &self.config;
         let (d, hc) = (cfg.dim, cfg.hc_mult);
         let targets = cfg.dspark.as_ref().map_or(0, |s| s.target_layer_ids.len());
         let mut row = vec![0.0f32; d];
         let seqs = chunks
             .iter()
-            .map(|&(tokens, state)| {
+            .map(|&ChunkInput { tokens, state, drafts }| {
                 let n = tokens.len();
+                // A chunk that starts the sequence lists its keys differently
+                // (see `attention`), so drafts never ride on one.
+                assert!(drafts == 0 || (state.position > 0 && drafts < n), "drafts follow a real token");
+                assert!(drafts < self.config.window_size, "drafts fit the window");
+                assert!(state.draft_mark.is_none(), "the previous drafts were accepted or rejected");
                 let mut streams = vec![0.0f32; n * hc * d];
                 for (t, &tok) in tokens.iter().enumerate() {
                     self.weights.embed.dequantize_row((tok as usize).min(cfg.vocab_size - 1), &mut row);
@@ -89,7 +117,7 @@ impl ModelV41 {
                     }
                 }
                 SeqPass {
-                    span: Span { start: state.position, len: n },
+                    span: Span { start: state.position, len: n, drafts },
                     tokens: tokens.to_vec(),
                     streams,
                     pre: vec![ops::one_hot(hc); n],
@@ -101,6 +129,16 @@ impl ModelV41 {
             })
             .collect();
         PassV41 { seqs, layer: 0, dispatch: None }
+    }
+
+    /// The Engram look-back after `tokens` follow `history`.
+    fn engram_history_after(&self, history: &[u64], tokens: &[u32]) -> Vec<u64> {
+        let Some(hash) = &self.engram_hash else { return history.to_vec() };
+        let mut out = history.to_vec();
+        out.extend(tokens.iter().map(|&t| hash.compress(t)));
+        let keep = hash.max_ngram_size.min(out.len());
+        out.drain(..out.len() - keep);
+        out
     }
 
     pub fn is_done(&self, pass: &PassV41) -> bool {
@@ -173,7 +211,8 @@ impl ModelV41 {
     }
 
     /// After the last layer: logits per chunk; advances the states.
-    pub fn finish(&self, pass: PassV41, states: &mut [&mut V41State], rows: Rows) -> Vec<ChunkResult> {
+    pub fn finish(&self, pass: PassV41, states: &mut [&mut V41State], rows: impl Into<Rows>) -> Vec<ChunkResult> {
+        let rows = rows.into();
         assert!(self.is_done(&pass), "every layer ran");
         let cfg = &self.config;
         let (d, hc) = (cfg.dim, cfg.hc_mult);
@@ -182,19 +221,19 @@ impl ModelV41 {
             .zip(states.iter_mut())
             .map(|(seq, state)| {
                 let n = seq.span.len;
-                state.position += n;
-                if let Some(hash) = &self.engram_hash {
-                    for &tok in &seq.tokens {
-                        state.engram_history.push(hash.compress(tok));
-                    }
-                    let keep = hash.max_ngram_size.min(state.engram_history.len());
-                    let from = state.engram_history.len() - keep;
-                    state.engram_history.drain(..from);
+                if seq.span.drafts > 0 {
+                    let mark = state.draft_mark.get_or_insert_with(Default::default);
+                    mark.position = state.position + n - seq.span.drafts;
+                    mark.engram_history =
+                        self.engram_history_after(&state.engram_history, &seq.tokens[..n - seq.span.drafts]);
                 }
+                state.position += n;
+                state.engram_history = self.engram_history_after(&state.engram_history, &seq.tokens);
                 let wanted = match rows {
                     Rows::None => 0..0,
                     Rows::Last => n - 1..n,
                     Rows::All => 0..n,
+                    Rows::Tail(k) => n.saturating_sub(k)..n,
                 };
                 let m = wanted.len();
                 let mut x = vec![0.0f32; m * d];

@@ -20,7 +20,7 @@ use std::path::Path;
 pub use config::V41Config;
 pub use dspark::Drafts;
 use engram::EngramHash;
-pub use forward::{ChunkResult, Rows};
+pub use forward::{ChunkInput, ChunkResult, Rows};
 use ops::RopeTable;
 pub use state::V41State;
 use weights::Weights;

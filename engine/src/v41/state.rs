@@ -28,6 +28,29 @@ pub struct V41State {
     pub engram_history: Vec<u64>,
     /// Per DSpark layer: window KV of the target's hidden states.
     pub dspark_windows: Vec<Vec<f32>>,
+    /// What the last chunk's draft tokens overwrote, until they are accepted or rejected.
+    pub draft_mark: Option<Box<V41Mark>>,
+}
+
+/// A KV source before a chunk's first draft token.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SourceMark {
+    pub entries_len: usize,
+    pub keys_len: usize,
+    pub pending_kv: Vec<f32>,
+    pub pending_score: Vec<f32>,
+}
+
+/// What a V4.1 state needs to take a chunk's drafts back.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct V41Mark {
+    /// Where the drafts began.
+    pub position: usize,
+    /// Per layer: window rows the drafts pushed out, and the values of the draft rows at the window's end.
+    pub windows: Vec<Option<(Vec<f32>, usize)>>,
+    pub sources: Vec<Option<SourceMark>>,
+    pub engram_history: Vec<u64>,
+    pub dspark_windows: Option<Vec<Vec<f32>>>,
 }
 
 impl V41State {
@@ -38,7 +61,39 @@ impl V41State {
             sources: (0..cfg.n_layers).map(|l| cfg.layers[l].owns_compressor(l).then(SourceState::default)).collect(),
             engram_history: Vec::new(),
             dspark_windows: vec![Vec::new(); if cfg.dspark.is_some() { cfg.n_mtp_layers } else { 0 }],
+            draft_mark: None,
         }
+    }
+
+    /// Keep the last chunk's drafts.
+    pub fn accept_drafts(&mut self) {
+        self.draft_mark = None;
+    }
+
+    /// Take the last chunk's drafts back: the state before them, bit for bit.
+    pub fn reject_drafts(&mut self, from: usize) {
+        let Some(mark) = self.draft_mark.take() else { return };
+        assert_eq!(mark.position, from, "the drafts began where the sequence state says");
+        for (window, m) in self.windows.iter_mut().zip(&mark.windows) {
+            if let Some((dropped, draft_values)) = m {
+                let mut w = dropped.clone();
+                w.extend_from_slice(&window[..window.len() - draft_values]);
+                *window = w;
+            }
+        }
+        for (src, m) in self.sources.iter_mut().zip(&mark.sources) {
+            if let (Some(s), Some(m)) = (src.as_mut(), m) {
+                s.entries.truncate(m.entries_len);
+                s.keys.truncate(m.keys_len);
+                s.pending_kv = m.pending_kv.clone();
+                s.pending_score = m.pending_score.clone();
+            }
+        }
+        self.engram_history = mark.engram_history;
+        if let Some(d) = mark.dspark_windows {
+            self.dspark_windows = d;
+        }
+        self.position = from;
     }
 
     /// Bytes of KV and compressor state held.
