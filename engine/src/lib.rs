@@ -22,6 +22,7 @@ pub mod presets_v41;
 pub mod request;
 pub mod sampling;
 pub mod scheduler;
+pub mod speculative;
 pub mod traffic;
 pub mod transfer;
 pub mod v41;

@@ -207,16 +207,16 @@ pub struct Sampled {
 }
 
 /// SplitMix64's output function: a bijective 64-bit mix with full avalanche.
-fn mix64(mut z: u64) -> u64 {
+pub(crate) fn mix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
 }
 
 /// The golden-ratio increment of SplitMix64.
-const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
+pub(crate) const GOLDEN_GAMMA: u64 = 0x9e37_79b9_7f4a_7c15;
 /// Separates the sampling stream from any other use of the same seed.
-const SAMPLING_STREAM: u64 = 0x5a3d_1f0c_8e6b_2497;
+pub(crate) const SAMPLING_STREAM: u64 = 0x5a3d_1f0c_8e6b_2497;
 
 /// Uniform draw in `[0, 1)` for token `position` of the request keyed by
 /// `seed`: element `position` of a SplitMix64 sequence whose start is the
@@ -230,7 +230,7 @@ pub fn uniform(seed: u64, position: u64) -> f64 {
 
 /// Logits as `f64` with NaN read as -inf. When some logits are +inf those
 /// tokens share all the mass equally, which is the limit of the softmax.
-fn sanitize(logits: &[f32]) -> Vec<f64> {
+pub(crate) fn sanitize(logits: &[f32]) -> Vec<f64> {
     let any_pos_inf = logits.contains(&f32::INFINITY);
     logits
         .iter()
@@ -315,7 +315,7 @@ pub fn sample(logits: &[f32], params: &SamplingParams, position: u64) -> Sampled
 }
 
 /// Highest logit, first (lowest) id on ties.
-fn argmax(x: &[f64]) -> u32 {
+pub(crate) fn argmax(x: &[f64]) -> u32 {
     let mut best = 0;
     for (id, &l) in x.iter().enumerate() {
         if l > x[best] {
@@ -328,6 +328,25 @@ fn argmax(x: &[f64]) -> u32 {
 /// Temperature, top-k, top-p, then an inverse-CDF draw with `u` in [0, 1).
 /// `x` has at least one finite logit and `max` is the largest.
 fn draw(x: &[f64], max: f64, params: &SamplingParams, u: f64) -> u32 {
+    let (kept, weights) = filtered_weights(x, max, params);
+    let total: f64 = kept.iter().map(|&id| weights[id as usize]).sum();
+    let target = u * total;
+    let mut cumulative = 0.0;
+    for &id in &kept {
+        cumulative += weights[id as usize];
+        if cumulative > target {
+            return id;
+        }
+    }
+    // Only reachable when rounding puts `target` at `total`. `kept` holds at
+    // least the best token, whose weight is exp(0) = 1.
+    kept.last().copied().unwrap_or_else(|| argmax(x))
+}
+
+/// The tokens [`draw`] chooses among, in id order, and the unnormalised
+/// weights of the whole vocabulary: temperature, min-p, top-k, then top-p.
+/// Shared with speculative verification, which needs the same distribution.
+pub(crate) fn filtered_weights(x: &[f64], max: f64, params: &SamplingParams) -> (Vec<u32>, Vec<f64>) {
     let temperature = f64::from(params.temperature);
     let weights: Vec<f64> =
         x.iter().map(|&l| if l == f64::NEG_INFINITY { 0.0 } else { ((l - max) / temperature).exp() }).collect();
@@ -366,19 +385,23 @@ fn draw(x: &[f64], max: f64, params: &SamplingParams, u: f64) -> u32 {
     if reordered {
         kept.sort_unstable();
     }
+    (kept, weights)
+}
 
-    let total: f64 = kept.iter().map(|&id| weights[id as usize]).sum();
-    let target = u * total;
-    let mut cumulative = 0.0;
-    for &id in &kept {
-        cumulative += weights[id as usize];
-        if cumulative > target {
-            return id;
-        }
+/// The token [`sample`] chooses when its uniform draw is `u` instead of
+/// [`uniform`]`(seed, position)`: lets a verifier walk the sampler's own
+/// inverse CDF.
+#[cfg(test)]
+pub(crate) fn token_for_uniform(logits: &[f32], params: &SamplingParams, u: f64) -> u32 {
+    let x = sanitize(logits);
+    let max = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if max == f64::NEG_INFINITY {
+        0
+    } else if params.is_greedy() {
+        argmax(&x)
+    } else {
+        draw(&x, max, params, u)
     }
-    // Only reachable when rounding puts `target` at `total`. `kept` holds at
-    // least the best token, whose weight is exp(0) = 1.
-    kept.last().copied().unwrap_or_else(|| argmax(x))
 }
 
 #[cfg(test)]
