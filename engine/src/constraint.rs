@@ -19,4 +19,10 @@ pub trait TokenConstraint: Send {
     fn accept(&mut self, token: u32);
     /// Nothing more may follow the tokens accepted so far.
     fn is_done(&self) -> bool;
+    /// An independent copy in the same state, which speculative decoding
+    /// advances over draft tokens to mask them; `None` if it cannot be copied
+    /// (its drafts are then not masked, and the target rejects any it forbids).
+    fn fork(&self) -> Option<Box<dyn TokenConstraint>> {
+        None
+    }
 }

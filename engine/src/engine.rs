@@ -25,33 +25,16 @@ use std::collections::BTreeMap;
 use std::ops::Deref;
 use std::sync::Arc;
 
-use crate::config::AttentionKind;
+pub use crate::block_values::{check_restore, restore_state, BlockValues};
 use crate::constraint::TokenConstraint;
 use crate::kv_pool::BlockId;
-use crate::model::state::CompressorState;
 use crate::model::{Chunk, LogitsWanted, Model, SequenceState};
 use crate::request::{FinishReason, Finished, Request, RequestError, RequestId, RequestUpdate, TokenOutput};
 use crate::sampling::{adjust_logits, sample};
 pub use crate::scheduler::{EngineConfig, EngineConfigError};
 use crate::scheduler::{Registration, SampledToken, ScheduledItem, Scheduler};
-
-/// Compressed state of one compressor for one block of positions.
-#[derive(Clone, Debug, Default, PartialEq)]
-struct CompressorBlock {
-    /// The entries emitted inside the block.
-    entries: Vec<f32>,
-    /// The overlap series at the block's end (CSA).
-    overlap_kv: Option<Vec<f32>>,
-    overlap_gate: Option<Vec<f32>>,
-}
-
-/// Stored values of one cached block, per layer: what a prefix hit restores.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct BlockValues {
-    layers: Vec<(Option<CompressorBlock>, Option<CompressorBlock>)>,
-    /// A DeepSeek-V4.1 block: its groups' entries and keys, and the state at its end.
-    v41: Option<crate::v41::state::BlockSnapshot>,
-}
+use crate::speculative::policy::{choose_lengths, StepCost};
+use crate::speculative::{draft_next, Chooser, DraftInput, Proposal, SpeculativeStats};
 
 /// A finished request with everything it generated.
 #[derive(Clone, Debug, PartialEq)]
@@ -97,12 +80,37 @@ pub struct Engine<M: Deref<Target = Model> = Arc<Model>> {
     stored: BTreeMap<BlockId, BlockValues>,
     /// Sampling constraints of the requests that have one.
     constraints: BTreeMap<RequestId, Box<dyn TokenConstraint>>,
+    /// Drafts proposed for each decoding request's next step.
+    proposals: BTreeMap<RequestId, Proposal>,
+    /// What a verification step costs, for the draft-length policy.
+    step_cost: StepCost,
+    spec_stats: SpeculativeStats,
 }
 
 impl<M: Deref<Target = Model>> Engine<M> {
     pub fn new(model: M, config: EngineConfig) -> Result<Self, EngineConfigError> {
+        config.speculative.check(&model).map_err(EngineConfigError::Speculative)?;
         let scheduler = Scheduler::new(&model.config, config)?;
-        Ok(Self { model, scheduler, states: BTreeMap::new(), stored: BTreeMap::new(), constraints: BTreeMap::new() })
+        Ok(Self {
+            model,
+            scheduler,
+            states: BTreeMap::new(),
+            stored: BTreeMap::new(),
+            constraints: BTreeMap::new(),
+            proposals: BTreeMap::new(),
+            step_cost: StepCost::linear(1.0, 1.0 / 64.0),
+            spec_stats: SpeculativeStats::default(),
+        })
+    }
+
+    /// The time a step takes by tokens verified, measured on this machine
+    /// (the adaptive draft-length policy weighs drafts against it).
+    pub fn set_step_cost(&mut self, cost: StepCost) {
+        self.step_cost = cost;
+    }
+
+    pub fn speculative_stats(&self) -> &SpeculativeStats {
+        &self.spec_stats
     }
 
     pub fn model(&self) -> &Model {
@@ -132,8 +140,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
     /// Cancel a request and free everything it holds.
     pub fn cancel(&mut self, id: RequestId) -> Result<Finished, RequestError> {
         let finished = self.scheduler.cancel(id)?;
-        self.states.remove(&id);
-        self.constraints.remove(&id);
+        self.forget(id);
         Ok(finished)
     }
 
@@ -161,14 +168,15 @@ impl<M: Deref<Target = Model>> Engine<M> {
         }
         for id in &plan.preempted {
             self.states.remove(id);
+            self.proposals.remove(id);
         }
         let mut updates: BTreeMap<RequestId, RequestUpdate> = BTreeMap::new();
         for (id, finished) in plan.failed {
-            self.states.remove(&id);
-            self.constraints.remove(&id);
+            self.forget(id);
             updates.insert(id, RequestUpdate { id, tokens: Vec::new(), finished: Some(finished) });
         }
         let items = plan.items;
+        let drafts = self.drafts_to_verify(&items);
         let mut states: Vec<SequenceState> = items
             .iter()
             .map(|it| match &it.start {
@@ -180,60 +188,66 @@ impl<M: Deref<Target = Model>> Engine<M> {
         let bt = self.scheduler.layout().block_tokens;
         let segments: Vec<Vec<(usize, usize, bool)>> = items.iter().map(|it| segments(it, bt)).collect();
         let waves = segments.iter().map(Vec::len).max().unwrap_or(0);
+        // Drafting reads the hidden rows of every request that samples.
+        let keep_hidden = self.scheduler.config().speculative.max_drafts() > 0 && items.iter().any(|it| it.sample);
         let mut rows: Vec<Option<Vec<f32>>> = vec![None; items.len()];
+        let mut hidden: Vec<Vec<f32>> = vec![Vec::new(); items.len()];
         let mut snapshots = Vec::new();
+        let vocab = self.model.config.vocab_size;
         for w in 0..waves {
-            let wants_logits = items.iter().zip(&segments).any(|(it, s)| it.sample && s.len() == w + 1);
+            let last_here = |i: usize| items[i].sample && segments[i].len() == w + 1;
+            let tail = (0..items.len()).filter(|&i| last_here(i)).map(|i| drafts[i].len() + 1).max();
             let mut members = Vec::new();
-            let mut chunks = Vec::new();
-            for (i, state) in states.iter_mut().enumerate() {
-                if let Some(&(a, b, replay)) = segments[i].get(w) {
-                    let tokens = &self.scheduler.tokens(items[i].id)[a..b];
-                    chunks.push(Chunk { tokens, state, replay, drafts: 0 });
+            let mut fed: Vec<Vec<u32>> = Vec::new();
+            for (i, it) in items.iter().enumerate() {
+                if let Some(&(a, b, _)) = segments[i].get(w) {
+                    let mut tokens = self.scheduler.tokens(it.id)[a..b].to_vec();
+                    if b == it.to {
+                        tokens.extend_from_slice(&drafts[i]);
+                    }
+                    fed.push(tokens);
                     members.push(i);
                 }
             }
-            let wanted = if wants_logits { LogitsWanted::Last } else { LogitsWanted::None };
-            let outputs = self.model.forward(&mut chunks, wanted, false);
+            let mut chunks: Vec<Chunk> = Vec::with_capacity(members.len());
+            for ((state, &i), tokens) in states
+                .iter_mut()
+                .enumerate()
+                .filter_map(|(i, s)| members.contains(&i).then_some((s, i)))
+                .zip(&members)
+                .map(|((s, _), i)| (s, i))
+                .zip(&fed)
+            {
+                let (_, b, replay) = segments[i][w];
+                let n = if b == items[i].to { drafts[i].len() } else { 0 };
+                chunks.push(Chunk { tokens, state, replay, drafts: n });
+            }
+            let wanted = match tail {
+                None => LogitsWanted::None,
+                Some(1) => LogitsWanted::Last,
+                Some(n) => LogitsWanted::Tail(n),
+            };
+            let outputs = self.model.forward(&mut chunks, wanted, keep_hidden);
             drop(chunks);
             for (i, out) in members.into_iter().zip(outputs) {
                 let (_, end, _) = segments[i][w];
                 let it = &items[i];
+                if keep_hidden && it.sample {
+                    hidden[i].extend_from_slice(&out.streams);
+                }
                 if it.sample && end == it.to {
-                    rows[i] = Some(out.logits);
+                    let keep = (drafts[i].len() + 1) * vocab;
+                    rows[i] = Some(out.logits[out.logits.len() - keep..].to_vec());
                 }
                 if end.is_multiple_of(bt) && end > 0 && it.snapshots.contains(&(end / bt - 1)) {
-                    snapshots.push((it.id, end / bt - 1, snapshot(&self.model, &states[i], end / bt - 1, bt)));
+                    assert!(end < it.to || drafts[i].is_empty(), "no drafts follow a block end");
+                    snapshots.push((
+                        it.id,
+                        end / bt - 1,
+                        BlockValues::capture(&self.model, &states[i], end / bt - 1, bt),
+                    ));
                 }
             }
-        }
-
-        let mut sampled = Vec::new();
-        for (i, it) in items.iter().enumerate() {
-            let Some(mut row) = rows[i].take() else { continue };
-            let constraint = self.constraints.get_mut(&it.id);
-            let request = self.scheduler.request(it.id);
-            if request.params.adjusts_logits() {
-                let (prompt, output) = self.scheduler.tokens(it.id).split_at(request.prompt.len());
-                adjust_logits(&mut row, &request.params, prompt, output);
-            }
-            let s = match constraint {
-                Some(c) => {
-                    c.allowed(&mut row);
-                    let s = sample(&row, &request.params, it.to as u64);
-                    c.accept(s.token);
-                    s
-                }
-                None => sample(&row, &request.params, it.to as u64),
-            };
-            sampled.push(SampledToken { id: it.id, token: s.token, ok: s.logprob.is_finite() });
-            let token = TokenOutput {
-                token: s.token,
-                logprob: s.logprob,
-                top: s.top,
-                logits: request.return_logits.then_some(row),
-            };
-            updates.insert(it.id, RequestUpdate { id: it.id, tokens: vec![token], finished: None });
         }
         for (it, state) in items.iter().zip(states) {
             self.states.insert(it.id, state);
@@ -243,24 +257,169 @@ impl<M: Deref<Target = Model>> Engine<M> {
                 self.stored.insert(b, values);
             }
         }
-        let mut finished = self.scheduler.complete(&sampled);
-        // A constraint that admits nothing more ends its request as a stop.
-        for s in &sampled {
-            let done = self.constraints.get(&s.id).is_some_and(|c| c.is_done());
-            if done && !finished.iter().any(|(id, _)| *id == s.id) {
-                if let Ok(mut f) = self.scheduler.cancel(s.id) {
-                    f.reason = FinishReason::Stop;
-                    finished.push((s.id, f));
+
+        let mut to_draft = Vec::new();
+        for (i, it) in items.iter().enumerate() {
+            let Some(logits) = rows[i].take() else { continue };
+            let (tokens, finished) = self.verify(it, &drafts[i], &logits);
+            let update =
+                updates.entry(it.id).or_insert_with(|| RequestUpdate { id: it.id, tokens: Vec::new(), finished: None });
+            update.tokens = tokens;
+            match finished {
+                Some(f) => {
+                    self.forget(it.id);
+                    update.finished = Some(f);
+                }
+                None => to_draft.push(i),
+            }
+        }
+        if keep_hidden {
+            self.propose(&items, &to_draft, &hidden);
+        }
+        updates.into_values().collect()
+    }
+
+    /// Forget everything kept for a request that ended.
+    fn forget(&mut self, id: RequestId) {
+        self.states.remove(&id);
+        self.constraints.remove(&id);
+        self.proposals.remove(&id);
+    }
+
+    /// The drafts each item verifies this step: the request's proposal for
+    /// the position after the item, as many as the policy chooses within the
+    /// scheduler's allowance.
+    fn drafts_to_verify(&mut self, items: &[ScheduledItem]) -> Vec<Vec<u32>> {
+        let policy = self.scheduler.config().speculative.policy;
+        let mut acceptance = Vec::with_capacity(items.len());
+        let mut limits = Vec::with_capacity(items.len());
+        for it in items {
+            match self.proposals.get(&it.id) {
+                Some(p) if it.drafts > 0 && p.at == it.to => {
+                    acceptance.push(p.acceptance.clone());
+                    limits.push(it.drafts);
+                }
+                _ => {
+                    acceptance.push(Vec::new());
+                    limits.push(0);
                 }
             }
         }
-        for (id, finished) in finished {
-            self.states.remove(&id);
-            self.constraints.remove(&id);
-            updates.entry(id).or_insert_with(|| RequestUpdate { id, tokens: Vec::new(), finished: None }).finished =
-                Some(finished);
+        let lengths = choose_lengths(policy, &acceptance, &limits, &self.step_cost);
+        items
+            .iter()
+            .zip(lengths)
+            .map(|(it, n)| match self.proposals.remove(&it.id) {
+                Some(p) if n > 0 => p.tokens[..n].to_vec(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    /// Sample the item's token and verify its drafts: the target's choice at
+    /// each position is the output; a draft is accepted while it equals it.
+    /// Rejected drafts are taken back from the state; all accepted, the state
+    /// keeps them. Returns the tokens produced and the finish, if any.
+    fn verify(&mut self, it: &ScheduledItem, drafts: &[u32], logits: &[f32]) -> (Vec<TokenOutput>, Option<Finished>) {
+        let vocab = self.model.config.vocab_size;
+        assert_eq!(logits.len(), (drafts.len() + 1) * vocab, "a row per draft and one more");
+        let mut out = Vec::with_capacity(drafts.len() + 1);
+        let mut accepted = 0;
+        let mut finished = None;
+        for (j, row) in logits.chunks_exact(vocab).enumerate() {
+            let mut row = row.to_vec();
+            let request = self.scheduler.request(it.id);
+            if request.params.adjusts_logits() {
+                let (prompt, output) = self.scheduler.tokens(it.id).split_at(request.prompt.len());
+                adjust_logits(&mut row, &request.params, prompt, output);
+            }
+            let mut constraint = self.constraints.get_mut(&it.id);
+            if let Some(c) = constraint.as_deref_mut() {
+                c.allowed(&mut row);
+            }
+            let s = sample(&row, &request.params, (it.to + j) as u64);
+            let done = constraint.is_some_and(|c| {
+                c.accept(s.token);
+                c.is_done()
+            });
+            let sampled = SampledToken { id: it.id, token: s.token, ok: s.logprob.is_finite() };
+            out.push(TokenOutput {
+                token: s.token,
+                logprob: s.logprob,
+                top: s.top,
+                logits: request.return_logits.then_some(row),
+            });
+            if let Some((_, f)) = self.scheduler.complete(&[sampled]).pop() {
+                finished = Some(f);
+            } else if done {
+                // A constraint that admits nothing more ends its request as a stop.
+                let mut f = self.scheduler.cancel(it.id).expect("a running request");
+                f.reason = FinishReason::Stop;
+                finished = Some(f);
+            }
+            if finished.is_some() || drafts.get(j) != Some(&s.token) {
+                break;
+            }
+            accepted += 1;
         }
-        updates.into_values().collect()
+        if !drafts.is_empty() {
+            let stats = &mut self.spec_stats;
+            stats.verifications += 1;
+            stats.verified += drafts.len() as u64;
+            stats.accepted += accepted as u64;
+            stats.verification_tokens += out.len() as u64;
+            if finished.is_none() {
+                let state = self.states.get_mut(&it.id).expect("a running request has a state");
+                if accepted == drafts.len() {
+                    state.accept_drafts();
+                    self.scheduler.accept_drafts(it.id, accepted);
+                } else {
+                    state.reject_drafts(&self.model.config);
+                }
+            }
+        }
+        (out, finished)
+    }
+
+    /// Draft the next tokens of the items `which` (still running after
+    /// sampling), from the hidden rows their step computed.
+    fn propose(&mut self, items: &[ScheduledItem], which: &[usize], hidden: &[Vec<f32>]) {
+        let max = self.scheduler.config().speculative.max_drafts();
+        let ids: Vec<RequestId> = which.iter().map(|&i| items[i].id).collect();
+        let mut states: Vec<&mut SequenceState> =
+            self.states.iter_mut().filter(|(id, _)| ids.contains(id)).map(|(_, s)| s).collect();
+        // `states` follows id order; pair each with its item.
+        let mut order: Vec<usize> = which.to_vec();
+        order.sort_by_key(|&i| items[i].id);
+        let mut inputs = Vec::with_capacity(order.len());
+        for (state, &i) in states.iter_mut().zip(&order) {
+            let it = &items[i];
+            let request = self.scheduler.request(it.id);
+            let tokens = self.scheduler.tokens(it.id);
+            let generated = tokens.len() - request.prompt.len();
+            let (prompt, output) = tokens.split_at(request.prompt.len());
+            inputs.push(DraftInput {
+                state,
+                rows: &hidden[i],
+                rows_from: it.from,
+                tokens,
+                count: max.min(request.max_tokens.saturating_sub(generated + 1)),
+                chooser: Chooser {
+                    params: &request.params,
+                    prompt,
+                    output: output.to_vec(),
+                    constraint: self.constraints.get(&it.id).and_then(|c| c.fork()),
+                },
+            });
+        }
+        let proposals = draft_next(&self.model, &mut inputs);
+        drop(inputs);
+        for (&i, p) in order.iter().zip(proposals) {
+            self.spec_stats.proposed += p.tokens.len() as u64;
+            if !p.tokens.is_empty() {
+                self.proposals.insert(items[i].id, p);
+            }
+        }
     }
 
     /// A state holding the compressed state of the cached blocks `hit`,
@@ -269,40 +428,6 @@ impl<M: Deref<Target = Model>> Engine<M> {
         let blocks: Vec<&BlockValues> = hit.iter().map(|b| &self.stored[b]).collect();
         restore_state(&self.model, &blocks, position)
     }
-}
-
-/// A state holding the compressed state of `blocks` (consecutive cached
-/// blocks from position 0, as [`BlockValues::capture`] took them),
-/// positioned at `position` (the start of the replay).
-pub fn restore_state(model: &Model, blocks: &[&BlockValues], position: usize) -> SequenceState {
-    let mut state = model.new_state();
-    if let (Some(m), Some(v)) = (&model.v41, state.v41.as_mut()) {
-        let snapshots: Vec<&crate::v41::state::BlockSnapshot> =
-            blocks.iter().map(|b| b.v41.as_ref().expect("a V4.1 block")).collect();
-        *v = crate::v41::V41State::restore(&m.config, &snapshots, position);
-        state.position = position;
-        return state;
-    }
-    if let Some(last) = blocks.last() {
-        for (l, layer) in state.layers.iter_mut().enumerate() {
-            let rebuild = |c: &mut CompressorState, part: fn(&BlockValues, usize) -> Option<&CompressorBlock>| {
-                for b in blocks {
-                    c.entries.extend_from_slice(&part(b, l).expect("cached block has this layer").entries);
-                }
-                let tail = part(last, l).expect("cached block has this layer");
-                c.overlap_kv = tail.overlap_kv.clone();
-                c.overlap_gate = tail.overlap_gate.clone();
-            };
-            if let Some(c) = &mut layer.compressor {
-                rebuild(c, |b, l| b.layers[l].0.as_ref());
-            }
-            if let Some(c) = &mut layer.indexer {
-                rebuild(c, |b, l| b.layers[l].1.as_ref());
-            }
-        }
-    }
-    state.position = position;
-    state
 }
 
 /// Cut an item's tokens at the replay's end and at the boundaries to snapshot.
@@ -334,142 +459,4 @@ pub fn step_segments(
             seg
         })
         .collect()
-}
-
-/// Copy the compressed state of block `k` out of a state whose position is its end.
-fn snapshot(model: &Model, state: &SequenceState, k: usize, bt: usize) -> BlockValues {
-    if let (Some(m), Some(s)) = (&model.v41, &state.v41) {
-        return BlockValues { layers: Vec::new(), v41: Some(s.snapshot(&m.config, k, bt)) };
-    }
-    let cfg = &model.config;
-    debug_assert_eq!(state.position, (k + 1) * bt);
-    let part = |c: &CompressorState, ratio: usize, dim: usize| {
-        let per = bt / ratio * dim;
-        debug_assert!(c.pending_kv.is_empty(), "a block ends on a compressor window boundary");
-        debug_assert_eq!(c.entries.len(), (k + 1) * per);
-        CompressorBlock {
-            entries: c.entries[k * per..(k + 1) * per].to_vec(),
-            overlap_kv: c.overlap_kv.clone(),
-            overlap_gate: c.overlap_gate.clone(),
-        }
-    };
-    let layers = state
-        .layers
-        .iter()
-        .zip(&cfg.attention)
-        .map(|(layer, kind)| match kind.compress_ratio() {
-            Some(ratio) => (
-                layer.compressor.as_ref().map(|c| part(c, ratio, cfg.head_dim)),
-                layer.indexer.as_ref().map(|c| part(c, ratio, cfg.index_head_dim)),
-            ),
-            None => (None, None),
-        })
-        .collect();
-    BlockValues { layers, v41: None }
-}
-
-/// Whether `blocks` (consecutive from position 0) can restore a state at `position`.
-pub fn check_restore(model: &Model, blocks: &[&BlockValues], position: usize) -> Result<(), String> {
-    match (&model.v41, blocks.last().and_then(|b| b.v41.as_ref())) {
-        (Some(m), Some(last)) => last.fits(&m.config, position),
-        _ => Ok(()),
-    }
-}
-
-/// Absent overlap series in [`BlockValues::to_parts`] lengths.
-const ABSENT: u32 = u32::MAX;
-/// Lengths per layer in [`BlockValues::to_parts`]: for the compressor then
-/// the indexer, present (0/1), entries, overlap kv, overlap gate.
-const LENS_PER_LAYER: usize = 8;
-
-impl BlockValues {
-    /// The compressed state of block `k` of a state positioned at the block's end.
-    pub fn capture(model: &Model, state: &SequenceState, k: usize, block_tokens: usize) -> Self {
-        snapshot(model, state, k, block_tokens)
-    }
-
-    /// Flat form for a transport: lengths (8 per layer) and the values they measure.
-    pub fn to_parts(&self) -> (Vec<u32>, Vec<f32>) {
-        if let Some(v) = &self.v41 {
-            return v.to_parts();
-        }
-        let mut lens = Vec::with_capacity(self.layers.len() * LENS_PER_LAYER);
-        let mut data = Vec::new();
-        for (c, ix) in &self.layers {
-            for part in [c, ix] {
-                match part {
-                    None => lens.extend([0, 0, ABSENT, ABSENT]),
-                    Some(b) => {
-                        lens.extend([1, b.entries.len() as u32]);
-                        data.extend_from_slice(&b.entries);
-                        for o in [&b.overlap_kv, &b.overlap_gate] {
-                            lens.push(o.as_ref().map_or(ABSENT, |v| v.len() as u32));
-                            data.extend_from_slice(o.as_deref().unwrap_or_default());
-                        }
-                    }
-                }
-            }
-        }
-        (lens, data)
-    }
-
-    /// The inverse of [`to_parts`](Self::to_parts), checked against the
-    /// model's layers and the block size: a malformed block is an error,
-    /// never a state that would trip the forward pass.
-    pub fn from_parts(model: &Model, block_tokens: usize, lens: &[u32], data: &[f32]) -> Result<Self, String> {
-        if let Some(m) = &model.v41 {
-            let v = crate::v41::state::BlockSnapshot::from_parts(&m.config, block_tokens, lens, data)?;
-            return Ok(Self { layers: Vec::new(), v41: Some(v) });
-        }
-        let cfg = &model.config;
-        if lens.len() != cfg.num_layers * LENS_PER_LAYER {
-            return Err(format!("{} lengths for {} layers", lens.len(), cfg.num_layers));
-        }
-        let mut at = 0usize;
-        let mut take = |n: usize| -> Result<Vec<f32>, String> {
-            let v = data.get(at..at + n).ok_or_else(|| format!("{} values, more needed", data.len()))?;
-            at += n;
-            Ok(v.to_vec())
-        };
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for (l, kind) in cfg.attention.iter().enumerate() {
-            let want = [
-                kind.compress_ratio().map(|r| (r, cfg.head_dim)),
-                matches!(kind, AttentionKind::Csa { .. })
-                    .then(|| (kind.compress_ratio().unwrap_or(1), cfg.index_head_dim)),
-            ];
-            let mut parts = [None, None];
-            for (p, want) in want.into_iter().enumerate() {
-                let [present, entries, okv, ogate] = lens[l * LENS_PER_LAYER + 4 * p..][..4] else { unreachable!() };
-                match (want, present) {
-                    (None, 0) if entries == 0 && okv == ABSENT && ogate == ABSENT => {}
-                    (Some((ratio, dim)), 1) if block_tokens.is_multiple_of(ratio) => {
-                        let per = block_tokens / ratio * dim;
-                        let overlap_ok = okv == ogate && (okv == ABSENT || okv as usize == ratio * dim);
-                        if entries as usize != per || !overlap_ok {
-                            return Err(format!("layer {l}: lengths {entries}/{okv}/{ogate} do not fit the model"));
-                        }
-                        let entries = take(per)?;
-                        let overlap = |n: u32, take: &mut dyn FnMut(usize) -> Result<Vec<f32>, String>| {
-                            if n == ABSENT {
-                                Ok(None)
-                            } else {
-                                take(n as usize).map(Some)
-                            }
-                        };
-                        let overlap_kv = overlap(okv, &mut take)?;
-                        let overlap_gate = overlap(ogate, &mut take)?;
-                        parts[p] = Some(CompressorBlock { entries, overlap_kv, overlap_gate });
-                    }
-                    _ => return Err(format!("layer {l}: part {p} does not fit the model")),
-                }
-            }
-            let [c, ix] = parts;
-            layers.push((c, ix));
-        }
-        if at != data.len() {
-            return Err(format!("{} values, {at} expected", data.len()));
-        }
-        Ok(Self { layers, v41: None })
-    }
 }

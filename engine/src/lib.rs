@@ -8,6 +8,7 @@
 #![recursion_limit = "256"]
 
 pub mod balance;
+pub mod block_values;
 pub mod checkpoint;
 pub mod config;
 pub mod constraint;

@@ -21,6 +21,7 @@ use crate::request::{
     FinishReason, Finished, Request, RequestError, RequestId, RequestStatus, MAX_STOP_SEQUENCES,
     MAX_STOP_SEQUENCE_TOKENS, MAX_STOP_TOKEN_IDS,
 };
+use crate::speculative::SpeculativeConfig;
 
 /// Most sequences one step may carry.
 pub const MAX_BATCH_SIZE: usize = 1 << 16;
@@ -30,6 +31,8 @@ pub const MAX_BATCH_TOKENS: usize = 1 << 20;
 pub const MAX_WAITING: usize = 1 << 20;
 /// Largest prefix block, in tokens.
 pub const MAX_BLOCK_TOKENS: usize = 4096;
+/// Most draft tokens one request verifies per step.
+pub const MAX_DRAFT_TOKENS: usize = 16;
 /// Waiting requests looked at for one admission when ranks limit a step.
 const ADMISSION_SCAN: usize = 256;
 
@@ -58,6 +61,9 @@ pub struct EngineConfig {
     pub block_tokens: Option<usize>,
     /// Positions per window block.
     pub window_block_tokens: usize,
+    /// Speculative decoding: each draft a request may verify counts against
+    /// `max_batch_tokens` and is reserved in the KV pool before the step.
+    pub speculative: SpeculativeConfig,
 }
 
 impl Default for EngineConfig {
@@ -72,6 +78,7 @@ impl Default for EngineConfig {
             prefix_mode: PrefixMode::Exact,
             block_tokens: None,
             window_block_tokens: 16,
+            speculative: SpeculativeConfig::default(),
         }
     }
 }
@@ -85,6 +92,10 @@ pub enum EngineConfigError {
     BatchTokens(usize),
     #[error("max_waiting must be 1 to {MAX_WAITING}, got {0}")]
     Waiting(usize),
+    #[error("num_draft_tokens must be at most {MAX_DRAFT_TOKENS}, got {0}")]
+    DraftTokens(usize),
+    #[error("{0}")]
+    Speculative(String),
     #[error("block_tokens must be at most {MAX_BLOCK_TOKENS}, got {0}")]
     BlockTokensTooLarge(usize),
     #[error(transparent)]
@@ -109,6 +120,10 @@ pub struct ScheduledItem {
     /// Blocks `k` whose end `(k + 1) · block_tokens` lies in `(from, to]`
     /// and that should be offered to the prefix cache once computed.
     pub snapshots: Vec<usize>,
+    /// Most draft tokens the item may verify after `to` (reserved in the KV
+    /// pool and the token budget); only sampling items of decoding requests
+    /// get any.
+    pub drafts: usize,
 }
 
 /// What one step does.
@@ -162,6 +177,8 @@ struct ModelLimits {
     eos: u32,
     context: usize,
     replay: usize,
+    /// Most drafts one chunk may carry: the window ring must hold them.
+    draft_window: usize,
 }
 
 #[derive(Debug)]
@@ -236,6 +253,9 @@ impl Scheduler {
         if !(1..=MAX_BATCH_TOKENS).contains(&config.max_batch_tokens) {
             return Err(EngineConfigError::BatchTokens(config.max_batch_tokens));
         }
+        if config.speculative.max_drafts() > MAX_DRAFT_TOKENS {
+            return Err(EngineConfigError::DraftTokens(config.speculative.max_drafts()));
+        }
         if !(1..=MAX_WAITING).contains(&config.max_waiting) {
             return Err(EngineConfigError::Waiting(config.max_waiting));
         }
@@ -255,6 +275,7 @@ impl Scheduler {
             eos: cfg.eos_token_id,
             context: cfg.max_position_embeddings,
             replay: mode.replay_tokens(cfg),
+            draft_window: cfg.sliding_window.saturating_sub(2),
         };
         Ok(Self {
             pool: KvPool::new(layout, config.kv_budget_bytes),
@@ -504,13 +525,16 @@ impl Scheduler {
                 continue;
             }
             let to = from + (seq.tokens.len() - from).min(budget).min(self.chunk_tokens()).min(cap);
-            if !self.reserve(id, to, &mut plan) {
+            let drafts = self.draft_allowance(id, to).min(budget - (to - from)).min(cap - (to - from));
+            if !self.reserve(id, to + drafts, &mut plan) {
                 // It preempted itself: it was the newest, nothing follows it.
                 break;
             }
-            plan.items.push(self.item(id, from, to, None));
-            budget -= to - from;
-            *rank_used.entry(rank).or_default() += to - from;
+            let mut item = self.item(id, from, to, None);
+            item.drafts = drafts;
+            plan.items.push(item);
+            budget -= to - from + drafts;
+            *rank_used.entry(rank).or_default() += to - from + drafts;
             i += 1;
         }
         // Admitting while preempting would only thrash.
@@ -544,6 +568,39 @@ impl Scheduler {
         plan
     }
 
+    /// Draft tokens request `id` may verify after a step ending at `to`: only
+    /// when that step samples a decoding request; never past `max_tokens` or
+    /// the context; and with the prefix cache on, never up to the end of a
+    /// block, whose state must be snapshotted where a step ends.
+    fn draft_allowance(&self, id: RequestId, to: usize) -> usize {
+        let seq = self.seq(id);
+        let k = self.config.speculative.max_drafts();
+        if k == 0 || to != seq.tokens.len() || seq.tokens.len() <= seq.prompt_len {
+            return 0;
+        }
+        let generated = seq.tokens.len() - seq.prompt_len;
+        let mut allowance = k
+            .min(seq.request.max_tokens.saturating_sub(generated + 1))
+            .min(self.limits.context.saturating_sub(to + 1))
+            .min(self.limits.draft_window);
+        if self.mode != PrefixMode::Off {
+            // A block ending at `to` is snapshotted after this step's forward
+            // pass, so no draft may follow it; nor may one reach the next end.
+            let bt = self.layout().block_tokens;
+            allowance = if to.is_multiple_of(bt) { 0 } else { allowance.min((to / bt + 1) * bt - to - 1) };
+        }
+        allowance
+    }
+
+    /// The state of `id` kept the `n` drafts its last step verified (all of
+    /// them were accepted): it now holds every token but the newest.
+    pub fn accept_drafts(&mut self, id: RequestId, n: usize) {
+        let Some(seq) = self.seqs.get_mut(&id) else { return };
+        seq.computed += n;
+        assert_eq!(seq.computed + 1, seq.tokens.len(), "accepted drafts are the tokens before the newest");
+        self.stats.computed_tokens += n as u64;
+    }
+
     fn item(&self, id: RequestId, from: usize, to: usize, start: Option<Vec<BlockId>>) -> ScheduledItem {
         let seq = self.seq(id);
         let bt = self.layout().block_tokens;
@@ -554,7 +611,16 @@ impl Scheduler {
             // replay lies inside cached blocks).
             (from / bt + 1..=to / bt).filter(|&b| b > seq.registered).map(|b| b - 1).collect()
         };
-        ScheduledItem { id, from, to, replay_until: seq.replay_until, sample: to == seq.tokens.len(), start, snapshots }
+        ScheduledItem {
+            id,
+            from,
+            to,
+            replay_until: seq.replay_until,
+            sample: to == seq.tokens.len(),
+            start,
+            snapshots,
+            drafts: 0,
+        }
     }
 
     /// Allocate `id`'s blocks for `to` positions, evicting cached blocks and

@@ -199,7 +199,7 @@ mod tests {
         let m = model();
         let prompt: Vec<u32> = (0..150).map(|i| (i * 37 % 200) as u32 + 3).collect();
         let mut state = m.new_state();
-        let mut chunks = [Chunk { tokens: &prompt, state: &mut state, replay: false }];
+        let mut chunks = [Chunk { tokens: &prompt, state: &mut state, replay: false, drafts: 0 }];
         m.forward(&mut chunks, LogitsWanted::Last, false);
         let (lens, data) = state_to_parts(&state);
         assert_eq!(parts_values(&lens), Some(data.len()));
@@ -207,9 +207,9 @@ mod tests {
         assert_eq!(moved, state);
         // Decoding continues identically from either copy.
         let next = [42u32, 7, 99];
-        let mut a = [Chunk { tokens: &next, state: &mut state, replay: false }];
+        let mut a = [Chunk { tokens: &next, state: &mut state, replay: false, drafts: 0 }];
         let la = m.forward(&mut a, LogitsWanted::Last, false);
-        let mut b = [Chunk { tokens: &next, state: &mut moved, replay: false }];
+        let mut b = [Chunk { tokens: &next, state: &mut moved, replay: false, drafts: 0 }];
         let lb = m.forward(&mut b, LogitsWanted::Last, false);
         assert_eq!(la[0].logits, lb[0].logits);
     }
@@ -244,7 +244,11 @@ mod tests {
         let m = model();
         let prompt: Vec<u32> = (0..70).map(|i| i as u32 + 3).collect();
         let mut state = m.new_state();
-        m.forward(&mut [Chunk { tokens: &prompt, state: &mut state, replay: false }], LogitsWanted::Last, false);
+        m.forward(
+            &mut [Chunk { tokens: &prompt, state: &mut state, replay: false, drafts: 0 }],
+            LogitsWanted::Last,
+            false,
+        );
         let (lens, data) = state_to_parts(&state);
         let cfg = &m.config;
         assert!(state_from_parts(cfg, &lens, &data[1..], 4096).is_err());

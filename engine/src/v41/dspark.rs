@@ -27,6 +27,11 @@ impl ModelV41 {
     /// Feed the target's main hidden rows `[n, targets · dim]` of positions
     /// `start..start + n` into every draft layer's window.
     pub fn dspark_observe(&self, main_hidden: &[f32], start: usize, state: &mut V41State) {
+        self.dspark_observe_windows(main_hidden, start, &mut state.dspark_windows);
+    }
+
+    /// [`ModelV41::dspark_observe`] into a copy of the windows.
+    pub fn dspark_observe_windows(&self, main_hidden: &[f32], start: usize, windows: &mut [Vec<f32>]) {
         let cfg = &self.config;
         let d = cfg.dim;
         let (proj, norm) = self.weights.dspark[0].main.as_ref().expect("first DSpark layer has main_proj");
@@ -41,7 +46,7 @@ impl ModelV41 {
                 self.rope_main.apply(&mut row[hd - rd..], start + t, false);
                 fp8_round_trip(row);
             }
-            let w = &mut state.dspark_windows[k];
+            let w = &mut windows[k];
             w.extend_from_slice(&kv);
             let keep = w.len().min(win * hd);
             w.drain(..w.len() - keep);
@@ -74,6 +79,19 @@ impl ModelV41 {
     /// Draft the block after position `p`: `next_token` is the target's token at
     /// `p + 1`, `main_hidden` its main hidden row at `p` (already observed).
     pub fn dspark_propose(&self, next_token: u32, p: usize, state: &V41State) -> Drafts {
+        self.dspark_propose_with(next_token, p, &state.dspark_windows, &mut |_, row| ops::argmax(row))
+    }
+
+    /// [`ModelV41::dspark_propose`] from given windows, with the draft at each
+    /// block position `i` chosen by `choose(i, logits)` (which may mask the
+    /// row); the Markov head conditions the next draft on that choice.
+    pub fn dspark_propose_with(
+        &self,
+        next_token: u32,
+        p: usize,
+        windows: &[Vec<f32>],
+        choose: &mut dyn FnMut(usize, &mut [f32]) -> u32,
+    ) -> Drafts {
         let cfg = &self.config;
         let ds = cfg.dspark.as_ref().expect("model has DSpark layers");
         let (d, hc, block) = (cfg.dim, cfg.hc_mult, ds.block_size);
@@ -88,7 +106,7 @@ impl ModelV41 {
         }
         let mut pre: Vec<Vec<f32>> = (0..block).map(|_| ops::one_hot(hc)).collect();
         for (k, layer) in self.weights.dspark.iter().enumerate() {
-            pre = self.draft_block(layer, &state.dspark_windows[k], &mut streams, &pre, p);
+            pre = self.draft_block(layer, &windows[k], &mut streams, &pre, p);
         }
         let last = self.weights.dspark.last().expect("DSpark layers");
         let heads = last.heads.as_ref().expect("last DSpark layer has the heads");
@@ -111,7 +129,7 @@ impl ModelV41 {
             plain_linear(&heads.markov_head, embed, 1, &mut bias);
             let row = &mut logits[i * v..(i + 1) * v];
             row.iter_mut().zip(&bias).for_each(|(l, b)| *l += b);
-            previous = ops::argmax(row);
+            previous = choose(i, row);
             tokens.push(previous);
             let input: Vec<f32> = x[i * d..(i + 1) * d].iter().chain(embed).copied().collect();
             let mut c = [0.0f32];
