@@ -6,6 +6,8 @@ use anyhow::Context;
 use clap::{ArgGroup, Args, Parser, Subcommand};
 use deepinfer_engine::engine::EngineConfig;
 use deepinfer_engine::prefix_cache::PrefixMode;
+use deepinfer_engine::speculative::policy::DraftPolicy;
+use deepinfer_engine::speculative::{DraftMethod, SpeculativeConfig};
 
 use crate::commands;
 
@@ -87,6 +89,18 @@ pub struct EngineArgs {
     /// Prefix cache: `exact` (bit-identical to a cold run), `bounded` (replays one window, faster) or `off`.
     #[arg(long, default_value = "exact", value_parser = ["off", "exact", "bounded"])]
     pub prefix_cache: String,
+    /// Speculative decoding: `mtp` (DeepSeek-V4's MTP block drafts), `dspark`
+    /// (DeepSeek-V4.1's DSpark layers) or `off`. The output is the same tokens.
+    #[arg(long, default_value = "off", value_parser = ["off", "mtp", "dspark"])]
+    pub speculative: String,
+    /// Most draft tokens a request verifies per step (1 to 16).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=16))]
+    pub num_draft_tokens: u32,
+    /// How many drafts each request verifies: `adaptive` (as many as pay for
+    /// themselves, from the drafts' acceptance estimates and the step time
+    /// measured at start) or `fixed` (always --num-draft-tokens).
+    #[arg(long, default_value = "adaptive", value_parser = ["adaptive", "fixed"])]
+    pub draft_length: String,
 }
 
 impl EngineArgs {
@@ -103,8 +117,22 @@ impl EngineArgs {
             max_batch_tokens: self.max_batch_tokens,
             kv_budget_bytes,
             prefix_mode,
+            speculative: self.speculative()?,
             ..EngineConfig::default()
         })
+    }
+
+    /// The speculative decoding these flags ask for.
+    pub fn speculative(&self) -> anyhow::Result<SpeculativeConfig> {
+        let method: DraftMethod = self.speculative.parse().map_err(anyhow::Error::msg)?;
+        let k = self.num_draft_tokens as usize;
+        let policy = match (method, self.draft_length.as_str()) {
+            (DraftMethod::Off, _) => DraftPolicy::Off,
+            (_, "fixed") => DraftPolicy::Fixed(k),
+            (_, "adaptive") => DraftPolicy::Adaptive { max: k },
+            (_, other) => anyhow::bail!("unknown --draft-length `{other}` (adaptive, fixed)"),
+        };
+        Ok(SpeculativeConfig { method, policy })
     }
 }
 

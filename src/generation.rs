@@ -13,6 +13,8 @@ use deepinfer_engine::presets::{build, Preset};
 pub use deepinfer_engine::request::FinishReason;
 use deepinfer_engine::request::Request;
 use deepinfer_engine::sampling::SamplingParams;
+use deepinfer_engine::speculative::policy::DraftPolicy;
+use deepinfer_engine::speculative::{DraftMethod, SpeculativeConfig, SpeculativeStats};
 use deepinfer_engine::v41::ModelV41;
 use serde::Deserialize;
 use tokenizers::Tokenizer;
@@ -90,10 +92,12 @@ pub fn generate(
     prompt: &[u32],
     params: &SamplingParams,
     max_tokens: usize,
+    speculative: SpeculativeConfig,
     mut on_token: impl FnMut(u32),
-) -> anyhow::Result<Completion> {
-    let config = EngineConfig { max_batch_size: 1, prefix_mode: PrefixMode::Off, ..EngineConfig::default() };
-    let mut engine = Engine::new(model, config)?;
+) -> anyhow::Result<(Completion, SpeculativeStats)> {
+    let config =
+        EngineConfig { max_batch_size: 1, prefix_mode: PrefixMode::Off, speculative, ..EngineConfig::default() };
+    let mut engine = new_engine(model, config)?;
     engine.add_request(Request::new(prompt.to_vec(), max_tokens).with_params(params.clone()))?;
     let mut tokens = Vec::new();
     let mut finish = FinishReason::Length;
@@ -111,7 +115,22 @@ pub fn generate(
     if let FinishReason::Error(message) = finish {
         bail!("generation failed: {message}");
     }
-    Ok(Completion { prompt_tokens: prompt.to_vec(), tokens, finish })
+    Ok((Completion { prompt_tokens: prompt.to_vec(), tokens, finish }, engine.speculative_stats().clone()))
+}
+
+/// An engine for `config`; with the adaptive draft-length policy, the step
+/// time it weighs drafts against is measured on this machine first.
+pub fn new_engine<M: std::ops::Deref<Target = Model>>(model: M, config: EngineConfig) -> anyhow::Result<Engine<M>> {
+    let adaptive = matches!(config.speculative.policy, DraftPolicy::Adaptive { .. })
+        && config.speculative.method != DraftMethod::Off;
+    let per_sequence = config.speculative.max_drafts() + 1;
+    let max_tokens = (config.max_batch_size * per_sequence).min(config.max_batch_tokens);
+    let mut engine = Engine::new(model, config)?;
+    if adaptive {
+        let cost = crate::step_cost::measure(engine.model(), max_tokens, per_sequence);
+        engine.set_step_cost(cost);
+    }
+    Ok(engine)
 }
 
 /// Start the in-process cluster of `--devices N --expert-parallel E` (E
@@ -123,6 +142,9 @@ pub fn start_cluster(
     expert_parallel: Option<u32>,
     engine: EngineConfig,
 ) -> anyhow::Result<LocalCluster> {
+    if engine.speculative.max_drafts() > 0 {
+        bail!("--speculative runs on one device: the actor cluster does not draft yet (use --speculative off)");
+    }
     let ep = expert_parallel.unwrap_or(devices);
     let mut cfg = ClusterConfig::new(devices, ep);
     cfg.engine = engine;

@@ -9,5 +9,6 @@ pub mod engram_vocab;
 pub mod generation;
 pub mod scenario;
 pub mod simulate;
+pub mod step_cost;
 pub mod tokenizer;
 pub mod topology;

@@ -92,7 +92,7 @@ fn wave_chunks(items: &mut [ItemRun], wave: usize) -> Vec<Chunk<'_>> {
         .iter_mut()
         .filter_map(|it| {
             let &(a, b, replay) = it.segments.get(wave)?;
-            Some(Chunk { tokens: &it.tokens[a - it.from..b - it.from], state: &mut it.state, replay })
+            Some(Chunk { tokens: &it.tokens[a - it.from..b - it.from], state: &mut it.state, replay, drafts: 0 })
         })
         .collect()
 }

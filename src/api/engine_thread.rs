@@ -78,7 +78,7 @@ pub fn spawn(model: Arc<Model>, config: EngineConfig) -> anyhow::Result<(EngineH
     Engine::new(model.clone(), config.clone())?;
     let (tx, rx) = mpsc::channel(config.max_waiting);
     let thread = std::thread::Builder::new().name("engine".into()).spawn(move || {
-        let engine = Engine::new(model, config).expect("validated above");
+        let engine = crate::generation::new_engine(model, config).expect("validated above");
         run(engine, rx);
     })?;
     Ok((EngineHandle { tx }, thread))
@@ -162,6 +162,9 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>) {
             }
         }
         m::engine_gauges(engine.scheduler());
+        if engine.scheduler().config().speculative.max_drafts() > 0 {
+            m::speculative(engine.speculative_stats());
+        }
     }
 }
 

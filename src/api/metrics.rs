@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use deepinfer_engine::request::{Finished, RequestError};
 use deepinfer_engine::scheduler::Scheduler;
+use deepinfer_engine::speculative::SpeculativeStats;
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Unit};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
@@ -32,6 +33,10 @@ pub const E2E: &str = "deepinfer_e2e_request_latency_seconds";
 pub const QUEUE_TIME: &str = "deepinfer_request_queue_time_seconds";
 pub const REQUEST_PROMPT_TOKENS: &str = "deepinfer_request_prompt_tokens";
 pub const REQUEST_GENERATION_TOKENS: &str = "deepinfer_request_generation_tokens";
+pub const SPEC_DRAFTS: &str = "deepinfer_spec_decode_draft_tokens_total";
+pub const SPEC_ACCEPTED: &str = "deepinfer_spec_decode_accepted_tokens_total";
+pub const SPEC_VERIFICATIONS: &str = "deepinfer_spec_decode_verifications_total";
+pub const SPEC_PROPOSED: &str = "deepinfer_spec_decode_proposed_tokens_total";
 
 /// vLLM's names for the same series (`vllm:` metrics of vLLM's V1 engine).
 pub mod vllm {
@@ -50,6 +55,9 @@ pub mod vllm {
     pub const SUCCESS: &str = "vllm:request_success_total";
     pub const PREFIX_QUERIES: &str = "vllm:prefix_cache_queries_total";
     pub const PREFIX_HITS: &str = "vllm:prefix_cache_hits_total";
+    pub const SPEC_DRAFTS: &str = "vllm:spec_decode_num_drafts_total";
+    pub const SPEC_DRAFT_TOKENS: &str = "vllm:spec_decode_num_draft_tokens_total";
+    pub const SPEC_ACCEPTED: &str = "vllm:spec_decode_num_accepted_tokens_total";
 }
 
 /// The `model_name` label of the `vllm:` series.
@@ -117,6 +125,13 @@ fn describe() {
     describe_histogram!(QUEUE_TIME, Unit::Seconds, "From request arrival to its first scheduled step");
     describe_histogram!(REQUEST_PROMPT_TOKENS, "Prompt tokens per finished request");
     describe_histogram!(REQUEST_GENERATION_TOKENS, "Generated tokens per finished request");
+    describe_counter!(SPEC_PROPOSED, "Draft tokens proposed by the draft head");
+    describe_counter!(SPEC_DRAFTS, "Draft tokens the target verified");
+    describe_counter!(SPEC_ACCEPTED, "Verified draft tokens the target accepted");
+    describe_counter!(SPEC_VERIFICATIONS, "Request-steps that verified at least one draft");
+    describe_counter!(vllm::SPEC_DRAFTS, "Verifications (vLLM name)");
+    describe_counter!(vllm::SPEC_DRAFT_TOKENS, "Draft tokens verified (vLLM name)");
+    describe_counter!(vllm::SPEC_ACCEPTED, "Draft tokens accepted (vLLM name)");
     describe_gauge!(vllm::RUNNING, "Requests running (vLLM name)");
     describe_gauge!(vllm::WAITING, "Requests waiting (vLLM name)");
     describe_gauge!(vllm::KV_USAGE, "KV cache usage, 0 to 1 (vLLM name)");
@@ -204,4 +219,16 @@ pub fn engine_gauges(s: &Scheduler) {
     gauge!(vllm::WAITING, "model_name" => m.clone()).set(s.num_waiting() as f64);
     let usage = if pool.budget_bytes == 0 { 0.0 } else { pool.used_bytes as f64 / pool.budget_bytes as f64 };
     gauge!(vllm::KV_USAGE, "model_name" => m).set(usage);
+}
+
+/// Speculative decoding's running totals, read from the engine after each step.
+pub fn speculative(s: &SpeculativeStats) {
+    counter!(SPEC_PROPOSED).absolute(s.proposed);
+    counter!(SPEC_DRAFTS).absolute(s.verified);
+    counter!(SPEC_ACCEPTED).absolute(s.accepted);
+    counter!(SPEC_VERIFICATIONS).absolute(s.verifications);
+    let m = model();
+    counter!(vllm::SPEC_DRAFTS, "model_name" => m.clone()).absolute(s.verifications);
+    counter!(vllm::SPEC_DRAFT_TOKENS, "model_name" => m.clone()).absolute(s.verified);
+    counter!(vllm::SPEC_ACCEPTED, "model_name" => m).absolute(s.accepted);
 }

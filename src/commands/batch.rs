@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use deepinfer_actors::{LocalCluster, Update};
-use deepinfer_engine::engine::Engine;
 use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId, TokenOutput};
 use deepinfer_engine::sampling::SamplingParams;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -418,7 +417,7 @@ pub fn run_batch(
     progress: bool,
 ) -> anyhow::Result<BatchSummary> {
     let config = args.engine.to_config()?;
-    let mut engine = Engine::new(&loaded.model, config.clone())?;
+    let mut engine = crate::generation::new_engine(&loaded.model, config.clone())?;
     let jobs = read_jobs(loaded, args, input)?;
     let file = File::create(output).with_context(|| format!("cannot create {}", output.display()))?;
     let mut out = BufWriter::new(file);

@@ -13,6 +13,9 @@ use crate::generation::{encode_prompt, generate, generate_on_cluster, load_model
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     check_devices(args)?;
+    if args.topology.is_some() && args.engine.speculative()?.max_drafts() > 0 {
+        anyhow::bail!("--speculative runs on one device: the cluster does not draft yet (use --speculative off)");
+    }
     let loaded = load_model(&model_spec(args)?, args.source.model_seed, args.source.tokenizer.as_deref())?;
     let text = args.prompt.as_deref().unwrap_or_default();
     let prompt = encode_prompt(&loaded.tokenizer, &loaded.model, text)?;
@@ -32,6 +35,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             (Some(start_cluster(model, n, args.expert_parallel, engine)?), None)
         }
     };
+    let mut spec = None;
     let started = Instant::now();
     let mut first_token_at = None;
     let mut stdout = std::io::stdout().lock();
@@ -52,7 +56,13 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let completion = match cluster.as_mut() {
         Some(c) => generate_on_cluster(c, &prompt, &params, args.max_tokens, on_token),
         None => {
-            generate(model.as_ref().expect("one device keeps the model"), &prompt, &params, args.max_tokens, on_token)
+            let model = model.as_ref().expect("one device keeps the model");
+            generate(model, &prompt, &params, args.max_tokens, args.engine.speculative()?, on_token).map(
+                |(completion, stats)| {
+                    spec = Some(stats);
+                    completion
+                },
+            )
         }
     };
     if let Some(c) = cluster {
@@ -81,6 +91,16 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         completion.prompt_tokens.len() as f64 / ttft.max(1e-9),
         if decode_tokens > 0 { decode_tokens as f64 / decode_secs.max(1e-9) } else { 0.0 },
     );
+    if let Some(s) = spec.filter(|s| s.proposed > 0) {
+        eprintln!(
+            "speculative {}: {} drafts verified, {} accepted ({:.0}% rejected), {:.2} tokens per verification",
+            args.engine.speculative,
+            s.verified,
+            s.accepted,
+            100.0 * s.rejected_share(),
+            s.acceptance_length(),
+        );
+    }
     Ok(())
 }
 

@@ -1,0 +1,44 @@
+//! The time a verification step takes on this machine, by tokens verified,
+//! measured once at start for the adaptive draft-length policy (the engine
+//! never reads a clock; the measurement is made here and handed to it).
+
+use std::time::Instant;
+
+use deepinfer_engine::model::{Chunk, LogitsWanted, Model};
+use deepinfer_engine::speculative::policy::StepCost;
+
+/// Tokens per measured step: decodes with up to a few drafts each, for
+/// batches from one request to a few dozen.
+const MEASURED_TOKENS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
+/// Timings per point; the fastest is kept (the others saw interference).
+const REPEATS: usize = 3;
+/// Positions each measured sequence already holds.
+const HISTORY_TOKENS: usize = 64;
+
+/// Time one forward pass over `tokens` decode positions spread over
+/// sequences of at most `per_sequence` tokens each, for each point up to
+/// `max_tokens`.
+pub fn measure(model: &Model, max_tokens: usize, per_sequence: usize) -> StepCost {
+    assert!(per_sequence >= 1 && max_tokens >= 1, "something to measure");
+    let history: Vec<u32> = (0..HISTORY_TOKENS as u32).map(|i| 2 + (i * 37) % 500).collect();
+    let mut base = model.new_state();
+    model.forward(&mut [Chunk::new(&history, &mut base)], LogitsWanted::None, false);
+    let mut points = Vec::new();
+    for tokens in MEASURED_TOKENS.into_iter().filter(|&t| t <= max_tokens.max(1)) {
+        let sequences = tokens.div_ceil(per_sequence);
+        let best = (0..REPEATS)
+            .map(|_| {
+                let mut states: Vec<_> = (0..sequences).map(|_| base.clone()).collect();
+                let feeds: Vec<Vec<u32>> =
+                    (0..sequences).map(|s| vec![7; per_sequence.min(tokens - s * per_sequence)]).collect();
+                let mut chunks: Vec<Chunk> = states.iter_mut().zip(&feeds).map(|(st, f)| Chunk::new(f, st)).collect();
+                let started = Instant::now();
+                model.forward(&mut chunks, LogitsWanted::Tail(per_sequence), true);
+                started.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min);
+        let previous = points.last().map_or(0.0, |&(_, t): &(usize, f64)| t);
+        points.push((tokens, best.max(previous).max(1e-9)));
+    }
+    StepCost::from_points(points).expect("measured points increase")
+}
