@@ -234,6 +234,7 @@ impl JsonScan {
 }
 
 /// One request's structured-output state.
+#[derive(Clone)]
 pub struct Guided {
     matcher: Matcher,
     env: TokEnv,
@@ -257,6 +258,7 @@ pub struct Guided {
 }
 
 /// The cost of the calls in a forced tool-call block.
+#[derive(Clone)]
 struct CallBudget {
     /// `</｜DSML｜tool_calls>` as tokens.
     close_block: Vec<u32>,
@@ -368,6 +370,10 @@ impl TokenConstraint for Guided {
 
     fn is_done(&self) -> bool {
         self.done
+    }
+
+    fn fork(&self) -> Option<Box<dyn TokenConstraint>> {
+        Some(Box::new(self.clone()))
     }
 }
 
