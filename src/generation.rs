@@ -32,14 +32,27 @@ pub struct LoadedModel {
 /// The tokenizer is `tokenizer_path` if given, else the directory's
 /// `tokenizer.json`, else the built-in one.
 pub fn load_model(spec: &str, seed: u64, tokenizer_path: Option<&Path>) -> anyhow::Result<LoadedModel> {
+    let mut own_tokenizer = None;
     let (name, model, dir_tokenizer) = match spec.strip_prefix("builtin:") {
-        Some(preset_name) => {
-            let Some(preset) = Preset::from_name(preset_name) else {
-                let names: Vec<String> = Preset::ALL.iter().map(|p| format!("builtin:{}", p.name())).collect();
-                bail!("unknown built-in model `{spec}` (known: {})", names.join(", "));
-            };
-            (spec.to_string(), build(preset, seed)?, None)
-        }
+        Some(preset_name) => match crate::trained::load(preset_name) {
+            Some(loaded) => {
+                let (model, tokenizer) = loaded?;
+                own_tokenizer = Some(tokenizer);
+                (spec.to_string(), model, None)
+            }
+            None => {
+                let Some(preset) = Preset::from_name(preset_name) else {
+                    let names: Vec<String> = Preset::ALL
+                        .iter()
+                        .map(|p| p.name())
+                        .chain(crate::trained::names())
+                        .map(|n| format!("builtin:{n}"))
+                        .collect();
+                    bail!("unknown built-in model `{spec}` (known: {})", names.join(", "));
+                };
+                (spec.to_string(), build(preset, seed)?, None)
+            }
+        },
         None => {
             let dir = PathBuf::from(spec);
             let model = load_dir(&dir, tokenizer_path)?;
@@ -50,9 +63,10 @@ pub fn load_model(spec: &str, seed: u64, tokenizer_path: Option<&Path>) -> anyho
             (dir.display().to_string(), model, tokenizer.exists().then_some(tokenizer))
         }
     };
-    let tokenizer = match tokenizer_path.map(Path::to_path_buf).or(dir_tokenizer) {
-        Some(path) => load_tokenizer(&path)?,
-        None => builtin_tokenizer(),
+    let tokenizer = match (tokenizer_path.map(Path::to_path_buf).or(dir_tokenizer), own_tokenizer) {
+        (Some(path), _) => load_tokenizer(&path)?,
+        (None, Some(own)) => own,
+        (None, None) => builtin_tokenizer(),
     };
     let vocab = tokenizer.get_vocab_size(true);
     if vocab > model.config.vocab_size {

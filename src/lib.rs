@@ -12,3 +12,4 @@ pub mod simulate;
 pub mod step_cost;
 pub mod tokenizer;
 pub mod topology;
+pub mod trained;

@@ -33,7 +33,7 @@ use crate::request::{FinishReason, Finished, Request, RequestError, RequestId, R
 use crate::sampling::{adjust_logits, sample};
 pub use crate::scheduler::{EngineConfig, EngineConfigError};
 use crate::scheduler::{Registration, SampledToken, ScheduledItem, Scheduler};
-use crate::speculative::policy::{choose_lengths, StepCost};
+use crate::speculative::policy::{choose_lengths, DraftPolicy, StepCost};
 use crate::speculative::{draft_next, Chooser, DraftInput, Proposal, SpeculativeStats};
 
 /// A finished request with everything it generated.
@@ -367,6 +367,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
             stats.verifications += 1;
             stats.verified += drafts.len() as u64;
             stats.accepted += accepted as u64;
+            stats.all_accepted += u64::from(accepted == drafts.len());
             stats.verification_tokens += out.len() as u64;
             if finished.is_none() {
                 let state = self.states.get_mut(&it.id).expect("a running request has a state");
@@ -384,7 +385,19 @@ impl<M: Deref<Target = Model>> Engine<M> {
     /// Draft the next tokens of the items `which` (still running after
     /// sampling), from the hidden rows their step computed.
     fn propose(&mut self, items: &[ScheduledItem], which: &[usize], hidden: &[Vec<f32>]) {
-        let max = self.scheduler.config().speculative.max_drafts();
+        let spec = self.scheduler.config().speculative;
+        let max = spec.max_drafts();
+        // With the adaptive policy, a draft whose survival is below what one
+        // more verified token costs (relative to the step, at this batch) is
+        // never verified, so a chain stops there.
+        let min_survival = match spec.policy {
+            DraftPolicy::Adaptive { .. } => {
+                let b = self.scheduler.num_running().max(1);
+                let step = self.step_cost.at(b);
+                b as f64 * (self.step_cost.at(b + 1) - step) / step
+            }
+            _ => 0.0,
+        };
         let ids: Vec<RequestId> = which.iter().map(|&i| items[i].id).collect();
         let mut states: Vec<&mut SequenceState> =
             self.states.iter_mut().filter(|(id, _)| ids.contains(id)).map(|(_, s)| s).collect();
@@ -404,6 +417,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
                 rows_from: it.from,
                 tokens,
                 count: max.min(request.max_tokens.saturating_sub(generated + 1)),
+                min_survival,
                 chooser: Chooser {
                     params: &request.params,
                     prompt,

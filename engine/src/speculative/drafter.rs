@@ -57,8 +57,11 @@ pub(crate) struct DraftInput<'a> {
     /// The sequence so far; its last token (at `tokens.len() − 1`) is the
     /// target's newest, not yet fed.
     pub tokens: &'a [u32],
-    /// Drafts wanted.
+    /// Most drafts wanted.
     pub count: usize,
+    /// A chain of drafts stops once the chance that all of them are accepted
+    /// falls below this: the next one could not pay for its verification.
+    pub min_survival: f64,
     pub chooser: Chooser<'a>,
 }
 
@@ -162,6 +165,9 @@ fn mtp(model: &Model, inputs: &mut [DraftInput]) -> Vec<Proposal> {
         let (token, p) = input.chooser.choose(proposal.at, &mut row);
         proposal.tokens.push(token);
         proposal.acceptance.push(p);
+        if p < input.min_survival {
+            input.count = 1;
+        }
         last.push((stream, token));
     }
     let rounds = inputs.iter().map(|i| i.count).max().unwrap_or(0);
@@ -185,6 +191,9 @@ fn mtp(model: &Model, inputs: &mut [DraftInput]) -> Vec<Proposal> {
             let (token, p) = input.chooser.choose(proposal.at + j, &mut row);
             proposal.tokens.push(token);
             proposal.acceptance.push(p);
+            if super::policy::survival(&proposal.acceptance).last().is_some_and(|&s| s < input.min_survival) {
+                input.count = j + 1;
+            }
             last[i] = (out.streams, token);
         }
     }

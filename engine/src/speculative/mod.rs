@@ -129,6 +129,8 @@ pub struct SpeculativeStats {
     pub verified: u64,
     /// Verified drafts the target accepted.
     pub accepted: u64,
+    /// Verification runs whose every draft was accepted.
+    pub all_accepted: u64,
     /// Verification runs (request-steps with at least one draft).
     pub verifications: u64,
     /// Tokens those runs produced (accepted drafts plus the target's own token).
