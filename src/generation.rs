@@ -98,20 +98,24 @@ pub struct Completion {
     pub finish: FinishReason,
 }
 
+/// The engine [`generate`] runs: a batch of one, no prefix cache, drafting
+/// as asked (its step time measured now, before anything is timed).
+pub fn single_engine(model: &Model, speculative: SpeculativeConfig) -> anyhow::Result<Engine<&Model>> {
+    let config =
+        EngineConfig { max_batch_size: 1, prefix_mode: PrefixMode::Off, speculative, ..EngineConfig::default() };
+    new_engine(model, config)
+}
+
 /// Greedy or sampled generation of one sequence, through the serving engine
 /// with a batch of one. `on_token` sees each token as it is produced.
 /// Generation ends at EOS, `max_tokens` or the end of the model's context.
 pub fn generate(
-    model: &Model,
+    mut engine: Engine<&Model>,
     prompt: &[u32],
     params: &SamplingParams,
     max_tokens: usize,
-    speculative: SpeculativeConfig,
     mut on_token: impl FnMut(u32),
 ) -> anyhow::Result<(Completion, SpeculativeStats)> {
-    let config =
-        EngineConfig { max_batch_size: 1, prefix_mode: PrefixMode::Off, speculative, ..EngineConfig::default() };
-    let mut engine = new_engine(model, config)?;
     engine.add_request(Request::new(prompt.to_vec(), max_tokens).with_params(params.clone()))?;
     let mut tokens = Vec::new();
     let mut finish = FinishReason::Length;

@@ -9,11 +9,14 @@ use deepinfer_engine::prefix_cache::PrefixMode;
 use deepinfer_engine::sampling::SamplingParams;
 
 use crate::cli::GenerateArgs;
-use crate::generation::{encode_prompt, generate, generate_on_cluster, load_model, start_cluster, LoadedModel};
+use crate::generation::{
+    encode_prompt, generate, generate_on_cluster, load_model, single_engine, start_cluster, LoadedModel,
+};
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     check_devices(args)?;
-    if args.topology.is_some() && args.engine.speculative()?.max_drafts() > 0 {
+    let speculative = args.engine.speculative()?;
+    if speculative.max_drafts() > 0 && (args.topology.is_some() || args.devices > 1) {
         anyhow::bail!("--speculative runs on one device: the cluster does not draft yet (use --speculative off)");
     }
     let loaded = load_model(&model_spec(args)?, args.source.model_seed, args.source.tokenizer.as_deref())?;
@@ -35,6 +38,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             (Some(start_cluster(model, n, args.expert_parallel, engine)?), None)
         }
     };
+    let single = model.as_ref().map(|m| single_engine(m, speculative)).transpose()?;
     let mut spec = None;
     let started = Instant::now();
     let mut first_token_at = None;
@@ -56,13 +60,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let completion = match cluster.as_mut() {
         Some(c) => generate_on_cluster(c, &prompt, &params, args.max_tokens, on_token),
         None => {
-            let model = model.as_ref().expect("one device keeps the model");
-            generate(model, &prompt, &params, args.max_tokens, args.engine.speculative()?, on_token).map(
-                |(completion, stats)| {
-                    spec = Some(stats);
-                    completion
-                },
-            )
+            let engine = single.expect("one device keeps the model");
+            generate(engine, &prompt, &params, args.max_tokens, on_token).map(|(completion, stats)| {
+                spec = Some(stats);
+                completion
+            })
         }
     };
     if let Some(c) = cluster {
