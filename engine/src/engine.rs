@@ -49,6 +49,10 @@ impl Completion {
     }
 }
 
+/// A draft head's estimate rarely exceeds this; when verifying one more
+/// token needs a higher survival to pay off, the adaptive policy drafts nothing.
+const SURVIVAL_WORTH_DRAFTING_MAX: f64 = 0.95;
+
 /// Gathers step updates into completions.
 #[derive(Debug, Default)]
 pub struct Collector {
@@ -398,6 +402,11 @@ impl<M: Deref<Target = Model>> Engine<M> {
             }
             _ => 0.0,
         };
+        if min_survival >= SURVIVAL_WORTH_DRAFTING_MAX {
+            // At this batch no draft can pay for its verification: drafting
+            // would only cost (the MTP window catches up when it resumes).
+            return;
+        }
         let ids: Vec<RequestId> = which.iter().map(|&i| items[i].id).collect();
         let mut states: Vec<&mut SequenceState> =
             self.states.iter_mut().filter(|(id, _)| ids.contains(id)).map(|(_, s)| s).collect();

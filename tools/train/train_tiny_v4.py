@@ -46,7 +46,7 @@ Pipeline (deterministic: fixed seed, fixed corpus, fixed data order, one thread)
    acceptance of greedy generation (draft == the main model's next greedy token) on
    held-out prompts. Printed, and saved as ``train_report.json`` next to this script.
 
-Run (about 25 minutes on one core; see README.md):
+Run (25 to 40 minutes on one core, depending on what else runs; see README.md):
 
     OMP_NUM_THREADS=1 nice -n 19 /work/venv-train/bin/python tools/train/train_tiny_v4.py
 """
@@ -387,6 +387,7 @@ def write_checkpoint(out_dir: Path, init_dir: Path, cfg: dict, weights: dict, in
         json.dump(c, fh, indent=2)
         fh.write("\n")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    os.chmod(out_dir / "model.safetensors", 0o644)
     shutil.copyfile(init_dir / "tokenizer.json", out_dir / "tokenizer.json")
 
 
@@ -575,6 +576,7 @@ def main():
     ap.add_argument("--deepinfer", type=Path, default=REPO / "target" / "release" / "deepinfer")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--steps", type=int, default=STEPS, help="only for quick trials")
+    ap.add_argument("--report", type=Path, default=REPORT)
     args = ap.parse_args()
     STEPS = args.steps
     t_start = time.time()
@@ -722,7 +724,7 @@ def main():
         "greedy_acceptance": acc,
         "checkpoint_bytes": {p.name: p.stat().st_size for p in sorted(args.out.iterdir())},
     }
-    REPORT.write_text(json.dumps(report, indent=1) + "\n")
+    args.report.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: report[k] for k in ("final_train_subset", "final_heldout", "greedy_acceptance",
                                                  "train_seconds", "total_seconds", "checkpoint_bytes")}, indent=1))
 
