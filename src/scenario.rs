@@ -1,11 +1,14 @@
 //! Simulation scenarios (`simulations/*.toml`): the deployment (hardware,
 //! model, instances), the engine's limits, expert popularity, traffic
 //! (synthetic or a Mooncake trace), faults at given times, SLOs, seed and
-//! duration. Errors name the file, line and key.
+//! duration, speculative decoding. Errors name the file, line and key.
+
+mod speculative;
 
 use std::path::{Path, PathBuf};
 
 use deepinfer_actors::disagg::PrefillRouting;
+use deepinfer_actors::drafting::Drafting;
 use deepinfer_engine::cost::experts::Popularity;
 use deepinfer_engine::cost::{HardwareKind, ModelKind};
 use deepinfer_engine::traffic::{Lengths, Pattern};
@@ -13,6 +16,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::config_file::{parse_toml, read_text, value_error, FileError};
+pub use speculative::{default_drafting, SpeculativeSpec, DSPARK_ACCEPTANCE, MTP_ACCEPTANCE};
 
 /// Most devices one scenario may simulate.
 pub const MAX_DEVICES: u32 = 4096;
@@ -318,6 +322,8 @@ struct ScenarioFile {
     slo: SloSpec,
     #[serde(default)]
     routing: RoutingSpec,
+    #[serde(default)]
+    speculative: Option<SpeculativeSpec>,
 }
 
 /// Where requests come from.
@@ -367,6 +373,8 @@ pub struct Scenario {
     pub ttft_slo_ms: f64,
     pub tpot_slo_ms: f64,
     pub prefill_routing: PrefillRouting,
+    /// Speculative decoding and its acceptance model; `None`: off.
+    pub speculative: Option<Drafting>,
 }
 
 impl Scenario {
@@ -486,6 +494,10 @@ impl Scenario {
             },
         };
         let traffic = Self::traffic(&f.traffic, dir, &err)?;
+        let speculative = match &f.speculative {
+            Some(spec) => spec.drafting(model, &err)?,
+            None => None,
+        };
         let devices_total = total as u32;
         let nodes_total = devices_total.div_ceil(per_node);
         let mut faults = Vec::new();
@@ -518,6 +530,7 @@ impl Scenario {
             ttft_slo_ms: f.slo.ttft_ms,
             tpot_slo_ms: f.slo.tpot_ms,
             prefill_routing,
+            speculative,
         })
     }
 

@@ -26,6 +26,7 @@ use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::model::Model;
 use deepinfer_engine::request::{FinishReason, Finished, Request, TokenOutput};
 use deepinfer_engine::scheduler::{EngineConfig, Scheduler as Policy};
+use deepinfer_engine::speculative::SpeculativeConfig;
 use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -343,6 +344,16 @@ fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Result<Arc<Ctx
         Some(_) => return Err(ClusterError::Engine("modelled devices need a virtual clock".into())),
         None => None,
     };
+    // The workers that compute do not draft yet; modelled ones draft as their acceptance model says.
+    let drafting = |c: &SpeculativeConfig| (c.max_drafts() > 0).then_some(*c);
+    let modelled_drafts = cfg.modelled.as_ref().and_then(|m| m.drafting.as_ref()).and_then(|d| drafting(&d.config));
+    if drafting(&cfg.engine.speculative) != modelled_drafts {
+        return Err(ClusterError::Engine(if cfg.modelled.is_none() {
+            "speculative decoding runs on one device or on modelled devices; the cluster's workers do not draft".into()
+        } else {
+            "engine.speculative and the modelled devices' drafting must be the same".into()
+        }));
+    }
     let config = match &modelled {
         Some(m) => m.shape_config(&model.config),
         None => model.config.clone(),

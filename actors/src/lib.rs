@@ -14,6 +14,7 @@ pub mod cluster;
 pub mod cost;
 pub mod ctx;
 pub mod disagg;
+pub mod drafting;
 pub mod events;
 pub mod faults;
 pub mod modelled;

@@ -10,6 +10,7 @@
 use std::sync::{Arc, RwLock};
 
 use deepinfer_engine::config::ModelConfig;
+use deepinfer_engine::cost::draft::DraftHead;
 use deepinfer_engine::cost::experts::{layer_loads, DeviceShares, Popularity};
 use deepinfer_engine::cost::{
     step_cost, DeviceStep, Efficiency, Hardware, HardwareKind, ModelCost, ModelKind, SeqWork, StepCost,
@@ -19,6 +20,7 @@ use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::scheduler::EngineConfig;
 
 use crate::ctx::Topology;
+use crate::drafting::{DraftCounters, Drafting};
 
 /// Fraction of HBM kept for activations, communication buffers and the allocator.
 const HBM_RESERVE: f64 = 0.1;
@@ -43,6 +45,8 @@ pub struct ModelledSpec {
     /// decode only (1: every step is an event; more: faster simulation,
     /// admissions wait for the event to end and tokens arrive in bursts).
     pub decode_steps_per_event: u32,
+    /// Speculative decoding (the instances' `EngineConfig::speculative` must match).
+    pub drafting: Option<Drafting>,
     pub seed: u64,
 }
 
@@ -56,6 +60,10 @@ pub struct Modelled {
     /// Expected share of each expert, `[layer][expert]`.
     pub loads: Vec<Vec<f64>>,
     shares: Vec<RwLock<Arc<DeviceShares>>>,
+    /// The draft head priced after each decoding step, when drafting.
+    pub draft_head: Option<DraftHead>,
+    /// What the schedulers' completed steps drafted, verified and accepted.
+    pub drafts: DraftCounters,
 }
 
 /// Why a modelled cluster cannot be set up.
@@ -65,6 +73,8 @@ pub enum ModelledError {
     NoMemory { instance: u32, need_gib: f64, have_gib: f64, hardware: &'static str },
     #[error("instance {instance}: expert placement: {why}")]
     Placement { instance: u32, why: String },
+    #[error("speculative method {method} has no draft head on {model}")]
+    NoDraftHead { method: String, model: &'static str },
 }
 
 impl Modelled {
@@ -81,7 +91,23 @@ impl Modelled {
                 .map_err(|why| ModelledError::Placement { instance, why })?;
             shares.push(RwLock::new(Arc::new(s)));
         }
-        let m = Self { spec, hardware, model, devices_per_node: topology.per_node.max(1) as usize, loads, shares };
+        let draft_head = match &spec.drafting {
+            Some(d) if d.max_drafts() > 0 => Some(
+                DraftHead::new(&model, d.config.method, d.max_drafts())
+                    .ok_or(ModelledError::NoDraftHead { method: d.config.method.to_string(), model: model.name })?,
+            ),
+            _ => None,
+        };
+        let m = Self {
+            spec,
+            hardware,
+            model,
+            devices_per_node: topology.per_node.max(1) as usize,
+            loads,
+            shares,
+            draft_head,
+            drafts: DraftCounters::default(),
+        };
         for instance in 0..topology.instances {
             let have = m.hardware.hbm_bytes();
             let need = m.weight_bytes(instance);
@@ -174,7 +200,29 @@ impl Modelled {
         cfg.experts_per_token = self.model.experts_per_token;
         cfg.vocab_size = self.model.vocab;
         cfg.max_position_embeddings = self.model.context;
+        // The scheduler caps drafts at the window ring (less two); the shape's
+        // window is small, the modelled models' is 128.
+        let most = self.drafting().map_or(0, Drafting::max_drafts);
+        cfg.sliding_window = cfg.sliding_window.max(most + 2);
         cfg
+    }
+
+    /// Speculative decoding, when on.
+    pub fn drafting(&self) -> Option<&Drafting> {
+        self.spec.drafting.as_ref().filter(|d| d.max_drafts() > 0)
+    }
+
+    /// Device time (µs) of the draft head proposing `drafts` for requests of
+    /// `contexts` on one device of an expert-parallel group whose every rank
+    /// drafts alike.
+    pub fn draft_cost(&self, expert_parallel: usize, contexts: &[usize], drafts: usize) -> f64 {
+        match &self.draft_head {
+            Some(h) if !contexts.is_empty() && drafts > 0 => {
+                let eff = self.spec.efficiency;
+                h.cost(&self.hardware, contexts, drafts, expert_parallel, self.devices_per_node, eff).total_us
+            }
+            _ => 0.0,
+        }
     }
 
     /// One worker's step: its sequences' attention and dense layers, and the

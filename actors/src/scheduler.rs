@@ -48,8 +48,12 @@ use crate::transport::Delivery;
 use crate::wire::{
     Addr, BlockSnapshot, CacheMsg, Control, ExpertLoad, FetchItem, FetchedItem, FinishKind, FinishWire, HandoffMsg,
     Heartbeat, Message, OutputEnd, OutputItem, Outputs, PlacementWire, RequestSpec, Role, Sampling, SeqOutput,
-    StateExport, StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, TokenOut,
+    StateExport, StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, Verification,
 };
+
+#[path = "scheduler_drafts.rs"]
+mod drafts;
+use drafts::{Outs, Shape};
 
 pub struct Scheduler;
 
@@ -121,6 +125,8 @@ struct Item {
     import: Option<(Vec<u32>, Vec<f32>)>,
     /// Return the state after the step: it moves to a decode instance.
     export: bool,
+    /// Most drafts it may verify (speculative decoding).
+    drafts: usize,
 }
 
 struct Pending {
@@ -137,6 +143,7 @@ struct Answer {
     snapshots: Vec<BlockSnapshot>,
     loads: Vec<ExpertLoad>,
     exports: Vec<StateExport>,
+    verifications: Vec<Verification>,
     body: Vec<f32>,
 }
 
@@ -565,6 +572,7 @@ impl SchedulerState {
                 restore: restore.unwrap_or_default(),
                 values: None,
                 snapshots: it.snapshots,
+                drafts: it.drafts,
             });
         }
         let mut run = StepRun {
@@ -745,6 +753,7 @@ impl SchedulerState {
                     snapshots: it.snapshots.iter().map(|&k| k as u32).collect(),
                     export: it.export,
                     import,
+                    drafts: it.drafts as u32,
                 }
             })
             .collect();
@@ -814,10 +823,16 @@ impl SchedulerState {
             return Err(format!("{}: injected crash at step {} result {}", self.addr, run.step, run.received).into());
         }
         match r.outcome {
-            StepOutcome::Done { outputs, snapshots, loads, exports } => {
-                if self.check_answer(&run, worker, &outputs, &snapshots, &exports, body.len()) {
+            StepOutcome::Done { outputs, snapshots, loads, exports, verifications } => {
+                let shape = Shape {
+                    outputs: &outputs,
+                    snapshots: &snapshots,
+                    exports: &exports,
+                    verifications: &verifications,
+                };
+                if self.check_answer(&run, worker, shape, body.len()) {
                     run.pending.remove(&worker);
-                    run.answers.insert(worker, Answer { outputs, snapshots, loads, exports, body });
+                    run.answers.insert(worker, Answer { outputs, snapshots, loads, exports, verifications, body });
                 } else {
                     self.ctx
                         .events
@@ -849,27 +864,23 @@ impl SchedulerState {
     /// One output per sampling item and the snapshots asked for, with a body
     /// that adds up. Items whose request ended since the step was sent may be
     /// answered or not.
-    fn check_answer(
-        &self,
-        run: &StepRun,
-        worker: u32,
-        outputs: &[SeqOutput],
-        snapshots: &[BlockSnapshot],
-        exports: &[StateExport],
-        body: usize,
-    ) -> bool {
+    fn check_answer(&self, run: &StepRun, worker: u32, answer: Shape<'_>, body: usize) -> bool {
+        let Shape { outputs, snapshots, exports, verifications } = answer;
         let vocab = self.ctx.config.vocab_size;
         let mine: BTreeMap<u64, &Item> =
             run.by_worker.get(&worker).into_iter().flatten().map(|&i| (run.items[i].id, &run.items[i])).collect();
         let mut want_body = 0;
-        // Each sampling item answers `repeat` tokens, at consecutive positions in order.
+        // Each sampling item answers `repeat` tokens (with drafts, `1 +
+        // accepted` per step), at consecutive positions in order.
         let repeat = run.repeat.max(1) as u64;
+        let Some(tokens) = self.verified_tokens(&mine, repeat, verifications) else { return false };
+        let want = |seq: u64| tokens.as_ref().map_or(repeat, |t| t.get(&seq).copied().unwrap_or(0));
         let mut seen: BTreeMap<u64, u64> = BTreeMap::new();
         for o in outputs {
             let Some(it) = mine.get(&o.seq).filter(|it| it.sample) else { return false };
             let n = seen.entry(o.seq).or_default();
             let ok = o.position == it.to as u64 + *n
-                && *n < repeat
+                && *n < want(o.seq)
                 && (o.token as usize) < vocab
                 && o.top.iter().all(|t| (t.token as usize) < vocab);
             *n += 1;
@@ -894,7 +905,9 @@ impl SchedulerState {
             want_body += n;
         }
         let complete = mine.values().filter(|it| self.alive(it)).all(|it| {
-            (!it.sample || seen.get(&it.id) == Some(&repeat)) && it.snapshots.iter().all(|&k| got.contains(&(it.id, k)))
+            let answered = seen.get(&it.id).copied().unwrap_or(0) == want(it.id);
+            let verified = tokens.is_none() || tokens.as_ref().is_some_and(|t| t.contains_key(&it.id));
+            (!it.sample || (answered && verified)) && it.snapshots.iter().all(|&k| got.contains(&(it.id, k)))
         });
         complete && body == want_body
     }
@@ -910,8 +923,12 @@ impl SchedulerState {
         let mut exported: BTreeMap<u64, (Vec<u32>, Vec<f32>)> = BTreeMap::new();
         // Per worker: outputs by sequence, with their logits rows; snapshots with their values.
         let mut sampled_rows: BTreeMap<u64, VecDeque<SampledRow>> = BTreeMap::new();
+        let mut verified: BTreeMap<u64, VecDeque<Verification>> = BTreeMap::new();
         let mut snaps: Vec<Snap> = Vec::new();
         for (worker, a) in answers {
+            for v in a.verifications {
+                verified.entry(v.seq).or_default().push_back(v);
+            }
             let mut at = 0;
             for o in a.outputs {
                 let wants = of(o.seq, worker).is_some_and(|i| items[i].logits);
@@ -972,40 +989,32 @@ impl SchedulerState {
         // Sampling items, then (modelled decode events) the further decode
         // steps the workers ran as one: each is planned and completed here as
         // the engine would have, step by step.
-        let mut current: Vec<(u64, RequestId)> =
-            items.iter().filter(|it| it.sample && self.alive(it)).map(|it| (it.id, it.rid)).collect();
-        let mut outs: Vec<(OutputItem, Option<Vec<f32>>)> = Vec::new();
-        let mut slot: BTreeMap<u64, usize> = BTreeMap::new();
+        let mut current: Vec<(u64, RequestId, usize)> =
+            items.iter().filter(|it| it.sample && self.alive(it)).map(|it| (it.id, it.rid, it.drafts)).collect();
+        let mut outs = Outs::default();
+        let drafting = self.ctx.modelled.clone().filter(|m| m.drafting().is_some());
         for sub in 0..repeat.max(1) {
             if sub > 0 {
                 current = self.plan_decode_substep(step, &mut ended);
             }
+            if let Some(m) = &drafting {
+                self.complete_verified(m, &current, &mut sampled_rows, &mut verified, &mut outs);
+                continue;
+            }
             let mut sampled = Vec::with_capacity(current.len());
-            for &(id, rid) in &current {
+            for &(id, rid, _) in &current {
                 let Some((o, row)) = sampled_rows.get_mut(&id).and_then(VecDeque::pop_front) else { continue };
-                let from = self.generated(rid);
                 sampled.push(SampledToken { id: rid, token: o.token, ok: o.logprob.is_finite() });
-                let token = TokenOut { token: o.token, logprob: o.logprob, top: o.top };
-                match slot.get(&id) {
-                    Some(&k) => outs[k].0.tokens.push(token),
-                    None => {
-                        slot.insert(id, outs.len());
-                        let item =
-                            OutputItem { id, from: from as u32, tokens: vec![token], logits: row.is_some(), end: None };
-                        outs.push((item, row));
-                    }
-                }
+                outs.push(id, self.generated(rid), o, row);
             }
             for (rid, f) in self.policy.complete(&sampled) {
                 let Some(&id) = self.by_rid.get(&rid) else { continue };
                 self.forget(id);
-                if let Some(&k) = slot.get(&id) {
-                    outs[k].0.end = Some(OutputEnd::Finished(finish_wire(&f)));
-                }
+                outs.finish(id, &f);
             }
         }
         let mut body = Vec::new();
-        for (item, row) in outs {
+        for (item, row) in outs.items {
             if let Some(row) = row {
                 body.extend_from_slice(&row);
             }
@@ -1208,7 +1217,7 @@ impl SchedulerState {
     /// The next decode step of a multi-step event: plan it (running
     /// requests only), register the blocks it completes (valueless, as
     /// modelled devices store them) and return its sampling items.
-    fn plan_decode_substep(&mut self, step: u64, ended: &mut Vec<OutputItem>) -> Vec<(u64, RequestId)> {
+    fn plan_decode_substep(&mut self, step: u64, ended: &mut Vec<OutputItem>) -> Vec<(u64, RequestId, usize)> {
         let bt = self.ctx.block_tokens;
         let mut plan = self.policy.schedule_running();
         self.settle(step, &mut plan, ended);
@@ -1229,7 +1238,7 @@ impl SchedulerState {
                 }
             }
             if it.sample {
-                current.push((id, it.id));
+                current.push((id, it.id, it.drafts));
             }
         }
         if !stores.is_empty() {
@@ -1249,9 +1258,16 @@ impl SchedulerState {
             return 1;
         }
         let context = self.ctx.config.max_position_embeddings;
+        let drafts = m.drafting().map_or(0, |d| d.max_drafts());
+        if drafts > 0 && !self.room_for_drafts(items, drafts) {
+            return 1;
+        }
         let mut repeat = most;
         for it in items {
-            let plain = it.sample && it.to == it.from + 1 && it.restore.is_empty() && !it.rebuild && !it.export;
+            // With drafts, a decode step also feeds again the drafts a rejection took back.
+            let decodes =
+                it.to == it.from + 1 || (drafts > 0 && it.to - it.from <= drafts && self.generated(it.rid) > 0);
+            let plain = it.sample && decodes && it.restore.is_empty() && !it.rebuild && !it.export;
             // A request that finishes within the event drops out of the later
             // steps (its extra tokens are discarded), so length is no limit.
             let Some(l) = self.live.get(&it.id).filter(|_| plain) else { return 1 };
@@ -1262,7 +1278,8 @@ impl SchedulerState {
         }
         let pool = self.policy.pool_stats();
         let layout = self.policy.layout();
-        let needed = items.len().saturating_mul(layout.sequence_bytes(repeat + layout.block_tokens));
+        let growth = repeat * (1 + drafts);
+        let needed = items.len().saturating_mul(layout.sequence_bytes(growth + layout.block_tokens));
         if needed > pool.budget_bytes.saturating_sub(pool.used_bytes) {
             return 1;
         }

@@ -25,7 +25,7 @@ use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// Version of the envelope layout; bumped on any change to the archived types.
-pub const WIRE_VERSION: u16 = 4;
+pub const WIRE_VERSION: u16 = 5;
 /// Largest payload a frame may declare (after the length prefix).
 pub const MAX_FRAME_BYTES: u32 = 64 << 20;
 /// "dINF" little-endian.
@@ -151,6 +151,9 @@ pub struct StepItem {
     /// `deepinfer_engine::transfer::state_to_parts` writes them; values in
     /// the body after the item's restored blocks) positioned at `position`.
     pub import: Vec<u32>,
+    /// Most draft tokens the item may verify after its tokens (speculative
+    /// decoding; reserved by the scheduler).
+    pub drafts: u32,
 }
 
 /// Scheduler → worker: run one forward step over these sequences and sample.
@@ -211,12 +214,30 @@ pub enum StepOutcome {
     /// One output per sampling item, in item order; the body holds the
     /// logits rows of the items that asked (same order), then every
     /// snapshot's values, then every export's values. `loads`: rows routed
-    /// to each (layer, expert) in the step, ascending, for EPLB.
-    Done { outputs: Vec<SeqOutput>, snapshots: Vec<BlockSnapshot>, loads: Vec<ExpertLoad>, exports: Vec<StateExport> },
+    /// to each (layer, expert) in the step, ascending, for EPLB. With
+    /// speculative decoding, `verifications` has one entry per sampling item
+    /// and decode step, in step order, and each gives the item
+    /// `1 + accepted` outputs in that step.
+    Done {
+        outputs: Vec<SeqOutput>,
+        snapshots: Vec<BlockSnapshot>,
+        loads: Vec<ExpertLoad>,
+        exports: Vec<StateExport>,
+        verifications: Vec<Verification>,
+    },
     /// The worker holds no (or a different) state for these sequences: resend them with `rebuild`.
     NeedsHistory(Vec<u64>),
     /// The step could not run; the worker dropped the states it touched.
     Failed(String),
+}
+
+/// Drafts one sampling item verified in one decode step, and how many the target accepted.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct Verification {
+    pub seq: u64,
+    pub drafts: u32,
+    pub accepted: u32,
 }
 
 /// Rows the router of one layer sent to one expert during a step.

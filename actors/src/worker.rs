@@ -595,7 +595,7 @@ impl WorkerState {
             run.reply_to,
             run.step,
             run.attempt,
-            StepOutcome::Done { outputs, snapshots, loads, exports },
+            StepOutcome::Done { outputs, snapshots, loads, exports, verifications: Vec::new() },
             &body,
         );
         self.last = frame.map(|f| (self.owner, run.step, f));

@@ -5,7 +5,7 @@ use deepinfer_actors::wire::{
     decode, decode_with_limit, encode, read_frame, Addr, BlockSnapshot, CacheMsg, Control, DispatchHeader, Envelope,
     ExpertLoad, ExpertResultHeader, ExpertRows, FetchItem, FinishKind, FinishWire, HandoffMsg, Heartbeat, Message,
     OutputEnd, OutputItem, Outputs, PlacementWire, RequestSpec, ResultStatus, Role, Sampling, SeqOutput, StateExport,
-    StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, TokenOut, TopLogprob, WireError,
+    StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, TokenOut, TopLogprob, Verification, WireError,
     MAX_FRAME_BYTES,
 };
 use proptest::prelude::*;
@@ -58,6 +58,7 @@ fn message() -> impl Strategy<Value = Message> {
                         snapshots: vec![1, 2],
                         export: step % 3 == 0,
                         import: if step % 5 == 0 { vec![4, 0, 12] } else { Vec::new() },
+                        drafts: (step % 7) as u32,
                     }],
                     release: vec![1, 2],
                     batch_tokens: step % 4096,
@@ -76,6 +77,7 @@ fn message() -> impl Strategy<Value = Message> {
                     snapshots: vec![BlockSnapshot { seq: 1, block: 0, lens: vec![1, 2, 3] }],
                     loads: vec![ExpertLoad { layer: 1, expert: 3, rows: 7 }],
                     exports: ids.iter().map(|&seq| StateExport { seq, lens: vec![3, 0, 8] }).collect(),
+                    verifications: ids.iter().map(|&seq| Verification { seq, drafts: 3, accepted: 1 }).collect(),
                 },
             };
             Message::StepResult(StepResult { step, attempt: 1, device: 0, outcome })

@@ -1,4 +1,4 @@
-//! `deepinfer simulate FILE [--seed N] [--out DIR]`.
+//! `deepinfer simulate FILE [--seed N] [--speculative off|mtp|dspark] [--out DIR]`.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -7,7 +7,9 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 
-use crate::scenario::Scenario;
+use deepinfer_engine::speculative::DraftMethod;
+
+use crate::scenario::{default_drafting, Scenario};
 use crate::simulate::{plots, run};
 
 #[derive(Args, Debug, Clone)]
@@ -20,13 +22,25 @@ pub struct SimulateArgs {
     /// Directory for report.json, report.md and the plots (created if missing).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Speculative decoding instead of the scenario's: `off`, or `mtp` /
+    /// `dspark` (the file's `[speculative]` table if it names that method,
+    /// else five drafts, adaptive, the default acceptance model).
+    #[arg(long)]
+    pub speculative: Option<String>,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
 }
 
 pub fn run_command(args: &SimulateArgs) -> anyhow::Result<()> {
-    let scenario = Scenario::from_file(&args.scenario)?;
+    let mut scenario = Scenario::from_file(&args.scenario)?;
+    if let Some(m) = &args.speculative {
+        let method: DraftMethod = m.parse().map_err(anyhow::Error::msg)?;
+        if scenario.speculative.as_ref().is_none_or(|d| d.config.method != method) {
+            scenario.speculative = default_drafting(scenario.model, method)
+                .map_err(|e| anyhow::anyhow!("{}: --speculative {method}: {e}", scenario.file))?;
+        }
+    }
     let started = Instant::now();
     let report = run(&scenario, args.seed, !args.quiet && std::io::stderr().is_terminal())?;
     let wall_s = started.elapsed().as_secs_f64();

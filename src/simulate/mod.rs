@@ -14,6 +14,7 @@ use anyhow::Context;
 use deepinfer_actors::cluster::simulate;
 use deepinfer_actors::ctx::Timeouts;
 use deepinfer_actors::disagg::InstanceKind;
+use deepinfer_actors::drafting::DraftTotals;
 use deepinfer_actors::faults::FaultPlan;
 use deepinfer_actors::modelled::ModelledSpec;
 use deepinfer_actors::sim::{Link, Partition};
@@ -77,6 +78,9 @@ pub struct RunData {
     pub digest: u64,
     pub handovers: u64,
     pub restarts: u64,
+    pub rebuilt: u64,
+    /// What speculative decoding did, when on.
+    pub drafts: Option<DraftTotals>,
 }
 
 /// The requests of a scenario, in arrival order.
@@ -155,6 +159,7 @@ pub fn cluster_config(s: &Scenario, seed: u64) -> ClusterConfig {
         prefix_mode: if s.prefix_cache { PrefixMode::Exact } else { PrefixMode::Off },
         block_tokens: Some(s.block_tokens),
         max_waiting: 1 << 20,
+        speculative: s.speculative.as_ref().map(|d| d.config).unwrap_or_default(),
         ..EngineConfig::default()
     };
     cfg.modelled = Some(ModelledSpec {
@@ -169,6 +174,7 @@ pub fn cluster_config(s: &Scenario, seed: u64) -> ClusterConfig {
         batch_per_device: s.batch_per_device,
         batch_tokens_per_device: s.batch_tokens_per_device,
         decode_steps_per_event: s.decode_steps_per_event,
+        drafting: s.speculative.clone(),
         seed,
     });
     // Modelled steps take up to seconds (long prefills): only a silence much
@@ -296,6 +302,7 @@ pub fn run(s: &Scenario, seed: Option<u64>, progress: bool) -> anyhow::Result<Re
     data.steps = sim.steps;
     data.digest = sim.digest;
     data.handovers = sim.metrics.handovers;
+    data.rebuilt = sim.metrics.sequences_rebuilt;
     let m = &sim.metrics;
     data.restarts = m.worker_restarts
         + m.shard_restarts
@@ -439,6 +446,7 @@ async fn drive(
         }
     }
     let samples = kv_samples.max(1) as f64;
+    let drafts = c.modelled().filter(|m| m.drafting().is_some()).map(|m| m.drafts.totals());
     RunData {
         traces,
         buckets,
@@ -452,5 +460,7 @@ async fn drive(
         digest: 0,
         handovers: 0,
         restarts: 0,
+        rebuilt: 0,
+        drafts,
     }
 }

@@ -3,6 +3,8 @@
 //! use, and the requests that completed, failed or were lost — as JSON, as a
 //! Markdown table and (see [`super::plots`]) as plots.
 
+use deepinfer_actors::drafting::DraftTotals;
+use deepinfer_engine::speculative::policy::{expected_tokens, DraftPolicy};
 use serde::Serialize;
 
 use super::{End, RunData};
@@ -83,7 +85,13 @@ pub struct Report {
     pub series: Vec<SeriesPoint>,
     pub steps: u64,
     pub actor_restarts: u64,
+    /// Sequences a worker computed again from position 0 (it had lost their
+    /// state, or held it at another position): 0 without faults.
+    pub sequences_rebuilt: u64,
     pub handovers: u64,
+    /// Speculative decoding, when on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculative: Option<SpeculativeReport>,
     /// Digest of the run's event log: equal for equal runs.
     pub event_digest: String,
     /// Sorted latencies, for the CDF plots.
@@ -94,6 +102,72 @@ pub struct Report {
     /// `[layer][device]` expert load shares of the first decoding instance, for the heatmap.
     #[serde(skip)]
     pub expert_heatmap: Vec<Vec<f64>>,
+}
+
+/// What speculative decoding did, over the whole run (decoding request-steps
+/// of every instance).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct SpeculativeReport {
+    pub method: String,
+    /// `fixed` or `adaptive`.
+    pub draft_length: String,
+    pub num_draft_tokens: usize,
+    /// The acceptance model: mean probability that draft i is accepted given
+    /// draft i − 1 was; its spread and the draft head's estimation noise.
+    pub acceptance: Vec<f64>,
+    pub acceptance_spread: f64,
+    pub confidence_noise: f64,
+    /// Tokens per verification: accepted drafts plus the target's own.
+    pub acceptance_length: f64,
+    /// What the model's means imply for the lengths verified; the adaptive
+    /// policy beats it by skipping drafts the head doubts.
+    pub acceptance_length_model: f64,
+    /// Share of verified drafts the target rejected.
+    pub wasted_verification: f64,
+    /// Drafts verified per decoding request-step (steps without drafts included).
+    pub drafts_per_step: f64,
+    pub drafts_per_verification: f64,
+    /// Tokens each decoding request-step produced.
+    pub tokens_per_step: f64,
+    pub decode_steps: u64,
+    pub verifications: u64,
+    pub proposed_drafts: u64,
+    pub verified_drafts: u64,
+    pub accepted_drafts: u64,
+}
+
+impl SpeculativeReport {
+    fn new(s: &Scenario, t: &DraftTotals) -> Option<Self> {
+        let d = s.speculative.as_ref()?;
+        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+        let most = d.config.max_drafts();
+        let means: Vec<f64> = (0..most).map(|j| d.acceptance.mean(j)).collect();
+        let implied: f64 =
+            t.by_length.iter().enumerate().skip(1).map(|(k, &n)| n as f64 * expected_tokens(&means, k.min(most))).sum();
+        let plain_steps = t.decode_steps - t.verifications;
+        Some(Self {
+            method: d.config.method.to_string(),
+            draft_length: match d.config.policy {
+                DraftPolicy::Adaptive { .. } => "adaptive".into(),
+                _ => "fixed".into(),
+            },
+            num_draft_tokens: most,
+            acceptance: d.acceptance.acceptance.clone(),
+            acceptance_spread: d.acceptance.spread,
+            confidence_noise: d.acceptance.confidence_noise,
+            acceptance_length: ratio(t.verification_tokens, t.verifications),
+            acceptance_length_model: if t.verifications == 0 { 0.0 } else { implied / t.verifications as f64 },
+            wasted_verification: ratio(t.verified - t.accepted, t.verified),
+            drafts_per_step: ratio(t.verified, t.decode_steps),
+            drafts_per_verification: ratio(t.verified, t.verifications),
+            tokens_per_step: ratio(t.verification_tokens + plain_steps, t.decode_steps),
+            decode_steps: t.decode_steps,
+            verifications: t.verifications,
+            proposed_drafts: t.proposed,
+            verified_drafts: t.verified,
+            accepted_drafts: t.accepted,
+        })
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -239,7 +313,9 @@ impl Report {
             series,
             steps: d.steps,
             actor_restarts: d.restarts,
+            sequences_rebuilt: d.rebuilt,
             handovers: d.handovers,
+            speculative: d.drafts.as_ref().and_then(|t| SpeculativeReport::new(s, t)),
             event_digest: format!("{:016x}", d.digest),
             ttft_sorted_ms: ttft,
             tpot_sorted_ms: tpot,
@@ -309,9 +385,42 @@ impl Report {
         );
         row("prefix hit rate", format!("{:.1}%", self.prefix_hit_rate * 100.0));
         row(
-            "steps / actor restarts / prefill→decode handovers",
-            format!("{} / {} / {}", self.steps, self.actor_restarts, self.handovers),
+            "steps / actor restarts / sequences rebuilt / prefill→decode handovers",
+            format!("{} / {} / {} / {}", self.steps, self.actor_restarts, self.sequences_rebuilt, self.handovers),
         );
+        if let Some(x) = &self.speculative {
+            let probs: Vec<String> = x.acceptance.iter().map(|p| format!("{p}")).collect();
+            row(
+                "speculative decoding",
+                format!(
+                    "{}, {}, up to {} drafts; acceptance [{}], spread {}, head noise {}",
+                    x.method,
+                    x.draft_length,
+                    x.num_draft_tokens,
+                    probs.join(", "),
+                    x.acceptance_spread,
+                    x.confidence_noise
+                ),
+            );
+            row(
+                "acceptance length",
+                format!(
+                    "{:.2} tokens per verification (the model's means give {:.2} for the lengths verified)",
+                    x.acceptance_length, x.acceptance_length_model
+                ),
+            );
+            row(
+                "wasted verification",
+                format!("{:.1}% of {} verified drafts rejected", x.wasted_verification * 100.0, x.verified_drafts),
+            );
+            row(
+                "drafts per step",
+                format!(
+                    "{:.2} verified per decoding request-step ({:.2} per verification), {:.2} tokens per step",
+                    x.drafts_per_step, x.drafts_per_verification, x.tokens_per_step
+                ),
+            );
+        }
         md += "\n| instance | role | devices | KV budget GiB | KV use max | KV use mean | expert load max/mean |\n|---|---|---|---|---|---|---|\n";
         for (i, x) in self.instances.iter().enumerate() {
             md += &format!(

@@ -7,6 +7,7 @@
 //! time (expert-parallel dispatch and combine), plus a fixed per-layer
 //! overhead. Every figure is per device.
 
+pub mod draft;
 pub mod experts;
 pub mod hardware;
 pub mod model;

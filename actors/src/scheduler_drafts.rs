@@ -1,0 +1,158 @@
+//! The scheduler's side of speculative decoding on modelled devices: a
+//! worker reports, per sampling item and decode step, how many drafts it
+//! verified and how many the target accepted; the scheduler completes the
+//! accepted tokens one by one and keeps the drafts of a fully accepted run,
+//! as `Engine::verify` does, within the allowance its own plan reserved.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use deepinfer_engine::request::{Finished, RequestId};
+use deepinfer_engine::scheduler::SampledToken;
+use deepinfer_engine::speculative::policy::MAX_DRAFT_TOKENS;
+
+use super::{finish_wire, Item, SampledRow, SchedulerState};
+use crate::modelled::Modelled;
+use crate::wire::{BlockSnapshot, OutputEnd, OutputItem, SeqOutput, StateExport, TokenOut, Verification};
+
+/// The parts of a worker's answer that are checked against the step.
+pub(super) struct Shape<'a> {
+    pub outputs: &'a [SeqOutput],
+    pub snapshots: &'a [BlockSnapshot],
+    pub exports: &'a [StateExport],
+    pub verifications: &'a [Verification],
+}
+
+/// A step's outputs per request, in the order they first produced one.
+#[derive(Default)]
+pub(super) struct Outs {
+    pub items: Vec<(OutputItem, Option<Vec<f32>>)>,
+    slot: BTreeMap<u64, usize>,
+}
+
+impl Outs {
+    /// Request `id`'s next token; `from`: its tokens before this one.
+    pub fn push(&mut self, id: u64, from: usize, o: SeqOutput, row: Option<Vec<f32>>) {
+        let token = TokenOut { token: o.token, logprob: o.logprob, top: o.top };
+        match self.slot.get(&id) {
+            Some(&k) => self.items[k].0.tokens.push(token),
+            None => {
+                self.slot.insert(id, self.items.len());
+                let item = OutputItem { id, from: from as u32, tokens: vec![token], logits: row.is_some(), end: None };
+                self.items.push((item, row));
+            }
+        }
+    }
+
+    pub fn finish(&mut self, id: u64, f: &Finished) {
+        if let Some(&k) = self.slot.get(&id) {
+            self.items[k].0.end = Some(OutputEnd::Finished(finish_wire(f)));
+        }
+    }
+}
+
+impl SchedulerState {
+    /// Outputs each sampling item of `mine` owes: `Some(None)` without
+    /// drafting (then no verification may come), else `1 + accepted` summed
+    /// over its `repeat` verifications; `None`: the answer is malformed.
+    pub(super) fn verified_tokens(
+        &self,
+        mine: &BTreeMap<u64, &Item>,
+        repeat: u64,
+        verifications: &[Verification],
+    ) -> Option<Option<BTreeMap<u64, u64>>> {
+        let drafting = self.ctx.modelled.as_ref().is_some_and(|m| m.drafting().is_some());
+        if !drafting {
+            return verifications.is_empty().then_some(None);
+        }
+        let mut steps: BTreeMap<u64, u64> = BTreeMap::new();
+        let mut tokens: BTreeMap<u64, u64> = BTreeMap::new();
+        for v in verifications {
+            let it = mine.get(&v.seq).filter(|it| it.sample)?;
+            let n = steps.entry(v.seq).or_default();
+            let first = *n == 0;
+            if v.accepted > v.drafts || v.drafts as usize > MAX_DRAFT_TOKENS || *n >= repeat {
+                return None;
+            }
+            // The first step's drafts are the plan's; later ones the scheduler clamps.
+            if first && v.drafts as usize > it.drafts {
+                return None;
+            }
+            *n += 1;
+            *tokens.entry(v.seq).or_default() += 1 + u64::from(v.accepted);
+        }
+        if steps.values().any(|&n| n != repeat) {
+            return None;
+        }
+        Some(Some(tokens))
+    }
+
+    /// Complete one decode step of an event with drafts: each request in
+    /// `current` (id, request, allowance) takes its next verification and
+    /// the tokens it produced, counted within the allowance, and completes
+    /// them one by one until one ends it.
+    pub(super) fn complete_verified(
+        &mut self,
+        m: &Modelled,
+        current: &[(u64, RequestId, usize)],
+        rows: &mut BTreeMap<u64, VecDeque<SampledRow>>,
+        verified: &mut BTreeMap<u64, VecDeque<Verification>>,
+        outs: &mut Outs,
+    ) {
+        let most = m.drafting().map_or(0, |d| d.max_drafts());
+        for &(id, rid, allowance) in current {
+            let Some(v) = verified.get_mut(&id).and_then(VecDeque::pop_front) else { continue };
+            let Some(queue) = rows.get_mut(&id) else { continue };
+            let n = (1 + v.accepted as usize).min(queue.len());
+            // The worker cannot see `max_tokens`: where the plan allowed fewer
+            // drafts, the ones past the allowance were never verified.
+            let drafts = (v.drafts as usize).min(allowance);
+            let accepted = (v.accepted as usize).min(drafts);
+            let decoding = self.generated(rid) > 0;
+            let (mut produced, mut finished) = (0usize, None);
+            // The step's tokens leave the queue; those past a finish are dropped.
+            for (o, row) in queue.drain(..n).take(1 + accepted) {
+                let sampled = SampledToken { id: rid, token: o.token, ok: o.logprob.is_finite() };
+                outs.push(id, self.generated(rid), o, row);
+                produced += 1;
+                finished = self.policy.complete(&[sampled]).pop().map(|(_, f)| f);
+                if finished.is_some() {
+                    break;
+                }
+            }
+            if decoding {
+                m.drafts.record(drafts, accepted.min(produced.saturating_sub(1)), produced);
+            }
+            match finished {
+                Some(f) => {
+                    self.forget(id);
+                    outs.finish(id, &f);
+                }
+                None => {
+                    if drafts > 0 && accepted == drafts && produced == 1 + accepted {
+                        self.policy.accept_drafts(rid, drafts);
+                    }
+                    // What the engine's draft head proposes for the next step.
+                    let left = self.policy.request(rid).max_tokens.saturating_sub(self.generated(rid) + 1);
+                    m.drafts.propose(most.min(left));
+                }
+            }
+        }
+    }
+
+    /// Whether every later step of an event has token budget for each item's
+    /// drafts and the drafts a rejection feeds again (else the plan would cut
+    /// what the worker ran).
+    pub(super) fn room_for_drafts(&self, items: &[Item], drafts: usize) -> bool {
+        let per_item = 2 * drafts + 1;
+        let cfg = self.policy.config();
+        if items.len().saturating_mul(per_item) > cfg.max_batch_tokens {
+            return false;
+        }
+        let Some(cap) = cfg.max_rank_tokens else { return true };
+        let mut per_worker: BTreeMap<u32, usize> = BTreeMap::new();
+        for it in items {
+            *per_worker.entry(it.worker).or_default() += per_item;
+        }
+        per_worker.values().all(|&n| n <= cap)
+    }
+}
