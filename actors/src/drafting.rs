@@ -318,10 +318,7 @@ pub fn run_event(
     steps
 }
 
-/// A draft head's estimate rarely exceeds this: where one more verified
-/// token needs a higher survival to pay, the engine's adaptive drafting
-/// proposes nothing (`Engine::propose`).
-pub const SURVIVAL_WORTH_DRAFTING_MAX: f64 = 0.95;
+pub use deepinfer_engine::speculative::policy::SURVIVAL_WORTH_DRAFTING_MAX;
 
 /// Drafts an MTP chain proposes: it stops after the first whose survival
 /// (by the estimates) is below `min_survival`.

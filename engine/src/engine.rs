@@ -33,7 +33,7 @@ use crate::request::{FinishReason, Finished, Request, RequestError, RequestId, R
 use crate::sampling::{adjust_logits, sample};
 pub use crate::scheduler::{EngineConfig, EngineConfigError};
 use crate::scheduler::{Registration, SampledToken, ScheduledItem, Scheduler};
-use crate::speculative::policy::{choose_lengths, DraftPolicy, StepCost};
+use crate::speculative::policy::{choose_lengths, DraftPolicy, StepCost, SURVIVAL_WORTH_DRAFTING_MAX};
 use crate::speculative::{draft_next, Chooser, DraftInput, Proposal, SpeculativeStats};
 
 /// A finished request with everything it generated.
@@ -48,10 +48,6 @@ impl Completion {
         self.tokens.iter().map(|t| t.token).collect()
     }
 }
-
-/// A draft head's estimate rarely exceeds this; when verifying one more
-/// token needs a higher survival to pay off, the adaptive policy drafts nothing.
-const SURVIVAL_WORTH_DRAFTING_MAX: f64 = 0.95;
 
 /// Gathers step updates into completions.
 #[derive(Debug, Default)]

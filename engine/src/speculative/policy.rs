@@ -13,6 +13,10 @@
 /// Most drafts one request verifies in one step; longer drafts and larger
 /// limits are cut to it.
 pub const MAX_DRAFT_TOKENS: usize = 16;
+/// A draft head's estimate rarely exceeds this; when verifying one more
+/// token needs a higher survival to pay off, the adaptive policy drafts nothing
+/// (the engine and the simulator's modelled workers alike).
+pub const SURVIVAL_WORTH_DRAFTING_MAX: f64 = 0.95;
 /// Most points a [`StepCost`] holds: one per token count up to 4096.
 pub const MAX_COST_POINTS: usize = 4096;
 
