@@ -209,17 +209,13 @@ impl<M: Deref<Target = Model>> Engine<M> {
                     members.push(i);
                 }
             }
+            // `fed` holds the members' tokens in item order, as below.
+            let mut feeds = fed.iter();
             let mut chunks: Vec<Chunk> = Vec::with_capacity(members.len());
-            for ((state, &i), tokens) in states
-                .iter_mut()
-                .enumerate()
-                .filter_map(|(i, s)| members.contains(&i).then_some((s, i)))
-                .zip(&members)
-                .map(|((s, _), i)| (s, i))
-                .zip(&fed)
-            {
-                let (_, b, replay) = segments[i][w];
+            for (i, state) in states.iter_mut().enumerate() {
+                let Some(&(_, b, replay)) = segments[i].get(w) else { continue };
                 let n = if b == items[i].to { drafts[i].len() } else { 0 };
+                let tokens = feeds.next().expect("one feed per member");
                 chunks.push(Chunk { tokens, state, replay, drafts: n });
             }
             let wanted = match tail {
