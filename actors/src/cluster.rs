@@ -694,6 +694,7 @@ impl Cluster {
                 prompt_tokens: o.spec.prompt.len(),
                 completion_tokens: o.tokens.len(),
                 cached_tokens: 0,
+                cached_tokens_by_tier: [0; 3],
                 preemptions: 0,
             };
             self.ready.push_back(Update::Finished { id, finished });
@@ -845,6 +846,7 @@ impl Cluster {
                                 prompt_tokens: f.prompt_tokens as usize,
                                 completion_tokens: o.tokens.len(),
                                 cached_tokens: f.cached_tokens as usize,
+                                cached_tokens_by_tier: [f.cached_tokens as usize, 0, 0],
                                 preemptions: f.preemptions,
                             };
                             self.ready.push_back(Update::Finished { id, finished });

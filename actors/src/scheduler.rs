@@ -1207,7 +1207,7 @@ impl SchedulerState {
                 self.release.entry(l.worker).or_default().push(l.spec.id);
             }
         }
-        let evicted: Vec<u64> = plan.evicted.iter().filter_map(|b| self.cached.remove(b)).collect();
+        let evicted: Vec<u64> = plan.evicted.iter().filter_map(|e| self.cached.remove(&e.blocks.compressed)).collect();
         if !evicted.is_empty() {
             let msg = CacheMsg::Evict { instance: self.instance, step, hashes: evicted };
             self.ctx.send(self.addr, self.cache, Message::Cache(msg), &[]);

@@ -111,6 +111,21 @@ impl BlockValues {
         snapshot(model, state, k, block_tokens)
     }
 
+    /// Bytes the block's values occupy in memory (what a host tier budgets).
+    pub fn value_bytes(&self) -> usize {
+        if let Some(v) = &self.v41 {
+            return 4 * v.to_parts().1.len();
+        }
+        let part = |b: &Option<CompressorBlock>| {
+            b.as_ref().map_or(0, |b| {
+                b.entries.len()
+                    + b.overlap_kv.as_ref().map_or(0, Vec::len)
+                    + b.overlap_gate.as_ref().map_or(0, Vec::len)
+            })
+        };
+        4 * self.layers.iter().map(|(c, ix)| part(c) + part(ix)).sum::<usize>()
+    }
+
     /// Flat form for a transport: lengths (8 per layer) and the values they measure.
     pub fn to_parts(&self) -> (Vec<u32>, Vec<f32>) {
         if let Some(v) = &self.v41 {

@@ -27,6 +27,8 @@ use std::sync::Arc;
 
 pub use crate::block_values::{check_restore, restore_state, BlockValues};
 use crate::constraint::TokenConstraint;
+use crate::engine_tiers::Tiers;
+pub use crate::engine_tiers::{FetchedBlock, PersistBlock, TierConfig, TierCounters, WantedBlock};
 use crate::kv_pool::BlockId;
 use crate::model::{Chunk, LogitsWanted, Model, SequenceState};
 use crate::request::{FinishReason, Finished, Request, RequestError, RequestId, RequestUpdate, TokenOutput};
@@ -74,10 +76,12 @@ impl Collector {
 /// One serving instance: model, scheduler and per-request state.
 pub struct Engine<M: Deref<Target = Model> = Arc<Model>> {
     model: M,
-    scheduler: Scheduler,
+    pub(crate) scheduler: Scheduler,
     states: BTreeMap<RequestId, SequenceState>,
     /// Values of cached blocks, by their compressed block.
-    stored: BTreeMap<BlockId, BlockValues>,
+    pub(crate) stored: BTreeMap<BlockId, Arc<BlockValues>>,
+    /// The cache tiers below the device pool.
+    pub(crate) tiers: Tiers,
     /// Sampling constraints of the requests that have one.
     constraints: BTreeMap<RequestId, Box<dyn TokenConstraint>>,
     /// Drafts proposed for each decoding request's next step.
@@ -96,6 +100,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
             scheduler,
             states: BTreeMap::new(),
             stored: BTreeMap::new(),
+            tiers: Tiers::new(TierConfig::default()),
             constraints: BTreeMap::new(),
             proposals: BTreeMap::new(),
             step_cost: StepCost::linear(1.0, 1.0 / 64.0),
@@ -162,13 +167,13 @@ impl<M: Deref<Target = Model>> Engine<M> {
     /// Run one step. Returns, by request id, the tokens generated and the
     /// requests that finished.
     pub fn step(&mut self) -> Vec<RequestUpdate> {
-        let plan = self.scheduler.schedule();
-        for b in &plan.evicted {
-            self.stored.remove(b);
-        }
-        for id in &plan.preempted {
-            self.states.remove(id);
-            self.proposals.remove(id);
+        self.promote_waiting();
+        let mut plan = self.scheduler.schedule();
+        self.on_evicted(std::mem::take(&mut plan.evicted));
+        for &id in &plan.preempted {
+            self.states.remove(&id);
+            self.proposals.remove(&id);
+            self.on_preempted(id);
         }
         let mut updates: BTreeMap<RequestId, RequestUpdate> = BTreeMap::new();
         for (id, finished) in plan.failed {
@@ -176,6 +181,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
             updates.insert(id, RequestUpdate { id, tokens: Vec::new(), finished: Some(finished) });
         }
         let items = plan.items;
+        items.iter().for_each(|it| self.on_admitted(it));
         let drafts = self.drafts_to_verify(&items);
         let mut states: Vec<SequenceState> = items
             .iter()
@@ -249,8 +255,13 @@ impl<M: Deref<Target = Model>> Engine<M> {
             self.states.insert(it.id, state);
         }
         for (id, k, values) in snapshots {
-            if let Registration::New(b) = self.scheduler.register_block(id, k) {
-                self.stored.insert(b, values);
+            match self.scheduler.register_block(id, k) {
+                Registration::New(b) => {
+                    self.stored.insert(b, Arc::new(values));
+                    self.on_registered(id, k, b);
+                }
+                Registration::Shared(b) => self.on_registered(id, k, b),
+                Registration::Skipped => {}
             }
         }
 
@@ -262,7 +273,8 @@ impl<M: Deref<Target = Model>> Engine<M> {
                 updates.entry(it.id).or_insert_with(|| RequestUpdate { id: it.id, tokens: Vec::new(), finished: None });
             update.tokens = tokens;
             match finished {
-                Some(f) => {
+                Some(mut f) => {
+                    self.on_finished(it.id, &mut f);
                     self.forget(it.id);
                     update.finished = Some(f);
                 }
@@ -277,6 +289,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
 
     /// Forget everything kept for a request that ended.
     fn forget(&mut self, id: RequestId) {
+        self.forget_tiers(id);
         self.states.remove(&id);
         self.constraints.remove(&id);
         self.proposals.remove(&id);
@@ -440,7 +453,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
     /// A state holding the compressed state of the cached blocks `hit`,
     /// positioned at `position` (the start of the replay).
     fn restore(&self, hit: &[BlockId], position: usize) -> SequenceState {
-        let blocks: Vec<&BlockValues> = hit.iter().map(|b| &self.stored[b]).collect();
+        let blocks: Vec<&BlockValues> = hit.iter().map(|b| &*self.stored[b]).collect();
         restore_state(&self.model, &blocks, position)
     }
 }

@@ -13,7 +13,7 @@
 //! tokens just before the boundary through every layer, so a hit rebuilds it
 //! by replaying tokens before the boundary (see [`PrefixMode`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::config::ModelConfig;
 use crate::kv_pool::BlockId;
@@ -147,6 +147,21 @@ struct Entry {
     blocks: CachedBlocks,
     /// Position in the eviction order while no sequence references the block.
     stamp: Option<u64>,
+    /// No hit is served at or after this time (its TTL; hits extend it).
+    expires_at_ms: u64,
+}
+
+/// A cached block that left the cache: the caller frees its pool blocks and
+/// moves its values to a lower tier, or drops them if it expired.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EvictedBlock {
+    pub blocks: CachedBlocks,
+    pub key: u64,
+    pub parent: u64,
+    pub tokens: Box<[u32]>,
+    pub expires_at_ms: u64,
+    /// Its TTL ran out (rather than room being needed).
+    pub expired: bool,
 }
 
 /// Hit and miss counters.
@@ -166,6 +181,8 @@ pub struct PrefixStats {
     pub replayed_tokens: u64,
     pub inserted_blocks: u64,
     pub evicted_blocks: u64,
+    /// Blocks dropped because their TTL ran out.
+    pub expired_blocks: u64,
 }
 
 impl PrefixStats {
@@ -194,6 +211,8 @@ pub struct PrefixCache {
     by_block: HashMap<BlockId, u64>,
     /// Unreferenced cached blocks by stamp: the first is evicted first.
     lru: BTreeMap<u64, u64>,
+    /// (expiry, key) of every entry: the first expires first.
+    expiry: BTreeSet<(u64, u64)>,
     /// Logical time of the eviction order.
     clock: u64,
     pub stats: PrefixStats,
@@ -218,18 +237,22 @@ impl PrefixCache {
         self.lru.len()
     }
 
-    /// The cached block with key `hash`, if its content is `tokens` after `parent`.
-    pub fn get(&self, hash: u64, parent: u64, tokens: &[u32]) -> Option<CachedBlocks> {
-        self.entries.get(&hash).filter(|e| e.parent == parent && *e.tokens == *tokens).map(|e| e.blocks)
+    /// The cached block with key `hash`, if its content is `tokens` after
+    /// `parent` and it has not expired at `now_ms`.
+    pub fn get(&self, now_ms: u64, hash: u64, parent: u64, tokens: &[u32]) -> Option<CachedBlocks> {
+        self.entries
+            .get(&hash)
+            .filter(|e| e.parent == parent && *e.tokens == *tokens && e.expires_at_ms > now_ms)
+            .map(|e| e.blocks)
     }
 
     /// The leading run of `hashes` (a chain over `tokens` in blocks of
-    /// `block_tokens`) that is cached.
-    pub fn longest_match(&self, hashes: &[u64], tokens: &[u32], block_tokens: usize) -> Vec<CachedBlocks> {
+    /// `block_tokens`) that is cached and live at `now_ms`.
+    pub fn longest_match(&self, now_ms: u64, hashes: &[u64], tokens: &[u32], block_tokens: usize) -> Vec<CachedBlocks> {
         let mut parent = 0;
         let mut found = Vec::new();
         for (k, &h) in hashes.iter().enumerate() {
-            match self.get(h, parent, &tokens[k * block_tokens..(k + 1) * block_tokens]) {
+            match self.get(now_ms, h, parent, &tokens[k * block_tokens..(k + 1) * block_tokens]) {
                 Some(b) => found.push(b),
                 None => break,
             }
@@ -241,18 +264,60 @@ impl PrefixCache {
     /// Cache `blocks` under `hash`; false if the key is taken. The caller
     /// keeps its reference; the block joins the eviction order when the last
     /// reference goes.
-    pub fn insert(&mut self, hash: u64, parent: u64, tokens: &[u32], blocks: CachedBlocks) -> bool {
+    pub fn insert(&mut self, hash: u64, parent: u64, tokens: &[u32], blocks: CachedBlocks, expires_at_ms: u64) -> bool {
         if self.entries.contains_key(&hash) {
             return false;
         }
-        self.entries.insert(hash, Entry { parent, tokens: tokens.into(), blocks, stamp: None });
+        self.entries.insert(hash, Entry { parent, tokens: tokens.into(), blocks, stamp: None, expires_at_ms });
+        self.expiry.insert((expires_at_ms, hash));
         self.by_block.insert(blocks.compressed, hash);
         self.stats.inserted_blocks += 1;
         true
     }
 
+    /// Whether any entry, live or not, has this key.
+    pub fn has_key(&self, hash: u64) -> bool {
+        self.entries.contains_key(&hash)
+    }
+
     pub fn is_cached(&self, compressed: BlockId) -> bool {
         self.by_block.contains_key(&compressed)
+    }
+
+    /// Key, parent key and tokens of a cached block.
+    pub fn key_of(&self, compressed: BlockId) -> Option<(u64, u64, &[u32])> {
+        let hash = *self.by_block.get(&compressed)?;
+        let e = &self.entries[&hash];
+        Some((hash, e.parent, &e.tokens))
+    }
+
+    /// Keep the block live until at least `keep_until_ms` (a hit refreshes its TTL).
+    pub fn extend(&mut self, compressed: BlockId, keep_until_ms: u64) {
+        let Some(&hash) = self.by_block.get(&compressed) else { return };
+        let e = self.entries.get_mut(&hash).expect("index and entries agree");
+        if keep_until_ms > e.expires_at_ms {
+            self.expiry.remove(&(e.expires_at_ms, hash));
+            e.expires_at_ms = keep_until_ms;
+            self.expiry.insert((keep_until_ms, hash));
+        }
+    }
+
+    /// Make an unreferenced block the most recently used.
+    pub fn touch(&mut self, compressed: BlockId) {
+        let Some(&hash) = self.by_block.get(&compressed) else { return };
+        let e = self.entries.get_mut(&hash).expect("index and entries agree");
+        if let Some(stamp) = e.stamp {
+            self.lru.remove(&stamp);
+            e.stamp = Some(self.clock);
+            self.lru.insert(self.clock, hash);
+            self.clock += 1;
+        }
+    }
+
+    /// The logical time of the eviction order: blocks released or touched
+    /// from now on have stamps at or above it.
+    pub fn clock(&self) -> u64 {
+        self.clock
     }
 
     /// A sequence took a reference to this cached block: it may not be evicted.
@@ -264,29 +329,73 @@ impl PrefixCache {
         }
     }
 
-    /// The last reference to this block went. Returns whether the cache keeps
-    /// it (then it becomes the most recently used evictable block); if not,
-    /// the caller frees it.
-    pub fn unreferenced(&mut self, compressed: BlockId) -> bool {
+    /// The last reference to this block went. The cache keeps it (it becomes
+    /// the most recently used evictable block) unless it has expired at
+    /// `now_ms`: then it is returned and the caller frees it. `Err(())`: the
+    /// block is not cached at all; the caller frees it too.
+    pub fn unreferenced(&mut self, compressed: BlockId, now_ms: u64) -> Result<Option<EvictedBlock>, ()> {
         let Some(hash) = self.by_block.get(&compressed).copied() else {
-            return false;
+            return Err(());
         };
         let e = self.entries.get_mut(&hash).expect("index and entries agree");
         debug_assert!(e.stamp.is_none());
+        if e.expires_at_ms <= now_ms {
+            return Ok(Some(self.remove(hash, true)));
+        }
         let stamp = self.clock;
         self.clock += 1;
         e.stamp = Some(stamp);
         self.lru.insert(stamp, hash);
-        true
+        Ok(None)
     }
 
     /// Forget the least recently used unreferenced block; the caller frees its pool blocks.
-    pub fn evict_lru(&mut self) -> Option<CachedBlocks> {
-        let (_, hash) = self.lru.pop_first()?;
-        let e = self.entries.remove(&hash).expect("lru and entries agree");
+    pub fn evict_lru(&mut self) -> Option<EvictedBlock> {
+        self.evict_lru_before(u64::MAX)
+    }
+
+    /// Forget the least recently used unreferenced block released or touched
+    /// before logical time `stamp` (see [`clock`](Self::clock)).
+    pub fn evict_lru_before(&mut self, stamp: u64) -> Option<EvictedBlock> {
+        let (&first, &hash) = self.lru.first_key_value()?;
+        if first >= stamp {
+            return None;
+        }
+        Some(self.remove(hash, false))
+    }
+
+    /// Forget every unreferenced block that has expired at `now_ms`;
+    /// referenced ones stay with their sequences and go when released.
+    pub fn expire(&mut self, now_ms: u64) -> Vec<EvictedBlock> {
+        let due: Vec<u64> = self
+            .expiry
+            .range(..(now_ms.saturating_add(1), 0))
+            .map(|&(_, h)| h)
+            .filter(|h| self.entries[h].stamp.is_some())
+            .collect();
+        due.into_iter().map(|h| self.remove(h, true)).collect()
+    }
+
+    fn remove(&mut self, hash: u64, expired: bool) -> EvictedBlock {
+        let e = self.entries.remove(&hash).expect("a cached key");
+        if let Some(stamp) = e.stamp {
+            self.lru.remove(&stamp);
+        }
+        self.expiry.remove(&(e.expires_at_ms, hash));
         self.by_block.remove(&e.blocks.compressed);
-        self.stats.evicted_blocks += 1;
-        Some(e.blocks)
+        if expired {
+            self.stats.expired_blocks += 1;
+        } else {
+            self.stats.evicted_blocks += 1;
+        }
+        EvictedBlock {
+            blocks: e.blocks,
+            key: hash,
+            parent: e.parent,
+            tokens: e.tokens,
+            expires_at_ms: e.expires_at_ms,
+            expired,
+        }
     }
 }
 
@@ -324,19 +433,56 @@ mod tests {
         let toks = [7u32, 8, 9, 10];
         let h0 = block_hash(0, &toks[..2]);
         let h1 = block_hash(h0, &toks[2..]);
-        assert!(c.insert(h0, 0, &toks[..2], blocks(0)));
-        assert!(c.insert(h1, h0, &toks[2..], blocks(1)));
-        assert!(!c.insert(h1, h0, &toks[2..], blocks(2)), "key taken");
-        assert_eq!(c.longest_match(&[h0, h1], &toks, 2), vec![blocks(0), blocks(1)]);
+        assert!(c.insert(h0, 0, &toks[..2], blocks(0), NEVER));
+        assert!(c.insert(h1, h0, &toks[2..], blocks(1), NEVER));
+        assert!(!c.insert(h1, h0, &toks[2..], blocks(2), NEVER), "key taken");
+        assert_eq!(c.longest_match(0, &[h0, h1], &toks, 2), vec![blocks(0), blocks(1)]);
         // Same key, other content: a miss, not a wrong hit.
-        assert_eq!(c.get(h1, h0, &[10, 10]), None);
+        assert_eq!(c.get(0, h1, h0, &[10, 10]), None);
         // Released tail first, so the tail is evicted first.
-        assert!(c.unreferenced(BlockId(1)));
-        assert!(c.unreferenced(BlockId(0)));
-        assert!(!c.unreferenced(BlockId(5)), "not cached");
+        assert_eq!(c.unreferenced(BlockId(1), 0), Ok(None));
+        assert_eq!(c.unreferenced(BlockId(0), 0), Ok(None));
+        assert_eq!(c.unreferenced(BlockId(5), 0), Err(()), "not cached");
         c.referenced(BlockId(1));
-        assert_eq!(c.evict_lru(), Some(blocks(0)));
+        assert_eq!(c.evict_lru().map(|e| (e.blocks, e.key, e.expired)), Some((blocks(0), h0, false)));
         assert_eq!(c.evict_lru(), None, "block 1 is referenced again");
-        assert_eq!(c.longest_match(&[h0, h1], &toks, 2), vec![]);
+        assert_eq!(c.longest_match(0, &[h0, h1], &toks, 2), vec![]);
+    }
+
+    const NEVER: u64 = u64::MAX;
+
+    #[test]
+    fn expired_blocks_are_misses_and_leave_when_unreferenced() {
+        let mut c = PrefixCache::new();
+        let h0 = block_hash(0, &[1, 2]);
+        let h1 = block_hash(h0, &[3, 4]);
+        c.insert(h0, 0, &[1, 2], blocks(0), 100);
+        c.insert(h1, h0, &[3, 4], blocks(1), 50);
+        assert_eq!(c.longest_match(49, &[h0, h1], &[1, 2, 3, 4], 2).len(), 2);
+        assert_eq!(c.longest_match(50, &[h0, h1], &[1, 2, 3, 4], 2).len(), 1, "the tail expired");
+        // A hit extends the head's TTL; the referenced tail stays until released.
+        c.extend(BlockId(0), 500);
+        assert!(c.expire(60).is_empty(), "both are referenced");
+        let gone = c.unreferenced(BlockId(1), 60).unwrap().expect("expired on release");
+        assert_eq!((gone.key, gone.expired), (h1, true));
+        assert_eq!(c.unreferenced(BlockId(0), 60), Ok(None));
+        assert!(c.expire(499).is_empty());
+        assert_eq!(c.expire(500).iter().map(|e| e.key).collect::<Vec<_>>(), vec![h0]);
+        assert_eq!((c.len(), c.stats.expired_blocks), (0, 2));
+    }
+
+    #[test]
+    fn eviction_can_spare_blocks_used_since_a_stamp() {
+        let mut c = PrefixCache::new();
+        for i in 0..3u32 {
+            c.insert(u64::from(i) + 1, 0, &[i], blocks(i), NEVER);
+            c.unreferenced(BlockId(i), 0).unwrap();
+        }
+        let since = c.clock();
+        c.touch(BlockId(0));
+        assert_eq!(c.evict_lru_before(since).map(|e| e.blocks), Some(blocks(1)));
+        assert_eq!(c.evict_lru_before(since).map(|e| e.blocks), Some(blocks(2)));
+        assert_eq!(c.evict_lru_before(since), None, "block 0 was touched since");
+        assert_eq!(c.key_of(BlockId(0)), Some((1, 0, &[0u32][..])));
     }
 }

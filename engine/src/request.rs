@@ -12,6 +12,20 @@ pub const MAX_STOP_SEQUENCE_TOKENS: usize = 64;
 /// Most extra stop token ids one request may carry.
 pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
+/// How long cached blocks stay servable when no request says otherwise: 72 hours.
+pub const DEFAULT_CACHE_TTL_MS: u64 = 72 * 3600 * 1000;
+/// Longest retention a request may ask for: 30 days.
+pub const MAX_CACHE_TTL_MS: u64 = 30 * 24 * 3600 * 1000;
+
+/// How long a request's prompt blocks stay cached, and where.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retention {
+    /// Servable this long after their last use (at most [`MAX_CACHE_TTL_MS`]).
+    pub ttl_ms: u64,
+    /// May be written to the disk tier (false: device and host memory only).
+    pub persist: bool,
+}
+
 /// Engine-assigned id of a request, in order of submission.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct RequestId(pub u64);
@@ -38,6 +52,8 @@ pub struct Request {
     pub ignore_eos: bool,
     /// Return the full logits row of every generated token (tests, debugging).
     pub return_logits: bool,
+    /// Cache retention of its blocks; `None`: the engine's default.
+    pub retention: Option<Retention>,
 }
 
 impl Request {
@@ -51,6 +67,7 @@ impl Request {
             stop_sequences: Vec::new(),
             ignore_eos: false,
             return_logits: false,
+            retention: None,
         }
     }
 
@@ -120,6 +137,8 @@ pub struct Finished {
     pub completion_tokens: usize,
     /// Prompt tokens whose compressed state came from the prefix cache on first admission.
     pub cached_tokens: usize,
+    /// The same tokens by the tier they were found in (device, host, disk).
+    pub cached_tokens_by_tier: [usize; 3],
     /// Times the request was preempted and recomputed.
     pub preemptions: u32,
 }
@@ -165,4 +184,6 @@ pub enum RequestError {
     ExceedsKvBudget { needed: usize, tokens: usize, budget: usize },
     #[error("no request {0} is queued or running")]
     Unknown(RequestId),
+    #[error("a cache retention must be 1 ms to {MAX_CACHE_TTL_MS} ms, got {0} ms")]
+    BadRetention(u64),
 }

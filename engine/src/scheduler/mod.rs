@@ -12,13 +12,13 @@
 //! preempted, waiting requests are admitted in arrival order while budget,
 //! batch slots and blocks allow; admission looks up the prefix cache.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::config::ModelConfig;
 use crate::kv_pool::{BlockId, BlockKind, BlockTable, KvLayout, KvPool, LayoutError, PoolStats};
-use crate::prefix_cache::{block_hash, CachedBlocks, PrefixCache, PrefixMode, PrefixStats};
+use crate::prefix_cache::{block_hash, CachedBlocks, EvictedBlock, PrefixCache, PrefixMode, PrefixStats};
 use crate::request::{
-    FinishReason, Finished, Request, RequestError, RequestId, RequestStatus, MAX_STOP_SEQUENCES,
+    FinishReason, Finished, Request, RequestError, RequestId, RequestStatus, MAX_CACHE_TTL_MS, MAX_STOP_SEQUENCES,
     MAX_STOP_SEQUENCE_TOKENS, MAX_STOP_TOKEN_IDS,
 };
 use crate::speculative::SpeculativeConfig;
@@ -64,6 +64,9 @@ pub struct EngineConfig {
     /// Speculative decoding: each draft a request may verify counts against
     /// `max_batch_tokens` and is reserved in the KV pool before the step.
     pub speculative: SpeculativeConfig,
+    /// How long a cached block stays servable after its last use, unless a
+    /// request asks otherwise (see [`Retention`](crate::request::Retention)).
+    pub cache_ttl_ms: u64,
 }
 
 impl Default for EngineConfig {
@@ -79,6 +82,7 @@ impl Default for EngineConfig {
             block_tokens: None,
             window_block_tokens: 16,
             speculative: SpeculativeConfig::default(),
+            cache_ttl_ms: crate::request::DEFAULT_CACHE_TTL_MS,
         }
     }
 }
@@ -132,8 +136,9 @@ pub struct StepPlan {
     pub items: Vec<ScheduledItem>,
     /// Requests preempted this step: drop their state.
     pub preempted: Vec<RequestId>,
-    /// Cached blocks evicted this step: drop their stored values.
-    pub evicted: Vec<BlockId>,
+    /// Cached blocks evicted (or expired) since the last plan: drop their
+    /// stored values, or move them to a lower tier.
+    pub evicted: Vec<EvictedBlock>,
     /// Requests that cannot run at all.
     pub failed: Vec<(RequestId, Finished)>,
 }
@@ -153,7 +158,7 @@ pub enum Registration {
     /// Newly cached under this block: store its values there.
     New(BlockId),
     /// The same content was cached already; the request now shares that block.
-    Shared,
+    Shared(BlockId),
     /// Not cached (caching off, out of order, or a key collision).
     Skipped,
 }
@@ -224,6 +229,7 @@ impl Seq {
             prompt_tokens: self.prompt_len,
             completion_tokens: self.tokens.len() - self.prompt_len,
             cached_tokens: self.cached_tokens,
+            cached_tokens_by_tier: [self.cached_tokens, 0, 0],
             preemptions: self.preemptions,
         }
     }
@@ -243,6 +249,12 @@ pub struct Scheduler {
     running: Vec<RequestId>,
     next_id: u64,
     stats: SchedulerStats,
+    /// The injected time cache TTLs are measured against.
+    now_ms: u64,
+    /// Waiting requests not to admit yet (their prefix is being fetched).
+    held: BTreeSet<RequestId>,
+    /// Expired blocks freed on release, reported with the next plan.
+    dropped: Vec<EvictedBlock>,
 }
 
 impl Scheduler {
@@ -288,6 +300,9 @@ impl Scheduler {
             running: Vec::new(),
             next_id: 0,
             stats: SchedulerStats::default(),
+            now_ms: 0,
+            held: BTreeSet::new(),
+            dropped: Vec::new(),
         })
     }
 
@@ -451,12 +466,12 @@ impl Scheduler {
     pub fn clear_prefix_cache(&mut self) -> Vec<BlockId> {
         let mut old = std::mem::take(&mut self.cache);
         let mut freed = Vec::new();
-        while let Some(b) = old.evict_lru() {
-            self.pool.free(b.compressed);
-            if let Some(ix) = b.indexer {
+        while let Some(e) = old.evict_lru() {
+            self.pool.free(e.blocks.compressed);
+            if let Some(ix) = e.blocks.indexer {
                 self.pool.free(ix);
             }
-            freed.push(b.compressed);
+            freed.push(e.blocks.compressed);
         }
         self.cache.stats = old.stats;
         freed
@@ -483,6 +498,9 @@ impl Scheduler {
         if let Some(s) = r.stop_sequences.iter().find(|s| s.is_empty() || s.len() > MAX_STOP_SEQUENCE_TOKENS) {
             return Err(RequestError::BadStopSequence(s.len()));
         }
+        if let Some(ttl) = r.retention.map(|r| r.ttl_ms).filter(|t| !(1..=MAX_CACHE_TTL_MS).contains(t)) {
+            return Err(RequestError::BadRetention(ttl));
+        }
         if r.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
             return Err(RequestError::TooManyStopTokenIds(r.stop_token_ids.len()));
         }
@@ -508,7 +526,11 @@ impl Scheduler {
 
     fn plan_step(&mut self, admit: bool) -> StepPlan {
         self.stats.steps += 1;
-        let mut plan = StepPlan::default();
+        let mut plan = StepPlan { evicted: std::mem::take(&mut self.dropped), ..StepPlan::default() };
+        for e in self.cache.expire(self.now_ms) {
+            self.free_cached(e.blocks);
+            plan.evicted.push(e);
+        }
         let mut budget = self.config.max_batch_tokens;
         let per_rank = self.config.max_rank_tokens.unwrap_or(usize::MAX).max(1);
         let mut rank_used: BTreeMap<u32, usize> = BTreeMap::new();
@@ -546,7 +568,7 @@ impl Scheduler {
                     .iter()
                     .take(ADMISSION_SCAN)
                     .copied()
-                    .find(|id| room(&rank_used, self.seq(*id).rank) > 0)
+                    .find(|id| !self.held.contains(id) && room(&rank_used, self.seq(*id).rank) > 0)
                 else {
                     break;
                 };
@@ -651,13 +673,17 @@ impl Scheduler {
     }
 
     fn evict_one(&mut self, plan: &mut StepPlan) -> bool {
-        let Some(b) = self.cache.evict_lru() else { return false };
+        let Some(e) = self.cache.evict_lru() else { return false };
+        self.free_cached(e.blocks);
+        plan.evicted.push(e);
+        true
+    }
+
+    fn free_cached(&mut self, b: CachedBlocks) {
         self.pool.free(b.compressed);
         if let Some(ix) = b.indexer {
             self.pool.free(ix);
         }
-        plan.evicted.push(b.compressed);
-        true
     }
 
     /// Allocate what `id` lacks for `to` positions, all or nothing.
@@ -698,16 +724,19 @@ impl Scheduler {
             // At least the last token is computed, for its logits.
             let blocks = (len - 1) / bt;
             seq.extend_hashes(blocks, bt);
-            hit = self.cache.longest_match(&seq.hashes[..blocks], &seq.tokens, bt);
+            hit = self.cache.longest_match(self.now_ms, &seq.hashes[..blocks], &seq.tokens, bt);
             if !hit.is_empty() && hit.len() * bt <= replay {
                 short_match = true;
                 hit.clear();
             }
         }
         let boundary = hit.len() * bt;
+        let keep_until =
+            self.now_ms.saturating_add(seq.request.retention.map_or(self.config.cache_ttl_ms, |r| r.ttl_ms));
         for b in &hit {
             self.pool.retain(b.compressed);
             self.cache.referenced(b.compressed);
+            self.cache.extend(b.compressed, keep_until);
             seq.blocks.tables[BlockKind::Compressed.index()].push(b.compressed);
             if let Some(ix) = b.indexer {
                 self.pool.retain(ix);
@@ -773,10 +802,14 @@ impl Scheduler {
             if let Some(ix) = ix {
                 self.pool.release(ix);
             }
-            if left == 0 && !self.cache.unreferenced(c) {
-                self.pool.free(c);
-                if let Some(ix) = ix {
-                    self.pool.free(ix);
+            if left == 0 {
+                match self.cache.unreferenced(c, self.now_ms) {
+                    Ok(None) => {}
+                    Ok(Some(expired)) => {
+                        self.free_cached(expired.blocks);
+                        self.dropped.push(expired);
+                    }
+                    Err(()) => self.free_cached(CachedBlocks { compressed: c, indexer: ix }),
                 }
             }
         }
@@ -797,6 +830,7 @@ impl Scheduler {
     /// Release everything of `id` and forget it.
     fn finish(&mut self, id: RequestId, reason: FinishReason) -> Finished {
         self.release_blocks(id);
+        self.held.remove(&id);
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
         let seq = self.seqs.remove(&id).expect("known request");
@@ -825,10 +859,13 @@ impl Scheduler {
         let tokens = &seq.tokens[k * bt..(k + 1) * bt];
         let (ci, ii) = (BlockKind::Compressed.index(), BlockKind::Indexer.index());
         let own = CachedBlocks { compressed: seq.blocks.tables[ci][k], indexer: seq.blocks.tables[ii].get(k).copied() };
-        if let Some(shared) = self.cache.get(hash, parent, tokens) {
+        let keep_until =
+            self.now_ms.saturating_add(seq.request.retention.map_or(self.config.cache_ttl_ms, |r| r.ttl_ms));
+        if let Some(shared) = self.cache.get(self.now_ms, hash, parent, tokens) {
             // Same content cached already: share it and free the private copy.
             self.pool.retain(shared.compressed);
             self.cache.referenced(shared.compressed);
+            self.cache.extend(shared.compressed, keep_until);
             seq.blocks.tables[ci][k] = shared.compressed;
             self.pool.release(own.compressed);
             self.pool.free(own.compressed);
@@ -839,8 +876,8 @@ impl Scheduler {
                 self.pool.free(mine);
             }
             seq.registered += 1;
-            Registration::Shared
-        } else if self.cache.insert(hash, parent, tokens, own) {
+            Registration::Shared(shared.compressed)
+        } else if self.cache.insert(hash, parent, tokens, own, keep_until) {
             seq.registered += 1;
             Registration::New(own.compressed)
         } else {
@@ -880,187 +917,7 @@ impl Scheduler {
     }
 }
 
+mod tiers;
+
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::presets::Preset;
-
-    fn scheduler(config: EngineConfig) -> Scheduler {
-        Scheduler::new(&Preset::TinyV4.config(), config).unwrap()
-    }
-
-    fn prompt(len: usize) -> Vec<u32> {
-        (0..len as u32).map(|i| 2 + i % 900).collect()
-    }
-
-    /// Execute a plan without a model: every sampling item gets `token`.
-    fn run(s: &mut Scheduler, token: u32) -> (StepPlan, Vec<(RequestId, Finished)>) {
-        let plan = s.schedule();
-        let sampled: Vec<SampledToken> =
-            plan.items.iter().filter(|i| i.sample).map(|i| SampledToken { id: i.id, token, ok: true }).collect();
-        let done = s.complete(&sampled);
-        (plan, done)
-    }
-
-    fn spans(plan: &StepPlan) -> Vec<(u64, usize, usize, bool)> {
-        plan.items.iter().map(|i| (i.id.0, i.from, i.to, i.sample)).collect()
-    }
-
-    #[test]
-    fn a_prefilled_request_starts_where_its_imported_state_ends() {
-        let mut s = scheduler(EngineConfig { prefix_mode: PrefixMode::Exact, ..EngineConfig::default() });
-        let id = s.add_prefilled(Request::new(prompt(100), 4), &[7]).unwrap();
-        let (plan, done) = run(&mut s, 9);
-        // Nothing recomputed: one decode token at position 100, from no cached blocks.
-        assert_eq!(spans(&plan), vec![(id.0, 100, 101, true)]);
-        assert_eq!(plan.items[0].start, Some(Vec::new()));
-        assert!(done.is_empty());
-        assert_eq!(s.tokens(id)[100..], [7, 9]);
-        assert_eq!(s.stats().computed_tokens, 1);
-        assert_eq!(s.prefix_stats().lookups, 0);
-        // Preempted, the state is gone: it is recomputed from position 0.
-        let mut plan = StepPlan::default();
-        s.preempt(id, &mut plan);
-        let (plan, _) = run(&mut s, 9);
-        assert_eq!(spans(&plan), vec![(id.0, 0, 102, true)]);
-    }
-
-    #[test]
-    fn the_token_budget_chunks_prefills_and_mixes_them_with_decodes() {
-        let mut s =
-            scheduler(EngineConfig { max_batch_tokens: 32, prefix_mode: PrefixMode::Off, ..Default::default() });
-        s.add(Request::new(prompt(50), 5)).unwrap();
-        s.add(Request::new(prompt(10), 5)).unwrap();
-        assert_eq!(spans(&run(&mut s, 7).0), [(0, 0, 32, false)]);
-        assert_eq!(spans(&run(&mut s, 7).0), [(0, 32, 50, true), (1, 0, 10, true)]);
-        assert_eq!(spans(&run(&mut s, 7).0), [(0, 50, 51, true), (1, 10, 11, true)]);
-        assert_eq!(s.tokens(RequestId(1)), [&prompt(10)[..], &[7, 7]].concat());
-    }
-
-    #[test]
-    fn the_batch_size_limits_running_requests() {
-        let mut s = scheduler(EngineConfig { max_batch_size: 2, ..Default::default() });
-        for max_tokens in [1, 3, 3] {
-            s.add(Request::new(prompt(5), max_tokens)).unwrap();
-        }
-        let (plan, done) = run(&mut s, 9);
-        assert_eq!(spans(&plan).len(), 2);
-        assert_eq!(done.len(), 1, "the first request wanted one token");
-        assert_eq!(done[0].1.reason, FinishReason::Length);
-        let (plan, _) = run(&mut s, 9);
-        assert_eq!(spans(&plan), [(1, 5, 6, true), (2, 0, 5, true)]);
-    }
-
-    #[test]
-    fn eos_stops_unless_ignored() {
-        let mut s = scheduler(EngineConfig::default());
-        let eos = Preset::TinyV4.config().eos_token_id;
-        s.add(Request::new(prompt(5), 4)).unwrap();
-        let mut r = Request::new(prompt(6), 4);
-        r.ignore_eos = true;
-        s.add(r).unwrap();
-        let (_, done) = run(&mut s, eos);
-        assert_eq!(done.len(), 1);
-        assert_eq!(
-            (done[0].0, done[0].1.reason.clone(), done[0].1.completion_tokens),
-            (RequestId(0), FinishReason::Stop, 1)
-        );
-        let (_, done) = run(&mut s, eos);
-        assert!(done.is_empty());
-    }
-
-    #[test]
-    fn preemption_takes_the_newest_and_requeues_it_first() {
-        let cfg = Preset::TinyV4.config();
-        let layout = KvLayout::new(&cfg, 64, 16).unwrap();
-        // Two sequences of up to 64 positions fit, plus one more compressed
-        // and indexer block: not a third sequence.
-        let budget =
-            2 * layout.sequence_bytes(64) + layout.bytes(BlockKind::Compressed) + layout.bytes(BlockKind::Indexer);
-        let mut s =
-            scheduler(EngineConfig { kv_budget_bytes: budget, prefix_mode: PrefixMode::Off, ..Default::default() });
-        for _ in 0..3 {
-            s.add(Request::new(prompt(60), 20)).unwrap();
-        }
-        let (plan, _) = run(&mut s, 5);
-        assert_eq!(plan.items.len(), 2, "the third does not fit");
-        assert_eq!(s.status(RequestId(2)), Some(&RequestStatus::Waiting));
-        // Decoding past 64 positions needs a second compressed block each.
-        let mut preempted = None;
-        for _ in 0..10 {
-            let (plan, _) = run(&mut s, 5);
-            if let Some(&id) = plan.preempted.first() {
-                preempted = Some(id);
-                break;
-            }
-        }
-        assert_eq!(preempted, Some(RequestId(1)), "the newest running request goes");
-        assert_eq!(s.status(RequestId(1)), Some(&RequestStatus::Preempted));
-        assert_eq!(s.waiting.front(), Some(&RequestId(1)), "ahead of the never-run request");
-        assert!(s.block_table(RequestId(1)).unwrap().is_empty());
-        // Once there is room again it recomputes prompt and output in one go.
-        let generated = s.tokens(RequestId(1)).len();
-        s.cancel(RequestId(0)).unwrap();
-        let (plan, _) = run(&mut s, 5);
-        assert_eq!(spans(&plan)[0], (1, 0, generated, true));
-    }
-
-    #[test]
-    fn snapshots_mark_the_block_ends_a_step_crosses() {
-        let mut s = scheduler(EngineConfig { max_batch_tokens: 100, ..Default::default() });
-        s.add(Request::new(prompt(300), 2)).unwrap();
-        let plan = s.schedule();
-        assert_eq!(plan.items[0].snapshots, [0]);
-        let plan = s.schedule();
-        assert_eq!(plan.items[0].snapshots, [1, 2], "ends at 128 and 192 in (100, 200]");
-    }
-
-    #[test]
-    fn a_resumed_request_recomputes_its_output_and_counts_it() {
-        let mut s = scheduler(EngineConfig { prefix_mode: PrefixMode::Off, ..Default::default() });
-        let mut r = Request::new(prompt(5), 4);
-        r.stop_sequences = vec![vec![7, 8]];
-        let id = s.add_resumed(r, &[9, 7]).unwrap();
-        assert_eq!(s.tokens(id), [&prompt(5)[..], &[9, 7]].concat());
-        let (plan, done) = run(&mut s, 8);
-        assert_eq!(spans(&plan), [(id.0, 0, 7, true)], "prompt and resumed output in one prefill");
-        assert_eq!(done.len(), 1, "the stop sequence spans resumed and new output");
-        assert_eq!((done[0].1.reason.clone(), done[0].1.completion_tokens), (FinishReason::Stop, 3));
-        assert!(matches!(
-            s.add_resumed(Request::new(prompt(5), 4), &[5000]),
-            Err(RequestError::TokenOutOfVocabulary { .. })
-        ));
-    }
-
-    #[test]
-    fn clearing_the_prefix_cache_frees_unused_blocks_and_keeps_running_ones() {
-        // Execute a step, offering every computed block to the cache.
-        fn run(s: &mut Scheduler, token: u32) {
-            let plan = s.schedule();
-            for it in &plan.items {
-                for &k in &it.snapshots {
-                    s.register_block(it.id, k);
-                }
-            }
-            let sampled: Vec<SampledToken> =
-                plan.items.iter().filter(|i| i.sample).map(|i| SampledToken { id: i.id, token, ok: true }).collect();
-            s.complete(&sampled);
-        }
-        let mut s = scheduler(EngineConfig::default());
-        let free0 = s.pool_stats();
-        s.add(Request::new(prompt(200), 1)).unwrap();
-        run(&mut s, 5);
-        assert_eq!(s.cached_blocks(), 3);
-        let b = s.add(Request::new(prompt(200), 3)).unwrap();
-        run(&mut s, 5);
-        assert_eq!(s.prefix_stats().hits, 1);
-        assert_eq!(s.clear_prefix_cache().len(), 0, "the running request holds every cached block");
-        assert_eq!(s.cached_blocks(), 0);
-        s.cancel(b).unwrap();
-        assert_eq!(s.pool_stats(), free0, "released blocks are freed, not cached");
-        s.add(Request::new(prompt(200), 1)).unwrap();
-        run(&mut s, 5);
-        assert_eq!(s.clear_prefix_cache().len(), 3);
-        assert_eq!((s.pool_stats(), s.prefix_stats().hits), (free0, 1), "a miss after clearing");
-    }
-}
+mod tests;
