@@ -92,6 +92,18 @@ impl Default for TierConfig {
     }
 }
 
+/// A running request's cached blocks, in order from position 0, and what
+/// persisting them needs once the scheduler has forgotten the request.
+#[derive(Debug)]
+struct Chain {
+    blocks: Vec<BlockId>,
+    /// Leading blocks handed out for disk (or found there).
+    persisted: usize,
+    prompt_blocks: usize,
+    ttl_ms: u64,
+    persist: bool,
+}
+
 /// The engine's tier state.
 #[derive(Debug)]
 pub(crate) struct Tiers {
@@ -101,8 +113,8 @@ pub(crate) struct Tiers {
     persisted: BTreeSet<BlockId>,
     /// Device blocks brought up from a lower tier and not hit yet.
     promoted: BTreeMap<BlockId, Tier>,
-    /// Each running request's chain of cached blocks, and how many are persisted.
-    chains: BTreeMap<RequestId, (Vec<BlockId>, usize)>,
+    /// Each running request's chain of cached blocks.
+    chains: BTreeMap<RequestId, Chain>,
     hit_tiers: BTreeMap<RequestId, TierTokens>,
     /// Waiting requests whose disk blocks were asked for already.
     asked: BTreeSet<RequestId>,
@@ -302,7 +314,14 @@ impl<M: Deref<Target = Model>> Engine<M> {
             }
             self.tiers.hit_tiers.insert(item.id, by_tier);
         }
-        self.tiers.chains.insert(item.id, (hit.clone(), 0));
+        let chain = Chain {
+            blocks: hit.clone(),
+            persisted: 0,
+            prompt_blocks: self.scheduler.request(item.id).prompt.len() / bt,
+            ttl_ms: self.scheduler.cache_ttl_ms(item.id),
+            persist: self.scheduler.cache_persist(item.id),
+        };
+        self.tiers.chains.insert(item.id, chain);
         if !hit.is_empty() {
             self.persist(item.id, hit.len());
         }
@@ -310,13 +329,12 @@ impl<M: Deref<Target = Model>> Engine<M> {
 
     /// Block `k` of `id` is cached as `block`.
     pub(crate) fn on_registered(&mut self, id: RequestId, k: usize, block: BlockId) {
-        let chain = &mut self.tiers.chains.entry(id).or_default().0;
-        if chain.len() != k {
+        let Some(chain) = self.tiers.chains.get_mut(&id) else { return };
+        if chain.blocks.len() != k {
             return;
         }
-        chain.push(block);
-        let prompt_blocks = self.scheduler.request(id).prompt.len() / self.scheduler.layout().block_tokens;
-        if let Some(upto) = self.tiers.config.persist.point(k, prompt_blocks) {
+        chain.blocks.push(block);
+        if let Some(upto) = self.tiers.config.persist.point(k, chain.prompt_blocks) {
             self.persist(id, upto);
         }
     }
@@ -325,7 +343,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
     /// tier goes into `finished`.
     pub(crate) fn on_finished(&mut self, id: RequestId, finished: &mut Finished) {
         if matches!(finished.reason, FinishReason::Stop | FinishReason::Length) {
-            let blocks = self.tiers.chains.get(&id).map_or(0, |c| c.0.len());
+            let blocks = self.tiers.chains.get(&id).map_or(0, |c| c.blocks.len());
             self.persist(id, blocks);
         }
         self.forget_tiers(id);
@@ -346,13 +364,13 @@ impl<M: Deref<Target = Model>> Engine<M> {
 
     /// Hand out the first `upto` blocks of `id`'s chain for disk, those not there yet.
     fn persist(&mut self, id: RequestId, upto: usize) {
-        if !self.tiers.config.disk || !self.scheduler.cache_persist(id) {
+        let Some(chain) = self.tiers.chains.get_mut(&id) else { return };
+        if !self.tiers.config.disk || !chain.persist {
             return;
         }
-        let ttl_ms = self.scheduler.cache_ttl_ms(id);
-        let Some((chain, done)) = self.tiers.chains.get_mut(&id) else { return };
-        let upto = upto.min(chain.len());
-        for &b in &chain[(*done).min(upto)..upto] {
+        let upto = upto.min(chain.blocks.len());
+        let ttl_ms = chain.ttl_ms;
+        for &b in &chain.blocks[chain.persisted.min(upto)..upto] {
             if self.tiers.persisted.contains(&b) {
                 continue;
             }
@@ -374,6 +392,6 @@ impl<M: Deref<Target = Model>> Engine<M> {
                 ttl_ms,
             });
         }
-        *done = (*done).max(upto);
+        chain.persisted = chain.persisted.max(upto);
     }
 }
