@@ -7,6 +7,7 @@ pub mod commands;
 pub mod config_file;
 pub mod engram_vocab;
 pub mod generation;
+pub mod kv_disk;
 pub mod scenario;
 pub mod simulate;
 pub mod step_cost;

@@ -77,19 +77,13 @@ pub struct TierCounters {
 }
 
 /// Settings of the tiers below the device pool.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TierConfig {
     /// Bytes of block values host memory may hold (0: no host tier).
     pub host_bytes: usize,
     /// A disk tier takes persisted blocks and offers fetched ones.
     pub disk: bool,
     pub persist: PersistRule,
-}
-
-impl Default for TierConfig {
-    fn default() -> Self {
-        Self { host_bytes: 0, disk: false, persist: PersistRule::default() }
-    }
 }
 
 /// A running request's cached blocks, in order from position 0, and what

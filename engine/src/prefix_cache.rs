@@ -151,6 +151,17 @@ struct Entry {
     expires_at_ms: u64,
 }
 
+/// What became of a block whose last reference went.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Released {
+    /// Cached, now evictable.
+    Kept,
+    /// Its TTL had run out: no longer cached; free it.
+    Expired(EvictedBlock),
+    /// It was never cached: free it.
+    NotCached,
+}
+
 /// A cached block that left the cache: the caller frees its pool blocks and
 /// moves its values to a lower tier, or drops them if it expired.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -331,22 +342,21 @@ impl PrefixCache {
 
     /// The last reference to this block went. The cache keeps it (it becomes
     /// the most recently used evictable block) unless it has expired at
-    /// `now_ms`: then it is returned and the caller frees it. `Err(())`: the
-    /// block is not cached at all; the caller frees it too.
-    pub fn unreferenced(&mut self, compressed: BlockId, now_ms: u64) -> Result<Option<EvictedBlock>, ()> {
+    /// `now_ms`; otherwise the caller frees it.
+    pub fn unreferenced(&mut self, compressed: BlockId, now_ms: u64) -> Released {
         let Some(hash) = self.by_block.get(&compressed).copied() else {
-            return Err(());
+            return Released::NotCached;
         };
         let e = self.entries.get_mut(&hash).expect("index and entries agree");
         debug_assert!(e.stamp.is_none());
         if e.expires_at_ms <= now_ms {
-            return Ok(Some(self.remove(hash, true)));
+            return Released::Expired(self.remove(hash, true));
         }
         let stamp = self.clock;
         self.clock += 1;
         e.stamp = Some(stamp);
         self.lru.insert(stamp, hash);
-        Ok(None)
+        Released::Kept
     }
 
     /// Forget the least recently used unreferenced block; the caller frees its pool blocks.
@@ -440,9 +450,9 @@ mod tests {
         // Same key, other content: a miss, not a wrong hit.
         assert_eq!(c.get(0, h1, h0, &[10, 10]), None);
         // Released tail first, so the tail is evicted first.
-        assert_eq!(c.unreferenced(BlockId(1), 0), Ok(None));
-        assert_eq!(c.unreferenced(BlockId(0), 0), Ok(None));
-        assert_eq!(c.unreferenced(BlockId(5), 0), Err(()), "not cached");
+        assert_eq!(c.unreferenced(BlockId(1), 0), Released::Kept);
+        assert_eq!(c.unreferenced(BlockId(0), 0), Released::Kept);
+        assert_eq!(c.unreferenced(BlockId(5), 0), Released::NotCached, "not cached");
         c.referenced(BlockId(1));
         assert_eq!(c.evict_lru().map(|e| (e.blocks, e.key, e.expired)), Some((blocks(0), h0, false)));
         assert_eq!(c.evict_lru(), None, "block 1 is referenced again");
@@ -463,9 +473,9 @@ mod tests {
         // A hit extends the head's TTL; the referenced tail stays until released.
         c.extend(BlockId(0), 500);
         assert!(c.expire(60).is_empty(), "both are referenced");
-        let gone = c.unreferenced(BlockId(1), 60).unwrap().expect("expired on release");
+        let Released::Expired(gone) = c.unreferenced(BlockId(1), 60) else { panic!("expired on release") };
         assert_eq!((gone.key, gone.expired), (h1, true));
-        assert_eq!(c.unreferenced(BlockId(0), 60), Ok(None));
+        assert_eq!(c.unreferenced(BlockId(0), 60), Released::Kept);
         assert!(c.expire(499).is_empty());
         assert_eq!(c.expire(500).iter().map(|e| e.key).collect::<Vec<_>>(), vec![h0]);
         assert_eq!((c.len(), c.stats.expired_blocks), (0, 2));
@@ -476,7 +486,7 @@ mod tests {
         let mut c = PrefixCache::new();
         for i in 0..3u32 {
             c.insert(u64::from(i) + 1, 0, &[i], blocks(i), NEVER);
-            c.unreferenced(BlockId(i), 0).unwrap();
+            assert_eq!(c.unreferenced(BlockId(i), 0), Released::Kept);
         }
         let since = c.clock();
         c.touch(BlockId(0));

@@ -40,7 +40,7 @@ fn evicted_blocks_come_back_from_host_memory_bit_identical() {
         run_one(&mut engine, &request(tokens(380, salt), 4, greedy()));
     }
     assert!(engine.scheduler().prefix_stats().evicted_blocks > 0);
-    assert!(engine.host_tier().len() > 0, "evicted blocks moved to host memory");
+    assert!(!engine.host_tier().is_empty(), "evicted blocks moved to host memory");
     let again = run_one(&mut engine, &first);
     assert_same(&again, &cold, "host hit");
     assert_same(&again, &run_alone(&model, &first), "host hit against no cache");

@@ -6,15 +6,18 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use deepinfer_engine::constraint::TokenConstraint;
-use deepinfer_engine::engine::{Engine, EngineConfig};
+use deepinfer_engine::engine::{Engine, EngineConfig, TierConfig};
 use deepinfer_engine::model::Model;
 use deepinfer_engine::request::{FinishReason, Finished, Request, RequestError, RequestId, RequestStatus, TokenOutput};
 use tokio::sync::mpsc;
 
+use super::cache_metrics;
 use super::metrics as m;
+use crate::kv_disk::worker::{Clock, DiskWorker, Fetched};
+use crate::kv_disk::CacheSetup;
 
 /// A request for the engine thread.
 pub struct Submission {
@@ -71,17 +74,77 @@ impl EngineHandle {
     }
 }
 
-/// Start the engine thread. `queue` bounds the submissions not yet taken
-/// by the engine (and the engine's own waiting queue).
-pub fn spawn(model: Arc<Model>, config: EngineConfig) -> anyhow::Result<(EngineHandle, JoinHandle<()>)> {
+/// Start the engine thread (and the disk tier's, if there is one). `queue`
+/// bounds the submissions not yet taken by the engine (and the engine's own
+/// waiting queue).
+pub fn spawn(
+    model: Arc<Model>,
+    config: EngineConfig,
+    cache: CacheSetup,
+) -> anyhow::Result<(EngineHandle, JoinHandle<()>)> {
     // Validate the configuration here, where the error can still be reported.
-    Engine::new(model.clone(), config.clone())?;
+    let block_tokens = Engine::new(model.clone(), config.clone())?.scheduler().layout().block_tokens;
     let (tx, rx) = mpsc::channel(config.max_waiting);
+    // The disk tier's index is rebuilt before serving starts.
+    let disk = cache.disk.as_ref().and_then(|d| {
+        match DiskWorker::start(model.clone(), block_tokens, d, cache.clock.clone()) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                eprintln!("deepinfer: warning: prompt cache disk tier not started: {e}");
+                None
+            }
+        }
+    });
+    let tiers = TierConfig { disk: disk.is_some(), ..cache.tiers };
     let thread = std::thread::Builder::new().name("engine".into()).spawn(move || {
-        let engine = crate::generation::new_engine(model, config).expect("validated above");
-        run(engine, rx);
+        let mut engine = crate::generation::new_engine(model, config).expect("validated above");
+        engine.configure_tiers(tiers);
+        run(engine, rx, disk, cache.clock);
     })?;
     Ok((EngineHandle { tx }, thread))
+}
+
+/// Waiting requests whose prefixes are looked for on disk per step.
+const FETCH_SCAN: usize = 16;
+
+/// Requests held while the disk tier reads their prefixes.
+#[derive(Default)]
+struct DiskSide {
+    pending: BTreeMap<RequestId, Instant>,
+}
+
+impl DiskSide {
+    /// Offer what the disk tier found; release the requests it was for.
+    fn absorb(&mut self, engine: &mut Engine, fetched: Fetched) {
+        cache_metrics::disk_load(fetched.latency, fetched.blocks.len());
+        engine.offer_blocks(fetched.blocks);
+        engine.hold(fetched.id, false);
+        self.pending.remove(&fetched.id);
+    }
+
+    /// Before a step: take finished fetches, start new ones for waiting requests.
+    fn before_step(&mut self, engine: &mut Engine, disk: &DiskWorker) {
+        while let Some(f) = disk.try_fetched() {
+            self.absorb(engine, f);
+        }
+        for (id, wanted) in engine.wanted_blocks(FETCH_SCAN) {
+            if disk.fetch(id, wanted) {
+                engine.hold(id, true);
+                self.pending.insert(id, Instant::now());
+            }
+        }
+    }
+
+    /// After a step: hand persisted blocks over; if only held requests are
+    /// left, wait a little for their fetches instead of spinning.
+    fn after_step(&mut self, engine: &mut Engine, disk: &mut DiskWorker) {
+        disk.write(engine.take_persist());
+        if !self.pending.is_empty() && engine.scheduler().num_running() == 0 {
+            if let Some(f) = disk.wait_fetched(Duration::from_millis(20)) {
+                self.absorb(engine, f);
+            }
+        }
+    }
 }
 
 /// A request in the engine.
@@ -96,9 +159,11 @@ struct Live {
     eos: u32,
 }
 
-fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>) {
+fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>, mut disk: Option<DiskWorker>, clock: Clock) {
     let eos = engine.model().config.eos_token_id;
     let mut live: BTreeMap<RequestId, Live> = BTreeMap::new();
+    let mut disk_side = DiskSide::default();
+    cache_metrics::update(&engine, disk.as_ref());
     loop {
         // Block only when there is nothing to step.
         if !engine.has_work() {
@@ -116,6 +181,10 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>) {
             if let Ok(f) = engine.cancel(id) {
                 m::finished(&f, l.arrived.elapsed(), l.sent);
             }
+        }
+        engine.set_now_ms(clock());
+        if let Some(d) = &disk {
+            disk_side.before_step(&mut engine, d);
         }
         if engine.has_work() {
             let updates = engine.step();
@@ -161,7 +230,11 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>) {
                 }
             }
         }
+        if let Some(d) = &mut disk {
+            disk_side.after_step(&mut engine, d);
+        }
         m::engine_gauges(engine.scheduler());
+        cache_metrics::update(&engine, disk.as_ref());
         if engine.scheduler().config().speculative.max_drafts() > 0 {
             m::speculative(engine.speculative_stats());
         }

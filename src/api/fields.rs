@@ -95,7 +95,10 @@ pub const CHAT_COMPLETIONS: &[Field] = &[
     refused("function_call", "deprecated by OpenAI; use `tool_choice`"),
     refused("web_search_options", NO_SERVER_TOOLS),
     refused("verbosity", "the model has no verbosity control"),
-    refused("prompt_cache_retention", "the prompt cache keeps entries while memory allows; no retention is promised"),
+    honoured(
+        "prompt_cache_retention",
+        "`in_memory`: cached in memory for an hour after last use, never on disk; `24h`: 24 hours, disk included",
+    ),
 ];
 
 /// OpenAI Responses (`POST /v1/responses`).
@@ -131,7 +134,10 @@ pub const RESPONSES: &[Field] = &[
     refused("include", "no extra output items are available"),
     refused("max_tool_calls", "not enforced; count the calls client-side"),
     refused("stream_options", "no stream options are supported for Responses"),
-    refused("prompt_cache_retention", "the prompt cache keeps entries while memory allows; no retention is promised"),
+    honoured(
+        "prompt_cache_retention",
+        "`in_memory`: cached in memory for an hour after last use, never on disk; `24h`: 24 hours, disk included",
+    ),
 ];
 
 /// Anthropic Messages (`POST /v1/messages`).
@@ -149,6 +155,10 @@ pub const MESSAGES: &[Field] = &[
     honoured("thinking", "enabled or disabled"),
     honoured("output_config", "`effort`; `format` json_schema enforced while sampling"),
     identifier("metadata"),
+    honoured(
+        "cache_control",
+        "`ttl` 5m (default) or 1h, here or on any block: the prompt stays cached that long after last use",
+    ),
     only("service_tier", &["\"auto\"", "\"standard_only\""], ONE_TIER),
     refused("container", NO_SERVER_TOOLS),
     refused("mcp_servers", NO_SERVER_TOOLS),

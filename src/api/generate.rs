@@ -35,7 +35,7 @@ use super::inference::{inference_stream, Inference};
 use super::protocols::Api;
 use super::tool_grammar::ToolSpec;
 use super::usage::{patch_reasoning_tokens, Counts, HeldTail, SharedCounts};
-use super::{fields, params, parse_object, AppState};
+use super::{fields, params, parse_object, retention, AppState};
 
 /// A protocol chunk of request type `P`.
 pub type ChunkOf<P> = <<<P as ProtocolRequest>::Response as ProtocolResponse>::ChunkGenerator as ChunkGenerator>::Chunk;
@@ -445,6 +445,11 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
     let forces_any_tool = P::forces_any_tool(&obj);
     let include_usage = P::include_usage(&obj).map_err(bad)?;
     let choices = params::choices(&mut obj).map_err(bad)?;
+    let retention = match flavor {
+        Flavor::OpenAi => retention::openai(&mut obj),
+        Flavor::Anthropic => retention::anthropic(&mut obj),
+    }
+    .map_err(bad)?;
     let grammar = P::rewrite(&mut obj).map_err(bad)?;
     let request: P = serde_json::from_value(Value::Object(obj)).map_err(|e| bad(format!("invalid request: {e}")))?;
     let mut converted = request.convert(state.conversion.clone()).map_err(|e| ApiError::conversion(flavor, e))?;
@@ -513,6 +518,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
     };
     let mut request = Request::new(prompt, max_tokens as usize).with_params(params);
     request.ignore_eos = ignore_eos;
+    request.retention = retention;
     let logprobs = options.logprobs;
     let n = state.counter.fetch_add(1, Ordering::Relaxed);
     let id = format!("{}{:016x}{:08x}", P::ID_PREFIX, mix(state.id_salt ^ n), n & 0xffff_ffff);

@@ -90,6 +90,7 @@ pub fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChu
                 }
                 Some(Event::Finished(f)) => {
                     s.ready(f.prompt_tokens, f.cached_tokens);
+                    s.counts.lock().expect("not poisoned").cached_by_tier = Some(f.cached_tokens_by_tier);
                     let finish_reason = match f.reason {
                         FinishReason::Stop => InferenceFinishReason::Stop,
                         FinishReason::Length => InferenceFinishReason::Length,

@@ -125,6 +125,7 @@ fn describe() {
     describe_histogram!(QUEUE_TIME, Unit::Seconds, "From request arrival to its first scheduled step");
     describe_histogram!(REQUEST_PROMPT_TOKENS, "Prompt tokens per finished request");
     describe_histogram!(REQUEST_GENERATION_TOKENS, "Generated tokens per finished request");
+    super::cache_metrics::describe();
     describe_counter!(SPEC_PROPOSED, "Draft tokens proposed by the draft head");
     describe_counter!(SPEC_DRAFTS, "Draft tokens the target verified");
     describe_counter!(SPEC_ACCEPTED, "Verified draft tokens the target accepted");

@@ -6,6 +6,7 @@
 //! ([`engine_thread`]), and its generated token ids are turned back into
 //! protocol chunks by the recipe's `StreamProcessor`.
 
+pub mod cache_metrics;
 pub mod completions;
 pub mod constraint;
 pub mod engine_thread;
@@ -16,6 +17,7 @@ pub mod inference;
 pub mod metrics;
 pub mod params;
 pub mod protocols;
+pub mod retention;
 pub mod tool_grammar;
 pub mod usage;
 pub mod utility;
@@ -68,6 +70,8 @@ pub struct ServeConfig {
     pub default_thinking: bool,
     /// Engine limits; `max_waiting` is the queue beyond which requests get 429.
     pub engine: EngineConfig,
+    /// The prompt cache's host and disk tiers.
+    pub cache: crate::kv_disk::CacheSetup,
 }
 
 /// Everything a handler needs; shared by all of them.
@@ -169,7 +173,10 @@ impl Server {
             }
         };
         metrics::set_model_name(&config.model_name);
-        let (engine, engine_thread) = engine_thread::spawn(Arc::new(model), config.engine.clone())?;
+        // Installed before the engine thread starts, which reports from its first moment.
+        let metrics_handle = metrics::handle();
+        let (engine, engine_thread) =
+            engine_thread::spawn(Arc::new(model), config.engine.clone(), config.cache.clone())?;
         let conversion = ConversionOptions::new()
             .with_model_versions_by_name([(config.model_name.clone(), ModelVersion::DeepseekV4Pro)])
             .with_default_thinking_mode(config.default_thinking)
@@ -188,7 +195,7 @@ impl Server {
             vocab,
             eos,
             bos,
-            metrics: metrics::handle(),
+            metrics: metrics_handle,
             created: now.as_secs(),
             counter: AtomicU64::new(0),
             id_salt: now.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32),

@@ -117,6 +117,8 @@ pub struct Counts {
     pub thinking: bool,
     /// Log-probability entries of the tokens held back to the end (see [`HeldTail`]).
     pub tail_logprobs: Vec<Value>,
+    /// Prompt tokens served by each cache tier (device, host, disk), once finished.
+    pub cached_by_tier: Option<[usize; 3]>,
 }
 
 pub type SharedCounts = Arc<Mutex<Counts>>;
@@ -140,6 +142,28 @@ impl Counts {
 pub fn patch_reasoning_tokens(value: &mut Value, counts: &Counts) {
     patch_tail_logprobs(value, counts);
     patch_reasoning_tokens_in(value, counts);
+    if let Some(tiers) = counts.cached_by_tier {
+        patch_cache_tiers(value, tiers, 0);
+    }
+}
+
+/// Every `usage` object gets `prompt_cache_tokens_by_tier`: the cached prompt
+/// tokens by the tier they came from (a deepinfer extension).
+fn patch_cache_tiers(value: &mut Value, tiers: [usize; 3], depth: usize) {
+    if depth > 4 {
+        return;
+    }
+    let Value::Object(map) = value else { return };
+    for (key, child) in map.iter_mut() {
+        match child {
+            Value::Object(usage) if key == "usage" => {
+                let by_tier = json!({"device": tiers[0], "host": tiers[1], "disk": tiers[2]});
+                usage.insert("prompt_cache_tokens_by_tier".into(), by_tier);
+            }
+            Value::Object(_) => patch_cache_tiers(child, tiers, depth + 1),
+            _ => {}
+        }
+    }
 }
 
 /// The held-back tokens' log-probabilities join the output that ended: in Chat

@@ -10,7 +10,11 @@ use deepinfer_engine::engine::EngineConfig;
 use crate::api::{ServeConfig, Server};
 use crate::cli::{EngineArgs, ModelArgs};
 use crate::generation::load_model;
+use crate::kv_disk::{system_clock, weights_identity, CacheSetup, DiskConfig};
 use crate::topology::Topology;
+use deepinfer_engine::engine::TierConfig;
+use deepinfer_engine::kv_tiers::PersistRule;
+use deepinfer_engine::request::MAX_CACHE_TTL_MS;
 
 #[derive(Args, Debug, Clone)]
 pub struct ServeArgs {
@@ -52,6 +56,52 @@ pub struct ServeArgs {
     pub max_tokens_limit: Option<u32>,
     #[command(flatten)]
     pub engine: EngineArgs,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+}
+
+/// The prompt cache's tiers below the KV pool.
+#[derive(Args, Debug, Clone)]
+pub struct CacheArgs {
+    /// Directory of the prompt cache's disk tier (a local disk, or a mount
+    /// several servers share); cached prompts survive restarts there. Off when absent.
+    #[arg(long)]
+    pub kv_cache_dir: Option<PathBuf>,
+    /// Most GiB of block files this server keeps in --kv-cache-dir.
+    #[arg(long, default_value_t = 64)]
+    pub kv_cache_disk_gib: u64,
+    /// Host memory for prompt cache blocks evicted from the KV pool, in MiB (0: none).
+    #[arg(long, default_value_t = 2048)]
+    pub host_cache_mib: usize,
+    /// How long a cached prompt stays servable after its last use, in seconds
+    /// (requests may ask for less or more: `prompt_cache_retention`, `cache_control.ttl`).
+    #[arg(long, default_value_t = 72 * 3600)]
+    pub prompt_cache_ttl_secs: u64,
+    /// Persist long prompts to disk every this many blocks, besides each prompt's and output's end.
+    #[arg(long, default_value_t = 16)]
+    pub persist_interval_blocks: usize,
+}
+
+impl CacheArgs {
+    /// The tiers these flags ask for, for a model loaded from `spec` with `seed`.
+    pub fn setup(&self, spec: &str, seed: u64) -> anyhow::Result<CacheSetup> {
+        let ttl_ms = self.prompt_cache_ttl_secs.saturating_mul(1000);
+        if !(1..=MAX_CACHE_TTL_MS).contains(&ttl_ms) {
+            bail!(
+                "--prompt-cache-ttl-secs must be 1 to {}, got {}",
+                MAX_CACHE_TTL_MS / 1000,
+                self.prompt_cache_ttl_secs
+            );
+        }
+        let disk = self.kv_cache_dir.as_ref().map(|dir| DiskConfig {
+            dir: dir.clone(),
+            capacity_bytes: self.kv_cache_disk_gib.saturating_mul(1 << 30),
+            weights_identity: weights_identity(spec, seed),
+        });
+        let host_bytes = self.host_cache_mib.saturating_mul(1 << 20);
+        let persist = PersistRule { interval_blocks: self.persist_interval_blocks };
+        Ok(CacheSetup { tiers: TierConfig { host_bytes, disk: disk.is_some(), persist }, disk, clock: system_clock() })
+    }
 }
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
@@ -60,7 +110,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         Some(path) => from_topology(path)?,
     };
     let loaded = load_model(&model_spec, args.source.model_seed, args.source.tokenizer.as_deref())?;
-    let config = serve_config(args, &loaded.name, loaded.model.config.max_position_embeddings)?;
+    let context = loaded.model.config.max_position_embeddings;
+    let config = serve_config(args, &loaded.name, context, (&model_spec, args.source.model_seed))?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("http").build()?;
     runtime.block_on(async move {
         let name = config.model_name.clone();
@@ -95,7 +146,12 @@ fn from_topology(path: &Path) -> anyhow::Result<(String, SocketAddr)> {
     Ok((model, listen))
 }
 
-fn serve_config(args: &ServeArgs, loaded_name: &str, context: usize) -> anyhow::Result<ServeConfig> {
+fn serve_config(
+    args: &ServeArgs,
+    loaded_name: &str,
+    context: usize,
+    (model_spec, model_seed): (&str, u64),
+) -> anyhow::Result<ServeConfig> {
     if args.max_concurrent_requests == 0
         || args.max_body_bytes == 0
         || args.max_tokens_limit == Some(0)
@@ -116,7 +172,12 @@ fn serve_config(args: &ServeArgs, loaded_name: &str, context: usize) -> anyhow::
         max_concurrent: args.max_concurrent_requests,
         max_tokens_limit: args.max_tokens_limit.unwrap_or(context.min(u32::MAX as usize) as u32),
         default_thinking: args.default_thinking,
-        engine: EngineConfig { max_waiting: args.max_queue, ..args.engine.to_config()? },
+        engine: EngineConfig {
+            max_waiting: args.max_queue,
+            cache_ttl_ms: args.cache.prompt_cache_ttl_secs.saturating_mul(1000),
+            ..args.engine.to_config()?
+        },
+        cache: args.cache.setup(model_spec, model_seed)?,
     })
 }
 

@@ -4,11 +4,14 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub struct Served {
     child: Child,
     pub base: String,
+    /// Everything the server wrote to stderr so far.
+    pub log: Arc<Mutex<Vec<String>>>,
 }
 
 impl Served {
@@ -20,20 +23,35 @@ impl Served {
 
     pub fn start_with_env(extra: &[&str], env: &[(&str, &str)]) -> Self {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_deepinfer"));
-        cmd.args(["serve", "--listen", "127.0.0.1:0"]).args(extra);
-        if !extra.contains(&"--model") {
-            cmd.args(["--model", "builtin:tiny-v4"]);
-        }
-        cmd.env_remove("DEEPINFER_API_KEY");
+        cmd.args(Self::serve_args(extra));
         for (k, v) in env {
             cmd.env(k, v);
         }
+        Self::start_command(cmd)
+    }
+
+    /// The arguments of `deepinfer serve` on a free port with `extra` flags.
+    pub fn serve_args(extra: &[&str]) -> Vec<String> {
+        let mut args: Vec<String> = ["serve", "--listen", "127.0.0.1:0"].iter().map(|s| s.to_string()).collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        if !extra.contains(&"--model") {
+            args.extend(["--model".to_string(), "builtin:tiny-v4".to_string()]);
+        }
+        args
+    }
+
+    /// Start a prepared command that runs the server (through a shell, say).
+    pub fn start_command(mut cmd: Command) -> Self {
+        cmd.env_remove("DEEPINFER_API_KEY");
         let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("the binary starts");
         let stderr = child.stderr.take().expect("piped");
         let (tx, rx) = std::sync::mpsc::channel();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let lines = log.clone();
         std::thread::spawn(move || {
             let mut tx = Some(tx);
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                lines.lock().unwrap().push(line.clone());
                 if let Some(addr) = line.split("on http://").nth(1) {
                     if let Some(tx) = tx.take() {
                         let _ = tx.send(addr.trim().to_string());
@@ -49,7 +67,7 @@ impl Served {
                 panic!("the server did not start; {:?}", child.wait());
             }
         };
-        Self { child, base: format!("http://{addr}") }
+        Self { child, base: format!("http://{addr}"), log }
     }
 
     pub fn url(&self, path: &str) -> String {

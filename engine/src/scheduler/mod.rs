@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::config::ModelConfig;
 use crate::kv_pool::{BlockId, BlockKind, BlockTable, KvLayout, KvPool, LayoutError, PoolStats};
-use crate::prefix_cache::{block_hash, CachedBlocks, EvictedBlock, PrefixCache, PrefixMode, PrefixStats};
+use crate::prefix_cache::{block_hash, CachedBlocks, EvictedBlock, PrefixCache, PrefixMode, PrefixStats, Released};
 use crate::request::{
     FinishReason, Finished, Request, RequestError, RequestId, RequestStatus, MAX_CACHE_TTL_MS, MAX_STOP_SEQUENCES,
     MAX_STOP_SEQUENCE_TOKENS, MAX_STOP_TOKEN_IDS,
@@ -804,12 +804,12 @@ impl Scheduler {
             }
             if left == 0 {
                 match self.cache.unreferenced(c, self.now_ms) {
-                    Ok(None) => {}
-                    Ok(Some(expired)) => {
+                    Released::Kept => {}
+                    Released::Expired(expired) => {
                         self.free_cached(expired.blocks);
                         self.dropped.push(expired);
                     }
-                    Err(()) => self.free_cached(CachedBlocks { compressed: c, indexer: ix }),
+                    Released::NotCached => self.free_cached(CachedBlocks { compressed: c, indexer: ix }),
                 }
             }
         }

@@ -129,7 +129,7 @@ impl Scheduler {
             self.pool.release(ix);
         }
         let kept = self.cache.unreferenced(compressed, self.now_ms);
-        assert!(matches!(kept, Ok(None)), "a live block stays cached");
+        assert_eq!(kept, crate::prefix_cache::Released::Kept, "a live block stays cached");
         adoption.block = Some(compressed);
         adoption
     }
