@@ -28,7 +28,9 @@ const INDEX_BLOCKS: usize = 100_000;
 
 fn prompt(model: &Model, salt: u32, len: usize) -> Vec<u32> {
     let vocab = model.config.vocab_size as u32 - 2;
-    (0..len as u32).map(|i| 2 + (i.wrapping_mul(2_654_435_761).wrapping_add(salt.wrapping_mul(40_503)) >> 7) % vocab).collect()
+    (0..len as u32)
+        .map(|i| 2 + (i.wrapping_mul(2_654_435_761).wrapping_add(salt.wrapping_mul(40_503)) >> 7) % vocab)
+        .collect()
 }
 
 fn with_tail(prefix: &[u32], model: &Model, tail: u32) -> Vec<u32> {
@@ -76,7 +78,8 @@ fn dd_read_mb_s(file: &Path, direct: bool) -> Option<f64> {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let spec = args.first().cloned().unwrap_or_else(|| "builtin:small-v4".into());
-    let dir = args.get(1).map(PathBuf::from).unwrap_or_else(|| std::env::temp_dir().join("deepinfer-bench-prompt-cache"));
+    let dir =
+        args.get(1).map(PathBuf::from).unwrap_or_else(|| std::env::temp_dir().join("deepinfer-bench-prompt-cache"));
     let _ = std::fs::remove_dir_all(&dir);
     let model = Arc::new(load_model(&spec, 0, None).expect("model").model);
     let probe = engine(&model, 1 << 30, TierConfig::default());
@@ -88,7 +91,9 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    println!("model {spec}, {threads} threads, blocks of {bt} tokens, prefix {PREFIX_TOKENS} + tail {TAIL_TOKENS} tokens");
+    println!(
+        "model {spec}, {threads} threads, blocks of {bt} tokens, prefix {PREFIX_TOKENS} + tail {TAIL_TOKENS} tokens"
+    );
 
     // Cold, then a device hit on the same engine; its blocks go to disk.
     let config = DiskConfig { dir: dir.clone(), capacity_bytes: 64 << 30, weights_identity: format!("{spec} seed 0") };
@@ -151,7 +156,9 @@ fn main() {
     println!("| prefix served from | TTFT ms | × cold | cached tokens (device/host/disk) |");
     println!("|---|---:|---:|---|");
     println!("| nothing (cold prefill) | {:.0} | 1.00 | 0/0/0 |", ms(cold));
-    for (name, t, s) in [("device (KV pool)", device, device_split), ("host memory", host, host_split), ("disk", disk, disk_split)] {
+    for (name, t, s) in
+        [("device (KV pool)", device, device_split), ("host memory", host, host_split), ("disk", disk, disk_split)]
+    {
         println!("| {name} | {:.0} | {:.2} | {}/{}/{} |", ms(t), ms(t) / ms(cold), s[0], s[1], s[2]);
     }
     println!();

@@ -429,3 +429,6 @@ pub fn weights_identity(spec: &str, seed: u64) -> String {
     files.sort();
     format!("{}|{}", dir.display(), files.join(","))
 }
+
+#[cfg(test)]
+mod tests;
