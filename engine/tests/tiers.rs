@@ -10,6 +10,7 @@ use deepinfer_engine::kv_tiers::block_file::{decode, encode, fingerprint, FileFa
 use deepinfer_engine::kv_tiers::{PersistRule, Tier};
 use deepinfer_engine::model::Model;
 use deepinfer_engine::prefix_cache::PrefixMode;
+use deepinfer_engine::presets::{build, Preset};
 use deepinfer_engine::request::{Request, Retention};
 use support::*;
 
@@ -98,60 +99,64 @@ fn ttl_expiry_follows_the_injected_clock_and_hits_refresh_it() {
 
 /// Write what `engine` hands out for disk into block files (in memory).
 fn persist(engine: &mut Engine<&Model>, fp: u64) -> Vec<(u64, Vec<u8>)> {
+    let bt = engine.scheduler().layout().block_tokens;
     engine
         .take_persist()
         .into_iter()
-        .map(|b| (b.key, encode(fp, 64, b.key, b.parent, &b.tokens, &b.values, b.ttl_ms, 0)))
+        .map(|b| (b.key, encode(fp, bt, b.key, b.parent, &b.tokens, &b.values, b.ttl_ms, 0)))
         .collect()
 }
 
 #[test]
 fn persisted_blocks_restore_a_fresh_engine_bit_identically() {
-    let model = tiny();
-    let fp = fingerprint(&model, "builtin:tiny-v4 seed 7", 64);
-    let disk = TierConfig { disk: true, persist: PersistRule { interval_blocks: 2 }, ..TierConfig::default() };
-    let r = request(tokens(400, 5), 6, greedy());
-    let mut first = Engine::new(&model, config(PrefixMode::Exact)).unwrap();
-    first.configure_tiers(disk);
-    let cold = run_one(&mut first, &r);
-    let files = persist(&mut first, fp);
-    // 400 prompt tokens: six full blocks, persisted at 2, 4 and the prompt's end; the
-    // output's blocks (none full here) at the finish.
-    assert_eq!(files.len(), 6);
-    assert!(persist(&mut first, fp).is_empty(), "each block is handed out once");
+    let models = [("tiny-v4", tiny()), ("tiny-v41", build(Preset::TinyV41, 2).expect("tiny-v41 builds"))];
+    for (name, model) in &models {
+        let fp = fingerprint(model, name, 64);
+        let disk = TierConfig { disk: true, persist: PersistRule { interval_blocks: 2 }, ..TierConfig::default() };
+        let r = request(tokens(400, 5), 6, greedy());
+        let mut first = Engine::new(model, config(PrefixMode::Exact)).unwrap();
+        first.configure_tiers(disk);
+        let bt = first.scheduler().layout().block_tokens;
+        let cold = run_one(&mut first, &r);
+        let files = persist(&mut first, fp);
+        // Every full block of the prompt, persisted at the intervals and the
+        // prompt's end; the output's blocks (none full here) at the finish.
+        assert_eq!(files.len(), 400 / bt, "{name}");
+        assert!(persist(&mut first, fp).is_empty(), "{name}: each block is handed out once");
 
-    // A new engine, as after a restart: nothing in memory.
-    let mut second = Engine::new(&model, config(PrefixMode::Exact)).unwrap();
-    second.configure_tiers(disk);
-    let id = second.add_request(r.clone()).unwrap();
-    let wanted = second.wanted_blocks(8);
-    assert_eq!(wanted.len(), 1);
-    assert_eq!(wanted[0].0, id);
-    assert_eq!(wanted[0].1.len(), 6);
-    assert!(second.wanted_blocks(8).is_empty(), "asked once");
-    second.hold(id, true);
-    let fetched: Vec<FetchedBlock> = wanted[0]
-        .1
-        .iter()
-        .map(|w| {
-            let bytes = &files.iter().find(|(k, _)| *k == w.key).expect("persisted").1;
-            let block = decode(&model, bytes, fp, 64).expect("a good file");
-            assert_eq!(block.tokens, w.tokens);
-            FetchedBlock {
-                key: w.key,
-                parent: block.header.parent,
-                tokens: block.tokens,
-                values: block.values,
-                expires_at_ms: u64::MAX,
-            }
-        })
-        .collect();
-    second.offer_blocks(fetched);
-    second.hold(id, false);
-    let mut done = second.run_to_completion();
-    let warm = done.remove(&id).unwrap();
-    assert_same(&warm, &cold, "disk hit after a restart");
-    assert_eq!(warm.finished.cached_tokens_by_tier, [0, 0, 384]);
+        // A new engine, as after a restart: nothing in memory.
+        let mut second = Engine::new(model, config(PrefixMode::Exact)).unwrap();
+        second.configure_tiers(disk);
+        let id = second.add_request(r.clone()).unwrap();
+        let wanted = second.wanted_blocks(8);
+        assert_eq!(wanted.len(), 1);
+        assert_eq!(wanted[0].0, id);
+        assert_eq!(wanted[0].1.len(), 400 / bt);
+        assert!(second.wanted_blocks(8).is_empty(), "asked once");
+        second.hold(id, true);
+        let fetched: Vec<FetchedBlock> = wanted[0]
+            .1
+            .iter()
+            .map(|w| {
+                let bytes = &files.iter().find(|(k, _)| *k == w.key).expect("persisted").1;
+                let block = decode(model, bytes, fp, bt).expect("a good file");
+                assert_eq!(block.tokens, w.tokens);
+                FetchedBlock {
+                    key: w.key,
+                    parent: block.header.parent,
+                    tokens: block.tokens,
+                    values: block.values,
+                    expires_at_ms: u64::MAX,
+                }
+            })
+            .collect();
+        second.offer_blocks(fetched);
+        second.hold(id, false);
+        let mut done = second.run_to_completion();
+        let warm = done.remove(&id).unwrap();
+        assert_same(&warm, &cold, &format!("{name}: disk hit after a restart"));
+        assert_eq!(warm.finished.cached_tokens_by_tier, [0, 0, 400 / bt * bt], "{name}");
+    }
 }
 
 #[test]
