@@ -1,5 +1,5 @@
 //! The prompt cache's tiers on CPU: time to first token of a request whose
-//! 4,096-token prefix is cold, on the device (the KV pool), in host memory,
+//! 4,032-token prefix is cold, on the device (the KV pool), in host memory,
 //! or on disk after a restart with the page cache dropped; the disk tier's
 //! restore bandwidth next to the disk's raw read bandwidth measured by `dd`
 //! in the same run; and the time to rebuild the disk index of 10⁵ blocks.
@@ -22,7 +22,9 @@ use deepinfer_engine::model::Model;
 use deepinfer_engine::prefix_cache::{block_hash, PrefixMode};
 use deepinfer_engine::request::Request;
 
-const PREFIX_TOKENS: usize = 4096;
+/// small-v4's context is 4,096 tokens: the largest whole-block prefix that
+/// leaves room for a private tail and one generated token.
+const PREFIX_TOKENS: usize = 4096 - 64;
 const TAIL_TOKENS: usize = 32;
 const INDEX_BLOCKS: usize = 100_000;
 
@@ -69,10 +71,10 @@ fn dd_read_mb_s(file: &Path, direct: bool) -> Option<f64> {
     let out = cmd.output().ok()?;
     let text = String::from_utf8_lossy(&out.stderr).to_string();
     let line = text.lines().find(|l| l.contains("copied"))?;
-    // "... bytes (...) copied, 0.9 s, 560 MB/s"
-    let (bytes, rest) = line.split_once(" bytes")?;
-    let secs: f64 = rest.split(", ").nth(1)?.trim_end_matches(" s").replace(',', ".").parse().ok()?;
-    Some(bytes.trim().parse::<f64>().ok()? / secs / 1e6)
+    // "1073741824 bytes (1.1 GB, 1.0 GiB) copied, 0.9 s, 1.2 GB/s"
+    let bytes: f64 = line.split_whitespace().next()?.parse().ok()?;
+    let secs: f64 = line.split("copied, ").nth(1)?.split(' ').next()?.replace(',', ".").parse().ok()?;
+    Some(bytes / secs / 1e6)
 }
 
 fn main() {

@@ -94,6 +94,15 @@ pub struct DiskTier {
     warned_at_ms: Option<u64>,
 }
 
+/// Threads reading shard directories when the index is rebuilt.
+const SCAN_THREADS: usize = 16;
+
+/// One file met by the index rebuild.
+enum ScanResult {
+    Found { used_ms: u64, key: u64, path: PathBuf, parent: u64, ttl_ms: u64, len: u64 },
+    Bad(PathBuf, FileFault),
+}
+
 /// Least time between two warnings about failing disk I/O.
 const WARNING_INTERVAL_MS: u64 = 60_000;
 
@@ -161,53 +170,77 @@ impl DiskTier {
     }
 
     /// Rebuild the index from the files' headers, oldest use first so the
-    /// least recently used order survives a restart.
+    /// least recently used order survives a restart. Shard directories are
+    /// read by several threads at once: a cold scan waits on the disk, not the CPU.
     fn scan(&mut self, now_ms: u64) {
-        let mut found: Vec<(u64, u64, PathBuf, block_file::Header, u64)> = Vec::new();
         let Ok(shards) = fs::read_dir(&self.root) else { return };
-        let mut shard_dirs: Vec<PathBuf> = shards.filter_map(Result::ok).map(|e| e.path()).collect();
+        let mut shard_dirs: Vec<PathBuf> = shards
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| p.is_dir() && p.file_name().is_some_and(|n| n != "tmp"))
+            .collect();
         shard_dirs.sort();
-        for shard in shard_dirs {
-            if shard.file_name().is_some_and(|n| n == "tmp") {
-                continue;
-            }
-            let Ok(files) = fs::read_dir(&shard) else { continue };
-            for entry in files.filter_map(Result::ok) {
-                let path = entry.path();
-                if path.extension().is_none_or(|e| e != "kvb") {
-                    continue;
+        let threads = SCAN_THREADS.min(shard_dirs.len()).max(1);
+        let this = &*self;
+        let mut results: Vec<ScanResult> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|t| {
+                    let mine: Vec<&PathBuf> = shard_dirs.iter().skip(t).step_by(threads).collect();
+                    scope.spawn(move || mine.into_iter().flat_map(|d| this.scan_shard(d)).collect::<Vec<_>>())
+                })
+                .collect();
+            handles.into_iter().flat_map(|h| h.join().expect("a scan thread")).collect()
+        });
+        results.sort_by_key(|r| match r {
+            ScanResult::Found { used_ms, key, .. } => (0, *used_ms, *key),
+            ScanResult::Bad(..) => (1, 0, 0),
+        });
+        for r in results {
+            match r {
+                ScanResult::Bad(path, fault) => {
+                    self.count_fault(&fault);
+                    let _ = fs::remove_file(&path);
                 }
-                match self.read_header_of(&path) {
-                    Err(None) => {} // unreadable now: left alone
-                    Ok((header, len, used_ms)) => {
-                        let named = path.file_stem().and_then(|s| u64::from_str_radix(&s.to_string_lossy(), 16).ok());
-                        if named != Some(header.key) {
-                            self.count_fault(&FileFault::Corrupt("named after another key".into()));
-                            let _ = fs::remove_file(&path);
-                            continue;
-                        }
-                        found.push((used_ms, header.key, path, header, len));
-                    }
-                    Err(Some(fault)) => {
-                        self.count_fault(&fault);
+                ScanResult::Found { used_ms, key, path, parent, ttl_ms, len } => {
+                    let expires = used_ms.saturating_add(ttl_ms);
+                    if expires <= now_ms {
+                        DiskStats::add(&self.stats.expired_blocks, 1);
                         let _ = fs::remove_file(&path);
+                        continue;
                     }
+                    let removed = self.index.insert(now_ms, key, parent, &[], len as usize, expires, ());
+                    self.remove_files(removed.unwrap_or_default());
                 }
             }
-        }
-        found.sort_by_key(|&(used, key, ..)| (used, key));
-        for (used_ms, key, path, header, len) in found {
-            let expires = used_ms.saturating_add(header.ttl_ms);
-            if expires <= now_ms {
-                DiskStats::add(&self.stats.expired_blocks, 1);
-                let _ = fs::remove_file(&path);
-                continue;
-            }
-            let removed = self.index.insert(now_ms, key, header.parent, &[], len as usize, expires, ());
-            self.remove_files(removed.unwrap_or_default());
         }
         DiskStats::add(&self.stats.indexed_at_start, self.index.len() as u64);
         self.publish();
+    }
+
+    /// The block files of one shard directory, read but not yet indexed.
+    fn scan_shard(&self, shard: &Path) -> Vec<ScanResult> {
+        let Ok(files) = fs::read_dir(shard) else { return Vec::new() };
+        let mut out = Vec::new();
+        for entry in files.filter_map(Result::ok) {
+            let path = entry.path();
+            if path.extension().is_none_or(|e| e != "kvb") {
+                continue;
+            }
+            match self.read_header_of(&path) {
+                Err(None) => {} // unreadable now: left alone
+                Err(Some(fault)) => out.push(ScanResult::Bad(path, fault)),
+                Ok((header, len, used_ms)) => {
+                    let named = path.file_stem().and_then(|s| u64::from_str_radix(&s.to_string_lossy(), 16).ok());
+                    if named != Some(header.key) {
+                        out.push(ScanResult::Bad(path, FileFault::Corrupt("named after another key".into())));
+                        continue;
+                    }
+                    let (key, parent, ttl_ms) = (header.key, header.parent, header.ttl_ms);
+                    out.push(ScanResult::Found { used_ms, key, path, parent, ttl_ms, len });
+                }
+            }
+        }
+        out
     }
 
     /// Header, length and last use of a block file; `Err(None)` if it cannot be read at all.
