@@ -133,7 +133,7 @@ fn main() {
     let read_before = (DiskStats::get(&stats.read_bytes), DiskStats::get(&stats.read_ns));
     let fetched = tier.fetch(&wanted, 3);
     let fetch_time = start.elapsed();
-    third.offer_blocks(fetched);
+    third.offer_blocks(id, fetched);
     let mut done = third.run_to_completion();
     let disk = start.elapsed();
     let disk_split = done.remove(&id).expect("finished").finished.cached_tokens_by_tier;

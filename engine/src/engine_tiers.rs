@@ -198,9 +198,13 @@ impl<M: Deref<Target = Model>> Engine<M> {
         out
     }
 
-    /// Blocks read from disk for waiting requests: into the device pool if
-    /// there is room, else host memory.
-    pub fn offer_blocks(&mut self, blocks: Vec<FetchedBlock>) {
+    /// Blocks read from disk for waiting request `id`: into the device pool
+    /// if there is room (never evicting the blocks of its prefix already
+    /// there), else host memory.
+    pub fn offer_blocks(&mut self, id: RequestId, blocks: Vec<FetchedBlock>) {
+        if self.scheduler.status(id).is_some() {
+            self.touch_device_prefix(id);
+        }
         let spare_since = self.scheduler.eviction_clock();
         for b in blocks {
             let values = Arc::new(b.values);
@@ -222,6 +226,21 @@ impl<M: Deref<Target = Model>> Engine<M> {
                 }
             }
         }
+    }
+
+    /// Make the leading device-cached blocks of `id`'s prefix the most
+    /// recently used, so bringing up the rest does not evict them.
+    /// Returns how many leading blocks the device holds.
+    fn touch_device_prefix(&mut self, id: RequestId) -> usize {
+        let blocks = self.scheduler.prefix_blocks(id);
+        for k in 0..blocks {
+            let (key, parent, tokens) = self.scheduler.prefix_block(id, k);
+            match self.scheduler.cached_block(key, parent, tokens) {
+                Some(b) => self.scheduler.touch_cached(b),
+                None => return k,
+            }
+        }
+        blocks
     }
 
     /// Blocks that left the device pool: expired ones are dropped, evicted
@@ -251,20 +270,22 @@ impl<M: Deref<Target = Model>> Engine<M> {
             return;
         }
         let now = self.scheduler.now_ms();
+        let waiting: Vec<RequestId> =
+            self.scheduler.waiting(PROMOTE_SCAN).into_iter().filter(|&id| !self.scheduler.is_held(id)).collect();
+        // Every scanned request's device-held head is spared, not only the first's.
+        let heads: Vec<usize> = waiting.iter().map(|&id| self.touch_device_prefix(id)).collect();
         let spare_since = self.scheduler.eviction_clock();
-        for id in self.scheduler.waiting(PROMOTE_SCAN) {
-            if self.scheduler.is_held(id) {
-                continue;
-            }
+        for (id, head) in waiting.into_iter().zip(heads) {
             let keep_until = now.saturating_add(self.scheduler.cache_ttl_ms(id));
-            for (key, parent, tokens) in self.scheduler.prefix_keys(id) {
-                if let Some(b) = self.scheduler.cached_block(key, parent, &tokens) {
-                    self.scheduler.touch_cached(b);
+            for k in head..self.scheduler.prefix_blocks(id) {
+                let (key, parent, tokens) = self.scheduler.prefix_block(id, k);
+                if self.scheduler.cached_block(key, parent, tokens).is_some() {
                     continue;
                 }
-                if self.tiers.host.hit(now, key, parent, &tokens, keep_until).is_none() {
+                if self.tiers.host.hit(now, key, parent, tokens, keep_until).is_none() {
                     break;
                 }
+                let tokens = tokens.to_vec();
                 let taken = self.tiers.host.take(key).expect("just hit");
                 let adoption = self.scheduler.adopt(key, parent, &tokens, taken.expires_at_ms, spare_since);
                 self.on_evicted(adoption.evicted);

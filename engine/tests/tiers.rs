@@ -45,6 +45,7 @@ fn evicted_blocks_come_back_from_host_memory_bit_identical() {
     let again = run_one(&mut engine, &first);
     assert_same(&again, &cold, "host hit");
     assert_same(&again, &run_alone(&model, &first), "host hit against no cache");
+    assert_eq!(again.finished.cached_tokens, 380 / 64 * 64, "the whole prefix, from whichever tier held each block");
     let by_tier = again.finished.cached_tokens_by_tier;
     assert!(by_tier[Tier::Host.index()] > 0, "served from host: {by_tier:?}");
     assert_eq!(by_tier.iter().sum::<usize>(), again.finished.cached_tokens);
@@ -150,7 +151,7 @@ fn persisted_blocks_restore_a_fresh_engine_bit_identically() {
                 }
             })
             .collect();
-        second.offer_blocks(fetched);
+        second.offer_blocks(id, fetched);
         second.hold(id, false);
         let mut done = second.run_to_completion();
         let warm = done.remove(&id).unwrap();

@@ -106,6 +106,8 @@ pub fn spawn(
 
 /// Waiting requests whose prefixes are looked for on disk per step.
 const FETCH_SCAN: usize = 16;
+/// Longest a request is held for its disk fetch; then it runs without it.
+const FETCH_WAIT_MAX: Duration = Duration::from_secs(10);
 
 /// Requests held while the disk tier reads their prefixes.
 #[derive(Default)]
@@ -117,7 +119,7 @@ impl DiskSide {
     /// Offer what the disk tier found; release the requests it was for.
     fn absorb(&mut self, engine: &mut Engine, fetched: Fetched) {
         cache_metrics::disk_load(fetched.latency, fetched.blocks.len());
-        engine.offer_blocks(fetched.blocks);
+        engine.offer_blocks(fetched.id, fetched.blocks);
         engine.hold(fetched.id, false);
         self.pending.remove(&fetched.id);
     }
@@ -126,6 +128,13 @@ impl DiskSide {
     fn before_step(&mut self, engine: &mut Engine, disk: &DiskWorker) {
         while let Some(f) = disk.try_fetched() {
             self.absorb(engine, f);
+        }
+        // A fetch that never answers must not hold its request forever.
+        let late: Vec<RequestId> =
+            self.pending.iter().filter(|(_, at)| at.elapsed() > FETCH_WAIT_MAX).map(|(&id, _)| id).collect();
+        for id in late {
+            engine.hold(id, false);
+            self.pending.remove(&id);
         }
         for (id, wanted) in engine.wanted_blocks(FETCH_SCAN) {
             if disk.fetch(id, wanted) {

@@ -70,6 +70,22 @@ impl Scheduler {
             .collect()
     }
 
+    /// Full blocks before `id`'s last token (those a hit can serve), their keys computed.
+    pub fn prefix_blocks(&mut self, id: RequestId) -> usize {
+        let bt = self.layout().block_tokens;
+        let seq: &mut Seq = self.seqs.get_mut(&id).expect("known request");
+        let blocks = (seq.tokens.len() - 1) / bt;
+        seq.extend_hashes(blocks, bt);
+        blocks
+    }
+
+    /// Key, parent key and tokens of block `k < prefix_blocks(id)` of `id`.
+    pub fn prefix_block(&self, id: RequestId, k: usize) -> (u64, u64, &[u32]) {
+        let bt = self.layout().block_tokens;
+        let seq = self.seq(id);
+        (seq.hashes[k], if k == 0 { 0 } else { seq.hashes[k - 1] }, &seq.tokens[k * bt..(k + 1) * bt])
+    }
+
     /// Key and parent key of block `k` of `id`, once its hash is known.
     pub fn block_key(&self, id: RequestId, k: usize) -> Option<(u64, u64)> {
         let seq = self.seqs.get(&id)?;
