@@ -3,8 +3,11 @@
 //! shards on one current-thread runtime with a virtual clock, a simulated
 //! fabric and modelled full-size devices — and report what it did.
 
+pub mod cache_report;
 pub mod plots;
 pub mod report;
+pub mod sessions;
+pub mod sweep;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,6 +21,7 @@ use deepinfer_actors::drafting::DraftTotals;
 use deepinfer_actors::faults::FaultPlan;
 use deepinfer_actors::modelled::ModelledSpec;
 use deepinfer_actors::sim::{Link, Partition};
+use deepinfer_actors::tiers::{Admission, TierTotals, TIERS};
 use deepinfer_actors::{Cluster, ClusterConfig, Update};
 use deepinfer_engine::cost::Efficiency;
 use deepinfer_engine::prefix_cache::PrefixMode;
@@ -41,6 +45,10 @@ pub struct Trace {
     pub tokens: usize,
     pub cached_tokens: usize,
     pub end: Option<End>,
+    /// With cache tiers: prompt tokens each tier served at its first admission, and how long
+    /// it waited for lower tiers.
+    pub cached_by_tier: Option<[usize; TIERS]>,
+    pub tier_load_us: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -81,6 +89,19 @@ pub struct RunData {
     pub rebuilt: u64,
     /// What speculative decoding did, when on.
     pub drafts: Option<DraftTotals>,
+    /// What the cache tiers did, when configured.
+    pub tiers: Option<TierRun>,
+}
+
+/// The cache tiers' side of a run.
+#[derive(Clone, Debug, Default)]
+pub struct TierRun {
+    pub admissions: Vec<Admission>,
+    pub totals: TierTotals,
+    /// What an unbounded cache without TTLs would serve of the arrivals.
+    pub ideal_hit_rate: f64,
+    /// Bytes of one prefix block of the modelled model.
+    pub block_bytes: f64,
 }
 
 /// The requests of a scenario, in arrival order.
@@ -108,6 +129,7 @@ pub fn arrivals(s: &Scenario) -> anyhow::Result<Vec<Arrival>> {
             }
             all
         }
+        Traffic::Sessions(x) => sessions::arrivals(x, s.duration_s, s.seed),
     };
     out.retain(|a| a.at_us < until_us);
     Ok(out)
@@ -160,6 +182,7 @@ pub fn cluster_config(s: &Scenario, seed: u64) -> ClusterConfig {
         block_tokens: Some(s.block_tokens),
         max_waiting: 1 << 20,
         speculative: s.speculative.as_ref().map(|d| d.config).unwrap_or_default(),
+        cache_ttl_ms: s.cache.as_ref().map_or(deepinfer_engine::request::DEFAULT_CACHE_TTL_MS, |c| c.tiers.ttl_ms),
         ..EngineConfig::default()
     };
     cfg.modelled = Some(ModelledSpec {
@@ -175,6 +198,8 @@ pub fn cluster_config(s: &Scenario, seed: u64) -> ClusterConfig {
         batch_tokens_per_device: s.batch_tokens_per_device,
         decode_steps_per_event: s.decode_steps_per_event,
         drafting: s.speculative.clone(),
+        device_kv_bytes: s.cache.as_ref().and_then(|c| c.device_kv_bytes),
+        tiers: s.cache.as_ref().map(|c| c.tiers.clone()),
         seed,
     });
     // Modelled steps take up to seconds (long prefills): only a silence much
@@ -447,6 +472,22 @@ async fn drive(
     }
     let samples = kv_samples.max(1) as f64;
     let drafts = c.modelled().filter(|m| m.drafting().is_some()).map(|m| m.drafts.totals());
+    let tiers = c.modelled().and_then(|m| {
+        let t = m.tiers.as_ref()?;
+        let admissions = t.admissions();
+        for a in &admissions {
+            if let Some(&i) = ids.get(&a.request) {
+                traces[i].cached_by_tier = Some(a.by_tier);
+                traces[i].tier_load_us = a.load_us;
+            }
+        }
+        Some(TierRun {
+            admissions,
+            totals: t.totals(),
+            ideal_hit_rate: sessions::ideal_hit_rate(arrivals),
+            block_bytes: t.block_bytes,
+        })
+    });
     RunData {
         traces,
         buckets,
@@ -462,5 +503,6 @@ async fn drive(
         restarts: 0,
         rebuilt: 0,
         drafts,
+        tiers,
     }
 }
