@@ -33,8 +33,6 @@ struct Load {
 pub(super) struct TierGlue {
     /// Device blocks brought up from a lower tier and not hit yet.
     promoted: BTreeMap<BlockId, SimTier>,
-    /// Waiting requests already looked up.
-    asked: BTreeSet<RequestId>,
     loading: BTreeMap<RequestId, Load>,
     /// How long each request was held, until its first admission.
     waited: BTreeMap<RequestId, u64>,
@@ -80,11 +78,12 @@ impl SchedulerState {
         self.arm_tier_wakeups(now_us);
     }
 
-    /// Start reading the lower-tier prefix of waiting requests not looked up yet.
+    /// Start reading the lower-tier prefix of waiting requests (again, if
+    /// what the device held of it has gone down since).
     fn look_up_waiting(&mut self, tiers: &ModelledTiers, now_us: u64) {
         let now_ms = now_us / 1000;
         for rid in self.policy.waiting(LOOKUP_SCAN) {
-            if !self.tier_glue.asked.insert(rid) || !self.by_rid.contains_key(&rid) {
+            if self.tier_glue.loading.contains_key(&rid) || !self.by_rid.contains_key(&rid) {
                 continue;
             }
             let mut counts = [0usize; TIERS];
@@ -107,29 +106,38 @@ impl SchedulerState {
     }
 
     /// Bring `rid`'s prefix up: device blocks kept warm, the rest adopted
-    /// from the fastest tier holding each, until one is missing or the pool is full.
+    /// from the fastest tier holding each, until one is missing or the pool
+    /// is full. Its whole prefix goes into `recent` (modelled blocks hold no
+    /// values), so its restore needs no fetch that could overtake the store
+    /// of the adopted blocks.
     fn adopt_prefix(&mut self, tiers: &ModelledTiers, rid: RequestId, step: u64) {
         let now_ms = self.now_us() / 1000;
         let ttl = self.policy.cache_ttl_ms(rid);
         let spare_since = self.policy.eviction_clock();
-        let mut stores = Vec::new();
+        let (mut stores, mut gone) = (Vec::new(), Vec::new());
         for (key, parent, tokens) in self.policy.prefix_keys(rid) {
             if let Some(b) = self.policy.cached_block(key, parent, &tokens) {
                 self.policy.touch_cached(b);
+                self.recent.insert(key, (Vec::new(), Vec::new()));
                 continue;
             }
             let Some(tier) = tiers.locate(self.instance, now_ms, key, parent) else { break };
             let found = Found { key, parent, tier };
             let adoption = self.policy.adopt(key, parent, &tokens, now_ms.saturating_add(ttl), spare_since);
             self.tiers_evicted(&adoption.evicted);
+            gone.extend(adoption.evicted.iter().filter_map(|e| self.cached.remove(&e.blocks.compressed)));
             let Some(b) = adoption.block else { break };
-            if !tiers.take_up(self.instance, now_ms, &found) {
-                break;
-            }
+            // Counted and moved up (what the evictions just made room for may have pushed it out
+            // of its tier already: it is on the device now either way).
+            tiers.take_up(self.instance, now_ms, &found);
             self.tier_glue.promoted.insert(b, tier);
             self.cached.insert(b, key);
             self.recent.insert(key, (Vec::new(), Vec::new()));
             stores.push(StoredBlock { hash: key, parent, tokens, lens: Vec::new() });
+        }
+        if !gone.is_empty() {
+            let msg = CacheMsg::Evict { instance: self.instance, step, hashes: gone };
+            self.ctx.send(self.addr, self.cache, Message::Cache(msg), &[]);
         }
         if !stores.is_empty() {
             let msg = CacheMsg::Store { instance: self.instance, step, blocks: stores };
@@ -188,7 +196,6 @@ impl SchedulerState {
         if !self.tier_glue.counted.insert(it.id) {
             return;
         }
-        self.tier_glue.asked.remove(&it.id);
         let bt = self.ctx.block_tokens;
         let mut by_tier = [0usize; TIERS];
         for b in hit {
