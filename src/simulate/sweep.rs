@@ -83,8 +83,16 @@ pub fn cache_sweep(s: &Scenario, scales: &[f64], seed: Option<u64>, threads: usi
     let Some(c) = &s.cache else {
         anyhow::bail!("{}: a cache sweep needs a [cache] table", s.file);
     };
+    // A configuration that adds a tier the file does not size would repeat the one before.
+    let sized = [c.tiers.host_bytes, c.tiers.disk_bytes, c.tiers.shared_bytes].map(|b| b >= 1.0);
+    let configs: Vec<(&str, [bool; 3])> = CONFIGS
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i == 0 || sized[i - 1])
+        .map(|(_, &(name, tiers))| (name, tiers))
+        .collect();
     let jobs: Vec<(&str, [bool; 3], f64)> =
-        CONFIGS.iter().flat_map(|&(name, tiers)| scales.iter().map(move |&x| (name, tiers, x))).collect();
+        configs.iter().flat_map(|&(name, tiers)| scales.iter().map(move |&x| (name, tiers, x))).collect();
     let mut results: Vec<Option<anyhow::Result<SweepRow>>> = (0..jobs.len()).map(|_| None).collect();
     for chunk in (0..jobs.len()).collect::<Vec<_>>().chunks(threads.max(1)) {
         let done: Vec<(usize, anyhow::Result<SweepRow>)> = std::thread::scope(|scope| {
