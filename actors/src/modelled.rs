@@ -113,8 +113,7 @@ impl Modelled {
         };
         let tiers = spec.tiers.clone().map(|t| {
             let per_node = topology.per_node.max(1);
-            let nodes: Vec<u32> =
-                (0..topology.instances).map(|i| topology.size_of(i).div_ceil(per_node)).collect();
+            let nodes: Vec<u32> = (0..topology.instances).map(|i| topology.size_of(i).div_ceil(per_node)).collect();
             let block_bytes = kv_bytes_per_token(&model) * t.block_tokens as f64;
             ModelledTiers::new(t, block_bytes, &nodes)
         });

@@ -254,7 +254,11 @@ impl ModelledTiers {
             Some(host) => {
                 let Ok(removed) = host.insert(now_ms, key, parent, &[], bytes, expires_at_ms, ()) else { return };
                 t.written_blocks[SimTier::Host.index()] += 1;
-                removed.into_iter().filter(|r| r.why == Departure::Evicted).map(|r| (r.key, r.parent, r.expires_at_ms)).collect()
+                removed
+                    .into_iter()
+                    .filter(|r| r.why == Departure::Evicted)
+                    .map(|r| (r.key, r.parent, r.expires_at_ms))
+                    .collect()
             }
             None => vec![(key, parent, expires_at_ms)],
         };

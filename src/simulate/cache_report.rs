@@ -5,6 +5,7 @@
 use deepinfer_actors::tiers::{SimTier, TIERS};
 use serde::Serialize;
 
+use super::plots::Line;
 use super::report::Percentiles;
 use super::{End, RunData};
 use crate::scenario::Scenario;
@@ -99,14 +100,16 @@ impl CacheReport {
                 series.resize(slot + 1, (0, [0; TIERS]));
             }
             series[slot].0 += a.prompt_tokens as u64;
-            for t in 0..TIERS {
-                by[t] += a.by_tier[t] as u64;
-                series[slot].1[t] += a.by_tier[t] as u64;
+            for (t, &n) in a.by_tier.iter().enumerate() {
+                by[t] += n as u64;
+                series[slot].1[t] += n as u64;
             }
         }
         let rate = |n: u64, of: u64| if of == 0 { 0.0 } else { n as f64 / of as f64 };
-        let mut groups: Vec<(String, Vec<f64>, f64, f64)> =
-            ["device", "host", "disk", "shared", "miss"].iter().map(|n| (n.to_string(), Vec::new(), 0.0, 0.0)).collect();
+        let mut groups: Vec<(String, Vec<f64>, f64, f64)> = ["device", "host", "disk", "shared", "miss"]
+            .iter()
+            .map(|n| (n.to_string(), Vec::new(), 0.0, 0.0))
+            .collect();
         for t in &d.traces {
             let (Some(split), Some(End::Completed), Some(first)) = (&t.cached_by_tier, &t.end, t.first_token_us) else {
                 continue;
@@ -173,12 +176,13 @@ impl CacheReport {
             pct(self.ideal_hit_rate)
         );
         md += "| tier | capacity | hit rate | loaded blocks (GiB) | written | writes dropped | evicted | expired |\n|---|---|---|---|---|---|---|---|\n";
+        let gib = |x: f64| if x < 10.0 { format!("{x:.1} GiB") } else { format!("{x:.0} GiB") };
         for t in SimTier::ALL {
             let cap = match t {
                 SimTier::Device => "KV pool".to_string(),
-                SimTier::Host => format!("{:.0} GiB/node", self.host_gib_per_node),
-                SimTier::Disk => format!("{:.0} GiB/node", self.disk_gib_per_node),
-                SimTier::Shared => format!("{:.0} GiB", self.shared_gib),
+                SimTier::Host => format!("{}/node", gib(self.host_gib_per_node)),
+                SimTier::Disk => format!("{}/node", gib(self.disk_gib_per_node)),
+                SimTier::Shared => gib(self.shared_gib),
             };
             md += &format!(
                 "| {} | {cap} | {} | {} ({:.1}) | {} | {} | {} | {} |\n",
@@ -208,9 +212,9 @@ impl CacheReport {
     }
 
     /// Hit rate per tier over time, as lines for [`super::plots::line_chart`].
-    pub fn lines(&self) -> Vec<(&'static str, &'static str, Vec<(f64, f64)>)> {
+    pub fn lines(&self) -> Vec<Line<'static>> {
         let colours = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"];
-        let mut lines: Vec<(&'static str, &'static str, Vec<(f64, f64)>)> = SimTier::ALL
+        let mut lines: Vec<Line<'static>> = SimTier::ALL
             .iter()
             .zip(colours)
             .map(|(&t, c)| (t.name(), c, self.series.iter().map(|p| (p.t_s, p.hit_rate.get(t) * 100.0)).collect()))

@@ -54,12 +54,11 @@ pub fn arrivals(s: &Sessions, duration_s: f64, seed: u64) -> Vec<Arrival> {
                 next_id += 1;
             }
             if at_us < end_us {
-                out.push((at_us, session * 4096 + turn as u64, Arrival {
+                out.push((
                     at_us,
-                    input_tokens,
-                    output_tokens: output,
-                    prefix_blocks: prefix_blocks.clone(),
-                }));
+                    session * 4096 + turn as u64,
+                    Arrival { at_us, input_tokens, output_tokens: output, prefix_blocks: prefix_blocks.clone() },
+                ));
             }
             prefix_blocks.truncate(input_tokens / bt);
             history = prefix_blocks;

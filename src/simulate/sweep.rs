@@ -63,8 +63,7 @@ fn row(config: &str, scale: f64, s: &Scenario, r: &Report) -> SweepRow {
     let c = s.cache.as_ref().expect("a variant has a cache");
     let device: f64 = r.instances.iter().map(|i| i.kv_budget_gib).sum();
     let nodes = s.nodes() as f64;
-    let capacity_gib =
-        device + (c.tiers.host_bytes + c.tiers.disk_bytes) * nodes / GIB + c.tiers.shared_bytes / GIB;
+    let capacity_gib = device + (c.tiers.host_bytes + c.tiers.disk_bytes) * nodes / GIB + c.tiers.shared_bytes / GIB;
     let cache = r.cache.as_ref();
     SweepRow {
         config: config.to_string(),
