@@ -242,6 +242,13 @@ pub struct TrafficSpec {
     /// Sessions: how many different system prompts the shared ones are.
     #[serde(default = "one")]
     pub system_prompts: Spanned<u32>,
+    /// Sessions: the share of conversations already under way when the run
+    /// starts (their earlier turns are in the shared store, not in HBM)…
+    #[serde(default)]
+    pub resumed_fraction: Option<Spanned<f64>>,
+    /// …and the tokens of their history.
+    #[serde(default)]
+    pub history: Option<Spanned<LengthSpec>>,
 }
 
 fn default_burst() -> f64 {
@@ -364,6 +371,11 @@ pub struct Sessions {
     pub shared_fraction: f64,
     /// …one of this many.
     pub system_prompts: u32,
+    /// Conversations under way before the run: this share of sessions
+    /// brings a history of `history` tokens, written to the shared store
+    /// earlier (see [`crate::simulate::sessions`]).
+    pub resumed_fraction: f64,
+    pub history: Lengths,
 }
 
 /// A fault at a simulated time.
@@ -610,6 +622,14 @@ impl Scenario {
             return Err(err(0..0, "key `traffic.shared_fraction`: must be in [0, 1]".into()));
         }
         if t.kind == TrafficKind::Sessions {
+            let resumed_fraction = match &t.resumed_fraction {
+                None => 0.0,
+                Some(f) if (0.0..=1.0).contains(f.get_ref()) => *f.get_ref(),
+                Some(f) => return Err(err(f.span(), "must be in [0, 1]".into())),
+            };
+            if resumed_fraction > 0.0 && t.history.is_none() {
+                return Err(err(0..0, "key `traffic.history`: resumed sessions need history lengths".into()));
+            }
             let system_prompts = *t.system_prompts.get_ref();
             if !(1..=1_000_000).contains(&system_prompts) {
                 return Err(err(t.system_prompts.span(), "must be 1 to 1000000".into()));
@@ -623,6 +643,11 @@ impl Scenario {
                 system_prompt_tokens: t.shared_prefix_tokens,
                 shared_fraction: t.shared_fraction,
                 system_prompts,
+                resumed_fraction,
+                history: match &t.history {
+                    Some(_) => lengths(&t.history, "history")?,
+                    None => Lengths::Fixed(1),
+                },
             }));
         }
         let pattern = match t.kind {

@@ -156,6 +156,8 @@ pub struct TierTotals {
     /// Blocks written to each tier (demotions, write-through) and writes dropped for a full queue.
     pub written_blocks: [u64; TIERS],
     pub dropped_writes: [u64; TIERS],
+    /// Blocks placed in the shared store as written before the run.
+    pub preloaded_blocks: u64,
     /// The tier indexes' own counters, summed over instances.
     pub stats: [TierStats; TIERS],
     /// Bytes held at the end, summed over instances.
@@ -294,6 +296,19 @@ impl ModelledTiers {
         }
         if s.index.insert(now_ms, key, parent, &[], bytes, expires, ()).is_ok() {
             g.totals.written_blocks[SimTier::Shared.index()] += 1;
+        }
+    }
+
+    /// A block written to the shared store before the simulated time
+    /// (traffic already under way when a run starts): no bandwidth, no write counted.
+    pub fn preload(&self, now_ms: u64, key: u64, parent: u64) {
+        let bytes = self.bytes();
+        let expires = now_ms.saturating_add(self.spec.ttl_ms);
+        let g = &mut *self.lock();
+        if let Some(s) = &mut g.shared {
+            if s.index.insert(now_ms, key, parent, &[], bytes, expires, ()).is_ok() {
+                g.totals.preloaded_blocks += 1;
+            }
         }
     }
 

@@ -77,6 +77,8 @@ pub struct CacheReport {
     pub evicted_blocks: PerTier<u64>,
     pub expired_blocks: PerTier<u64>,
     pub used_gib_at_end: PerTier<f64>,
+    /// Blocks of conversations under way before the run, placed in the shared store.
+    pub preloaded_blocks: u64,
     pub ttft_by_source: Vec<SourceLatency>,
     pub series: Vec<TierPoint>,
 }
@@ -152,6 +154,7 @@ impl CacheReport {
             evicted_blocks: PerTier::from_fn(|t| tt.stats[t.index()].evicted_blocks),
             expired_blocks: PerTier::from_fn(|t| tt.stats[t.index()].expired_blocks),
             used_gib_at_end: PerTier::from_fn(|t| tt.used_bytes[t.index()] / GIB),
+            preloaded_blocks: tt.preloaded_blocks,
             ttft_by_source,
             series: series
                 .into_iter()
@@ -175,6 +178,12 @@ impl CacheReport {
             pct(self.hit_rate),
             pct(self.ideal_hit_rate)
         );
+        if self.preloaded_blocks > 0 {
+            md += &format!(
+                "Histories of conversations under way before the run: {} blocks in the shared store.\n\n",
+                self.preloaded_blocks
+            );
+        }
         md += "| tier | capacity | hit rate | loaded blocks (GiB) | written | writes dropped | evicted | expired |\n|---|---|---|---|---|---|---|---|\n";
         let gib = |x: f64| if x < 10.0 { format!("{x:.1} GiB") } else { format!("{x:.0} GiB") };
         for t in SimTier::ALL {

@@ -135,6 +135,15 @@ pub fn arrivals(s: &Scenario) -> anyhow::Result<Vec<Arrival>> {
     Ok(out)
 }
 
+/// Whole blocks of each arrival's prompt written to the shared store before
+/// the run (resumed sessions), by arrival.
+pub fn earlier_blocks(s: &Scenario) -> Vec<usize> {
+    match &s.traffic {
+        Traffic::Sessions(x) => sessions::generate(x, s.duration_s, s.seed).1,
+        _ => Vec::new(),
+    }
+}
+
 /// Prompt tokens for an arrival: each 512-token block's content is a function
 /// of its id, so equal id prefixes are equal token prefixes (prefix-cache hits).
 pub fn prompt_of(a: &Arrival, vocab: usize, unique: u64) -> Vec<u32> {
@@ -315,12 +324,13 @@ pub fn run(s: &Scenario, seed: Option<u64>, progress: bool) -> anyhow::Result<Re
     let seed = seed.unwrap_or(s.seed);
     let s = &Scenario { seed, ..s.clone() };
     let arrivals = arrivals(s)?;
+    let earlier = earlier_blocks(s);
     // The shape the actors see; modelled devices never run it.
     let model = Arc::new(build(Preset::TinyV4, 0)?);
     let cfg = cluster_config(s, seed);
     let bar = progress_bar(progress, (s.duration_s + s.drain_s).ceil() as u64);
     let kills = timed_kills(s);
-    let (data, sim) = simulate(model, cfg, async |c: &mut Cluster| drive(c, s, &arrivals, &kills, &bar).await)
+    let (data, sim) = simulate(model, cfg, async |c: &mut Cluster| drive(c, s, &arrivals, &earlier, &kills, &bar).await)
         .map_err(|e| anyhow::anyhow!("{}: {e}", s.file))?;
     bar.finish_and_clear();
     let mut data = data;
@@ -342,9 +352,12 @@ async fn drive(
     c: &mut Cluster,
     s: &Scenario,
     arrivals: &[Arrival],
+    earlier: &[usize],
     kills: &[(u64, Vec<String>, String)],
     bar: &ProgressBar,
 ) -> RunData {
+    let modelled = c.modelled();
+    let tiers = modelled.as_ref().and_then(|m| m.tiers.as_ref());
     let clock = c.clock();
     let vocab = 129_280;
     let us = |d: Duration| d.as_micros() as u64;
@@ -370,7 +383,18 @@ async fn drive(
         }
         while next < arrivals.len() && arrivals[next].at_us <= now {
             let a = &arrivals[next];
-            let mut r = Request::new(prompt_of(a, vocab, next as u64), a.output_tokens.max(1));
+            let prompt = prompt_of(a, vocab, next as u64);
+            if let (Some(t), Some(&blocks)) = (tiers, earlier.get(next)) {
+                // History computed before the run: in the shared store, block by engine block.
+                let bt = s.block_tokens;
+                let mut parent = 0;
+                for chunk in prompt[..blocks * MOONCAKE_BLOCK_TOKENS].chunks_exact(bt) {
+                    let key = deepinfer_engine::prefix_cache::block_hash(parent, chunk);
+                    t.preload(now / 1000, key, parent);
+                    parent = key;
+                }
+            }
+            let mut r = Request::new(prompt, a.output_tokens.max(1));
             r.ignore_eos = true;
             let id = c.submit(r);
             ids.insert(id, traces.len());
@@ -484,7 +508,7 @@ async fn drive(
         Some(TierRun {
             admissions,
             totals: t.totals(),
-            ideal_hit_rate: sessions::ideal_hit_rate(arrivals),
+            ideal_hit_rate: sessions::ideal_hit_rate(arrivals, earlier),
             block_bytes: t.block_bytes,
         })
     });

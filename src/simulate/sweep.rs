@@ -114,7 +114,7 @@ pub fn cache_sweep(s: &Scenario, scales: &[f64], seed: Option<u64>, threads: usi
     Ok(Sweep {
         scenario: s.name.clone(),
         seed: seed.unwrap_or(s.seed),
-        ideal_hit_rate: super::sessions::ideal_hit_rate(&arrivals),
+        ideal_hit_rate: super::sessions::ideal_hit_rate(&arrivals, &super::earlier_blocks(s)),
         rows,
     })
 }
