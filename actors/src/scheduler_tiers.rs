@@ -19,7 +19,9 @@ use crate::disagg::InstanceKind;
 use crate::tiers::{Admission, Found, ModelledTiers, SimTier, TIERS};
 use crate::wire::{CacheMsg, Message, StoredBlock};
 
-/// Waiting requests looked up per plan.
+/// Waiting requests looked up again each plan (the head of the queue);
+/// every other waiting request is looked up once, as admission may reach
+/// past held ones.
 const LOOKUP_SCAN: usize = 64;
 
 /// A held request's prefix on its way up.
@@ -38,6 +40,8 @@ pub(super) struct TierGlue {
     waited: BTreeMap<RequestId, u64>,
     /// Requests whose first admission was recorded (or that came prefilled).
     counted: BTreeSet<RequestId>,
+    /// Waiting requests looked up at least once.
+    checked: BTreeSet<RequestId>,
     /// Wake-ups already armed (µs).
     armed: BTreeSet<u64>,
 }
@@ -82,8 +86,12 @@ impl SchedulerState {
     /// what the device held of it has gone down since).
     fn look_up_waiting(&mut self, tiers: &ModelledTiers, now_us: u64) {
         let now_ms = now_us / 1000;
-        for rid in self.policy.waiting(LOOKUP_SCAN) {
-            if self.tier_glue.loading.contains_key(&rid) || !self.by_rid.contains_key(&rid) {
+        for (i, rid) in self.policy.waiting(usize::MAX).into_iter().enumerate() {
+            let again = i < LOOKUP_SCAN;
+            if self.tier_glue.loading.contains_key(&rid)
+                || !self.by_rid.contains_key(&rid)
+                || !(self.tier_glue.checked.insert(rid) || again)
+            {
                 continue;
             }
             let mut counts = [0usize; TIERS];
@@ -202,6 +210,7 @@ impl SchedulerState {
             let tier = self.tier_glue.promoted.remove(b).unwrap_or(SimTier::Device);
             by_tier[tier.index()] += bt;
         }
+        self.tier_glue.checked.remove(&it.id);
         let load_us = self.tier_glue.waited.remove(&it.id).unwrap_or(0);
         m.tiers.as_ref().expect("checked").record(Admission {
             request: id,

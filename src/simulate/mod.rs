@@ -330,8 +330,9 @@ pub fn run(s: &Scenario, seed: Option<u64>, progress: bool) -> anyhow::Result<Re
     let cfg = cluster_config(s, seed);
     let bar = progress_bar(progress, (s.duration_s + s.drain_s).ceil() as u64);
     let kills = timed_kills(s);
-    let (data, sim) = simulate(model, cfg, async |c: &mut Cluster| drive(c, s, &arrivals, &earlier, &kills, &bar).await)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", s.file))?;
+    let (data, sim) =
+        simulate(model, cfg, async |c: &mut Cluster| drive(c, s, &arrivals, &earlier, &kills, &bar).await)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", s.file))?;
     bar.finish_and_clear();
     let mut data = data;
     data.steps = sim.steps;

@@ -128,7 +128,7 @@ impl Sweep {
         let pct = |x: f64| format!("{:.1}%", x * 100.0);
         let mut md = format!(
             "# Cache capacity sweep: {}\n\nSeed {}; an unbounded cache without TTLs would serve {} of prompt tokens.\n\n\
-             | tiers | scale | capacity TiB | hit rate | device / host / disk / shared | TTFT ms p50 / p99 | completed |\n\
+             | tiers | scale | capacity GiB | hit rate | device / host / disk / shared | TTFT ms p50 / p99 | completed |\n\
              |---|---|---|---|---|---|---|\n",
             self.scenario,
             self.seed,
@@ -137,10 +137,10 @@ impl Sweep {
         for r in &self.rows {
             let h = &r.hit_rate_by_tier;
             md += &format!(
-                "| {} | {} | {:.2} | {} | {} / {} / {} / {} | {:.0} / {:.0} | {} of {} |\n",
+                "| {} | {} | {:.0} | {} | {} / {} / {} / {} | {:.0} / {:.0} | {} of {} |\n",
                 r.config,
                 r.scale,
-                r.capacity_gib / 1024.0,
+                r.capacity_gib,
                 pct(r.hit_rate),
                 pct(h.device),
                 pct(h.host),
@@ -160,7 +160,7 @@ impl Sweep {
         CONFIGS
             .iter()
             .map(|(name, _)| {
-                let pts = self.rows.iter().filter(|r| r.config == *name).map(|r| (r.capacity_gib / 1024.0, y(r)));
+                let pts = self.rows.iter().filter(|r| r.config == *name).map(|r| (r.capacity_gib, y(r)));
                 (name.to_string(), pts.collect())
             })
             .collect()
@@ -173,7 +173,7 @@ impl Sweep {
         let hit: Vec<_> = hit.iter().zip(colours).map(|((n, p), c)| (n.as_str(), c, p.clone())).collect();
         let hit_svg = line_chart(
             &format!("{}: prompt-cache hit rate vs capacity", self.scenario),
-            "cache capacity, all tiers (TiB)",
+            "cache capacity, all tiers (GiB)",
             "hit rate (% of prompt tokens)",
             &hit,
             &[],
@@ -188,7 +188,7 @@ impl Sweep {
         }
         let ttft_svg = line_chart(
             &format!("{}: TTFT vs cache capacity", self.scenario),
-            "cache capacity, all tiers (TiB)",
+            "cache capacity, all tiers (GiB)",
             "TTFT (ms)",
             &ttft,
             &[],
