@@ -421,6 +421,7 @@ impl SchedulerState {
                 self.by_rid.insert(rid, id);
                 self.live
                     .insert(id, Live { rid, worker, spec, hashes: Vec::new(), plain: false, decode, import: None });
+                self.tiers_arrived(rid);
                 self.ctx.send(self.addr, self.router, Message::Ack { ids: vec![id] }, &[]);
                 self.tick();
             }

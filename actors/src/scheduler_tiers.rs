@@ -36,7 +36,8 @@ pub(super) struct TierGlue {
     /// Device blocks brought up from a lower tier and not hit yet.
     promoted: BTreeMap<BlockId, SimTier>,
     loading: BTreeMap<RequestId, Load>,
-    /// How long each request was held, until its first admission.
+    /// How long each request's lower-tier reads took (queueing on the
+    /// links included), until its first admission.
     waited: BTreeMap<RequestId, u64>,
     /// Requests whose first admission was recorded (or that came prefilled).
     counted: BTreeSet<RequestId>,
@@ -70,7 +71,7 @@ impl SchedulerState {
             self.tier_glue.loading.iter().filter(|(_, l)| l.ready_us <= now_us).map(|(id, _)| *id).collect();
         for rid in ready {
             let load = self.tier_glue.loading.remove(&rid).expect("listed");
-            self.tier_glue.waited.insert(rid, now_us.saturating_sub(load.held_since_us));
+            *self.tier_glue.waited.entry(rid).or_default() += load.ready_us.saturating_sub(load.held_since_us);
             if self.by_rid.contains_key(&rid) {
                 self.adopt_prefix(tiers, rid, step);
                 self.policy.hold(rid, false);
@@ -85,7 +86,6 @@ impl SchedulerState {
     /// Start reading the lower-tier prefix of waiting requests (again, if
     /// what the device held of it has gone down since).
     fn look_up_waiting(&mut self, tiers: &ModelledTiers, now_us: u64) {
-        let now_ms = now_us / 1000;
         for (i, rid) in self.policy.waiting(usize::MAX).into_iter().enumerate() {
             let again = i < LOOKUP_SCAN;
             if self.tier_glue.loading.contains_key(&rid)
@@ -94,23 +94,44 @@ impl SchedulerState {
             {
                 continue;
             }
-            let mut counts = [0usize; TIERS];
-            for (key, parent, tokens) in self.policy.prefix_keys(rid) {
-                if self.policy.cached_block(key, parent, &tokens).is_some() {
-                    continue;
-                }
-                match tiers.locate(self.instance, now_ms, key, parent) {
-                    Some(t) => counts[t.index()] += 1,
-                    None => break,
-                }
-            }
-            if counts.iter().sum::<usize>() == 0 {
+            self.look_up(tiers, rid, now_us);
+        }
+    }
+
+    /// A request arrived: its prefix is read from lower tiers while it
+    /// waits in the queue, not after the next plan.
+    pub(super) fn tiers_arrived(&mut self, rid: RequestId) {
+        let Some(m) = self.tiers() else { return };
+        let tiers = m.tiers.as_ref().expect("checked");
+        if !tiers.any() || self.ctx.kind(self.instance) == InstanceKind::Decode {
+            return;
+        }
+        let now_us = self.now_us();
+        self.policy.set_now_ms(now_us / 1000);
+        self.tier_glue.checked.insert(rid);
+        self.look_up(tiers, rid, now_us);
+        self.arm_tier_wakeups(now_us);
+    }
+
+    /// Hold `rid` while the blocks of its prefix past the device's are read.
+    fn look_up(&mut self, tiers: &ModelledTiers, rid: RequestId, now_us: u64) {
+        let now_ms = now_us / 1000;
+        let mut counts = [0usize; TIERS];
+        for (key, parent, tokens) in self.policy.prefix_keys(rid) {
+            if self.policy.cached_block(key, parent, &tokens).is_some() {
                 continue;
             }
-            let ready_us = tiers.read(self.instance, now_us, counts);
-            self.policy.hold(rid, true);
-            self.tier_glue.loading.insert(rid, Load { ready_us, held_since_us: now_us });
+            match tiers.locate(self.instance, now_ms, key, parent) {
+                Some(t) => counts[t.index()] += 1,
+                None => break,
+            }
         }
+        if counts.iter().sum::<usize>() == 0 {
+            return;
+        }
+        let ready_us = tiers.read(self.instance, now_us, counts);
+        self.policy.hold(rid, true);
+        self.tier_glue.loading.insert(rid, Load { ready_us, held_since_us: now_us });
     }
 
     /// Bring `rid`'s prefix up: device blocks kept warm, the rest adopted

@@ -173,7 +173,8 @@ pub struct Admission {
     pub prompt_tokens: usize,
     /// Prompt tokens served by each tier.
     pub by_tier: [usize; TIERS],
-    /// How long it was held while its prefix was read from lower tiers.
+    /// How long the reads of its prefix from lower tiers took (queueing on
+    /// the links included); it was admitted at the first plan after them.
     pub load_us: u64,
 }
 

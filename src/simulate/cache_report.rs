@@ -52,7 +52,7 @@ pub struct SourceLatency {
     /// Mean share of their prompt served from cache.
     pub hit_share: f64,
     pub ttft_ms: Percentiles,
-    /// Mean time held while lower tiers were read.
+    /// Mean time their lower-tier reads took (they are admitted at the first plan after).
     pub load_ms_mean: f64,
 }
 
@@ -205,7 +205,7 @@ impl CacheReport {
                 self.expired_blocks.get(t)
             );
         }
-        md += "\n| prefix mostly from | requests | cached share | TTFT ms p50 / p99 | held for loads, ms (mean) |\n|---|---|---|---|---|\n";
+        md += "\n| prefix mostly from | requests | cached share | TTFT ms p50 / p99 | lower-tier reads, ms (mean) |\n|---|---|---|---|---|\n";
         for g in &self.ttft_by_source {
             md += &format!(
                 "| {} | {} | {} | {:.0} / {:.0} | {:.1} |\n",
