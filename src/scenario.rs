@@ -1,8 +1,10 @@
 //! Simulation scenarios (`simulations/*.toml`): the deployment (hardware,
 //! model, instances), the engine's limits, expert popularity, traffic
-//! (synthetic or a Mooncake trace), faults at given times, SLOs, seed and
-//! duration, speculative decoding. Errors name the file, line and key.
+//! (synthetic, multi-turn sessions or a Mooncake trace), faults at given
+//! times, SLOs, seed and duration, speculative decoding, the prompt cache's
+//! tiers. Errors name the file, line and key.
 
+mod cache;
 mod speculative;
 
 use std::path::{Path, PathBuf};
@@ -16,6 +18,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::config_file::{parse_toml, read_text, value_error, FileError};
+pub use cache::{CacheConfig, CacheSpec};
 pub use speculative::{default_drafting, SpeculativeSpec, DSPARK_ACCEPTANCE, MTP_ACCEPTANCE};
 
 /// Most devices one scenario may simulate.
@@ -197,6 +200,8 @@ pub enum TrafficKind {
     Poisson,
     Bursty,
     Mooncake,
+    /// Multi-turn conversations: `rate_per_s` new sessions per second.
+    Sessions,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -228,6 +233,22 @@ pub struct TrafficSpec {
     /// Replay the trace this many times back to back (its ids stay shared: later rounds hit the cache).
     #[serde(default = "one")]
     pub repeat: Spanned<u32>,
+    /// Sessions: turns per conversation.
+    #[serde(default)]
+    pub turns: Option<Spanned<LengthSpec>>,
+    /// Sessions: seconds between a turn's arrival and the next one's.
+    #[serde(default)]
+    pub think_s: Option<Spanned<LengthSpec>>,
+    /// Sessions: how many different system prompts the shared ones are.
+    #[serde(default = "one")]
+    pub system_prompts: Spanned<u32>,
+    /// Sessions: the share of conversations already under way when the run
+    /// starts (their earlier turns are in the shared store, not in HBM)…
+    #[serde(default)]
+    pub resumed_fraction: Option<Spanned<f64>>,
+    /// …and the tokens of their history.
+    #[serde(default)]
+    pub history: Option<Spanned<LengthSpec>>,
 }
 
 fn default_burst() -> f64 {
@@ -324,6 +345,8 @@ struct ScenarioFile {
     routing: RoutingSpec,
     #[serde(default)]
     speculative: Option<SpeculativeSpec>,
+    #[serde(default)]
+    cache: Option<CacheSpec>,
 }
 
 /// Where requests come from.
@@ -331,6 +354,28 @@ struct ScenarioFile {
 pub enum Traffic {
     Synthetic { pattern: Pattern, input: Lengths, output: Lengths, shared_prefix_tokens: usize, shared_fraction: f64 },
     Mooncake { path: PathBuf, time_scale: f64, repeat: u32 },
+    Sessions(Sessions),
+}
+
+/// Multi-turn conversations (see [`crate::simulate::sessions`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sessions {
+    pub rate_per_s: f64,
+    /// Each turn's new user message.
+    pub input: Lengths,
+    pub output: Lengths,
+    pub turns: Lengths,
+    pub think_s: Lengths,
+    /// A system prompt of this many tokens (whole blocks) opens `shared_fraction` of the sessions…
+    pub system_prompt_tokens: usize,
+    pub shared_fraction: f64,
+    /// …one of this many.
+    pub system_prompts: u32,
+    /// Conversations under way before the run: this share of sessions
+    /// brings a history of `history` tokens, written to the shared store
+    /// earlier (see [`crate::simulate::sessions`]).
+    pub resumed_fraction: f64,
+    pub history: Lengths,
 }
 
 /// A fault at a simulated time.
@@ -375,6 +420,8 @@ pub struct Scenario {
     pub prefill_routing: PrefillRouting,
     /// Speculative decoding and its acceptance model; `None`: off.
     pub speculative: Option<Drafting>,
+    /// Cache tiers below the device and the blocks' TTL; `None`: the device's prefix cache only.
+    pub cache: Option<CacheConfig>,
 }
 
 impl Scenario {
@@ -498,6 +545,10 @@ impl Scenario {
             Some(spec) => spec.drafting(model, &err)?,
             None => None,
         };
+        let cache = match &f.cache {
+            Some(c) => Some(c.config(block_tokens, &err)?),
+            None => None,
+        };
         let devices_total = total as u32;
         let nodes_total = devices_total.div_ceil(per_node);
         let mut faults = Vec::new();
@@ -531,6 +582,7 @@ impl Scenario {
             tpot_slo_ms: f.slo.tpot_ms,
             prefill_routing,
             speculative,
+            cache,
         })
     }
 
@@ -566,6 +618,38 @@ impl Scenario {
             l.get_ref().check().map_err(|m| err(l.span(), m))?;
             Ok(l.get_ref().lengths())
         };
+        if !(0.0..=1.0).contains(&t.shared_fraction) {
+            return Err(err(0..0, "key `traffic.shared_fraction`: must be in [0, 1]".into()));
+        }
+        if t.kind == TrafficKind::Sessions {
+            let resumed_fraction = match &t.resumed_fraction {
+                None => 0.0,
+                Some(f) if (0.0..=1.0).contains(f.get_ref()) => *f.get_ref(),
+                Some(f) => return Err(err(f.span(), "must be in [0, 1]".into())),
+            };
+            if resumed_fraction > 0.0 && t.history.is_none() {
+                return Err(err(0..0, "key `traffic.history`: resumed sessions need history lengths".into()));
+            }
+            let system_prompts = *t.system_prompts.get_ref();
+            if !(1..=1_000_000).contains(&system_prompts) {
+                return Err(err(t.system_prompts.span(), "must be 1 to 1000000".into()));
+            }
+            return Ok(Traffic::Sessions(Sessions {
+                rate_per_s: *rate.get_ref(),
+                input: lengths(&t.input, "input")?,
+                output: lengths(&t.output, "output")?,
+                turns: lengths(&t.turns, "turns")?,
+                think_s: lengths(&t.think_s, "think_s")?,
+                system_prompt_tokens: t.shared_prefix_tokens,
+                shared_fraction: t.shared_fraction,
+                system_prompts,
+                resumed_fraction,
+                history: match &t.history {
+                    Some(_) => lengths(&t.history, "history")?,
+                    None => Lengths::Fixed(1),
+                },
+            }));
+        }
         let pattern = match t.kind {
             TrafficKind::Poisson => Pattern::Poisson { rate_per_s: *rate.get_ref() },
             _ => Pattern::Bursty {
@@ -575,9 +659,6 @@ impl Scenario {
                 off_s: t.off_s.max(0.0),
             },
         };
-        if !(0.0..=1.0).contains(&t.shared_fraction) {
-            return Err(err(0..0, "key `traffic.shared_fraction`: must be in [0, 1]".into()));
-        }
         Ok(Traffic::Synthetic {
             pattern,
             input: lengths(&t.input, "input")?,

@@ -26,6 +26,7 @@ pub mod scheduler;
 pub mod shard;
 pub mod sim;
 pub mod supervisor;
+pub mod tiers;
 pub mod tls;
 pub mod transport;
 pub mod wire;

@@ -21,9 +21,16 @@ use deepinfer_engine::scheduler::EngineConfig;
 
 use crate::ctx::Topology;
 use crate::drafting::{DraftCounters, Drafting};
+use crate::tiers::{ModelledTiers, TierSpec};
 
 /// Fraction of HBM kept for activations, communication buffers and the allocator.
 const HBM_RESERVE: f64 = 0.1;
+
+/// KV bytes one more token costs `model`, past the sliding window.
+fn kv_bytes_per_token(model: &ModelCost) -> f64 {
+    let (a, b) = (1usize << 15, 1usize << 16);
+    (model.kv_bytes_per_sequence(b) - model.kv_bytes_per_sequence(a)) / (b - a) as f64
+}
 
 /// What the modelled devices stand for.
 #[derive(Clone, Debug, PartialEq)]
@@ -47,6 +54,10 @@ pub struct ModelledSpec {
     pub decode_steps_per_event: u32,
     /// Speculative decoding (the instances' `EngineConfig::speculative` must match).
     pub drafting: Option<Drafting>,
+    /// KV bytes per device instead of what HBM leaves after the weights (never more).
+    pub device_kv_bytes: Option<f64>,
+    /// Prompt-cache tiers below the device pool.
+    pub tiers: Option<TierSpec>,
     pub seed: u64,
 }
 
@@ -64,6 +75,8 @@ pub struct Modelled {
     pub draft_head: Option<DraftHead>,
     /// What the schedulers' completed steps drafted, verified and accepted.
     pub drafts: DraftCounters,
+    /// Host, disk and shared tiers, when configured.
+    pub tiers: Option<ModelledTiers>,
 }
 
 /// Why a modelled cluster cannot be set up.
@@ -98,7 +111,14 @@ impl Modelled {
             ),
             _ => None,
         };
+        let tiers = spec.tiers.clone().map(|t| {
+            let per_node = topology.per_node.max(1);
+            let nodes: Vec<u32> = (0..topology.instances).map(|i| topology.size_of(i).div_ceil(per_node)).collect();
+            let block_bytes = kv_bytes_per_token(&model) * t.block_tokens as f64;
+            ModelledTiers::new(t, block_bytes, &nodes)
+        });
         let m = Self {
+            tiers,
             spec,
             hardware,
             model,
@@ -164,13 +184,13 @@ impl Modelled {
 
     /// HBM left for KV on each device of `instance`.
     pub fn kv_bytes_per_device(&self, instance: u32) -> f64 {
-        (self.hardware.hbm_bytes() * (1.0 - HBM_RESERVE) - self.weight_bytes(instance)).max(0.0)
+        let hbm = (self.hardware.hbm_bytes() * (1.0 - HBM_RESERVE) - self.weight_bytes(instance)).max(0.0);
+        self.spec.device_kv_bytes.map_or(hbm, |cap| hbm.min(cap.max(0.0)))
     }
 
     /// KV bytes one more token costs, past the sliding window.
     pub fn kv_bytes_per_token(&self) -> f64 {
-        let (a, b) = (1usize << 15, 1usize << 16);
-        (self.model.kv_bytes_per_sequence(b) - self.model.kv_bytes_per_sequence(a)) / (b - a) as f64
+        kv_bytes_per_token(&self.model)
     }
 
     /// The batching policy of `instance`: limits scaled by its devices and a

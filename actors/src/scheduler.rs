@@ -54,6 +54,9 @@ use crate::wire::{
 #[path = "scheduler_drafts.rs"]
 mod drafts;
 use drafts::{Outs, Shape};
+#[path = "scheduler_tiers.rs"]
+mod tiers_glue;
+use tiers_glue::TierGlue;
 
 pub struct Scheduler;
 
@@ -220,6 +223,8 @@ pub struct SchedulerState {
     eplb: Option<ExpertLoadTracker>,
     /// Prefilled requests on their way to a decode instance.
     handoffs: BTreeMap<u64, Handoff>,
+    /// Modelled cache tiers below the device pool.
+    tier_glue: TierGlue,
     ctx: Arc<Ctx>,
 }
 
@@ -416,6 +421,7 @@ impl SchedulerState {
                 self.by_rid.insert(rid, id);
                 self.live
                     .insert(id, Live { rid, worker, spec, hashes: Vec::new(), plain: false, decode, import: None });
+                self.tiers_arrived(rid);
                 self.ctx.send(self.addr, self.router, Message::Ack { ids: vec![id] }, &[]);
                 self.tick();
             }
@@ -523,6 +529,7 @@ impl SchedulerState {
     }
 
     fn plan(&mut self, step: u64) {
+        self.tiers_before_plan(step);
         let mut plan = self.policy.schedule();
         let pool = self.policy.pool_stats();
         let g = &self.ctx.gauges[self.instance as usize];
@@ -535,6 +542,7 @@ impl SchedulerState {
         let mut items = Vec::with_capacity(plan.items.len());
         for it in plan.items {
             let Some(&id) = self.by_rid.get(&it.id) else { continue };
+            self.tiers_admitted(id, &it);
             if it.start.is_some() {
                 // (Re)admitted: a fresh or restored state.
                 self.live.get_mut(&id).expect("live").plain = false;
@@ -660,6 +668,7 @@ impl SchedulerState {
             self.policy.clear_prefix_cache();
             self.cached.clear();
             self.recent.clear();
+            self.tiers_cleared();
             self.ctx.events.record(format_args!("{} prefix blocks missing: cache index cleared", self.addr));
         }
         self.send_all(run);
@@ -972,6 +981,7 @@ impl SchedulerState {
                 let chain = self.chain(it.id, k + 1);
                 let parent = if k == 0 { 0 } else { chain[k - 1] };
                 self.cached.insert(b, chain[k]);
+                self.tiers_computed(chain[k], parent);
                 stores.push(StoredBlock {
                     hash: chain[k],
                     parent,
@@ -1176,6 +1186,7 @@ impl SchedulerState {
                 self.send_outputs(vec![item], &[]);
             }
             Ok(rid) => {
+                self.tiers_imported(rid);
                 let worker = self.pick_worker();
                 self.assign(rid, worker, spec.prompt.len());
                 self.by_rid.insert(rid, id);
@@ -1207,6 +1218,7 @@ impl SchedulerState {
                 self.release.entry(l.worker).or_default().push(l.spec.id);
             }
         }
+        self.tiers_evicted(&plan.evicted);
         let evicted: Vec<u64> = plan.evicted.iter().filter_map(|e| self.cached.remove(&e.blocks.compressed)).collect();
         if !evicted.is_empty() {
             let msg = CacheMsg::Evict { instance: self.instance, step, hashes: evicted };
@@ -1229,6 +1241,7 @@ impl SchedulerState {
                 if let Registration::New(b) = self.policy.register_block(it.id, k) {
                     let chain = self.chain(id, k + 1);
                     self.cached.insert(b, chain[k]);
+                    self.tiers_computed(chain[k], if k == 0 { 0 } else { chain[k - 1] });
                     stores.push(StoredBlock {
                         hash: chain[k],
                         parent: if k == 0 { 0 } else { chain[k - 1] },
@@ -1397,6 +1410,7 @@ impl SchedulerState {
         self.policy.clear_prefix_cache();
         self.cached.clear();
         self.recent.clear();
+        self.tiers_cleared();
         self.ctx.events.record(format_args!("{} cache restarted: prefix index cleared", self.addr));
         if let Phase::Fetching { .. } = self.phase {
             let Phase::Fetching { run, .. } = std::mem::replace(&mut self.phase, Phase::Idle) else { unreachable!() };
@@ -1455,6 +1469,7 @@ impl Actor for Scheduler {
             cache,
             eplb,
             handoffs: BTreeMap::new(),
+            tier_glue: TierGlue::default(),
             ctx,
         };
         // A predecessor may have died between changing the table and hearing every shard load it.

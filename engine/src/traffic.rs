@@ -108,7 +108,8 @@ pub enum Lengths {
 }
 
 impl Lengths {
-    fn draw(&self, u1: f64, u2: f64) -> usize {
+    /// A length from two uniforms in `[0, 1)`.
+    pub fn draw(&self, u1: f64, u2: f64) -> usize {
         match *self {
             Lengths::Fixed(n) => n.max(1),
             Lengths::Uniform { min, max } => min + ((max.saturating_sub(min) + 1) as f64 * u1) as usize,

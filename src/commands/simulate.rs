@@ -1,4 +1,4 @@
-//! `deepinfer simulate FILE [--seed N] [--speculative off|mtp|dspark] [--out DIR]`.
+//! `deepinfer simulate FILE [--seed N] [--speculative off|mtp|dspark] [--cache-sweep SCALES] [--out DIR]`.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -10,6 +10,7 @@ use clap::Args;
 use deepinfer_engine::speculative::DraftMethod;
 
 use crate::scenario::{default_drafting, Scenario};
+use crate::simulate::sweep::cache_sweep;
 use crate::simulate::{plots, run};
 
 #[derive(Args, Debug, Clone)]
@@ -30,6 +31,11 @@ pub struct SimulateArgs {
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+    /// Instead of one run: hit rate and TTFT against cache capacity, the
+    /// file's `[cache]` tiers added one at a time, each at these multiples
+    /// of its capacities (e.g. `0.25,0.5,1,2,4`); writes cache_sweep.* into --out.
+    #[arg(long, value_delimiter = ',')]
+    pub cache_sweep: Option<Vec<f64>>,
 }
 
 pub fn run_command(args: &SimulateArgs) -> anyhow::Result<()> {
@@ -42,6 +48,25 @@ pub fn run_command(args: &SimulateArgs) -> anyhow::Result<()> {
         }
     }
     let started = Instant::now();
+    if let Some(scales) = &args.cache_sweep {
+        if scales.is_empty() || scales.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+            anyhow::bail!("--cache-sweep: give positive multiples, e.g. 0.25,0.5,1,2,4");
+        }
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let sweep = cache_sweep(&scenario, scales, args.seed, threads)?;
+        let markdown = sweep.to_markdown();
+        if let Some(dir) = &args.out {
+            std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+            let (hit, ttft) = sweep.plots();
+            std::fs::write(dir.join("cache_sweep.json"), sweep.to_json())?;
+            std::fs::write(dir.join("cache_sweep.md"), &markdown)?;
+            std::fs::write(dir.join("cache_sweep.svg"), hit)?;
+            std::fs::write(dir.join("cache_sweep_ttft.svg"), ttft)?;
+        }
+        print!("{markdown}");
+        eprintln!("{} runs in {:.1} s of wall time", sweep.rows.len(), started.elapsed().as_secs_f64());
+        return Ok(());
+    }
     let report = run(&scenario, args.seed, !args.quiet && std::io::stderr().is_terminal())?;
     let wall_s = started.elapsed().as_secs_f64();
     let markdown = report.to_markdown();

@@ -3,8 +3,11 @@
 //! shards on one current-thread runtime with a virtual clock, a simulated
 //! fabric and modelled full-size devices — and report what it did.
 
+pub mod cache_report;
 pub mod plots;
 pub mod report;
+pub mod sessions;
+pub mod sweep;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,6 +21,7 @@ use deepinfer_actors::drafting::DraftTotals;
 use deepinfer_actors::faults::FaultPlan;
 use deepinfer_actors::modelled::ModelledSpec;
 use deepinfer_actors::sim::{Link, Partition};
+use deepinfer_actors::tiers::{Admission, TierTotals, TIERS};
 use deepinfer_actors::{Cluster, ClusterConfig, Update};
 use deepinfer_engine::cost::Efficiency;
 use deepinfer_engine::prefix_cache::PrefixMode;
@@ -41,6 +45,10 @@ pub struct Trace {
     pub tokens: usize,
     pub cached_tokens: usize,
     pub end: Option<End>,
+    /// With cache tiers: prompt tokens each tier served at its first admission, and how long
+    /// it waited for lower tiers.
+    pub cached_by_tier: Option<[usize; TIERS]>,
+    pub tier_load_us: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -81,6 +89,19 @@ pub struct RunData {
     pub rebuilt: u64,
     /// What speculative decoding did, when on.
     pub drafts: Option<DraftTotals>,
+    /// What the cache tiers did, when configured.
+    pub tiers: Option<TierRun>,
+}
+
+/// The cache tiers' side of a run.
+#[derive(Clone, Debug, Default)]
+pub struct TierRun {
+    pub admissions: Vec<Admission>,
+    pub totals: TierTotals,
+    /// What an unbounded cache without TTLs would serve of the arrivals.
+    pub ideal_hit_rate: f64,
+    /// Bytes of one prefix block of the modelled model.
+    pub block_bytes: f64,
 }
 
 /// The requests of a scenario, in arrival order.
@@ -108,9 +129,19 @@ pub fn arrivals(s: &Scenario) -> anyhow::Result<Vec<Arrival>> {
             }
             all
         }
+        Traffic::Sessions(x) => sessions::arrivals(x, s.duration_s, s.seed),
     };
     out.retain(|a| a.at_us < until_us);
     Ok(out)
+}
+
+/// Whole blocks of each arrival's prompt written to the shared store before
+/// the run (resumed sessions), by arrival.
+pub fn earlier_blocks(s: &Scenario) -> Vec<usize> {
+    match &s.traffic {
+        Traffic::Sessions(x) => sessions::generate(x, s.duration_s, s.seed).1,
+        _ => Vec::new(),
+    }
 }
 
 /// Prompt tokens for an arrival: each 512-token block's content is a function
@@ -160,6 +191,7 @@ pub fn cluster_config(s: &Scenario, seed: u64) -> ClusterConfig {
         block_tokens: Some(s.block_tokens),
         max_waiting: 1 << 20,
         speculative: s.speculative.as_ref().map(|d| d.config).unwrap_or_default(),
+        cache_ttl_ms: s.cache.as_ref().map_or(deepinfer_engine::request::DEFAULT_CACHE_TTL_MS, |c| c.tiers.ttl_ms),
         ..EngineConfig::default()
     };
     cfg.modelled = Some(ModelledSpec {
@@ -175,6 +207,8 @@ pub fn cluster_config(s: &Scenario, seed: u64) -> ClusterConfig {
         batch_tokens_per_device: s.batch_tokens_per_device,
         decode_steps_per_event: s.decode_steps_per_event,
         drafting: s.speculative.clone(),
+        device_kv_bytes: s.cache.as_ref().and_then(|c| c.device_kv_bytes),
+        tiers: s.cache.as_ref().map(|c| c.tiers.clone()),
         seed,
     });
     // Modelled steps take up to seconds (long prefills): only a silence much
@@ -290,13 +324,15 @@ pub fn run(s: &Scenario, seed: Option<u64>, progress: bool) -> anyhow::Result<Re
     let seed = seed.unwrap_or(s.seed);
     let s = &Scenario { seed, ..s.clone() };
     let arrivals = arrivals(s)?;
+    let earlier = earlier_blocks(s);
     // The shape the actors see; modelled devices never run it.
     let model = Arc::new(build(Preset::TinyV4, 0)?);
     let cfg = cluster_config(s, seed);
     let bar = progress_bar(progress, (s.duration_s + s.drain_s).ceil() as u64);
     let kills = timed_kills(s);
-    let (data, sim) = simulate(model, cfg, async |c: &mut Cluster| drive(c, s, &arrivals, &kills, &bar).await)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", s.file))?;
+    let (data, sim) =
+        simulate(model, cfg, async |c: &mut Cluster| drive(c, s, &arrivals, &earlier, &kills, &bar).await)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", s.file))?;
     bar.finish_and_clear();
     let mut data = data;
     data.steps = sim.steps;
@@ -317,9 +353,12 @@ async fn drive(
     c: &mut Cluster,
     s: &Scenario,
     arrivals: &[Arrival],
+    earlier: &[usize],
     kills: &[(u64, Vec<String>, String)],
     bar: &ProgressBar,
 ) -> RunData {
+    let modelled = c.modelled();
+    let tiers = modelled.as_ref().and_then(|m| m.tiers.as_ref());
     let clock = c.clock();
     let vocab = 129_280;
     let us = |d: Duration| d.as_micros() as u64;
@@ -345,7 +384,18 @@ async fn drive(
         }
         while next < arrivals.len() && arrivals[next].at_us <= now {
             let a = &arrivals[next];
-            let mut r = Request::new(prompt_of(a, vocab, next as u64), a.output_tokens.max(1));
+            let prompt = prompt_of(a, vocab, next as u64);
+            if let (Some(t), Some(&blocks)) = (tiers, earlier.get(next)) {
+                // History computed before the run: in the shared store, block by engine block.
+                let bt = s.block_tokens;
+                let mut parent = 0;
+                for chunk in prompt[..blocks * MOONCAKE_BLOCK_TOKENS].chunks_exact(bt) {
+                    let key = deepinfer_engine::prefix_cache::block_hash(parent, chunk);
+                    t.preload(now / 1000, key, parent);
+                    parent = key;
+                }
+            }
+            let mut r = Request::new(prompt, a.output_tokens.max(1));
             r.ignore_eos = true;
             let id = c.submit(r);
             ids.insert(id, traces.len());
@@ -447,6 +497,22 @@ async fn drive(
     }
     let samples = kv_samples.max(1) as f64;
     let drafts = c.modelled().filter(|m| m.drafting().is_some()).map(|m| m.drafts.totals());
+    let tiers = c.modelled().and_then(|m| {
+        let t = m.tiers.as_ref()?;
+        let admissions = t.admissions();
+        for a in &admissions {
+            if let Some(&i) = ids.get(&a.request) {
+                traces[i].cached_by_tier = Some(a.by_tier);
+                traces[i].tier_load_us = a.load_us;
+            }
+        }
+        Some(TierRun {
+            admissions,
+            totals: t.totals(),
+            ideal_hit_rate: sessions::ideal_hit_rate(arrivals, earlier),
+            block_bytes: t.block_bytes,
+        })
+    });
     RunData {
         traces,
         buckets,
@@ -462,5 +528,6 @@ async fn drive(
         restarts: 0,
         rebuilt: 0,
         drafts,
+        tiers,
     }
 }

@@ -177,7 +177,8 @@ fn cdf(sorted: &[f64]) -> Vec<(f64, f64)> {
     pts
 }
 
-/// Write `throughput.svg`, `latency_cdf.svg` (TTFT) , `tpot_cdf.svg` and `expert_load.svg` into `dir`.
+/// Write `throughput.svg`, `latency_cdf.svg` (TTFT) , `tpot_cdf.svg`, `expert_load.svg` and,
+/// with cache tiers, `cache_tiers.svg` into `dir`.
 pub fn write_all(report: &Report, dir: &Path) -> std::io::Result<()> {
     let input: Vec<(f64, f64)> = report.series.iter().map(|p| (p.t_s, p.input_tok_s)).collect();
     let output: Vec<(f64, f64)> = report.series.iter().map(|p| (p.t_s, p.output_tok_s)).collect();
@@ -211,5 +212,16 @@ pub fn write_all(report: &Report, dir: &Path) -> std::io::Result<()> {
         "MoE layer",
         &report.expert_heatmap,
     );
-    std::fs::write(dir.join("expert_load.svg"), heat)
+    std::fs::write(dir.join("expert_load.svg"), heat)?;
+    if let Some(c) = &report.cache {
+        let chart = line_chart(
+            &format!("{}: prompt tokens served per cache tier (all: {:.1}%)", report.scenario, c.hit_rate * 100.0),
+            "simulated time (s)",
+            "hit rate (% of prompt tokens admitted)",
+            &c.lines(),
+            &report.faults,
+        );
+        std::fs::write(dir.join("cache_tiers.svg"), chart)?;
+    }
+    Ok(())
 }

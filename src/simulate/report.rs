@@ -7,6 +7,7 @@ use deepinfer_actors::drafting::DraftTotals;
 use deepinfer_engine::speculative::policy::{expected_tokens, DraftPolicy};
 use serde::Serialize;
 
+use super::cache_report::CacheReport;
 use super::{End, RunData};
 use crate::scenario::{Role, Scenario};
 
@@ -20,7 +21,7 @@ pub struct Percentiles {
 
 impl Percentiles {
     /// Nearest-rank percentiles of sorted values.
-    fn of(sorted: &[f64]) -> Self {
+    pub(crate) fn of(sorted: &[f64]) -> Self {
         if sorted.is_empty() {
             return Self::default();
         }
@@ -92,6 +93,9 @@ pub struct Report {
     /// Speculative decoding, when on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub speculative: Option<SpeculativeReport>,
+    /// The cache tiers below the device, when configured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache: Option<CacheReport>,
     /// Digest of the run's event log: equal for equal runs.
     pub event_digest: String,
     /// Sorted latencies, for the CDF plots.
@@ -316,6 +320,7 @@ impl Report {
             sequences_rebuilt: d.rebuilt,
             handovers: d.handovers,
             speculative: d.drafts.as_ref().and_then(|t| SpeculativeReport::new(s, t)),
+            cache: CacheReport::new(s, d),
             event_digest: format!("{:016x}", d.digest),
             ttft_sorted_ms: ttft,
             tpot_sorted_ms: tpot,
@@ -433,6 +438,9 @@ impl Report {
                 x.expert_imbalance
             );
         }
+        if let Some(c) = &self.cache {
+            md += &c.to_markdown();
+        }
         if !self.faults.is_empty() {
             md += "\n| t (s) | fault |\n|---|---|\n";
             for (t, what) in &self.faults {
@@ -445,7 +453,8 @@ impl Report {
                 md += &format!("- {e}\n");
             }
         }
-        md += "\nPlots: `throughput.svg` (faults marked), `latency_cdf.svg`, `expert_load.svg`.\n";
+        md += "\nPlots: `throughput.svg` (faults marked), `latency_cdf.svg`, `expert_load.svg`";
+        md += if self.cache.is_some() { ", `cache_tiers.svg`.\n" } else { ".\n" };
         md
     }
 }
