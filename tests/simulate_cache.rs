@@ -143,3 +143,26 @@ fn the_v3_3fs_scenario_lands_near_deepseeks_disk_hit_rate() {
     let without = run(&device, None, false).unwrap().cache.expect("a cache report").hit_rate;
     assert!(c.hit_rate > without + 0.10, "3FS {:.3}, device only {without:.3}", c.hit_rate);
 }
+
+#[test]
+fn routing_follows_a_prefix_into_host_memory() {
+    // Two instances on two nodes, each node with its own host memory and no
+    // shared store; every hit is a session's own history, which the tiny
+    // device pool has pushed down to the host memory of the node that ran it.
+    let two = SMALL
+        .replace("role = \"both\"\ndevices = 8", "role = \"both\"\ndevices = 8\ncount = 2")
+        .replace("shared_fraction = 0.5", "shared_fraction = 0.0");
+    let two: String =
+        two.lines().filter(|l| !l.starts_with("disk_") && !l.starts_with("shared_")).collect::<Vec<_>>().join("\n");
+    let affinity = small(&two);
+    let tiers = &affinity.cache.as_ref().unwrap().tiers;
+    assert_eq!((tiers.disk_bytes, tiers.shared_bytes), (0.0, 0.0), "host memory only");
+    let round_robin = small(&format!("{two}\n[routing]\nprefill = \"round_robin\"\n"));
+    let r = run(&affinity, None, false).unwrap();
+    let c = r.cache.expect("a cache report");
+    let rr = hit_rate(&round_robin);
+    let (host, all) = (c.hit_rate_by_tier.host, c.hit_rate);
+    eprintln!("tier-aware routing: {all:.3} of prompt tokens cached ({host:.3} from host); round robin {rr:.3}");
+    assert!(host > 0.1, "histories come back from the host memory of the node routed to: {host:.3}");
+    assert!(all > rr + 0.1, "routed to the node holding the history {all:.3}, round robin {rr:.3}");
+}

@@ -32,6 +32,7 @@ use tokio::task::JoinHandle;
 use crate::ctx::{pump, Ctx};
 use crate::disagg::PrefillRouting;
 use crate::events::bump;
+use crate::tiers::SimTier;
 use crate::transport::Delivery;
 use crate::wire::{
     Addr, CacheMsg, FinishKind, FinishWire, HandoffMsg, Heartbeat, Message, OutputEnd, OutputItem, Outputs,
@@ -177,6 +178,31 @@ impl RouterState {
         }
     }
 
+    /// Modelled tiers below the device: a prefix continuing in an instance's
+    /// host memory, its node's disk or the shared store is read while the
+    /// request waits, not recomputed, so it counts as cached, a little less
+    /// than on the device (the fastest tier wins a tie, and the shared store,
+    /// which every instance sees, favours none).
+    fn count_lower_tiers(&self, prompt: &[u32], matched: &BTreeMap<u32, u32>, candidates: &mut [PrefillCandidate]) {
+        let Some(tiers) = self.ctx.modelled.as_ref().and_then(|m| m.tiers.as_ref()) else { return };
+        let chain = prompt_chain(prompt, self.ctx.block_tokens);
+        let now_ms = self.now().as_millis() as u64;
+        for (i, c) in candidates.iter_mut().enumerate() {
+            let start = matched.get(&(i as u32)).copied().unwrap_or(0) as usize;
+            let mut worth = 0.0;
+            for k in start..chain.len() {
+                let parent = if k == 0 { 0 } else { chain[k - 1] };
+                let Some(tier) = tiers.locate(i as u32, now_ms, chain[k], parent) else { break };
+                worth += match tier {
+                    SimTier::Device | SimTier::Host => 0.98,
+                    SimTier::Disk => 0.95,
+                    SimTier::Shared => 0.9,
+                };
+            }
+            c.cached_tokens += (worth * self.ctx.block_tokens as f64) as usize;
+        }
+    }
+
     /// The engine's prefill balancer over what the router knows: prompts
     /// that have produced no token yet are the queued prefill work.
     fn decide(&mut self, query: u64) {
@@ -198,6 +224,7 @@ impl RouterState {
                 cached_tokens: r.matched.get(&i).copied().unwrap_or(0) as usize * self.ctx.block_tokens,
             })
             .collect();
+        self.count_lower_tiers(&r.submit.spec.prompt, &r.matched, &mut candidates);
         for f in self.flights.values() {
             let Some(c) = candidates.get_mut(f.instance as usize) else { continue };
             c.requests += 1;
