@@ -18,7 +18,9 @@ pub const CAPACITY_BYTES: &str = "deepinfer_prompt_cache_capacity_bytes";
 pub const EVICTIONS: &str = "deepinfer_prompt_cache_evictions_total";
 pub const EXPIRIES: &str = "deepinfer_prompt_cache_expiries_total";
 pub const PROMOTED: &str = "deepinfer_prompt_cache_promoted_blocks_total";
+pub const DISK_QUEUED: &str = "deepinfer_prompt_cache_disk_queued_blocks_total";
 pub const DISK_WRITTEN: &str = "deepinfer_prompt_cache_disk_written_blocks_total";
+pub const DISK_PRESENT: &str = "deepinfer_prompt_cache_disk_present_blocks_total";
 pub const DISK_WRITE_ERRORS: &str = "deepinfer_prompt_cache_disk_write_errors_total";
 pub const DISK_WRITES_DROPPED: &str = "deepinfer_prompt_cache_disk_writes_dropped_total";
 pub const DISK_BAD_FILES: &str = "deepinfer_prompt_cache_disk_bad_files_total";
@@ -34,7 +36,12 @@ pub fn describe() {
     describe_counter!(EVICTIONS, "Blocks evicted from each tier for room");
     describe_counter!(EXPIRIES, "Blocks dropped from each tier when their TTL ran out");
     describe_counter!(PROMOTED, "Blocks brought into the device pool, by the tier they came from");
+    describe_counter!(DISK_QUEUED, "Blocks handed to the disk tier for writing (persist points)");
     describe_counter!(DISK_WRITTEN, "Block files written");
+    describe_counter!(
+        DISK_PRESENT,
+        "Blocks not written because their file was there already (this process or another)"
+    );
     describe_counter!(DISK_WRITE_ERRORS, "Block files that could not be written (full disk, read-only mount)");
     describe_counter!(DISK_WRITES_DROPPED, "Blocks not written because the queue to disk was full");
     describe_counter!(DISK_BAD_FILES, "Block files skipped and removed, by reason (corrupt, truncated, foreign)");
@@ -53,6 +60,14 @@ pub fn disk_load(latency: std::time::Duration, _blocks: usize) {
 
 /// The tiers' totals, read after each step.
 pub fn update(engine: &Engine, disk: Option<&DiskWorker>) {
+    update_engine(engine);
+    if let Some(d) = disk {
+        update_disk(&d.stats);
+    }
+}
+
+/// What the engine knows: the device and host tiers, hits by tier, blocks queued for disk.
+fn update_engine(engine: &Engine) {
     let s = engine.scheduler();
     let tc = engine.tier_counters();
     for t in Tier::ALL {
@@ -75,16 +90,22 @@ pub fn update(engine: &Engine, disk: Option<&DiskWorker>) {
     gauge!(CAPACITY_BYTES, "tier" => Tier::Host.name()).set(host.capacity_bytes() as f64);
     counter!(EVICTIONS, "tier" => Tier::Host.name()).absolute(host.stats.evicted_blocks);
     counter!(EXPIRIES, "tier" => Tier::Host.name()).absolute(host.stats.expired_blocks);
-    let Some(disk) = disk else { return };
-    let st = &disk.stats;
+    counter!(DISK_QUEUED).absolute(tc.persist_blocks);
+    counter!(DISK_WRITES_DROPPED, "queue" => "engine").absolute(tc.persist_dropped);
+}
+
+/// The disk tier's own counters; also read when `/metrics` is scraped, as
+/// the disk thread goes on writing after the engine falls idle.
+pub fn update_disk(st: &DiskStats) {
     gauge!(BLOCKS, "tier" => Tier::Disk.name()).set(DiskStats::get(&st.blocks) as f64);
     gauge!(BYTES, "tier" => Tier::Disk.name()).set(DiskStats::get(&st.bytes) as f64);
     gauge!(CAPACITY_BYTES, "tier" => Tier::Disk.name()).set(DiskStats::get(&st.capacity_bytes) as f64);
     counter!(EVICTIONS, "tier" => Tier::Disk.name()).absolute(DiskStats::get(&st.evicted_blocks));
     counter!(EXPIRIES, "tier" => Tier::Disk.name()).absolute(DiskStats::get(&st.expired_blocks));
     counter!(DISK_WRITTEN).absolute(DiskStats::get(&st.written_blocks));
+    counter!(DISK_PRESENT).absolute(DiskStats::get(&st.already_present));
     counter!(DISK_WRITE_ERRORS).absolute(DiskStats::get(&st.write_errors));
-    counter!(DISK_WRITES_DROPPED).absolute(disk.dropped_writes + tc.persist_dropped);
+    counter!(DISK_WRITES_DROPPED, "queue" => "writer").absolute(DiskStats::get(&st.dropped_writes));
     for (reason, c) in
         [("corrupt", &st.corrupt_files), ("truncated", &st.truncated_files), ("foreign", &st.foreign_files)]
     {

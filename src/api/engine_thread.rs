@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use super::cache_metrics;
 use super::metrics as m;
 use crate::kv_disk::worker::{Clock, DiskWorker, Fetched};
-use crate::kv_disk::CacheSetup;
+use crate::kv_disk::{CacheSetup, DiskStats};
 
 /// A request for the engine thread.
 pub struct Submission {
@@ -57,6 +57,8 @@ pub enum SubmitError {
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: mpsc::Sender<Submission>,
+    /// The disk tier's counters, for `/metrics`.
+    pub disk_stats: Option<Arc<DiskStats>>,
 }
 
 impl EngineHandle {
@@ -96,12 +98,13 @@ pub fn spawn(
         }
     });
     let tiers = TierConfig { disk: disk.is_some(), ..cache.tiers };
+    let disk_stats = disk.as_ref().map(|d| d.stats.clone());
     let thread = std::thread::Builder::new().name("engine".into()).spawn(move || {
         let mut engine = crate::generation::new_engine(model, config).expect("validated above");
         engine.configure_tiers(tiers);
         run(engine, rx, disk, cache.clock);
     })?;
-    Ok((EngineHandle { tx }, thread))
+    Ok((EngineHandle { tx, disk_stats }, thread))
 }
 
 /// Waiting requests whose prefixes are looked for on disk per step.
@@ -146,7 +149,7 @@ impl DiskSide {
 
     /// After a step: hand persisted blocks over; if only held requests are
     /// left, wait a little for their fetches instead of spinning.
-    fn after_step(&mut self, engine: &mut Engine, disk: &mut DiskWorker) {
+    fn after_step(&mut self, engine: &mut Engine, disk: &DiskWorker) {
         disk.write(engine.take_persist());
         if !self.pending.is_empty() && engine.scheduler().num_running() == 0 {
             if let Some(f) = disk.wait_fetched(Duration::from_millis(20)) {
@@ -168,7 +171,7 @@ struct Live {
     eos: u32,
 }
 
-fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>, mut disk: Option<DiskWorker>, clock: Clock) {
+fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>, disk: Option<DiskWorker>, clock: Clock) {
     let eos = engine.model().config.eos_token_id;
     let mut live: BTreeMap<RequestId, Live> = BTreeMap::new();
     let mut disk_side = DiskSide::default();
@@ -239,7 +242,7 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>, mut disk: Option<
                 }
             }
         }
-        if let Some(d) = &mut disk {
+        if let Some(d) = &disk {
             disk_side.after_step(&mut engine, d);
         }
         m::engine_gauges(engine.scheduler());

@@ -356,6 +356,9 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
 
 async fn render_metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     state.metrics.run_upkeep();
+    if let Some(disk) = &state.engine.disk_stats {
+        cache_metrics::update_disk(disk);
+    }
     let text = state.metrics.render();
     (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }

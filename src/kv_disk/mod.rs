@@ -45,6 +45,8 @@ pub struct DiskStats {
     /// Blocks another process (or this one) had written already.
     pub already_present: AtomicU64,
     pub write_errors: AtomicU64,
+    /// Blocks not written because the writer's queue was full.
+    pub dropped_writes: AtomicU64,
     pub read_errors: AtomicU64,
     pub evicted_blocks: AtomicU64,
     pub expired_blocks: AtomicU64,
@@ -348,9 +350,10 @@ impl DiskTier {
         }
         let started = std::time::Instant::now();
         let bytes = match fs::File::open(&path).and_then(|f| {
-            let len = f.metadata()?.len().min(block_file::MAX_FILE_BYTES);
+            // Never more than a block file may hold, whatever is at that path.
+            let len = f.metadata()?.len().min(block_file::MAX_FILE_BYTES + 1);
             let mut buf = Vec::with_capacity(len as usize);
-            f.take(block_file::MAX_FILE_BYTES).read_to_end(&mut buf)?;
+            f.take(block_file::MAX_FILE_BYTES + 1).read_to_end(&mut buf)?;
             Ok(buf)
         }) {
             Ok(bytes) => bytes,

@@ -44,8 +44,6 @@ pub struct DiskWorker {
     fetched: mpsc::Receiver<Fetched>,
     thread: Option<JoinHandle<()>>,
     pub stats: Arc<DiskStats>,
-    /// Writes dropped because the queue was full.
-    pub dropped_writes: u64,
 }
 
 impl DiskWorker {
@@ -59,16 +57,16 @@ impl DiskWorker {
         let thread = std::thread::Builder::new().name("kv-disk".into()).spawn(move || {
             serve(&mut tier, &thread_queues, &tx, &clock);
         })?;
-        Ok(Self { queues, fetched, thread: Some(thread), stats, dropped_writes: 0 })
+        Ok(Self { queues, fetched, thread: Some(thread), stats })
     }
 
     /// Queue blocks for writing; those past the bound are dropped.
-    pub fn write(&mut self, blocks: Vec<PersistBlock>) {
+    pub fn write(&self, blocks: Vec<PersistBlock>) {
         let (lock, wake) = &*self.queues;
         let mut q = lock.lock().expect("disk queues");
         for b in blocks {
             if q.writes.len() >= MAX_QUEUED_WRITES {
-                self.dropped_writes += 1;
+                self.stats.dropped_writes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             } else {
                 q.writes.push_back(b);
             }

@@ -25,8 +25,9 @@ pub const MAGIC: [u8; 8] = *b"DIKVBLK1";
 pub const FORMAT_VERSION: u32 = 1;
 pub const HEADER_BYTES: usize = 72;
 const CHECKSUM_BYTES: usize = 8;
-/// Largest block file read back (a bound against a corrupt length).
-pub const MAX_FILE_BYTES: u64 = 1 << 32;
+/// Largest block file read back (a bound against a corrupt length): 256
+/// MiB, several times a DeepSeek-V3 block of 128 tokens with full MLA KV.
+pub const MAX_FILE_BYTES: u64 = 1 << 28;
 
 /// Identity of the KV a model computes: the format version, what the
 /// caller knows of the weights (`weights_identity`: a preset's name, a
@@ -55,7 +56,9 @@ pub struct Header {
 impl Header {
     /// Bytes of the whole file this header describes.
     pub fn file_bytes(&self) -> u64 {
-        HEADER_BYTES as u64 + 4 * (u64::from(self.tokens) + u64::from(self.lens) + self.values) + CHECKSUM_BYTES as u64
+        // Saturating: a corrupt count must give a size that fails the checks, not wrap.
+        let words = u64::from(self.tokens).saturating_add(u64::from(self.lens)).saturating_add(self.values);
+        words.saturating_mul(4).saturating_add((HEADER_BYTES + CHECKSUM_BYTES) as u64)
     }
 }
 
@@ -184,4 +187,45 @@ pub fn decode(model: &Model, bytes: &[u8], fingerprint: u64, block_tokens: usize
     }
     let values = BlockValues::from_parts(model, block_tokens, &lens, &data).map_err(FileFault::Corrupt)?;
     Ok(DecodedBlock { header, tokens, values })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::presets::{build, Preset};
+
+    /// A header that passes the magic, version, fingerprint and block-size
+    /// checks, with these counts, and `extra` bytes after it.
+    fn file(fp: u64, lens: u32, values: u64, extra: usize) -> Vec<u8> {
+        let mut b = Vec::new();
+        b.extend_from_slice(&MAGIC);
+        b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b.extend_from_slice(&64u32.to_le_bytes());
+        for v in [fp, 1, 0, 1000, 0] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&64u32.to_le_bytes());
+        b.extend_from_slice(&lens.to_le_bytes());
+        b.extend_from_slice(&values.to_le_bytes());
+        b.resize(b.len() + extra, 0);
+        b
+    }
+
+    #[test]
+    fn absurd_counts_are_errors_not_panics() {
+        let model = build(Preset::TinyV4, 1).unwrap();
+        let fp = fingerprint(&model, "x", 64);
+        for (lens, values) in [(u32::MAX, u64::MAX), (0, u64::MAX / 4 + 1), (u32::MAX, 0), (0, 1 << 40)] {
+            let f = file(fp, lens, values, 4096);
+            assert!(decode(&model, &f, fp, 64).is_err(), "{lens} {values}");
+        }
+        // Consistent counts but a checksum that does not match.
+        let f = file(fp, 0, 0, 64 * 4 + 8);
+        assert!(matches!(decode(&model, &f, fp, 64), Err(FileFault::Corrupt(_))));
+        // Every prefix of a header is truncated, never a panic.
+        let f = file(fp, 0, 0, 0);
+        for n in 0..f.len() {
+            assert!(matches!(read_header(&f[..n], fp, 64), Err(FileFault::Truncated { .. })), "{n}");
+        }
+    }
 }
