@@ -281,8 +281,37 @@ def completions():
     refused(lambda: oa.completions.create(echo=True, logprobs=1, **kw), "echo")
 
 
+def cache_retention():
+    """OpenAI's `prompt_cache_retention` and Anthropic's `cache_control` (top
+    level and on a block) are taken, the repeated prompt is served from the
+    cache, and values the protocols do not define are 400s."""
+    text = " ".join(f"fact {i} is worth keeping." for i in range(150))
+    msgs = [{"role": "user", "content": text}]
+    for retention in ("24h", "in_memory"):
+        oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, prompt_cache_retention=retention)
+        again = oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, prompt_cache_retention=retention)
+        cached = again.usage.prompt_tokens_details.cached_tokens
+        check(cached > 0, f"{retention}: the repeat is cached: {again.usage}")
+    try:
+        oa.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, extra_body={"prompt_cache_retention": "7d"})
+        raise AssertionError("prompt_cache_retention 7d accepted")
+    except openai.BadRequestError as e:
+        check(e.status_code == 400 and "prompt_cache_retention" in str(e), str(e))
+    block = [{"type": "text", "text": text, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    amsgs = [{"role": "user", "content": block}]
+    an.messages.create(model=MODEL, max_tokens=2, messages=amsgs, cache_control={"type": "ephemeral"})
+    m = an.messages.create(model=MODEL, max_tokens=2, messages=amsgs, cache_control={"type": "ephemeral"})
+    check((m.usage.cache_read_input_tokens or 0) > 0, f"the repeat is read from the cache: {m.usage}")
+    bad = [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]
+    try:
+        an.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": bad}])
+        raise AssertionError("cache_control ttl 2h accepted")
+    except anthropic.BadRequestError as e:
+        check(e.status_code == 400 and "ttl" in str(e), str(e))
+
+
 if __name__ == "__main__":
     for test in (max_completion_tokens, penalties, logit_bias, min_p, refusals, thinking_switches,
-                 anthropic_output_format, endpoints, completions, several_choices, usage_exact):
+                 anthropic_output_format, endpoints, completions, several_choices, usage_exact, cache_retention):
         test()
         print(f"ok {test.__name__}", flush=True)
