@@ -114,7 +114,7 @@ impl BlockValues {
     /// Bytes the block's values occupy in memory (what a host tier budgets).
     pub fn value_bytes(&self) -> usize {
         if let Some(v) = &self.v41 {
-            return 4 * v.to_parts().1.len();
+            return 4 * v.value_count();
         }
         let part = |b: &Option<CompressorBlock>| {
             b.as_ref().map_or(0, |b| {

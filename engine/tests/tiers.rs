@@ -104,7 +104,10 @@ fn persist(engine: &mut Engine<&Model>, fp: u64) -> Vec<(u64, Vec<u8>)> {
     engine
         .take_persist()
         .into_iter()
-        .map(|b| (b.key, encode(fp, bt, b.key, b.parent, &b.tokens, &b.values, b.ttl_ms, 0)))
+        .map(|b| {
+            assert_eq!(b.values.value_bytes(), 4 * b.values.to_parts().1.len(), "the host tier's byte count");
+            (b.key, encode(fp, bt, b.key, b.parent, &b.tokens, &b.values, b.ttl_ms, 0))
+        })
         .collect()
 }
 

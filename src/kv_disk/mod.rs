@@ -271,6 +271,13 @@ impl DiskTier {
         self.publish();
     }
 
+    /// Forget a block and remove its file (damaged or expired).
+    fn drop_file(&mut self, key: u64, path: &Path) {
+        self.index.take(key);
+        let _ = fs::remove_file(path);
+        self.publish();
+    }
+
     fn publish(&self) {
         self.stats.blocks.store(self.index.len() as u64, Ordering::Relaxed);
         self.stats.bytes.store(self.index.used_bytes() as u64, Ordering::Relaxed);
@@ -369,9 +376,7 @@ impl DiskTier {
             Ok(_) => return None,
             Err(fault) => {
                 self.count_fault(&fault);
-                self.index.take(w.key);
-                let _ = fs::remove_file(&path);
-                self.publish();
+                self.drop_file(w.key, &path);
                 return None;
             }
         };
@@ -380,9 +385,7 @@ impl DiskTier {
         let used_ms = fs::metadata(&path).and_then(|m| m.modified()).map(unix_ms).unwrap_or(0);
         if used_ms.saturating_add(block.header.ttl_ms) <= now_ms {
             DiskStats::add(&self.stats.expired_blocks, 1);
-            self.index.take(w.key);
-            let _ = fs::remove_file(&path);
-            self.publish();
+            self.drop_file(w.key, &path);
             return None;
         }
         // A hit: its TTL starts again now, here and for every process sharing the file.

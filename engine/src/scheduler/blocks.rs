@@ -95,8 +95,7 @@ impl Scheduler {
             }
         }
         let boundary = hit.len() * bt;
-        let keep_until =
-            self.now_ms.saturating_add(seq.request.retention.map_or(self.config.cache_ttl_ms, |r| r.ttl_ms));
+        let keep_until = self.now_ms.saturating_add(self.config.ttl_ms(&seq.request));
         for b in &hit {
             self.pool.retain(b.compressed);
             self.cache.referenced(b.compressed);

@@ -69,6 +69,13 @@ pub struct EngineConfig {
     pub cache_ttl_ms: u64,
 }
 
+impl EngineConfig {
+    /// How long blocks `request` computes or hits stay servable.
+    pub fn ttl_ms(&self, request: &Request) -> u64 {
+        request.retention.map_or(self.cache_ttl_ms, |r| r.ttl_ms)
+    }
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
@@ -677,8 +684,7 @@ impl Scheduler {
         let tokens = &seq.tokens[k * bt..(k + 1) * bt];
         let (ci, ii) = (BlockKind::Compressed.index(), BlockKind::Indexer.index());
         let own = CachedBlocks { compressed: seq.blocks.tables[ci][k], indexer: seq.blocks.tables[ii].get(k).copied() };
-        let keep_until =
-            self.now_ms.saturating_add(seq.request.retention.map_or(self.config.cache_ttl_ms, |r| r.ttl_ms));
+        let keep_until = self.now_ms.saturating_add(self.config.ttl_ms(&seq.request));
         if let Some(shared) = self.cache.get(self.now_ms, hash, parent, tokens) {
             // Same content cached already: share it and free the private copy.
             self.pool.retain(shared.compressed);

@@ -47,7 +47,7 @@ impl Scheduler {
 
     /// How long blocks `id` computes or hits stay servable.
     pub fn cache_ttl_ms(&self, id: RequestId) -> u64 {
-        self.seq(id).request.retention.map_or(self.config.cache_ttl_ms, |r| r.ttl_ms)
+        self.config.ttl_ms(&self.seq(id).request)
     }
 
     /// Whether `id` lets its blocks be written to shared storage.
@@ -58,14 +58,11 @@ impl Scheduler {
     /// Keys of the full blocks before `id`'s last token (those a hit can
     /// serve), with each block's parent key and tokens.
     pub fn prefix_keys(&mut self, id: RequestId) -> Vec<(u64, u64, Vec<u32>)> {
-        let bt = self.layout().block_tokens;
-        let seq: &mut Seq = self.seqs.get_mut(&id).expect("known request");
-        let blocks = (seq.tokens.len() - 1) / bt;
-        seq.extend_hashes(blocks, bt);
+        let blocks = self.prefix_blocks(id);
         (0..blocks)
             .map(|k| {
-                let parent = if k == 0 { 0 } else { seq.hashes[k - 1] };
-                (seq.hashes[k], parent, seq.tokens[k * bt..(k + 1) * bt].to_vec())
+                let (key, parent, tokens) = self.prefix_block(id, k);
+                (key, parent, tokens.to_vec())
             })
             .collect()
     }

@@ -176,6 +176,15 @@ const HISTORY: u32 = 3;
 const DRAFT: u32 = 4;
 
 impl BlockSnapshot {
+    /// Values [`to_parts`](Self::to_parts) would write, without writing them.
+    pub fn value_count(&self) -> usize {
+        let windows = |w: &[Vec<f32>]| w.iter().map(Vec::len).sum::<usize>();
+        self.groups.iter().map(|(e, k)| e.len() + k.len()).sum::<usize>()
+            + windows(&self.windows)
+            + self.engram_history.len()
+            + windows(&self.dspark_windows)
+    }
+
     /// Lengths (fours: kind, lengths) and the values they measure.
     pub fn to_parts(&self) -> (Vec<u32>, Vec<f32>) {
         let mut lens = vec![BLOCK_TAG, 0, 0, 0];
