@@ -3,11 +3,14 @@
 //! losing a request, reproduce DeepSeek's published V3/R1 per-node figures,
 //! and refuse bad scenario files with the file, line and key.
 
+mod scenario_support;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use deepinfer::scenario::Scenario;
 use deepinfer::simulate::{run, Report};
+use scenario_support::assert_refused_with_place;
 
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -210,12 +213,5 @@ fn bad_scenarios_name_the_file_line_and_key() {
         ("node = 3", "node = 30", "fault.node", "nodes"),
         ("devices = 16", "devices = 12", "instance.devices", "multiple of devices_per_node"),
     ];
-    for (from, to, key, needle) in cases {
-        let text = good.replacen(from, to, 1);
-        let line = text.lines().position(|l| l.contains(to.lines().last().unwrap())).unwrap() + 1;
-        let e = Scenario::parse("drill.toml", &text, Path::new(".")).unwrap_err();
-        assert_eq!(e.key.as_deref(), Some(key), "{e}");
-        assert_eq!(e.line, line, "{e}");
-        assert!(e.to_string().starts_with(&format!("drill.toml:{line}:")) && e.to_string().contains(needle), "{e}");
-    }
+    assert_refused_with_place("drill.toml", &good, &cases);
 }

@@ -4,11 +4,14 @@
 //! misses; a bad `[cache]` field is refused with the file, line and key;
 //! the V3/R1 deployment with a 3FS tier lands near DeepSeek's 56.3%.
 
+mod scenario_support;
+
 use std::path::Path;
 
 use deepinfer::scenario::Scenario;
 use deepinfer::simulate::run;
 use deepinfer::simulate::sweep::{variant, CONFIGS};
+use scenario_support::assert_refused_with_place;
 
 /// One node of V4-Flash, multi-turn sessions, a device KV budget far
 /// smaller than the traffic's distinct prefixes, and every tier below it.
@@ -118,14 +121,7 @@ fn a_bad_cache_field_is_named_with_its_line() {
         ("disk_read_gb_per_s = 8", "disk_read_gb_per_s = 0", "cache.disk_read_gb_per_s", "bandwidth"),
         ("device_kv_gib = 0.1", "device_kv_gib = \"small\"", "cache.device_kv_gib", "invalid type"),
     ];
-    for (from, to, key, needle) in cases {
-        let text = SMALL.replacen(from, to, 1);
-        let line = text.lines().position(|l| l == to).unwrap() + 1;
-        let e = Scenario::parse("tiers.toml", &text, Path::new(".")).unwrap_err();
-        assert_eq!(e.key.as_deref(), Some(key), "{e}");
-        assert_eq!(e.line, line, "{e}");
-        assert!(e.to_string().starts_with(&format!("tiers.toml:{line}:")) && e.to_string().contains(needle), "{e}");
-    }
+    assert_refused_with_place("tiers.toml", SMALL, &cases);
 }
 
 #[test]

@@ -3,12 +3,15 @@
 //! what the acceptance model implies, cheap drafts shorten the time per
 //! output token, and bad `[speculative]` tables name the file, line and key.
 
+mod scenario_support;
+
 use std::path::Path;
 use std::process::Command;
 
 use deepinfer::scenario::Scenario;
 use deepinfer::simulate::{run, Report};
 use deepinfer_engine::speculative::policy::expected_tokens;
+use scenario_support::assert_refused_with_place;
 
 /// V4.1-Flash on 16 B200: an 8-device prefill instance hands requests to an
 /// 8-device decode instance that runs 8 decode steps per event.
@@ -172,14 +175,7 @@ fn bad_speculative_tables_name_the_file_line_and_key() {
         ("num_draft_tokens = 5", "acceptance_spread = 1.0", "speculative.acceptance_spread", "[0, 1)"),
         ("num_draft_tokens = 5", "drafts = 4", "speculative.drafts", "unknown field"),
     ];
-    for (from, to, key, needle) in cases {
-        let text = good.replacen(from, to, 1);
-        let line = text.lines().position(|l| l == to).unwrap() + 1;
-        let e = Scenario::parse("spec.toml", &text, Path::new(".")).unwrap_err();
-        assert_eq!(e.key.as_deref(), Some(key), "{e}");
-        assert_eq!(e.line, line, "{e}");
-        assert!(e.to_string().starts_with(&format!("spec.toml:{line}:")) && e.to_string().contains(needle), "{e}");
-    }
+    assert_refused_with_place("spec.toml", &good, &cases);
     // DSpark needs V4.1's draft layers.
     let text = good.replace("model = \"V4.1-Flash\"", "model = \"V4-Flash\"");
     let e = Scenario::parse("spec.toml", &text, Path::new(".")).unwrap_err();
