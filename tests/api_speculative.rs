@@ -93,9 +93,14 @@ async fn drafting_servers_answer_exactly_as_servers_without_drafts() {
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 assert_eq!(g, w, "{name} {method} {length}: request {i}");
             }
-            let client = Client::new();
-            let proposed = s.metric(&client, "deepinfer_spec_decode_proposed_tokens_total").await;
-            assert!(proposed > 0.0, "{name} {method} {length}: drafts were proposed");
+            // How many drafts `adaptive` proposes depends on the step time it
+            // measures at start (a loaded machine may find none worth it);
+            // `fixed` always drafts.
+            if length == "fixed" {
+                let client = Client::new();
+                let proposed = s.metric(&client, "deepinfer_spec_decode_proposed_tokens_total").await;
+                assert!(proposed > 0.0, "{name} {method} {length}: drafts were proposed");
+            }
         }
     }
 }
