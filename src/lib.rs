@@ -14,3 +14,6 @@ pub mod step_cost;
 pub mod tokenizer;
 pub mod topology;
 pub mod trained;
+
+#[cfg(test)]
+mod tidy;

@@ -1,3 +1,4 @@
+// tidy: long file: the scenario schema: one type per TOML table, each beside the checks that give its errors a file, line and key.
 //! Simulation scenarios (`simulations/*.toml`): the deployment (hardware,
 //! model, instances), the engine's limits, expert popularity, traffic
 //! (synthetic, multi-turn sessions or a Mooncake trace), faults at given

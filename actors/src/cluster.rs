@@ -1,3 +1,4 @@
+// tidy: long file: cluster start-up, the client and the run modes; to be cut into cluster/ (config, tree, client).
 //! A cluster of N devices with expert parallelism, serving requests: the
 //! supervision tree of every actor, and the client that submits requests to
 //! the router and collects their output.
@@ -31,6 +32,7 @@ use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::actor::scheduler::{Scheduler, SchedulerArgs};
 use crate::cache::{CacheArgs, CacheManager};
 use crate::clock::{Clock, RealClock, SimClock};
 use crate::cost::{DeviceCost, DeviceCostModel};
@@ -42,7 +44,6 @@ use crate::modelled::{Modelled, ModelledSpec};
 use crate::placement::{Placement, PlacementError};
 use crate::rng::Seed;
 use crate::router::{Router, RouterArgs};
-use crate::scheduler::{Scheduler, SchedulerArgs};
 use crate::shard::{ExpertShard, ShardArgs};
 use crate::sim::{FabricConfig, NodeOf, SimFabric};
 use crate::supervisor::{
@@ -326,7 +327,7 @@ fn finish_reason(k: FinishKind) -> FinishReason {
 }
 
 /// Check the configuration and make what every actor shares.
-fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Result<Arc<Ctx>, ClusterError> {
+pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Result<Arc<Ctx>, ClusterError> {
     let topo = cfg.topology();
     let sized = !cfg.instance_devices.is_empty() && cfg.instance_devices.len() as u32 == cfg.instances;
     if cfg.devices == 0
@@ -994,7 +995,7 @@ pub fn simulate<T>(
 }
 
 /// Wall time and in-process channels (call inside the runtime that will run the cluster).
-fn in_process_env(cfg: &ClusterConfig) -> Env {
+pub(crate) fn in_process_env(cfg: &ClusterConfig) -> Env {
     let clock: Arc<dyn Clock> = Arc::new(RealClock::new());
     let metrics = Arc::new(Metrics::default());
     let events = Arc::new(EventLog::new(Arc::clone(&clock), cfg.keep_events));

@@ -8,6 +8,7 @@
 //! randomness only from [`rng::Seed`] streams; ordered maps in every decision;
 //! no ractor named registry; in simulation one current-thread runtime.
 
+pub mod actor;
 pub mod cache;
 pub mod clock;
 pub mod cluster;
@@ -19,10 +20,10 @@ pub mod events;
 pub mod faults;
 pub mod modelled;
 pub mod placement;
+pub mod proto;
 pub mod quic;
 pub mod rng;
 pub mod router;
-pub mod scheduler;
 pub mod shard;
 pub mod sim;
 pub mod supervisor;

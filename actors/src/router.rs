@@ -1,3 +1,4 @@
+// tidy: long file: the router actor, still logic and shell in one; its protocol machine moves to actors/src/proto.
 //! Router: the entry point. It picks a serving instance for each new
 //! request with the engine's prefill balancer
 //! ([`deepinfer_engine::balance::choose_prefill`]: the longest cached prefix

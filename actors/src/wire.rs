@@ -1,3 +1,4 @@
+// tidy: long file: the whole wire schema: every rkyv type and the frame codec, so that one file holds the versioned format.
 //! The wire format: every message is a versioned rkyv envelope inside a
 //! length-prefixed frame, optionally followed by a raw `f32` body.
 //!

@@ -1,3 +1,4 @@
+// tidy: long file: the GPU worker actor, still logic and shell in one; its protocol machine moves to actors/src/proto.
 //! GpuWorker: one per device. It is an attention data-parallel rank: it owns
 //! the states of its sequences, runs attention and the MoE router, ships each
 //! token's MoE input to the shards that hold its experts, combines their

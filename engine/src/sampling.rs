@@ -1,3 +1,4 @@
+// tidy: long file: the sampling chain (penalties, bias, temperature, top-k/p, logprobs) and its one batch-invariant order.
 //! Next-token sampling as a pure function of (logits, params, position).
 //!
 //! Nothing here reads a clock or a shared random generator: the draw for

@@ -1,3 +1,4 @@
+// tidy: long file: the batching policy's one step loop (admission, chunking, preemption) reads best whole; blocks and tiers are split out.
 //! The step scheduler: request queue, per-step batch formation under a token
 //! budget and a batch-size limit, KV block allocation, preemption and prefix
 //! cache bookkeeping. It never touches model state: it produces a

@@ -14,7 +14,7 @@ use deepinfer_engine::prefix_cache::EvictedBlock;
 use deepinfer_engine::request::RequestId;
 use deepinfer_engine::scheduler::ScheduledItem;
 
-use super::{SchedulerMsg, SchedulerState};
+use super::{Effect, SchedulerMachine};
 use crate::disagg::InstanceKind;
 use crate::tiers::{Admission, Found, ModelledTiers, SimTier, TIERS};
 use crate::wire::{CacheMsg, Message, StoredBlock};
@@ -47,7 +47,7 @@ pub(super) struct TierGlue {
     armed: BTreeSet<u64>,
 }
 
-impl SchedulerState {
+impl SchedulerMachine {
     fn tiers(&self) -> Option<Arc<crate::modelled::Modelled>> {
         self.ctx.modelled.clone().filter(|m| m.tiers.is_some())
     }
@@ -166,11 +166,11 @@ impl SchedulerState {
         }
         if !gone.is_empty() {
             let msg = CacheMsg::Evict { instance: self.instance, step, hashes: gone };
-            self.ctx.send(self.addr, self.cache, Message::Cache(msg), &[]);
+            self.send(self.cache, Message::Cache(msg), &[]);
         }
         if !stores.is_empty() {
             let msg = CacheMsg::Store { instance: self.instance, step, blocks: stores };
-            self.ctx.send(self.addr, self.cache, Message::Cache(msg), &[]);
+            self.send(self.cache, Message::Cache(msg), &[]);
         }
     }
 
@@ -182,12 +182,7 @@ impl SchedulerState {
             if !self.tier_glue.armed.insert(at) {
                 continue;
             }
-            let (clock, me) = (Arc::clone(&self.ctx.clock), self.me.clone());
-            let wait = std::time::Duration::from_micros(at.saturating_sub(now_us));
-            tokio::spawn(async move {
-                clock.sleep(wait).await;
-                let _ = me.send_message(SchedulerMsg::Tick);
-            });
+            self.effects.push(Effect::TickAt(std::time::Duration::from_micros(at)));
         }
     }
 

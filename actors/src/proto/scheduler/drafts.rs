@@ -10,7 +10,7 @@ use deepinfer_engine::request::{Finished, RequestId};
 use deepinfer_engine::scheduler::SampledToken;
 use deepinfer_engine::speculative::policy::MAX_DRAFT_TOKENS;
 
-use super::{finish_wire, Item, SampledRow, SchedulerState};
+use super::{finish_wire, Item, SampledRow, SchedulerMachine};
 use crate::modelled::Modelled;
 use crate::wire::{BlockSnapshot, OutputEnd, OutputItem, SeqOutput, StateExport, TokenOut, Verification};
 
@@ -50,7 +50,7 @@ impl Outs {
     }
 }
 
-impl SchedulerState {
+impl SchedulerMachine {
     /// Outputs each sampling item of `mine` owes: `Some(None)` without
     /// drafting (then no verification may come), else `1 + accepted` summed
     /// over its `repeat` verifications; `None`: the answer is malformed.

@@ -1,0 +1,504 @@
+//! The scheduler's protocol machine: one per serving instance, sans-IO.
+//! [`SchedulerMachine::handle`] takes the time and one input (a frame, a
+//! tick, a timer) and leaves [`Effect`]s (frames to send, timers to arm,
+//! actors to kill) for its shell, `crate::actor::scheduler`, to carry out;
+//! nothing here touches a clock, a socket or an actor. The batching policy is the engine's
+//! own sans-IO [`deepinfer_engine::scheduler::Scheduler`] — admission,
+//! chunked prefill under the token budget, KV blocks and preemption, stop
+//! conditions, prefix-cache accounting — driven by messages instead of a
+//! loop around `Engine::step`:
+//!
+//! 1. `schedule()` gives the step's plan; each request runs on one GpuWorker
+//!    of the instance (attention data parallelism: the least loaded when it
+//!    is added, fixed thereafter), so the plan becomes one `StepRequest` per
+//!    worker with requests in it.
+//! 2. Items that start from a prefix hit need the cached blocks' values: they
+//!    are fetched from the node's CacheManager first (a miss recomputes the
+//!    whole prefix: `rebuild`).
+//! 3. Results are gathered; computed blocks are offered to the engine's
+//!    prefix cache (`register_block`) and the new ones stored in the
+//!    CacheManager; sampled tokens go to `complete`, and every new token and
+//!    finish goes to the router in one `Outputs` message.
+//!
+//! Recovery: a step request that is not answered is re-sent; a worker that
+//! lost a sequence's state gets it again with its whole history (`rebuild`);
+//! after `step_attempts` the affected requests end with an error. A
+//! restarted scheduler starts empty and announces itself; the router submits
+//! its requests again with the tokens they had produced, which are
+//! recomputed (bit-identical) and generation resumes.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use deepinfer_engine::engine::step_segments;
+use deepinfer_engine::eplb::ExpertLoadTracker;
+use deepinfer_engine::kv_pool::BlockId;
+use deepinfer_engine::prefix_cache::block_hash;
+use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId};
+use deepinfer_engine::sampling::SamplingParams;
+use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler as Policy, StepPlan};
+use deepinfer_engine::transfer::parts_values;
+
+use crate::cache::parts_len;
+use crate::ctx::Ctx;
+use crate::disagg::{eplb_table, InstanceKind, MAX_PENDING_TRANSFERS, TRANSFER_ATTEMPTS};
+use crate::events::bump;
+use crate::faults::Target;
+use crate::router::end_item;
+use crate::transport::Delivery;
+use crate::wire::{self, Envelope};
+use crate::wire::{
+    Addr, BlockSnapshot, CacheMsg, Control, ExpertLoad, FetchItem, FetchedItem, FinishKind, FinishWire, HandoffMsg,
+    Heartbeat, Message, OutputEnd, OutputItem, Outputs, PlacementWire, RequestSpec, Role, Sampling, SeqOutput,
+    StateExport, StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, Verification,
+};
+
+mod drafts;
+use drafts::{Outs, Shape};
+mod handoffs;
+mod recovery;
+mod requests;
+mod results;
+mod steps;
+mod tiers;
+use tiers::TierGlue;
+#[cfg(test)]
+mod tests;
+
+/// What the machine reacts to.
+#[derive(Debug)]
+pub enum Input {
+    /// A frame from the network, not yet decoded.
+    Net(Delivery),
+    /// Start the next step if there is work and none is running.
+    Tick,
+    /// The step timer armed with this serial number fired.
+    Timeout(u64),
+    /// Attempt `attempt` of request `id`'s state transfer was not adopted in time.
+    TransferTimeout { id: u64, attempt: u32 },
+}
+
+/// What the machine asks its shell to do, in order.
+#[derive(Debug, PartialEq)]
+pub enum Effect {
+    /// Send an encoded frame from this scheduler.
+    Send {
+        to: Addr,
+        frame: Vec<u8>,
+    },
+    /// Feed `Input::Tick` back as soon as possible.
+    Tick,
+    /// Feed `Input::Tick` back at this time (not cancelled).
+    TickAt(Duration),
+    /// (Re)arm the one step timer: feed `Input::Timeout(serial)` at `at`,
+    /// dropping any timer armed before.
+    ArmStep {
+        at: Duration,
+        serial: u64,
+    },
+    /// (Re)arm request `id`'s transfer timer.
+    ArmTransfer {
+        id: u64,
+        attempt: u32,
+        at: Duration,
+    },
+    DisarmTransfer(u64),
+    /// Crash the actor at this path below the root (an injected fault).
+    Kill(String),
+}
+
+/// The machine must stop: its supervisor restarts the actor (an injected
+/// crash, or a lost node it cannot serve around without starting over).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Crash(pub String);
+
+impl From<String> for Crash {
+    fn from(why: String) -> Self {
+        Self(why)
+    }
+}
+
+impl std::fmt::Display for Crash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A request this incarnation serves.
+struct Live {
+    rid: RequestId,
+    worker: u32,
+    spec: RequestSpec,
+    /// Key chain over the request's full blocks, extended as needed.
+    hashes: Vec<u64>,
+    /// Its worker state was computed from position 0 without a restore (a
+    /// rebuild), so its compressors hold everything: a prefix hit's
+    /// remaining replay must be computed normally instead.
+    plain: bool,
+    /// Hand it to this decode instance once it has sampled (prefill/decode disaggregation).
+    decode: Option<u32>,
+    /// Its state as a prefill instance computed it (lengths, values), until admitted.
+    import: Option<(Vec<u32>, Vec<f32>)>,
+}
+
+/// A prefilled request waiting for its decode instance to adopt it.
+struct Handoff {
+    spec: RequestSpec,
+    generated: Vec<u32>,
+    lens: Vec<u32>,
+    values: Vec<f32>,
+    target: u32,
+    attempt: u32,
+}
+
+/// One item of the plan as it is sent.
+struct Item {
+    id: u64,
+    rid: RequestId,
+    worker: u32,
+    from: usize,
+    to: usize,
+    replay_until: usize,
+    sample: bool,
+    /// The sampled row's logits are asked for.
+    logits: bool,
+    sampling: Sampling,
+    /// Keys of the prefix-hit blocks the state starts from.
+    restore: Vec<u64>,
+    values: Option<(Vec<Vec<u32>>, Vec<f32>)>,
+    snapshots: Vec<usize>,
+    rebuild: bool,
+    /// Start from this imported state (admitted at `from` > 0 without cached blocks).
+    import: Option<(Vec<u32>, Vec<f32>)>,
+    /// Return the state after the step: it moves to a decode instance.
+    export: bool,
+    /// Most drafts it may verify (speculative decoding).
+    drafts: usize,
+}
+
+struct Pending {
+    attempt: u32,
+    deadline: Duration,
+    release: Vec<u64>,
+}
+
+/// A sampled token and, when asked for, its logits row.
+type SampledRow = (SeqOutput, Option<Vec<f32>>);
+
+struct Answer {
+    outputs: Vec<SeqOutput>,
+    snapshots: Vec<BlockSnapshot>,
+    loads: Vec<ExpertLoad>,
+    exports: Vec<StateExport>,
+    verifications: Vec<Verification>,
+    body: Vec<f32>,
+}
+
+/// A block computed this step, with the wave that computed it.
+struct Snap {
+    wave: usize,
+    item: usize,
+    block: usize,
+    lens: Vec<u32>,
+    values: Vec<f32>,
+}
+
+struct StepRun {
+    step: u64,
+    items: Vec<Item>,
+    /// Indices of each worker's items.
+    by_worker: BTreeMap<u32, Vec<usize>>,
+    placement: PlacementWire,
+    /// Tokens of the whole step.
+    batch_tokens: u64,
+    /// Decode steps the workers run as one (modelled devices).
+    repeat: u32,
+    pending: BTreeMap<u32, Pending>,
+    answers: BTreeMap<u32, Answer>,
+    /// Results received (the scheduler's fault-injection points).
+    received: u32,
+    /// Requests that ended while the step was formed.
+    ended: Vec<OutputItem>,
+}
+
+enum Phase {
+    Idle,
+    /// Waiting for the instance's shards to acknowledge placement `epoch`, then run `step`.
+    Loading {
+        epoch: u64,
+        waiting: BTreeSet<u32>,
+        round: u32,
+        deadline: Duration,
+        step: Option<u64>,
+    },
+    Fetching {
+        run: StepRun,
+        query: u64,
+        deadline: Duration,
+    },
+    Running(StepRun),
+}
+
+pub struct SchedulerMachine {
+    instance: u32,
+    addr: Addr,
+    /// Cluster-unique number of this incarnation; workers drop the states of older ones.
+    number: u64,
+    /// The time of the input being handled.
+    now: Duration,
+    /// What the input being handled asks the shell to do.
+    effects: Vec<Effect>,
+    policy: Policy,
+    live: BTreeMap<u64, Live>,
+    by_rid: BTreeMap<RequestId, u64>,
+    /// Requests and their prompt tokens per worker.
+    load: BTreeMap<u32, (usize, usize)>,
+    /// Sequences whose worker state can go, sent with the worker's next step.
+    release: BTreeMap<u32, Vec<u64>>,
+    /// Key of every block the engine's prefix cache holds.
+    cached: BTreeMap<BlockId, u64>,
+    /// Values of the blocks stored at the end of the last step: the next
+    /// step's hits on them need no fetch (which could overtake the store).
+    recent: BTreeMap<u64, (Vec<u32>, Vec<f32>)>,
+    phase: Phase,
+    /// Serial of the step timer last armed: an older one that fires is stale.
+    serial: u64,
+    queries: u64,
+    router: Addr,
+    cache: Addr,
+    /// Measured expert loads (EPLB at run time).
+    eplb: Option<ExpertLoadTracker>,
+    /// Prefilled requests on their way to a decode instance.
+    handoffs: BTreeMap<u64, Handoff>,
+    /// Modelled cache tiers below the device pool.
+    tier_glue: TierGlue,
+    ctx: Arc<Ctx>,
+}
+
+fn finish_wire(f: &Finished) -> FinishWire {
+    let reason = match &f.reason {
+        FinishReason::Stop => FinishKind::Stop,
+        FinishReason::Length => FinishKind::Length,
+        FinishReason::Cancelled => FinishKind::Cancelled,
+        FinishReason::Error(e) => FinishKind::Error(e.clone()),
+    };
+    FinishWire {
+        reason,
+        prompt_tokens: f.prompt_tokens as u32,
+        completion_tokens: f.completion_tokens as u32,
+        cached_tokens: f.cached_tokens as u32,
+        preemptions: f.preemptions,
+    }
+}
+
+/// The engine request a spec describes.
+pub(crate) fn request_of(spec: &RequestSpec) -> Request {
+    let s = &spec.sampling;
+    let params = SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k as usize,
+        seed: s.seed,
+        logprobs: s.logprobs as usize,
+        // The wire carries no logit processing: `Cluster::submit` refuses it.
+        ..SamplingParams::default()
+    };
+    let mut r = Request::new(spec.prompt.clone(), spec.max_tokens as usize).with_params(params);
+    r.stop_token_ids = spec.stop_token_ids.clone();
+    r.stop_sequences = spec.stop_sequences.clone();
+    r.ignore_eos = spec.ignore_eos;
+    r.return_logits = spec.logits;
+    r
+}
+
+impl SchedulerMachine {
+    fn now(&self) -> Duration {
+        self.now
+    }
+
+    /// Encode `msg` for `to` and queue it; false (logged) if it cannot be encoded.
+    fn send(&mut self, to: Addr, msg: Message, body: &[f32]) -> bool {
+        let env = Envelope { from: self.addr, to, msg };
+        match wire::encode(&env, body) {
+            Ok(frame) => {
+                self.effects.push(Effect::Send { to, frame });
+                true
+            }
+            Err(e) => {
+                self.ctx.events.record(format_args!("{} cannot encode for {to}: {e}", self.addr));
+                false
+            }
+        }
+    }
+
+    fn arm(&mut self, deadline: Duration) {
+        self.serial += 1;
+        self.effects.push(Effect::ArmStep { at: deadline, serial: self.serial });
+    }
+
+    fn tick(&mut self) {
+        self.effects.push(Effect::Tick);
+    }
+
+    fn send_outputs(&mut self, items: Vec<OutputItem>, body: &[f32]) {
+        if !items.is_empty() {
+            self.send(self.router, Message::Outputs(Outputs { items }), body);
+        }
+    }
+}
+
+impl SchedulerMachine {
+    /// A new incarnation of `instance`'s scheduler, starting at `now`: it
+    /// clears the instance's entries in the node's cache and announces
+    /// itself to the router (restarted, when the cluster was up before).
+    pub fn start(now: Duration, instance: u32, incarnation: u32, ctx: Arc<Ctx>) -> Result<Self, Crash> {
+        let addr = Addr::scheduler(instance);
+        let policy = Policy::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| Crash(format!("{addr}: {e}")))?;
+        let number = ctx.new_instance();
+        ctx.events.record(format_args!("{addr} up (incarnation {incarnation}, instance {number})"));
+        let cache = Addr::cache(ctx.topology.home_node(instance));
+        let router = Addr::router(0);
+        let restarted = ctx.is_up();
+        let eplb = ctx.eplb.map(|c| {
+            ExpertLoadTracker::new(
+                ctx.model.config.num_layers,
+                ctx.model.config.n_routed_experts,
+                c.decay,
+                c.every_steps,
+            )
+        });
+        let mut machine = SchedulerMachine {
+            instance,
+            addr,
+            number,
+            now,
+            effects: Vec::new(),
+            policy,
+            live: BTreeMap::new(),
+            by_rid: BTreeMap::new(),
+            load: BTreeMap::new(),
+            release: BTreeMap::new(),
+            cached: BTreeMap::new(),
+            recent: BTreeMap::new(),
+            phase: Phase::Idle,
+            serial: 0,
+            queries: 0,
+            router,
+            cache,
+            eplb,
+            handoffs: BTreeMap::new(),
+            tier_glue: TierGlue::default(),
+            ctx,
+        };
+        machine.send(cache, Message::Cache(CacheMsg::Clear { instance }), &[]);
+        let hello = Heartbeat { instance: number, restarted, time_ns: now.as_nanos() as u64 };
+        machine.send(router, Message::Heartbeat(hello), &[]);
+        // A predecessor may have died between changing the table and hearing every shard load it.
+        if restarted {
+            machine.load_placement(None);
+        }
+        Ok(machine)
+    }
+
+    /// This scheduler's address.
+    pub fn addr(&self) -> Addr {
+        self.addr
+    }
+
+    /// What the inputs handled so far asked for, oldest first.
+    pub fn take_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
+    }
+
+    /// React to one input at `now`. The effects it left are to be carried
+    /// out even when it crashes (they happened before the crash).
+    pub fn handle(&mut self, now: Duration, input: Input) -> Result<(), Crash> {
+        assert!(now >= self.now, "time went backwards: {now:?} after {:?}", self.now);
+        self.now = now;
+        let result = self.dispatch(input);
+        self.check_tables();
+        result
+    }
+
+    fn dispatch(&mut self, input: Input) -> Result<(), Crash> {
+        let d = match input {
+            Input::Tick => return self.begin_step(),
+            Input::Timeout(serial) => {
+                self.on_timeout(serial);
+                return Ok(());
+            }
+            Input::TransferTimeout { id, attempt } => {
+                self.on_transfer_timeout(id, attempt);
+                return Ok(());
+            }
+            Input::Net(d) => d,
+        };
+        let Some(m) = self.ctx.open(self.addr, &d) else { return Ok(()) };
+        let from = m.envelope.from;
+        let devices = self.ctx.topology.devices_of(self.instance);
+        let mine = |a: Addr| devices.contains(&a.index);
+        match (from.role, m.envelope.msg) {
+            (Role::Router, Message::Submit(s)) => self.on_submit(s),
+            (Role::Router, Message::Cancel { id }) => self.on_cancel(id),
+            (Role::Scheduler, Message::Handoff(HandoffMsg::Transfer { spec, generated, lens, .. })) => {
+                self.on_transfer(from, spec, generated, lens, m.body)
+            }
+            (Role::Scheduler, Message::Handoff(HandoffMsg::Adopted { id, instance })) if instance == from.index => {
+                self.on_adopted(id, instance)
+            }
+            (Role::Worker, Message::StepResult(r)) if mine(from) => return self.on_result(from, r, m.body),
+            (Role::Worker, Message::Heartbeat(h)) if mine(from) && h.restarted => {
+                self.on_worker_restarted(from.index, h.instance)
+            }
+            (Role::Shard, Message::Control(Control::Loaded { epoch, device })) if mine(from) => {
+                return self.on_loaded(epoch, device)
+            }
+            (Role::CacheManager, Message::Heartbeat(h)) if from == self.cache && h.restarted => {
+                self.on_cache_restarted()
+            }
+            (Role::CacheManager, Message::Cache(CacheMsg::Fetched { query, items })) if from == self.cache => {
+                if matches!(&self.phase, Phase::Fetching { query: q, .. } if *q == query) {
+                    let Phase::Fetching { run, .. } = std::mem::replace(&mut self.phase, Phase::Idle) else {
+                        unreachable!()
+                    };
+                    self.fetched(run, items, m.body);
+                }
+            }
+            (Role::Node, Message::Control(Control::NodeDown { node }))
+                if from == Addr::node(self.ctx.topology.home_node(self.instance)) =>
+            {
+                return self.on_node_down(node)
+            }
+            (_, Message::Heartbeat(_)) => {}
+            (_, other) => {
+                bump(&self.ctx.metrics.frames_rejected);
+                self.ctx.events.record(format_args!("{} ignores {:?} from {from}", self.addr, other.kind()));
+            }
+        }
+        Ok(())
+    }
+
+    /// The request table's invariants, after every input: `live` and
+    /// `by_rid` are one bijection, every live request is on a worker of
+    /// this instance, and a handed-off request is no longer live.
+    /// (The walk over every request is for builds with debug assertions;
+    /// the count stays checked everywhere.)
+    fn check_tables(&self) {
+        assert_eq!(self.live.len(), self.by_rid.len(), "{}: request table out of step", self.addr);
+        if !cfg!(debug_assertions) {
+            return;
+        }
+        let devices = self.ctx.topology.devices_of(self.instance);
+        for (id, l) in &self.live {
+            assert_eq!(self.by_rid.get(&l.rid), Some(id), "{}: request {id} not indexed", self.addr);
+            assert!(
+                devices.contains(&l.worker),
+                "{}: request {id} on worker{} of another instance",
+                self.addr,
+                l.worker
+            );
+            assert!(!self.handoffs.contains_key(id), "{}: request {id} both live and handed off", self.addr);
+        }
+    }
+}

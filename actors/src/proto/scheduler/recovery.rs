@@ -1,0 +1,163 @@
+//! Placement and recovery: expert tables sent to the shards, timeouts,
+//! restarted workers and caches, lost nodes.
+
+use super::*;
+
+impl SchedulerMachine {
+    /// A new table from the measured loads when one is due and differs from the current one.
+    pub(super) fn eplb_change(&mut self) -> Option<crate::placement::Placement> {
+        let cfg = self.ctx.eplb?;
+        let tracker = self.eplb.as_mut().filter(|t| t.should_rebalance())?;
+        let current = self.ctx.placement(self.instance);
+        match eplb_table(tracker, current.devices(), cfg.redundant) {
+            Ok(p) if p.clone().with_epoch(current.epoch()) != current => {
+                self.ctx.events.record(format_args!("{} eplb: new expert table", self.addr));
+                Some(p)
+            }
+            Ok(_) => None,
+            Err(e) => {
+                self.ctx.events.record(format_args!("{} eplb: {e}", self.addr));
+                None
+            }
+        }
+    }
+
+    /// Send the instance's current table to its shards and wait for every acknowledgement.
+    pub(super) fn load_placement(&mut self, step: Option<u64>) {
+        let p = self.ctx.placement(self.instance);
+        let waiting: BTreeSet<u32> =
+            self.ctx.topology.devices_of(self.instance).filter(|d| !self.ctx.is_lost(*d)).collect();
+        self.send_tables(&waiting);
+        let deadline = self.now() + self.ctx.timeouts.control;
+        self.phase = Phase::Loading { epoch: p.epoch(), waiting, round: 0, deadline, step };
+        self.arm(deadline);
+    }
+
+    pub(super) fn send_tables(&mut self, to: &BTreeSet<u32>) {
+        let p = self.ctx.placement(self.instance);
+        let base = self.ctx.topology.devices_of(self.instance).start;
+        for &d in to {
+            let msg = Control::LoadExperts { epoch: p.epoch(), experts: p.experts_on(d - base) };
+            self.send(Addr::shard(d), Message::Control(msg), &[]);
+        }
+    }
+
+    pub(super) fn on_timeout(&mut self, serial: u64) {
+        if serial != self.serial {
+            return;
+        }
+        let now = self.now();
+        match std::mem::replace(&mut self.phase, Phase::Idle) {
+            Phase::Idle => {}
+            Phase::Loading { epoch, waiting, round, deadline, step } => {
+                if deadline > now {
+                    self.phase = Phase::Loading { epoch, waiting, round, deadline, step };
+                    self.arm(deadline);
+                } else if round + 1 >= self.ctx.timeouts.control_attempts {
+                    let why = format!("placement epoch {epoch} not acknowledged by shards {waiting:?}");
+                    self.ctx.events.record(format_args!("{}: {why}", self.addr));
+                    let ids: Vec<u64> = self.live.keys().copied().collect();
+                    let items = ids.into_iter().filter_map(|id| self.fail(id, &why)).collect();
+                    self.send_outputs(items, &[]);
+                } else {
+                    self.send_tables(&waiting);
+                    let deadline = now + self.ctx.timeouts.control;
+                    self.phase = Phase::Loading { epoch, waiting, round: round + 1, deadline, step };
+                    self.arm(deadline);
+                }
+            }
+            Phase::Fetching { run, query, deadline } => {
+                if deadline > now {
+                    self.phase = Phase::Fetching { run, query, deadline };
+                    self.arm(deadline);
+                } else {
+                    self.ctx.events.record(format_args!("{} fetch {query} unanswered", self.addr));
+                    self.fetched(run, Vec::new(), Vec::new());
+                }
+            }
+            Phase::Running(mut run) => {
+                let late: Vec<u32> = run.pending.iter().filter(|(_, p)| p.deadline <= now).map(|(w, _)| *w).collect();
+                for w in late {
+                    self.retry(&mut run, w, "no answer");
+                }
+                if run.pending.is_empty() {
+                    self.complete(run);
+                } else {
+                    self.phase = Phase::Running(run);
+                    self.rearm_running();
+                }
+            }
+        }
+    }
+
+    pub(super) fn on_loaded(&mut self, epoch: u64, device: u32) -> Result<(), Crash> {
+        let Phase::Loading { epoch: want, waiting, .. } = &mut self.phase else { return Ok(()) };
+        if epoch != *want {
+            return Ok(());
+        }
+        waiting.remove(&device);
+        if !waiting.is_empty() {
+            return Ok(());
+        }
+        let Phase::Loading { step, .. } = std::mem::replace(&mut self.phase, Phase::Idle) else { unreachable!() };
+        match step {
+            Some(step) => self.plan(step),
+            None => self.tick(),
+        }
+        Ok(())
+    }
+
+    pub(super) fn on_worker_restarted(&mut self, worker: u32, instance: u64) {
+        let Phase::Running(mut run) = std::mem::replace(&mut self.phase, Phase::Idle) else {
+            return;
+        };
+        if run.pending.contains_key(&worker) {
+            self.retry(&mut run, worker, &format!("worker restarted (instance {instance})"));
+        }
+        if run.pending.is_empty() {
+            self.complete(run);
+        } else {
+            self.phase = Phase::Running(run);
+            self.rearm_running();
+        }
+    }
+
+    /// Membership declared `node` dead. If it held devices of this instance,
+    /// their copies of the experts move to survivors (a new placement epoch)
+    /// and this scheduler fails on purpose: its supervisor restarts it, the
+    /// router submits every request again, and they are recomputed on the
+    /// surviving workers, as after any scheduler crash.
+    pub(super) fn on_node_down(&mut self, node: u32) -> Result<(), Crash> {
+        let topo = &self.ctx.topology;
+        let lost: Vec<u32> = topo.devices_of(self.instance).filter(|&d| topo.node_of_device(d) == node).collect();
+        self.ctx.mark_lost(&lost);
+        let base = topo.devices_of(self.instance).start;
+        let gone = topo.devices_of(self.instance).filter(|&d| self.ctx.is_lost(d)).map(|d| d - base).collect();
+        let current = self.ctx.placement(self.instance);
+        match current.without_devices(&gone) {
+            // Already running without them (a repeated report, or a restart after the change).
+            Ok(p) if p == current => return Ok(()),
+            Ok(p) => self.ctx.set_placement(self.instance, p.with_epoch(current.epoch() + 1)),
+            Err(e) => {
+                let why = format!("node{node} is down and no device of instance {} is left: {e}", self.instance);
+                let ids: Vec<u64> = self.live.keys().copied().collect();
+                let items = ids.into_iter().filter_map(|id| self.fail(id, &why)).collect();
+                self.send_outputs(items, &[]);
+                return Ok(());
+            }
+        }
+        Err(format!("{}: node{node} is down (devices {lost:?}); restarting on the survivors", self.addr).into())
+    }
+
+    pub(super) fn on_cache_restarted(&mut self) {
+        self.policy.clear_prefix_cache();
+        self.cached.clear();
+        self.recent.clear();
+        self.tiers_cleared();
+        self.ctx.events.record(format_args!("{} cache restarted: prefix index cleared", self.addr));
+        if let Phase::Fetching { .. } = self.phase {
+            let Phase::Fetching { run, .. } = std::mem::replace(&mut self.phase, Phase::Idle) else { unreachable!() };
+            self.fetched(run, Vec::new(), Vec::new());
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! Tidy checks: invariants of the source tree written as absences, so that
+//! `cargo test` fails the day one stops holding.
+
+use std::path::{Path, PathBuf};
+
+/// Longest a source file may grow without saying at its top why.
+const LONG_FILE_LINES: usize = 600;
+/// What a long file writes in its first lines to say why it is long.
+const LONG_FILE_MARK: &str = "tidy: long file";
+
+fn workspace() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Every `.rs` file below `dir` (relative to the workspace), sorted.
+fn sources(dir: &str) -> Vec<(String, String)> {
+    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+        let Ok(entries) = std::fs::read_dir(dir) else { return };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                out.push(p);
+            }
+        }
+    }
+    let root = workspace();
+    let mut files = Vec::new();
+    walk(&root.join(dir), &mut files);
+    files.sort();
+    assert!(!files.is_empty(), "no sources under {dir}");
+    files
+        .into_iter()
+        .map(|p| {
+            let text = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+            (p.strip_prefix(&root).expect("below the workspace").display().to_string(), text)
+        })
+        .collect()
+}
+
+/// Lines of code (comments dropped) that contain one of `words`, as `file:line: text`.
+fn uses(files: &[(String, String)], words: &[&str]) -> Vec<String> {
+    let mut found = Vec::new();
+    for (path, text) in files {
+        for (i, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            if words.iter().any(|w| code.contains(w)) {
+                found.push(format!("{path}:{}: {}", i + 1, line.trim()));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn protocol_machines_touch_no_runtime_clock_or_socket() {
+    let words = ["ractor", "tokio", "Instant", "SystemTime", ".clock", ".transport", "send_message", "spawn", "async"];
+    let found = uses(&sources("actors/src/proto"), &words);
+    assert!(found.is_empty(), "I/O inside a protocol machine (it belongs in actors/src/actor):\n{}", found.join("\n"));
+}
+
+#[test]
+fn only_the_wire_schema_derives_rkyv() {
+    let files: Vec<_> = sources("actors/src")
+        .into_iter()
+        .chain(sources("src"))
+        .filter(|(p, _)| p != "actors/src/wire.rs" && p != "src/tidy.rs")
+        .collect();
+    let found = uses(&files, &["rkyv::", "Archive", "use rkyv"]);
+    assert!(found.is_empty(), "rkyv outside actors/src/wire.rs:\n{}", found.join("\n"));
+}
+
+#[test]
+fn the_engine_and_kernels_are_synchronous_and_read_no_clock() {
+    let files: Vec<_> = sources("engine/src").into_iter().chain(sources("kernels/src")).collect();
+    let words = ["tokio", "async", "futures", "ractor", "Instant", "SystemTime", "std::thread::sleep"];
+    let found = uses(&files, &words);
+    assert!(found.is_empty(), "the engine is sans-IO (time is handed in):\n{}", found.join("\n"));
+}
+
+#[test]
+fn decisions_never_iterate_a_hash_map() {
+    // Lookups only: the prefix cache's two indexes are never iterated.
+    let allowed = ["engine/src/prefix_cache.rs"];
+    let files: Vec<_> = ["engine/src", "actors/src", "kernels/src"]
+        .into_iter()
+        .flat_map(sources)
+        .filter(|(p, _)| !allowed.contains(&p.as_str()))
+        .collect();
+    let found = uses(&files, &["HashMap", "HashSet"]);
+    assert!(found.is_empty(), "use a BTreeMap (iteration order decides):\n{}", found.join("\n"));
+}
+
+#[test]
+fn long_files_say_why() {
+    let files: Vec<_> = ["src", "engine/src", "actors/src", "kernels/src", "tests", "engine/tests", "actors/tests"]
+        .into_iter()
+        .flat_map(sources)
+        .collect();
+    let long: Vec<String> = files
+        .iter()
+        .filter(|(_, text)| text.lines().count() > LONG_FILE_LINES)
+        .filter(|(_, text)| !text.lines().take(10).any(|l| l.contains(LONG_FILE_MARK)))
+        .map(|(p, text)| format!("{p}: {} lines", text.lines().count()))
+        .collect();
+    assert!(
+        long.is_empty(),
+        "over {LONG_FILE_LINES} lines without `{LONG_FILE_MARK}: <why>` in the first ten lines (or split it):\n{}",
+        long.join("\n")
+    );
+}
