@@ -32,6 +32,7 @@ use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::actor::member::{MemberActor, MemberArgs};
 use crate::actor::scheduler::{Scheduler, SchedulerArgs};
 use crate::cache::{CacheArgs, CacheManager};
 use crate::clock::{Clock, RealClock, SimClock};
@@ -42,6 +43,7 @@ use crate::events::{bump, EventLog, Metrics, MetricsSnapshot};
 use crate::faults::{FaultPlan, Faults};
 use crate::modelled::{Modelled, ModelledSpec};
 use crate::placement::{Placement, PlacementError};
+use crate::proto::membership::MembershipConfig;
 use crate::rng::Seed;
 use crate::router::{Router, RouterArgs};
 use crate::shard::{ExpertShard, ShardArgs};
@@ -72,6 +74,11 @@ pub struct ClusterConfig {
     pub cluster_intensity: Intensity,
     /// `None`: `Timeouts::simulated()` on a virtual clock, `Timeouts::real()` on wall time.
     pub timeouts: Option<Timeouts>,
+    /// Run membership as an actor per node over the cluster's own transport
+    /// (the simulated fabric): a node silent past the failure timeout is
+    /// declared down and the survivors serve around it. `None`: membership
+    /// is the QUIC transport's (real clusters) or absent (one process).
+    pub membership: Option<MembershipConfig>,
     pub seed: u64,
     pub faults: Option<FaultPlan>,
     /// Used by the simulated fabric only.
@@ -107,6 +114,7 @@ impl ClusterConfig {
             node_intensity: Intensity::new(3, Duration::from_secs(5)),
             cluster_intensity: Intensity::new(2, Duration::from_secs(30)),
             timeouts: None,
+            membership: None,
             seed: 0,
             faults: None,
             fabric: FabricConfig::default(),
@@ -278,6 +286,16 @@ fn node_spec(node: u32, ctx: &Arc<Ctx>, intensity: Intensity, env: SupervisorEnv
                 |_, incarnation, ctx| RouterArgs { incarnation, ctx },
             ));
         }
+        if ctx.membership.is_some() {
+            children.push(spec(
+                format!("member{node}"),
+                ChildKind::Member,
+                node,
+                &ctx,
+                || MemberActor,
+                |node, incarnation, ctx| MemberArgs { node, incarnation, ctx },
+            ));
+        }
         children.extend(devices.clone().map(|d| {
             spec(
                 format!("shard{d}"),
@@ -415,13 +433,14 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         device_cost,
         kinds: cfg.instance_kinds.clone(),
         eplb: cfg.eplb,
+        membership: cfg.membership,
         prefill_routing: cfg.prefill_routing,
         steps: (0..topo.instances).map(|_| AtomicU64::new(0)).collect(),
         gauges: (0..topo.instances).map(|_| InstanceGauges::default()).collect(),
         root: OnceLock::new(),
         instances: AtomicU64::new(0),
         up: AtomicBool::new(false),
-        lost_devices: RwLock::new(Default::default()),
+        lost_devices: (0..topo.nodes()).map(|_| RwLock::new(Default::default())).collect(),
     });
     for instance in 0..topo.instances {
         Policy::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| ClusterError::Engine(e.to_string()))?;
@@ -484,20 +503,7 @@ impl NodeRuntime {
     /// the survivors; the router moves the requests of instances whose
     /// scheduler lived there to the others.
     pub fn node_down(&self, node: u32) {
-        let topo = &self.ctx.topology;
-        let devices: Vec<u32> = (0..topo.devices).filter(|&d| topo.node_of_device(d) == node).collect();
-        self.ctx.mark_lost(&devices);
-        if self.node == 0 {
-            // The router moves requests of instances whose scheduler was there.
-            let msg = Message::Control(crate::wire::Control::NodeDown { node });
-            self.ctx.send(Addr::node(self.node), Addr::router(0), msg, &[]);
-        }
-        for i in topo.instances_on(self.node) {
-            if topo.devices_of(i).any(|d| topo.node_of_device(d) == node) {
-                let msg = Message::Control(crate::wire::Control::NodeDown { node });
-                self.ctx.send(Addr::node(self.node), Addr::scheduler(i), msg, &[]);
-            }
-        }
+        self.ctx.node_down(self.node, node);
     }
 
     /// Resolves when the node's supervisors gave up, with why.

@@ -188,6 +188,8 @@ pub struct Ctx {
     pub prefill_routing: crate::disagg::PrefillRouting,
     /// Expert load balancing at run time; `None`: the table changes only as configured.
     pub eplb: Option<crate::disagg::EplbConfig>,
+    /// Membership as an actor per node (see `ClusterConfig::membership`).
+    pub membership: Option<crate::proto::membership::MembershipConfig>,
     pub steps: Vec<AtomicU64>,
     /// What each instance's scheduler last reported, for observers.
     pub gauges: Vec<InstanceGauges>,
@@ -198,8 +200,11 @@ pub struct Ctx {
     pub instances: AtomicU64,
     /// Set once the whole tree has started: any later start is a restart.
     pub up: AtomicBool,
-    /// Devices of nodes that membership declared dead: no work goes to them.
-    pub lost_devices: RwLock<std::collections::BTreeSet<u32>>,
+    /// Devices of nodes that membership declared dead, as each node sees it
+    /// (one entry per node: in a simulation one `Ctx` serves every node, and
+    /// a partitioned node's view must not leak into the others'). No work
+    /// goes to them.
+    pub lost_devices: Vec<RwLock<std::collections::BTreeSet<u32>>>,
 }
 
 impl Ctx {
@@ -278,13 +283,17 @@ impl Ctx {
         *self.placements[instance as usize].write().unwrap_or_else(|e| e.into_inner()) = p;
     }
 
-    /// The device's node was declared dead.
-    pub fn is_lost(&self, device: u32) -> bool {
-        self.lost_devices.read().unwrap_or_else(|e| e.into_inner()).contains(&device)
+    /// Node `seen_from` heard that the device's node was declared dead.
+    pub fn is_lost(&self, seen_from: u32, device: u32) -> bool {
+        self.lost_devices
+            .get(seen_from as usize)
+            .is_some_and(|l| l.read().unwrap_or_else(|e| e.into_inner()).contains(&device))
     }
 
-    pub fn mark_lost(&self, devices: &[u32]) {
-        self.lost_devices.write().unwrap_or_else(|e| e.into_inner()).extend(devices.iter().copied());
+    pub fn mark_lost(&self, seen_from: u32, devices: &[u32]) {
+        if let Some(l) = self.lost_devices.get(seen_from as usize) {
+            l.write().unwrap_or_else(|e| e.into_inner()).extend(devices.iter().copied());
+        }
     }
 
     /// A new step id of `instance`'s scheduler.
@@ -295,6 +304,26 @@ impl Ctx {
     /// Steps started by every instance.
     pub fn total_steps(&self) -> u64 {
         self.steps.iter().map(|s| s.load(Ordering::Relaxed)).sum()
+    }
+
+    /// Membership declared `dead` down; act on it from node `here`: its
+    /// devices get no more work; each scheduler of `here` whose instance has
+    /// devices there re-places their experts and restarts its requests on
+    /// the survivors; node 0 tells the router, which moves the requests of
+    /// instances whose scheduler lived there to the others.
+    pub fn node_down(&self, here: u32, dead: u32) {
+        let topo = &self.topology;
+        let devices: Vec<u32> = (0..topo.devices).filter(|&d| topo.node_of_device(d) == dead).collect();
+        self.mark_lost(here, &devices);
+        let msg = || Message::Control(wire::Control::NodeDown { node: dead });
+        if here == 0 {
+            self.send(Addr::node(here), Addr::router(0), msg(), &[]);
+        }
+        for i in topo.instances_on(here) {
+            if topo.devices_of(i).any(|d| topo.node_of_device(d) == dead) {
+                self.send(Addr::node(here), Addr::scheduler(i), msg(), &[]);
+            }
+        }
     }
 
     /// Crash the actor at `path` below the root (`node0`, `node0/cache0`), as a fault would.

@@ -96,6 +96,7 @@ pub struct Metrics {
     pub bytes_sent: AtomicU64,
     pub worker_restarts: AtomicU64,
     pub shard_restarts: AtomicU64,
+    pub member_restarts: AtomicU64,
     pub supervisor_restarts: AtomicU64,
     pub escalations: AtomicU64,
     pub kills_injected: AtomicU64,
@@ -130,6 +131,7 @@ pub struct MetricsSnapshot {
     pub bytes_sent: u64,
     pub worker_restarts: u64,
     pub shard_restarts: u64,
+    pub member_restarts: u64,
     pub supervisor_restarts: u64,
     pub escalations: u64,
     pub kills_injected: u64,
@@ -156,6 +158,7 @@ impl MetricsSnapshot {
     pub fn restarts(&self) -> u64 {
         self.worker_restarts
             + self.shard_restarts
+            + self.member_restarts
             + self.supervisor_restarts
             + self.scheduler_restarts
             + self.cache_restarts
@@ -179,6 +182,7 @@ impl Metrics {
             bytes_sent: g(&self.bytes_sent),
             worker_restarts: g(&self.worker_restarts),
             shard_restarts: g(&self.shard_restarts),
+            member_restarts: g(&self.member_restarts),
             supervisor_restarts: g(&self.supervisor_restarts),
             escalations: g(&self.escalations),
             kills_injected: g(&self.kills_injected),

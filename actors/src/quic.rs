@@ -29,7 +29,8 @@
 //!   node of that sender (or `client`); later frames must come from the same.
 //! - **Reconnect.** A lane whose connection fails dials again with
 //!   exponential backoff (50 ms to 1 s) while frames queue up to the limit.
-//! - **Membership.** Every `heartbeat` each node sends a heartbeat frame to
+//! - **Membership** (the [`Membership`] machine, ticked here). Every
+//!   `heartbeat` each node sends a heartbeat frame to
 //!   every other node (clients to every node, which answer them). A peer
 //!   heard from is up; a peer that was up and is silent for longer than
 //!   `failure_timeout` is down (reported once, with how long it was silent),
@@ -38,7 +39,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -64,14 +65,12 @@ const CLOSE_SHUTDOWN: u32 = 0;
 const CLOSE_BAD_FRAME: u32 = 1;
 const CLOSE_BAD_IDENTITY: u32 = 2;
 
-/// Who this endpoint is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Member {
-    /// Node `index` of the topology: hosts actors, accepts connections.
-    Node(u32),
-    /// A client with address `Addr::client(index)`: dials nodes only.
-    Client(u32),
-}
+/// Who this endpoint is: node `index` of the topology (hosts actors,
+/// accepts connections) or a client with address `Addr::client(index)`
+/// (dials nodes only). Membership itself is the sans-IO
+/// [`Membership`] machine, run here on the endpoint's clock.
+pub use crate::proto::membership::{Member, MemberEvent};
+use crate::proto::membership::{Membership, MembershipConfig};
 
 /// A node of the topology: the name its certificate carries, and its address.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -110,19 +109,6 @@ impl QuicConfig {
     }
 }
 
-/// What membership reports about a node.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum MemberEvent {
-    Up {
-        node: u32,
-    },
-    /// Nothing heard for `silent` (more than the failure timeout).
-    Down {
-        node: u32,
-        silent: Duration,
-    },
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum QuicError {
     #[error(transparent)]
@@ -143,16 +129,9 @@ pub struct QuicStats {
     pub frames_received: AtomicU64,
 }
 
-const UNKNOWN: u8 = 0;
-const UP: u8 = 1;
-const DOWN: u8 = 2;
-
 struct Peer {
     control: mpsc::Sender<Vec<u8>>,
     data: mpsc::Sender<Vec<u8>>,
-    /// Clock time (ns, +1) of the last valid frame from it; 0: never.
-    heard: AtomicU64,
-    state: AtomicU8,
     conn: tokio::sync::Mutex<Option<Connection>>,
 }
 
@@ -175,8 +154,7 @@ struct Inner {
     me: Member,
     nodes: Vec<NodeAddr>,
     node_of: NodeOf,
-    heartbeat: Duration,
-    failure_timeout: Duration,
+    membership: Mutex<Membership>,
     max_frame: u32,
     endpoint: Endpoint,
     clock: Arc<dyn Clock>,
@@ -266,21 +244,20 @@ impl QuicTransport {
                 let (control, crx) = mpsc::channel(CONTROL_QUEUE);
                 let (data, drx) = mpsc::channel(DATA_QUEUE);
                 receivers.push((crx, drx));
-                Peer {
-                    control,
-                    data,
-                    heard: AtomicU64::new(0),
-                    state: AtomicU8::new(UNKNOWN),
-                    conn: tokio::sync::Mutex::new(None),
-                }
+                Peer { control, data, conn: tokio::sync::Mutex::new(None) }
             })
             .collect();
+        let members = Membership::new(
+            clock.now(),
+            cfg.me,
+            cfg.nodes.len() as u32,
+            MembershipConfig { heartbeat: cfg.heartbeat, failure_timeout: cfg.failure_timeout },
+        );
         let inner = Arc::new(Inner {
             me: cfg.me,
             nodes: cfg.nodes,
             node_of: cfg.node_of,
-            heartbeat: cfg.heartbeat,
-            failure_timeout: cfg.failure_timeout,
+            membership: Mutex::new(members),
             max_frame: cfg.max_frame.min(MAX_FRAME_BYTES),
             endpoint,
             clock,
@@ -329,11 +306,7 @@ impl QuicTransport {
 
     /// Nodes heard from and not since declared down.
     pub fn nodes_up(&self) -> Vec<u32> {
-        (0..self.inner.nodes.len() as u32)
-            .filter(|&n| {
-                self.inner.me == Member::Node(n) || self.inner.peers[n as usize].state.load(Ordering::Relaxed) == UP
-            })
-            .collect()
+        lock(&self.inner.membership).nodes_up()
     }
 
     /// Send a raw byte string on a fresh stream to node `node` (tests of the
@@ -389,10 +362,9 @@ impl Inner {
     }
 
     fn heard_from(&self, node: u32) {
-        let Some(p) = self.peers.get(node as usize) else { return };
-        p.heard.store(self.now_ns(), Ordering::Relaxed);
-        if p.state.swap(UP, Ordering::Relaxed) != UP {
-            self.publish(MemberEvent::Up { node });
+        let up = lock(&self.membership).heard(self.clock.now(), node);
+        if let Some(e) = up {
+            self.publish(e);
         }
     }
 
@@ -655,37 +627,20 @@ async fn read_stream(inner: Arc<Inner>, conn: Connection, who: Arc<OnceLock<Peer
     }
 }
 
-/// Heartbeats out, failure detection in.
+/// Heartbeats out, failure detection in: the membership machine's ticks.
 async fn membership(inner: Arc<Inner>) {
-    let started = inner.now_ns();
     loop {
-        inner.clock.sleep(inner.heartbeat).await;
+        let wait = lock(&inner.membership).next_tick().saturating_sub(inner.clock.now());
+        inner.clock.sleep(wait).await;
         if inner.closed.load(Ordering::Relaxed) {
             return;
         }
-        let now = inner.now_ns();
-        for n in 0..inner.nodes.len() as u32 {
-            if inner.me == Member::Node(n) {
-                continue;
-            }
+        let tick = lock(&inner.membership).tick(inner.clock.now());
+        for n in tick.heartbeats {
             inner.send_heartbeat(Addr::node(n));
-            let p = &inner.peers[n as usize];
-            let heard = p.heard.load(Ordering::Relaxed);
-            let silent = Duration::from_nanos(now.saturating_sub(heard));
-            if heard > 0 && silent > inner.failure_timeout && p.state.load(Ordering::Relaxed) == UP {
-                p.state.store(DOWN, Ordering::Relaxed);
-                inner.publish(MemberEvent::Down { node: n, silent });
-            }
-            // A client needs the cluster now: a node it has never heard from is down too.
-            // (Nodes wait for each other instead: they start in any order.)
-            let waited = Duration::from_nanos(now.saturating_sub(started));
-            if matches!(inner.me, Member::Client(_))
-                && heard == 0
-                && waited > inner.failure_timeout
-                && p.state.compare_exchange(UNKNOWN, DOWN, Ordering::Relaxed, Ordering::Relaxed).is_ok()
-            {
-                inner.publish(MemberEvent::Down { node: n, silent: waited });
-            }
+        }
+        for e in tick.events {
+            inner.publish(e);
         }
     }
 }

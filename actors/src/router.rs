@@ -212,7 +212,7 @@ impl RouterState {
         let policy = PrefillPolicy::default();
         let mut candidates: Vec<PrefillCandidate> = (0..topo.instances)
             .map(|i| PrefillCandidate {
-                health: if self.ctx.is_lost(topo.devices_of(i).start) {
+                health: if self.ctx.is_lost(0, topo.devices_of(i).start) {
                     Health::Down
                 } else if self.ctx.kind(i).prefills() {
                     Health::Up
@@ -275,7 +275,7 @@ impl RouterState {
             DecodePolicy { max_requests_per_gpu: (first.max_batch_size as u32).div_ceil(topo.size_of(0).max(1)) };
         let mut candidates: Vec<DecodeCandidate> = (0..topo.instances)
             .map(|i| DecodeCandidate {
-                health: if self.ctx.is_lost(topo.devices_of(i).start) {
+                health: if self.ctx.is_lost(0, topo.devices_of(i).start) {
                     Health::Down
                 } else if self.ctx.kind(i).decodes() {
                     Health::Up
@@ -463,7 +463,7 @@ impl RouterState {
     /// end with an error.
     fn on_node_down(&mut self, node: u32) {
         let topo = &self.ctx.topology;
-        let dead: Vec<bool> = (0..topo.instances).map(|i| self.ctx.is_lost(topo.devices_of(i).start)).collect();
+        let dead: Vec<bool> = (0..topo.instances).map(|i| self.ctx.is_lost(0, topo.devices_of(i).start)).collect();
         let is_dead = |i: u32| dead.get(i as usize).copied().unwrap_or(false);
         let moved: Vec<u64> = self
             .flights

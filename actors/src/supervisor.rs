@@ -39,6 +39,8 @@ pub enum ChildKind {
     Scheduler,
     CacheManager,
     Router,
+    /// A node's membership actor (simulated clusters).
+    Member,
     Supervisor,
 }
 
@@ -242,6 +244,7 @@ impl Actor for Supervisor {
             ChildKind::Scheduler => &state.env.metrics.scheduler_restarts,
             ChildKind::CacheManager => &state.env.metrics.cache_restarts,
             ChildKind::Router => &state.env.metrics.router_restarts,
+            ChildKind::Member => &state.env.metrics.member_restarts,
             ChildKind::Supervisor => &state.env.metrics.supervisor_restarts,
         };
         bump(counter);

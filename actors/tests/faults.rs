@@ -11,6 +11,7 @@ use std::time::Duration;
 use common::{assert_same, model, prompt, reference, request, requests};
 use deepinfer_actors::ctx::Timeouts;
 use deepinfer_actors::faults::{FaultPlan, KillRule, MessageAction, MessageRule, SlowDevice, Target};
+use deepinfer_actors::proto::membership::MembershipConfig;
 use deepinfer_actors::rng::Seed;
 use deepinfer_actors::sim::Partition;
 use deepinfer_actors::supervisor::Intensity;
@@ -230,4 +231,39 @@ fn the_in_process_cluster_recovers_from_killed_workers_and_shards() {
     assert_same(&report.outputs, &want, "in-process with kills");
     let mx = &report.metrics;
     assert_eq!((mx.kills_injected, mx.worker_restarts, mx.shard_restarts), (2, 1, 1), "{mx:?}");
+}
+
+/// Node 1 is cut off for good: membership, running as an actor per node
+/// over the simulated fabric, declares it down, and every request
+/// completes on node 0 with the fault-free output — requests of the
+/// instance that lived on node 1 moved by the router, and an instance that
+/// spanned both nodes re-placed on its surviving devices.
+#[test]
+fn a_node_lost_for_good_is_declared_down_and_its_requests_complete_elsewhere() {
+    let m = model();
+    let reqs = requests(6, STEPS);
+    let want = reference(&m, &reqs);
+    for (name, two) in [("an instance per node", true), ("one instance on both nodes", false)] {
+        let run = |seed: u64| {
+            let mut cfg = if two { two_instances(seed) } else { config(seed) };
+            cfg.membership = Some(MembershipConfig::simulated());
+            cfg.keep_events = 100_000;
+            // Slow steps keep requests in flight past the first heartbeats,
+            // when node 1 goes.
+            let slow = (0..4).map(|device| SlowDevice { device, per_layer: Duration::from_millis(3) }).collect();
+            cfg.faults = Some(FaultPlan { slow, ..FaultPlan::default() });
+            cfg.fabric.partitions =
+                vec![Partition { a: vec![0], b: vec![1], from: Duration::from_millis(30), until: Duration::MAX }];
+            run_simulated(m.clone(), cfg, &reqs).unwrap()
+        };
+        for seed in 0..3u64 {
+            let report = run(seed);
+            assert_same(&report.outputs, &want, &format!("{name}, seed {seed}"));
+            let declared = report.log.iter().any(|l| l.contains("node0 membership: Down { node: 1"));
+            assert!(declared, "{name}, seed {seed}: node 0 declared node 1 down after {:?}", report.elapsed);
+            let moved = report.log.iter().any(|l| l.contains("router moves request") || l.contains("is down (devices"));
+            assert!(moved, "{name}, seed {seed}: work left node 1");
+            assert_eq!(report.digest, run(seed).digest, "{name}, seed {seed}: the same seed, the same run");
+        }
+    }
 }

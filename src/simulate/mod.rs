@@ -340,12 +340,7 @@ pub fn run(s: &Scenario, seed: Option<u64>, progress: bool) -> anyhow::Result<Re
     data.handovers = sim.metrics.handovers;
     data.rebuilt = sim.metrics.sequences_rebuilt;
     let m = &sim.metrics;
-    data.restarts = m.worker_restarts
-        + m.shard_restarts
-        + m.scheduler_restarts
-        + m.cache_restarts
-        + m.router_restarts
-        + m.supervisor_restarts;
+    data.restarts = m.restarts();
     Ok(Report::new(s, &data))
 }
 

@@ -4,4 +4,5 @@
 //! folder (a tidy test checks it), so a machine is tested with scripted
 //! inputs alone.
 
+pub mod membership;
 pub mod scheduler;

@@ -242,6 +242,8 @@ enum Phase {
 
 pub struct SchedulerMachine {
     instance: u32,
+    /// The node it lives on (whose view of lost devices it shares).
+    home: u32,
     addr: Addr,
     /// Cluster-unique number of this incarnation; workers drop the states of older ones.
     number: u64,
@@ -370,6 +372,7 @@ impl SchedulerMachine {
         });
         let mut machine = SchedulerMachine {
             instance,
+            home: ctx.topology.home_node(instance),
             addr,
             number,
             now,

@@ -26,7 +26,7 @@ impl SchedulerMachine {
     pub(super) fn load_placement(&mut self, step: Option<u64>) {
         let p = self.ctx.placement(self.instance);
         let waiting: BTreeSet<u32> =
-            self.ctx.topology.devices_of(self.instance).filter(|d| !self.ctx.is_lost(*d)).collect();
+            self.ctx.topology.devices_of(self.instance).filter(|d| !self.ctx.is_lost(self.home, *d)).collect();
         self.send_tables(&waiting);
         let deadline = self.now() + self.ctx.timeouts.control;
         self.phase = Phase::Loading { epoch: p.epoch(), waiting, round: 0, deadline, step };
@@ -130,9 +130,10 @@ impl SchedulerMachine {
     pub(super) fn on_node_down(&mut self, node: u32) -> Result<(), Crash> {
         let topo = &self.ctx.topology;
         let lost: Vec<u32> = topo.devices_of(self.instance).filter(|&d| topo.node_of_device(d) == node).collect();
-        self.ctx.mark_lost(&lost);
+        self.ctx.mark_lost(self.home, &lost);
         let base = topo.devices_of(self.instance).start;
-        let gone = topo.devices_of(self.instance).filter(|&d| self.ctx.is_lost(d)).map(|d| d - base).collect();
+        let gone =
+            topo.devices_of(self.instance).filter(|&d| self.ctx.is_lost(self.home, d)).map(|d| d - base).collect();
         let current = self.ctx.placement(self.instance);
         match current.without_devices(&gone) {
             // Already running without them (a repeated report, or a restart after the change).

@@ -1,0 +1,203 @@
+//! Membership: which nodes are alive, from heartbeats alone, sans-IO. The
+//! same machine runs inside the QUIC transport (`crate::quic`) and as the
+//! `Member` actor of each node of a simulated cluster, where its heartbeats
+//! cross the simulated fabric with its latencies, drops and partitions.
+//!
+//! Every `heartbeat` a member sends a heartbeat to every other node. A peer
+//! heard from is up; a peer that was up and is silent for longer than
+//! `failure_timeout` is down (reported once, with how long it was silent),
+//! and up again when heard from. A client also reports a node it has not
+//! heard from at all within `failure_timeout` of starting (nodes wait for
+//! each other instead: they start in any order).
+
+use std::time::Duration;
+
+/// Who runs the machine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Member {
+    Node(u32),
+    Client(u32),
+}
+
+/// What membership reports about a node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MemberEvent {
+    Up {
+        node: u32,
+    },
+    /// Nothing heard for `silent` (more than the failure timeout).
+    Down {
+        node: u32,
+        silent: Duration,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MembershipConfig {
+    pub heartbeat: Duration,
+    pub failure_timeout: Duration,
+}
+
+impl MembershipConfig {
+    /// For wall time between machines.
+    pub fn real() -> Self {
+        Self { heartbeat: Duration::from_millis(200), failure_timeout: Duration::from_secs(3) }
+    }
+
+    /// For the virtual clock: many heartbeats per failure timeout, and a
+    /// timeout well above the simulated links' latency.
+    pub fn simulated() -> Self {
+        Self { heartbeat: Duration::from_millis(20), failure_timeout: Duration::from_millis(200) }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PeerState {
+    Unknown,
+    Up,
+    Down,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Peer {
+    /// When a heartbeat (or any valid frame) last came from it.
+    heard: Option<Duration>,
+    state: PeerState,
+}
+
+/// What one tick asks for.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Tick {
+    /// Nodes to send a heartbeat to, ascending.
+    pub heartbeats: Vec<u32>,
+    pub events: Vec<MemberEvent>,
+}
+
+pub struct Membership {
+    me: Member,
+    config: MembershipConfig,
+    started: Duration,
+    peers: Vec<Peer>,
+    last_tick: Duration,
+}
+
+impl Membership {
+    /// A member of a cluster of `nodes` nodes, starting at `now`.
+    pub fn new(now: Duration, me: Member, nodes: u32, config: MembershipConfig) -> Self {
+        assert!(config.heartbeat > Duration::ZERO, "a heartbeat period");
+        let peers = vec![Peer { heard: None, state: PeerState::Unknown }; nodes as usize];
+        Self { me, config, started: now, peers, last_tick: now }
+    }
+
+    pub fn config(&self) -> MembershipConfig {
+        self.config
+    }
+
+    /// When the next tick is due.
+    pub fn next_tick(&self) -> Duration {
+        self.last_tick + self.config.heartbeat
+    }
+
+    /// Something valid came from `node` at `now`: `Up` if it was not up.
+    pub fn heard(&mut self, now: Duration, node: u32) -> Option<MemberEvent> {
+        let peer = self.peers.get_mut(node as usize)?;
+        peer.heard = Some(peer.heard.map_or(now, |h| h.max(now)));
+        (std::mem::replace(&mut peer.state, PeerState::Up) != PeerState::Up).then_some(MemberEvent::Up { node })
+    }
+
+    /// Heartbeats to send and nodes found silent at `now`.
+    pub fn tick(&mut self, now: Duration) -> Tick {
+        assert!(now >= self.last_tick, "time went backwards");
+        self.last_tick = now;
+        let mut out = Tick::default();
+        let timeout = self.config.failure_timeout;
+        let waited = now.saturating_sub(self.started);
+        for (n, peer) in self.peers.iter_mut().enumerate() {
+            let node = n as u32;
+            if self.me == Member::Node(node) {
+                continue;
+            }
+            out.heartbeats.push(node);
+            match (peer.state, peer.heard) {
+                (PeerState::Up, Some(heard)) if now.saturating_sub(heard) > timeout => {
+                    peer.state = PeerState::Down;
+                    out.events.push(MemberEvent::Down { node, silent: now - heard });
+                }
+                // A client needs the cluster now: a node never heard from is down too.
+                (PeerState::Unknown, None) if matches!(self.me, Member::Client(_)) && waited > timeout => {
+                    peer.state = PeerState::Down;
+                    out.events.push(MemberEvent::Down { node, silent: waited });
+                }
+                _ => {}
+            }
+        }
+        out
+    }
+
+    /// Nodes heard from and not since declared down (this member's own node included).
+    pub fn nodes_up(&self) -> Vec<u32> {
+        (0..self.peers.len() as u32)
+            .filter(|&n| self.me == Member::Node(n) || self.peers[n as usize].state == PeerState::Up)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    fn config() -> MembershipConfig {
+        MembershipConfig { heartbeat: ms(10), failure_timeout: ms(50) }
+    }
+
+    #[test]
+    fn a_silent_peer_is_down_once_and_up_again_when_heard() {
+        let mut m = Membership::new(ms(0), Member::Node(0), 3, config());
+        assert_eq!(m.heard(ms(1), 1), Some(MemberEvent::Up { node: 1 }));
+        assert_eq!(m.heard(ms(2), 1), None, "already up");
+        assert_eq!(m.heard(ms(2), 2), Some(MemberEvent::Up { node: 2 }));
+        let mut now = ms(0);
+        let mut downs = Vec::new();
+        while now < ms(200) {
+            now += ms(10);
+            // Node 2 keeps talking; node 1 went quiet at 1 ms.
+            m.heard(now, 2);
+            let t = m.tick(now);
+            assert_eq!(t.heartbeats, vec![1, 2], "never to itself");
+            downs.extend(t.events.into_iter().map(|e| (now, e)));
+        }
+        assert_eq!(downs, vec![(ms(60), MemberEvent::Down { node: 1, silent: ms(59) })]);
+        assert_eq!(m.nodes_up(), vec![0, 2]);
+        assert_eq!(m.heard(ms(201), 1), Some(MemberEvent::Up { node: 1 }));
+        assert_eq!(m.nodes_up(), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn nodes_wait_for_peers_that_never_spoke_and_clients_do_not() {
+        let mut node = Membership::new(ms(0), Member::Node(0), 2, config());
+        let mut client = Membership::new(ms(0), Member::Client(0), 2, config());
+        let mut client_events = Vec::new();
+        for k in 1..=20 {
+            assert!(node.tick(ms(10 * k)).events.is_empty(), "a node starts in any order");
+            client_events.extend(client.tick(ms(10 * k)).events);
+        }
+        assert_eq!(
+            client_events,
+            vec![MemberEvent::Down { node: 0, silent: ms(60) }, MemberEvent::Down { node: 1, silent: ms(60) }]
+        );
+    }
+
+    #[test]
+    fn a_late_or_reordered_heartbeat_never_moves_time_back() {
+        let mut m = Membership::new(ms(0), Member::Node(0), 2, config());
+        m.heard(ms(40), 1);
+        m.heard(ms(5), 1);
+        assert!(m.tick(ms(80)).events.is_empty(), "silent for 40 ms, not 75");
+        assert_eq!(m.tick(ms(100)).events, vec![MemberEvent::Down { node: 1, silent: ms(60) }]);
+        assert_eq!(m.heard(ms(7), 9), None, "no such node");
+    }
+}
