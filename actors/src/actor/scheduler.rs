@@ -9,7 +9,7 @@ use std::sync::Arc;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
-use crate::ctx::{pump, Ctx};
+use crate::cluster::ctx::{pump, Ctx};
 use crate::proto::scheduler::{Effect, Input, SchedulerMachine};
 
 pub struct Scheduler;

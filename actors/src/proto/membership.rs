@@ -1,5 +1,5 @@
 //! Membership: which nodes are alive, from heartbeats alone, sans-IO. The
-//! same machine runs inside the QUIC transport (`crate::quic`) and as the
+//! same machine runs inside the QUIC transport (`crate::net::quic`) and as the
 //! `Member` actor of each node of a simulated cluster, where its heartbeats
 //! cross the simulated fabric with its latencies, drops and partitions.
 //!

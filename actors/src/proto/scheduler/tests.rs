@@ -7,9 +7,9 @@ use std::time::Duration;
 use deepinfer_engine::presets::{build, Preset};
 
 use super::{Effect, Input, SchedulerMachine};
+use crate::cluster::ctx::Ctx;
 use crate::cluster::{build_ctx, in_process_env, ClusterConfig};
-use crate::ctx::Ctx;
-use crate::transport::Delivery;
+use crate::net::transport::Delivery;
 use crate::wire::{
     self, Addr, Envelope, FinishKind, Heartbeat, Message, OutputEnd, RequestSpec, Sampling, SeqOutput, StepOutcome,
     StepRequest, StepResult, Submit,

@@ -1,5 +1,5 @@
 //! Moving frames between actors. One trait; in-process (tokio channels, real
-//! threads) and simulated ([`crate::sim::SimFabric`]) implementations now, QUIC
+//! threads) and simulated ([`crate::sim::fabric::SimFabric`]) implementations now, QUIC
 //! later. A transport carries encoded frames only: the receiver decodes and
 //! validates every frame it is handed, as it would from a socket.
 
@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc;
 
-use crate::events::{bump, Metrics};
+use crate::sim::events::{bump, Metrics};
 use crate::wire::{Addr, WireError};
 
 /// A frame as received, with the sender's address as the fabric saw it.

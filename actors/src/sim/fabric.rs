@@ -13,11 +13,11 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, Notify};
 
-use crate::clock::Clock;
-use crate::events::{bump, EventLog, Metrics};
-use crate::faults::{Faults, MessageAction};
-use crate::rng::{Rng, Seed};
-use crate::transport::{Delivery, Inbox, Transport, TransportError, DEFAULT_QUEUE};
+use crate::net::transport::{Delivery, Inbox, Transport, TransportError, DEFAULT_QUEUE};
+use crate::sim::clock::Clock;
+use crate::sim::events::{bump, EventLog, Metrics};
+use crate::sim::faults::{Faults, MessageAction};
+use crate::sim::rng::{Rng, Seed};
 use crate::wire::{self, Addr};
 
 /// One direction of a link between two nodes.
