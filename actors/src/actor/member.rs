@@ -9,7 +9,8 @@ use std::sync::Arc;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use crate::cluster::ctx::{pump, Ctx};
+use crate::cluster::ctx::Ctx;
+use crate::net::transport::pump;
 use crate::net::transport::Delivery;
 use crate::proto::membership::{Member, MemberEvent, Membership};
 use crate::wire::{Addr, Heartbeat, Message, Role};

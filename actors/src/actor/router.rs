@@ -30,9 +30,10 @@ use deepinfer_engine::scheduler::Scheduler as Policy;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
-use crate::cluster::ctx::{pump, Ctx};
+use crate::cluster::ctx::Ctx;
 use crate::cluster::disagg::PrefillRouting;
 use crate::modelled::tiers::SimTier;
+use crate::net::transport::pump;
 use crate::net::transport::Delivery;
 use crate::sim::events::bump;
 use crate::wire::{

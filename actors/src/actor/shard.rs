@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use crate::cluster::ctx::{pump, Ctx};
+use crate::cluster::ctx::Ctx;
+use crate::net::transport::pump;
 use crate::net::transport::Delivery;
 use crate::sim::events::bump;
 use crate::sim::faults::Target;

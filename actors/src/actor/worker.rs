@@ -28,8 +28,9 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
 use crate::actor::cache::parts_len;
-use crate::cluster::ctx::{pump, Ctx};
+use crate::cluster::ctx::Ctx;
 use crate::cluster::placement::{row_key, Placement};
+use crate::net::transport::pump;
 use crate::net::transport::Delivery;
 use crate::sim::events::bump;
 use crate::sim::faults::Target;

@@ -15,7 +15,7 @@ use ractor::ActorCell;
 use crate::cluster::placement::Placement;
 use crate::modelled::cost::DeviceCost;
 use crate::modelled::devices::Modelled;
-use crate::net::transport::{Delivery, Inbox, Transport};
+use crate::net::transport::{Delivery, Transport};
 use crate::sim::clock::Clock;
 use crate::sim::events::{bump, EventLog, Metrics};
 use crate::sim::faults::Faults;
@@ -332,19 +332,4 @@ impl Ctx {
             let _ = root.send_message(crate::actor::supervisor::SupervisorMsg::KillChild(path.to_string()));
         }
     }
-}
-
-/// Forward an inbox into an actor's mailbox until either side goes away.
-pub(crate) fn pump<M, F>(mut inbox: Inbox, to: ractor::ActorRef<M>, wrap: F)
-where
-    M: ractor::Message,
-    F: Fn(Delivery) -> M + Send + 'static,
-{
-    tokio::spawn(async move {
-        while let Some(d) = inbox.recv().await {
-            if to.send_message(wrap(d)).is_err() {
-                break;
-            }
-        }
-    });
 }

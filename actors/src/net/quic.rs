@@ -353,7 +353,7 @@ impl Inner {
             let local = local.as_ref().ok_or(TransportError::Shutdown)?;
             local.get(&to).cloned().ok_or(TransportError::Unbound(to))?
         };
-        offer(&tx, Delivery { from, frame }, to, &self.metrics)
+        offer(&tx, Delivery::new(from, frame), to, &self.metrics)
     }
 
     fn publish(&self, e: MemberEvent) {

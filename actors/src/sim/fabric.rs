@@ -282,8 +282,8 @@ impl Transport for SimFabric {
         };
         let at = free + wire_time + link.latency + jitter(&mut inner.rng) + extra;
         let duplicate = injected == Some(MessageAction::Duplicate) || inner.rng.chance(self.cfg.duplicate);
-        let copy = duplicate.then(|| Delivery { from, frame: frame.clone() });
-        self.enqueue(&mut inner, at, to, Delivery { from, frame });
+        let copy = duplicate.then(|| Delivery::new(from, frame.clone()));
+        self.enqueue(&mut inner, at, to, Delivery::new(from, frame));
         let mut dup_at = None;
         if let Some(copy) = copy {
             let at2 = at + link.latency + jitter(&mut inner.rng);
