@@ -11,7 +11,7 @@ use std::path::Path;
 
 use deepinfer::scenario::{Role, Scenario};
 use deepinfer::simulate::{run, Report};
-use deepinfer_actors::disagg::PrefillRouting;
+use deepinfer_actors::cluster::disagg::PrefillRouting;
 
 fn parse(text: &str) -> Scenario {
     Scenario::parse("experiment.toml", text, Path::new(env!("CARGO_MANIFEST_DIR")).join("simulations").as_path())

@@ -9,13 +9,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use deepinfer_actors::clock::{Clock, RealClock};
-use deepinfer_actors::disagg::InstanceKind;
-use deepinfer_actors::events::{EventLog, Metrics};
-use deepinfer_actors::faults::Faults;
-use deepinfer_actors::placement::Placement;
-use deepinfer_actors::quic::{Member, MemberEvent, NodeAddr, QuicConfig, QuicTransport};
-use deepinfer_actors::tls::{self, CLIENT_NAME};
+use deepinfer_actors::cluster::disagg::InstanceKind;
+use deepinfer_actors::cluster::placement::Placement;
+use deepinfer_actors::net::quic::{Member, MemberEvent, NodeAddr, QuicConfig, QuicTransport};
+use deepinfer_actors::net::tls::{self, CLIENT_NAME};
+use deepinfer_actors::sim::clock::{Clock, RealClock};
+use deepinfer_actors::sim::events::{EventLog, Metrics};
+use deepinfer_actors::sim::faults::Faults;
 use deepinfer_actors::{Cluster, ClusterConfig, Env, LocalCluster, NodeRuntime};
 use deepinfer_engine::model::Model;
 use deepinfer_engine::scheduler::EngineConfig;
@@ -377,7 +377,7 @@ pub fn status(path: &Path, certs: Option<&Path>, wait: Duration) -> anyhow::Resu
         })
         .await;
         let up = transport.nodes_up();
-        deepinfer_actors::transport::Transport::close(&*transport);
+        deepinfer_actors::net::transport::Transport::close(&*transport);
         anyhow::Ok(up)
     })?;
     println!(

@@ -10,8 +10,8 @@ mod speculative;
 
 use std::path::{Path, PathBuf};
 
-use deepinfer_actors::disagg::PrefillRouting;
-use deepinfer_actors::drafting::Drafting;
+use deepinfer_actors::cluster::disagg::PrefillRouting;
+use deepinfer_actors::modelled::drafting::Drafting;
 use deepinfer_engine::cost::experts::Popularity;
 use deepinfer_engine::cost::{HardwareKind, ModelKind};
 use deepinfer_engine::traffic::{Lengths, Pattern};

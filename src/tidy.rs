@@ -65,10 +65,23 @@ fn only_the_wire_schema_derives_rkyv() {
     let files: Vec<_> = sources("actors/src")
         .into_iter()
         .chain(sources("src"))
-        .filter(|(p, _)| p != "actors/src/wire.rs" && p != "src/tidy.rs")
+        .filter(|(p, _)| !p.starts_with("actors/src/wire/") && p != "src/tidy.rs")
         .collect();
     let found = uses(&files, &["rkyv::", "Archive", "use rkyv"]);
-    assert!(found.is_empty(), "rkyv outside actors/src/wire.rs:\n{}", found.join("\n"));
+    assert!(found.is_empty(), "rkyv outside actors/src/wire/:\n{}", found.join("\n"));
+}
+
+#[test]
+fn lower_layers_of_the_actors_name_no_higher_one() {
+    // wire ← proto ← actor; the wire schema is the bottom of every layer.
+    let layers = [
+        ("actors/src/wire", &["crate::actor", "crate::proto", "crate::cluster", "crate::net", "crate::modelled"][..]),
+        ("actors/src/proto", &["crate::actor", "crate::net::quic", "crate::net::tls"][..]),
+    ];
+    for (dir, higher) in layers {
+        let found = uses(&sources(dir), higher);
+        assert!(found.is_empty(), "{dir} reaches up a layer:\n{}", found.join("\n"));
+    }
 }
 
 #[test]

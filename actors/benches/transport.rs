@@ -10,11 +10,11 @@ use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use deepinfer_actors::clock::{Clock, RealClock};
-use deepinfer_actors::events::{EventLog, Metrics};
-use deepinfer_actors::quic::{Member, NodeAddr, QuicConfig, QuicTransport};
-use deepinfer_actors::tls::Ca;
-use deepinfer_actors::transport::{Inbox, Transport};
+use deepinfer_actors::net::quic::{Member, NodeAddr, QuicConfig, QuicTransport};
+use deepinfer_actors::net::tls::Ca;
+use deepinfer_actors::net::transport::{Inbox, Transport};
+use deepinfer_actors::sim::clock::{Clock, RealClock};
+use deepinfer_actors::sim::events::{EventLog, Metrics};
 use deepinfer_actors::wire::{self, Addr, Control, DispatchHeader, Envelope, ExpertRows, Message, Role};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -77,7 +77,8 @@ fn quic_pair() -> QuicPair {
     let nodes: Vec<NodeAddr> =
         ports.iter().enumerate().map(|(i, &addr)| NodeAddr { name: format!("node{i}"), addr }).collect();
     let ca = Ca::generate("bench").unwrap();
-    let node_of: deepinfer_actors::sim::NodeOf = Arc::new(|a: Addr| if a.role == Role::Client { 0 } else { a.index });
+    let node_of: deepinfer_actors::sim::fabric::NodeOf =
+        Arc::new(|a: Addr| if a.role == Role::Client { 0 } else { a.index });
     let start = |i: u32| {
         let cfg = QuicConfig::new(
             Member::Node(i),

@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::{assert_same, model, reference, requests};
-use deepinfer_actors::faults::{FaultPlan, MessageAction, MessageRule};
-use deepinfer_actors::rng::Seed;
+use deepinfer_actors::sim::faults::{FaultPlan, MessageAction, MessageRule};
+use deepinfer_actors::sim::rng::Seed;
 use deepinfer_actors::wire::MsgKind;
 use deepinfer_actors::{run_simulated, ClusterConfig, RunReport};
 

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{assert_same, model, prompt, reference, request, requests};
-use deepinfer_actors::cost::DeviceCost;
+use deepinfer_actors::modelled::cost::DeviceCost;
 use deepinfer_actors::{run_simulated, ClusterConfig, DeviceCostModel, RunReport};
 use deepinfer_engine::cost::{step_cost, DeviceStep, HardwareKind, ModelKind, SeqWork};
 use deepinfer_engine::sampling::SamplingParams;

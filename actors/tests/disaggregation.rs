@@ -11,10 +11,10 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::{assert_same, model, model_v41, prompt, reference, request, requests};
-use deepinfer_actors::disagg::{EplbConfig, InstanceKind};
-use deepinfer_actors::faults::{FaultPlan, KillRule, MessageAction, MessageRule, Target};
-use deepinfer_actors::rng::Seed;
-use deepinfer_actors::sim::Partition;
+use deepinfer_actors::cluster::disagg::{EplbConfig, InstanceKind};
+use deepinfer_actors::sim::fabric::Partition;
+use deepinfer_actors::sim::faults::{FaultPlan, KillRule, MessageAction, MessageRule, Target};
+use deepinfer_actors::sim::rng::Seed;
 use deepinfer_actors::wire::MsgKind;
 use deepinfer_actors::{run_in_process, run_simulated, simulate, Cluster, ClusterConfig, GenRequest, Update};
 use deepinfer_engine::request::FinishReason;

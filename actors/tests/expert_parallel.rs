@@ -4,7 +4,7 @@
 mod common;
 
 use common::{assert_same, model, model_v41, prompt, reference, request, requests};
-use deepinfer_actors::placement::Placement;
+use deepinfer_actors::cluster::placement::Placement;
 use deepinfer_actors::{run_in_process, run_simulated, ClusterConfig};
 use deepinfer_engine::sampling::SamplingParams;
 

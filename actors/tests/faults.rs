@@ -9,12 +9,12 @@ mod common;
 use std::time::Duration;
 
 use common::{assert_same, model, prompt, reference, request, requests};
-use deepinfer_actors::ctx::Timeouts;
-use deepinfer_actors::faults::{FaultPlan, KillRule, MessageAction, MessageRule, SlowDevice, Target};
+use deepinfer_actors::actor::supervisor::Intensity;
+use deepinfer_actors::cluster::ctx::Timeouts;
 use deepinfer_actors::proto::membership::MembershipConfig;
-use deepinfer_actors::rng::Seed;
-use deepinfer_actors::sim::Partition;
-use deepinfer_actors::supervisor::Intensity;
+use deepinfer_actors::sim::fabric::Partition;
+use deepinfer_actors::sim::faults::{FaultPlan, KillRule, MessageAction, MessageRule, SlowDevice, Target};
+use deepinfer_actors::sim::rng::Seed;
 use deepinfer_actors::wire::MsgKind;
 use deepinfer_actors::{run_simulated, ClusterConfig, GenRequest};
 use deepinfer_engine::engine::EngineConfig;

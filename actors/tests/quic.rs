@@ -7,11 +7,11 @@ use std::net::{SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::Duration;
 
-use deepinfer_actors::clock::{Clock, RealClock};
-use deepinfer_actors::events::{EventLog, Metrics};
-use deepinfer_actors::quic::{Member, MemberEvent, NodeAddr, QuicConfig, QuicTransport};
-use deepinfer_actors::tls::{Ca, Identity};
-use deepinfer_actors::transport::Transport;
+use deepinfer_actors::net::quic::{Member, MemberEvent, NodeAddr, QuicConfig, QuicTransport};
+use deepinfer_actors::net::tls::{Ca, Identity};
+use deepinfer_actors::net::transport::Transport;
+use deepinfer_actors::sim::clock::{Clock, RealClock};
+use deepinfer_actors::sim::events::{EventLog, Metrics};
 use deepinfer_actors::wire::{self, Addr, Control, DispatchHeader, Envelope, ExpertRows, Message, Role};
 use tokio::time::timeout;
 
@@ -21,7 +21,7 @@ fn free_port() -> SocketAddr {
 }
 
 /// Workers and node addresses: index = node.
-fn node_of() -> deepinfer_actors::sim::NodeOf {
+fn node_of() -> deepinfer_actors::sim::fabric::NodeOf {
     Arc::new(|a: Addr| if a.role == Role::Client { 0 } else { a.index })
 }
 

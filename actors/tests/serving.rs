@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::{assert_same, model, prompt, reference, request, requests};
-use deepinfer_actors::faults::{FaultPlan, KillRule, MessageAction, MessageRule, Target};
-use deepinfer_actors::supervisor::Intensity;
+use deepinfer_actors::actor::supervisor::Intensity;
+use deepinfer_actors::sim::faults::{FaultPlan, KillRule, MessageAction, MessageRule, Target};
 use deepinfer_actors::wire::MsgKind;
 use deepinfer_actors::{run_in_process, run_simulated, simulate, Cluster, ClusterConfig, GenRequest, Update};
 use deepinfer_engine::engine::{Completion, Engine, EngineConfig};

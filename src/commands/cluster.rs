@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use deepinfer_actors::tls::{write_cluster_certs, CLIENT_NAME};
+use deepinfer_actors::net::tls::{write_cluster_certs, CLIENT_NAME};
 
 use crate::cluster::{run_node, ClusterPlan, NodeOptions};
 use crate::topology::Topology;

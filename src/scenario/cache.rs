@@ -3,7 +3,7 @@
 //! whole cluster), their bandwidths, the blocks' TTL, and optionally a
 //! smaller device KV budget (see simulations/README.md).
 
-use deepinfer_actors::tiers::TierSpec;
+use deepinfer_actors::modelled::tiers::TierSpec;
 use serde::Deserialize;
 use toml::Spanned;
 

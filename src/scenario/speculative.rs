@@ -2,7 +2,7 @@
 //! drafts, fixed or adaptive verification lengths, and the acceptance model
 //! (see simulations/README.md for where the default numbers come from).
 
-use deepinfer_actors::drafting::{AcceptanceModel, Drafting};
+use deepinfer_actors::modelled::drafting::{AcceptanceModel, Drafting};
 use deepinfer_engine::cost::draft::DraftHead;
 use deepinfer_engine::cost::ModelKind;
 use deepinfer_engine::speculative::policy::{DraftPolicy, MAX_DRAFT_TOKENS};

@@ -2,7 +2,7 @@
 //! what was loaded, written, dropped, evicted and expired per tier, and the
 //! TTFT of requests by where their prefix came from.
 
-use deepinfer_actors::tiers::{SimTier, TIERS};
+use deepinfer_actors::modelled::tiers::{SimTier, TIERS};
 use serde::Serialize;
 
 use super::plots::Line;

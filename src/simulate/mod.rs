@@ -14,14 +14,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
+use deepinfer_actors::cluster::ctx::Timeouts;
+use deepinfer_actors::cluster::disagg::InstanceKind;
 use deepinfer_actors::cluster::simulate;
-use deepinfer_actors::ctx::Timeouts;
-use deepinfer_actors::disagg::InstanceKind;
-use deepinfer_actors::drafting::DraftTotals;
-use deepinfer_actors::faults::FaultPlan;
-use deepinfer_actors::modelled::ModelledSpec;
-use deepinfer_actors::sim::{Link, Partition};
-use deepinfer_actors::tiers::{Admission, TierTotals, TIERS};
+use deepinfer_actors::modelled::devices::ModelledSpec;
+use deepinfer_actors::modelled::drafting::DraftTotals;
+use deepinfer_actors::modelled::tiers::{Admission, TierTotals, TIERS};
+use deepinfer_actors::sim::fabric::{Link, Partition};
+use deepinfer_actors::sim::faults::FaultPlan;
 use deepinfer_actors::{Cluster, ClusterConfig, Update};
 use deepinfer_engine::cost::Efficiency;
 use deepinfer_engine::prefix_cache::PrefixMode;
@@ -149,7 +149,7 @@ pub fn earlier_blocks(s: &Scenario) -> Vec<usize> {
 pub fn prompt_of(a: &Arrival, vocab: usize, unique: u64) -> Vec<u32> {
     let span = vocab.saturating_sub(2000).max(1) as u64;
     let token = |block: u64, i: usize| {
-        let h = deepinfer_actors::rng::mix64(block.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64);
+        let h = deepinfer_actors::sim::rng::mix64(block.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64);
         (1000 + h % span) as u32
     };
     let mut p = Vec::with_capacity(a.input_tokens);

@@ -3,7 +3,7 @@
 //! use, and the requests that completed, failed or were lost — as JSON, as a
 //! Markdown table and (see [`super::plots`]) as plots.
 
-use deepinfer_actors::drafting::DraftTotals;
+use deepinfer_actors::modelled::drafting::DraftTotals;
 use deepinfer_engine::speculative::policy::{expected_tokens, DraftPolicy};
 use serde::Serialize;
 

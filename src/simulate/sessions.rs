@@ -18,7 +18,7 @@
 //! whole block, never the previous answer (DeepSeek's cache would also hold
 //! the answer: this under-counts hits by the answers' share).
 
-use deepinfer_actors::rng::Seed;
+use deepinfer_actors::sim::rng::Seed;
 use deepinfer_engine::traffic::{Arrival, MOONCAKE_BLOCK_TOKENS};
 
 use crate::scenario::Sessions;

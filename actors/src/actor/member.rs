@@ -9,9 +9,10 @@ use std::sync::Arc;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use crate::ctx::{pump, Ctx};
+use crate::cluster::ctx::Ctx;
+use crate::net::transport::pump;
+use crate::net::transport::Delivery;
 use crate::proto::membership::{Member, MemberEvent, Membership};
-use crate::transport::Delivery;
 use crate::wire::{Addr, Heartbeat, Message, Role};
 
 pub struct MemberActor;
@@ -105,7 +106,7 @@ impl Actor for MemberActor {
                         }
                     }
                     (_, other) => {
-                        crate::events::bump(&state.ctx.metrics.frames_rejected);
+                        crate::sim::events::bump(&state.ctx.metrics.frames_rejected);
                         let from = m.envelope.from;
                         state.ctx.events.record(format_args!(
                             "node{} member ignores {:?} from {from}",

@@ -1,5 +1,12 @@
-//! Shells: the ractor actors that feed the protocol machines of
-//! [`crate::proto`] and carry out their effects.
+//! The ractor actors and their supervision. `scheduler` and `member` are
+//! thin shells around protocol machines of [`crate::proto`]; the router,
+//! worker, shard and cache manager still hold their logic and I/O in one
+//! type, each to become a machine and a shell the same way.
 
+pub mod cache;
 pub mod member;
+pub mod router;
 pub mod scheduler;
+pub mod shard;
+pub mod supervisor;
+pub mod worker;

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
-use crate::ctx::{pump, Ctx};
+use crate::cluster::ctx::Ctx;
+use crate::net::transport::pump;
 use crate::proto::scheduler::{Effect, Input, SchedulerMachine};
 
 pub struct Scheduler;

@@ -1,5 +1,5 @@
 //! Membership: which nodes are alive, from heartbeats alone, sans-IO. The
-//! same machine runs inside the QUIC transport (`crate::quic`) and as the
+//! same machine runs inside the QUIC transport (`crate::net::quic`) and as the
 //! `Member` actor of each node of a simulated cluster, where its heartbeats
 //! cross the simulated fabric with its latencies, drops and partitions.
 //!
@@ -170,7 +170,7 @@ mod tests {
             assert_eq!(t.heartbeats, vec![1, 2], "never to itself");
             downs.extend(t.events.into_iter().map(|e| (now, e)));
         }
-        assert_eq!(downs, vec![(ms(60), MemberEvent::Down { node: 1, silent: ms(59) })]);
+        assert_eq!(downs, vec![(ms(60), MemberEvent::Down { node: 1, silent: ms(58) })], "last heard at 2 ms");
         assert_eq!(m.nodes_up(), vec![0, 2]);
         assert_eq!(m.heard(ms(201), 1), Some(MemberEvent::Up { node: 1 }));
         assert_eq!(m.nodes_up(), vec![0, 1, 2]);

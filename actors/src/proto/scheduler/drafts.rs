@@ -11,7 +11,7 @@ use deepinfer_engine::scheduler::SampledToken;
 use deepinfer_engine::speculative::policy::MAX_DRAFT_TOKENS;
 
 use super::{finish_wire, Item, SampledRow, SchedulerMachine};
-use crate::modelled::Modelled;
+use crate::modelled::devices::Modelled;
 use crate::wire::{BlockSnapshot, OutputEnd, OutputItem, SeqOutput, StateExport, TokenOut, Verification};
 
 /// The parts of a worker's answer that are checked against the step.

@@ -5,7 +5,7 @@ use super::*;
 
 impl SchedulerMachine {
     /// A new table from the measured loads when one is due and differs from the current one.
-    pub(super) fn eplb_change(&mut self) -> Option<crate::placement::Placement> {
+    pub(super) fn eplb_change(&mut self) -> Option<crate::cluster::placement::Placement> {
         let cfg = self.ctx.eplb?;
         let tracker = self.eplb.as_mut().filter(|t| t.should_rebalance())?;
         let current = self.ctx.placement(self.instance);

@@ -7,9 +7,9 @@ use std::time::Duration;
 use deepinfer_engine::presets::{build, Preset};
 
 use super::{Effect, Input, SchedulerMachine};
+use crate::cluster::ctx::Ctx;
 use crate::cluster::{build_ctx, in_process_env, ClusterConfig};
-use crate::ctx::Ctx;
-use crate::transport::Delivery;
+use crate::net::transport::Delivery;
 use crate::wire::{
     self, Addr, Envelope, FinishKind, Heartbeat, Message, OutputEnd, RequestSpec, Sampling, SeqOutput, StepOutcome,
     StepRequest, StepResult, Submit,
@@ -31,7 +31,7 @@ fn ms(n: u64) -> Duration {
 fn frame(from: Addr, msg: Message, body: &[f32]) -> Input {
     let to = Addr::scheduler(0);
     let frame = wire::encode(&Envelope { from, to, msg }, body).expect("encodes");
-    Input::Net(Delivery { from, frame })
+    Input::Net(Delivery::new(from, frame))
 }
 
 fn submit(id: u64, prompt: Vec<u32>, max_tokens: u32) -> Input {
@@ -208,7 +208,7 @@ fn a_duplicate_or_foreign_result_is_ignored() {
     assert!(drain(&mut m).is_empty());
     assert_eq!(m.ctx.metrics.snapshot().frames_rejected, rejected + 1);
     // A frame that does not decode is counted too, and never panics.
-    m.handle(ms(3), Input::Net(Delivery { from: WORKER, frame: vec![1, 2, 3] })).expect("no crash");
+    m.handle(ms(3), Input::Net(Delivery::new(WORKER, vec![1, 2, 3]))).expect("no crash");
     assert_eq!(m.ctx.metrics.snapshot().frames_rejected, rejected + 2);
 }
 

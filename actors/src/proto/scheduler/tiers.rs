@@ -1,4 +1,4 @@
-//! The scheduler's side of the modelled cache tiers ([`crate::tiers`]):
+//! The scheduler's side of the modelled cache tiers ([`crate::modelled::tiers`]):
 //! the engine policy's clock follows the simulation's; evicted device blocks
 //! go down; computed blocks are written through to the shared store; a
 //! waiting request whose prefix continues in a lower tier is held while the
@@ -15,8 +15,8 @@ use deepinfer_engine::request::RequestId;
 use deepinfer_engine::scheduler::ScheduledItem;
 
 use super::{Effect, SchedulerMachine};
-use crate::disagg::InstanceKind;
-use crate::tiers::{Admission, Found, ModelledTiers, SimTier, TIERS};
+use crate::cluster::disagg::InstanceKind;
+use crate::modelled::tiers::{Admission, Found, ModelledTiers, SimTier, TIERS};
 use crate::wire::{CacheMsg, Message, StoredBlock};
 
 /// Waiting requests looked up again each plan (the head of the queue);
@@ -48,7 +48,7 @@ pub(super) struct TierGlue {
 }
 
 impl SchedulerMachine {
-    fn tiers(&self) -> Option<Arc<crate::modelled::Modelled>> {
+    fn tiers(&self) -> Option<Arc<crate::modelled::devices::Modelled>> {
         self.ctx.modelled.clone().filter(|m| m.tiers.is_some())
     }
 

@@ -30,11 +30,12 @@ use deepinfer_engine::scheduler::Scheduler as Policy;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
-use crate::ctx::{pump, Ctx};
-use crate::disagg::PrefillRouting;
-use crate::events::bump;
-use crate::tiers::SimTier;
-use crate::transport::Delivery;
+use crate::cluster::ctx::Ctx;
+use crate::cluster::disagg::PrefillRouting;
+use crate::modelled::tiers::SimTier;
+use crate::net::transport::pump;
+use crate::net::transport::Delivery;
+use crate::sim::events::bump;
 use crate::wire::{
     Addr, CacheMsg, FinishKind, FinishWire, HandoffMsg, Heartbeat, Message, OutputEnd, OutputItem, Outputs,
     RequestSpec, Role, Submit,

@@ -27,12 +27,13 @@ use deepinfer_engine::transfer::{parts_values, state_to_parts};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
-use crate::cache::parts_len;
-use crate::ctx::{pump, Ctx};
-use crate::events::bump;
-use crate::faults::Target;
-use crate::placement::{row_key, Placement};
-use crate::transport::Delivery;
+use crate::actor::cache::parts_len;
+use crate::cluster::ctx::Ctx;
+use crate::cluster::placement::{row_key, Placement};
+use crate::net::transport::pump;
+use crate::net::transport::Delivery;
+use crate::sim::events::bump;
+use crate::sim::faults::Target;
 use crate::wire::{
     Addr, BlockSnapshot, DispatchHeader, ExpertLoad, ExpertResultHeader, ExpertRows, Heartbeat, Message, ResultStatus,
     SeqOutput, StateExport, StepOutcome, StepRequest, StepResult, TopLogprob,

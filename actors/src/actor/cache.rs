@@ -18,9 +18,10 @@ use std::sync::Arc;
 use deepinfer_engine::engine::BlockValues;
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use crate::ctx::{pump, Ctx};
-use crate::events::bump;
-use crate::transport::Delivery;
+use crate::cluster::ctx::Ctx;
+use crate::net::transport::pump;
+use crate::net::transport::Delivery;
+use crate::sim::events::bump;
 use crate::wire::{Addr, CacheMsg, FetchItem, FetchedItem, Heartbeat, InstanceMatch, Message, StoredBlock};
 
 pub struct CacheManager;

@@ -10,10 +10,11 @@ use std::sync::Arc;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use crate::ctx::{pump, Ctx};
-use crate::events::bump;
-use crate::faults::Target;
-use crate::transport::Delivery;
+use crate::cluster::ctx::Ctx;
+use crate::net::transport::pump;
+use crate::net::transport::Delivery;
+use crate::sim::events::bump;
+use crate::sim::faults::Target;
 use crate::wire::{Addr, Control, DispatchHeader, ExpertResultHeader, Message, ResultStatus};
 
 pub struct ExpertShard;

@@ -20,7 +20,7 @@
 
 use deepinfer_engine::eplb::{EplbError, ExpertLoadTracker};
 
-use crate::placement::{Placement, PlacementError};
+use crate::cluster::placement::{Placement, PlacementError};
 
 /// What an instance serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

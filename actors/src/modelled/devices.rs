@@ -19,9 +19,9 @@ use deepinfer_engine::eplb;
 use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::scheduler::EngineConfig;
 
-use crate::ctx::Topology;
-use crate::drafting::{DraftCounters, Drafting};
-use crate::tiers::{ModelledTiers, TierSpec};
+use crate::cluster::ctx::Topology;
+use crate::modelled::drafting::{DraftCounters, Drafting};
+use crate::modelled::tiers::{ModelledTiers, TierSpec};
 
 /// Fraction of HBM kept for activations, communication buffers and the allocator.
 const HBM_RESERVE: f64 = 0.1;

@@ -5,8 +5,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::events::{bump, EventLog, Metrics};
-use crate::rng::{Rng, Seed};
+use crate::sim::events::{bump, EventLog, Metrics};
+use crate::sim::rng::{Rng, Seed};
 use crate::wire::MsgKind;
 
 /// An actor a fault can hit.

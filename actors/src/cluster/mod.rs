@@ -1,4 +1,4 @@
-// tidy: long file: cluster start-up, the client and the run modes; to be cut into cluster/ (config, tree, client).
+// tidy: long file: cluster configuration, the supervision tree, the client and the run modes; each to its own file of cluster/.
 //! A cluster of N devices with expert parallelism, serving requests: the
 //! supervision tree of every actor, and the client that submits requests to
 //! the router and collects their output.
@@ -18,6 +18,10 @@
 //! submits again after a silence, a gap or a router restart, and ends a
 //! request with an error when the cluster gives up or stops answering.
 
+pub mod ctx;
+pub mod disagg;
+pub mod placement;
+
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
@@ -32,28 +36,28 @@ use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
+use crate::actor::cache::{CacheArgs, CacheManager};
 use crate::actor::member::{MemberActor, MemberArgs};
+use crate::actor::router::{Router, RouterArgs};
 use crate::actor::scheduler::{Scheduler, SchedulerArgs};
-use crate::cache::{CacheArgs, CacheManager};
-use crate::clock::{Clock, RealClock, SimClock};
-use crate::cost::{DeviceCost, DeviceCostModel};
-use crate::ctx::{Ctx, InstanceGauges, Timeouts, Topology};
-use crate::disagg::{EplbConfig, InstanceKind, PrefillRouting};
-use crate::events::{bump, EventLog, Metrics, MetricsSnapshot};
-use crate::faults::{FaultPlan, Faults};
-use crate::modelled::{Modelled, ModelledSpec};
-use crate::placement::{Placement, PlacementError};
-use crate::proto::membership::MembershipConfig;
-use crate::rng::Seed;
-use crate::router::{Router, RouterArgs};
-use crate::shard::{ExpertShard, ShardArgs};
-use crate::sim::{FabricConfig, NodeOf, SimFabric};
-use crate::supervisor::{
+use crate::actor::shard::{ExpertShard, ShardArgs};
+use crate::actor::supervisor::{
     ChildKind, ChildSpec, Intensity, StartFn, Supervisor, SupervisorArgs, SupervisorEnv, SupervisorMsg,
 };
-use crate::transport::{InProcess, Inbox, Transport, DEFAULT_QUEUE};
+use crate::actor::worker::{GpuWorker, WorkerArgs};
+use crate::cluster::ctx::{Ctx, InstanceGauges, Timeouts, Topology};
+use crate::cluster::disagg::{EplbConfig, InstanceKind, PrefillRouting};
+use crate::cluster::placement::{Placement, PlacementError};
+use crate::modelled::cost::{DeviceCost, DeviceCostModel};
+use crate::modelled::devices::{Modelled, ModelledSpec};
+use crate::net::transport::{InProcess, Inbox, Transport, DEFAULT_QUEUE};
+use crate::proto::membership::MembershipConfig;
+use crate::sim::clock::{Clock, RealClock, SimClock};
+use crate::sim::events::{bump, EventLog, Metrics, MetricsSnapshot};
+use crate::sim::fabric::{FabricConfig, NodeOf, SimFabric};
+use crate::sim::faults::{FaultPlan, Faults};
+use crate::sim::rng::Seed;
 use crate::wire::{Addr, FinishKind, Message, OutputEnd, RequestSpec, Role, Sampling, Submit};
-use crate::worker::{GpuWorker, WorkerArgs};
 
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {

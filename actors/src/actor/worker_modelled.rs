@@ -13,13 +13,13 @@ use deepinfer_engine::speculative::DraftMethod;
 use tokio::task::JoinHandle;
 
 use super::{params, WorkerState};
-use crate::cost::micros;
-use crate::drafting::{
+use crate::modelled::cost::micros;
+use crate::modelled::devices::Modelled;
+use crate::modelled::drafting::{
     chain_length, min_survival, run_event, step_cost_between, DraftLimits, Drafting, Lane, LaneStep,
     SURVIVAL_WORTH_DRAFTING_MAX,
 };
-use crate::events::bump;
-use crate::modelled::Modelled;
+use crate::sim::events::bump;
 use crate::wire::{
     Addr, BlockSnapshot, Message, SeqOutput, StateExport, StepOutcome, StepRequest, StepResult, Verification,
 };

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use deepinfer_engine::speculative::policy::{choose_lengths, DraftPolicy, StepCost, MAX_DRAFT_TOKENS};
 use deepinfer_engine::speculative::SpeculativeConfig;
 
-use crate::rng::mix64;
+use crate::sim::rng::mix64;
 
 /// How a scenario's drafts are accepted.
 #[derive(Clone, Debug, PartialEq)]

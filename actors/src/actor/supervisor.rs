@@ -16,8 +16,8 @@ use std::time::Duration;
 use ractor::{Actor, ActorCell, ActorProcessingErr, ActorRef, SpawnErr, SupervisionEvent};
 use tokio::sync::mpsc;
 
-use crate::clock::Clock;
-use crate::events::{bump, EventLog, Metrics};
+use crate::sim::clock::Clock;
+use crate::sim::events::{bump, EventLog, Metrics};
 
 /// At most `max_restarts` restarts within any `window`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -12,13 +12,13 @@ use deepinfer_engine::model::Model;
 use deepinfer_engine::scheduler::EngineConfig;
 use ractor::ActorCell;
 
-use crate::clock::Clock;
-use crate::cost::DeviceCost;
-use crate::events::{bump, EventLog, Metrics};
-use crate::faults::Faults;
-use crate::modelled::Modelled;
-use crate::placement::Placement;
-use crate::transport::{Delivery, Inbox, Transport};
+use crate::cluster::placement::Placement;
+use crate::modelled::cost::DeviceCost;
+use crate::modelled::devices::Modelled;
+use crate::net::transport::{Delivery, Transport};
+use crate::sim::clock::Clock;
+use crate::sim::events::{bump, EventLog, Metrics};
+use crate::sim::faults::Faults;
 use crate::wire::{self, Addr, Decoded, Envelope, Message};
 
 /// How long to wait for an answer, and how often to ask again.
@@ -184,10 +184,10 @@ pub struct Ctx {
     /// Device time of workers and shards; only on a virtual clock.
     pub device_cost: Option<DeviceCost>,
     /// What each instance serves (prefill/decode disaggregation).
-    pub kinds: Vec<crate::disagg::InstanceKind>,
-    pub prefill_routing: crate::disagg::PrefillRouting,
+    pub kinds: Vec<crate::cluster::disagg::InstanceKind>,
+    pub prefill_routing: crate::cluster::disagg::PrefillRouting,
     /// Expert load balancing at run time; `None`: the table changes only as configured.
-    pub eplb: Option<crate::disagg::EplbConfig>,
+    pub eplb: Option<crate::cluster::disagg::EplbConfig>,
     /// Membership as an actor per node (see `ClusterConfig::membership`).
     pub membership: Option<crate::proto::membership::MembershipConfig>,
     pub steps: Vec<AtomicU64>,
@@ -270,7 +270,7 @@ impl Ctx {
     }
 
     /// What `instance` serves.
-    pub fn kind(&self, instance: u32) -> crate::disagg::InstanceKind {
+    pub fn kind(&self, instance: u32) -> crate::cluster::disagg::InstanceKind {
         self.kinds.get(instance as usize).copied().unwrap_or_default()
     }
 
@@ -329,22 +329,7 @@ impl Ctx {
     /// Crash the actor at `path` below the root (`node0`, `node0/cache0`), as a fault would.
     pub fn kill(&self, path: &str) {
         if let Some(root) = self.root.get() {
-            let _ = root.send_message(crate::supervisor::SupervisorMsg::KillChild(path.to_string()));
+            let _ = root.send_message(crate::actor::supervisor::SupervisorMsg::KillChild(path.to_string()));
         }
     }
-}
-
-/// Forward an inbox into an actor's mailbox until either side goes away.
-pub(crate) fn pump<M, F>(mut inbox: Inbox, to: ractor::ActorRef<M>, wrap: F)
-where
-    M: ractor::Message,
-    F: Fn(Delivery) -> M + Send + 'static,
-{
-    tokio::spawn(async move {
-        while let Some(d) = inbox.recv().await {
-            if to.send_message(wrap(d)).is_err() {
-                break;
-            }
-        }
-    });
 }

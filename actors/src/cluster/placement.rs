@@ -3,7 +3,7 @@
 //! serves a token is a pure function of the token's identity, so it does not
 //! depend on batching, timing or which worker asks.
 
-use crate::rng::mix64;
+use crate::sim::rng::mix64;
 use crate::wire::PlacementWire;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -13,11 +13,11 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, Notify};
 
-use crate::clock::Clock;
-use crate::events::{bump, EventLog, Metrics};
-use crate::faults::{Faults, MessageAction};
-use crate::rng::{Rng, Seed};
-use crate::transport::{Delivery, Inbox, Transport, TransportError, DEFAULT_QUEUE};
+use crate::net::transport::{Delivery, Inbox, Transport, TransportError, DEFAULT_QUEUE};
+use crate::sim::clock::Clock;
+use crate::sim::events::{bump, EventLog, Metrics};
+use crate::sim::faults::{Faults, MessageAction};
+use crate::sim::rng::{Rng, Seed};
 use crate::wire::{self, Addr};
 
 /// One direction of a link between two nodes.
@@ -282,8 +282,8 @@ impl Transport for SimFabric {
         };
         let at = free + wire_time + link.latency + jitter(&mut inner.rng) + extra;
         let duplicate = injected == Some(MessageAction::Duplicate) || inner.rng.chance(self.cfg.duplicate);
-        let copy = duplicate.then(|| Delivery { from, frame: frame.clone() });
-        self.enqueue(&mut inner, at, to, Delivery { from, frame });
+        let copy = duplicate.then(|| Delivery::new(from, frame.clone()));
+        self.enqueue(&mut inner, at, to, Delivery::new(from, frame));
         let mut dup_at = None;
         if let Some(copy) = copy {
             let at2 = at + link.latency + jitter(&mut inner.rng);

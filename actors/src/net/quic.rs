@@ -9,7 +9,7 @@
 //! ```
 //!
 //! - **Routing.** `node_of(to)` names the node of every address; addresses
-//!   of this node go to local inboxes as in [`crate::transport::InProcess`].
+//!   of this node go to local inboxes as in [`crate::net::transport::InProcess`].
 //!   A client (not in the topology, it only dials) is answered on the
 //!   connection it came from.
 //! - **Two lanes.** Heartbeats, control, submits, cancels and acks travel on
@@ -47,11 +47,11 @@ use quinn::{Connection, Endpoint, RecvStream, SendStream, VarInt};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::clock::Clock;
-use crate::events::{bump, EventLog, Metrics};
-use crate::sim::NodeOf;
-use crate::tls::{self, Identity, TlsError, CLIENT_NAME};
-use crate::transport::{offer, Delivery, Inbox, Transport, TransportError, DEFAULT_QUEUE};
+use crate::net::tls::{self, Identity, TlsError, CLIENT_NAME};
+use crate::net::transport::{offer, Delivery, Inbox, Transport, TransportError, DEFAULT_QUEUE};
+use crate::sim::clock::Clock;
+use crate::sim::events::{bump, EventLog, Metrics};
+use crate::sim::fabric::NodeOf;
 use crate::wire::{self, Addr, Envelope, Heartbeat, Message, MsgKind, Role, MAX_FRAME_BYTES};
 
 /// Frames queued per peer on the control lane.
@@ -353,7 +353,7 @@ impl Inner {
             let local = local.as_ref().ok_or(TransportError::Shutdown)?;
             local.get(&to).cloned().ok_or(TransportError::Unbound(to))?
         };
-        offer(&tx, Delivery { from, frame }, to, &self.metrics)
+        offer(&tx, Delivery::new(from, frame), to, &self.metrics)
     }
 
     fn publish(&self, e: MemberEvent) {
