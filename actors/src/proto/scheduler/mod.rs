@@ -108,22 +108,7 @@ pub enum Effect {
     Kill(String),
 }
 
-/// The machine must stop: its supervisor restarts the actor (an injected
-/// crash, or a lost node it cannot serve around without starting over).
-#[derive(Debug, PartialEq, Eq)]
-pub struct Crash(pub String);
-
-impl From<String> for Crash {
-    fn from(why: String) -> Self {
-        Self(why)
-    }
-}
-
-impl std::fmt::Display for Crash {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
+pub use super::Crash;
 
 /// A request this incarnation serves.
 struct Live {
