@@ -1,21 +1,14 @@
-//! ExpertShard: the routed experts placed on one device. It answers each
-//! dispatch (some experts' gathered rows for one layer) with their outputs.
-//!
-//! Gap: every device shares the whole model through `Arc<Model>`; "loading"
-//! an expert records that the shard holds it and is checked on every
-//! dispatch, where a deployment would read only those experts' weights.
+//! The ExpertShard's shell: feeds [`ShardMachine`] every frame and carries
+//! out what it leaves in order, sleeping on the cluster's clock while the
+//! device is busy.
 
-use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use crate::cluster::ctx::Ctx;
-use crate::net::transport::pump;
-use crate::net::transport::Delivery;
-use crate::sim::events::bump;
-use crate::sim::faults::Target;
-use crate::wire::{Addr, Control, DispatchHeader, ExpertResultHeader, Message, ResultStatus};
+use crate::net::transport::{pump, Delivery};
+use crate::proto::shard::{ShardEffect, ShardMachine};
 
 pub struct ExpertShard;
 
@@ -29,156 +22,38 @@ pub enum ShardMsg {
     Net(Delivery),
 }
 
-pub struct ShardState {
-    device: u32,
-    addr: Addr,
-    epoch: u64,
-    held: BTreeSet<u32>,
+pub struct ShardShell {
+    machine: ShardMachine,
     ctx: Arc<Ctx>,
-}
-
-impl ShardState {
-    fn load(&mut self, epoch: u64, experts: impl IntoIterator<Item = u32>) {
-        self.held = experts.into_iter().collect();
-        self.epoch = epoch;
-        self.ctx.metrics.expert_loads.fetch_add(self.held.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        self.ctx.events.record(format_args!("{} holds {:?} (epoch {epoch})", self.addr, self.held));
-    }
-
-    /// Sizes and indices of a dispatch, checked before any engine call (which would assert).
-    fn check(&self, h: &DispatchHeader, body: &[f32]) -> Result<(), ResultStatus> {
-        let cfg = &self.ctx.model.config;
-        if h.layer as usize >= cfg.num_layers {
-            return Err(ResultStatus::Invalid(format!("layer {} of {}", h.layer, cfg.num_layers)));
-        }
-        let mut rows = 0u64;
-        for x in &h.experts {
-            if x.expert as usize >= cfg.n_routed_experts {
-                return Err(ResultStatus::Invalid(format!("expert {} of {}", x.expert, cfg.n_routed_experts)));
-            }
-            if !self.held.contains(&x.expert) {
-                return Err(ResultStatus::NotHeld(x.expert));
-            }
-            rows += x.rows as u64;
-        }
-        if rows * self.row_width() as u64 != body.len() as u64 {
-            return Err(ResultStatus::Invalid(format!("{rows} rows but a body of {} values", body.len())));
-        }
-        Ok(())
-    }
-
-    /// Values per dispatched row: its hidden state, and its routing weight for
-    /// models whose experts apply it.
-    fn row_width(&self) -> usize {
-        self.ctx.model.config.hidden_size + usize::from(self.ctx.model.experts_take_weights())
-    }
-
-    fn compute(&self, h: &DispatchHeader, body: &[f32]) -> Vec<f32> {
-        let model = &self.ctx.model;
-        let d = model.config.hidden_size;
-        let mut out = Vec::with_capacity(body.len());
-        let mut at = 0;
-        for x in &h.experts {
-            let rows = x.rows as usize;
-            let (layer, expert) = (h.layer as usize, x.expert as usize);
-            if rows > 0 {
-                let input = &body[at..at + rows * d];
-                if model.experts_take_weights() {
-                    let weights = &body[at + rows * d..at + rows * (d + 1)];
-                    out.extend(model.expert_forward_weighted(layer, expert, input, weights));
-                } else {
-                    out.extend(model.expert_forward(layer, expert, input));
-                }
-            }
-            at += rows * self.row_width();
-        }
-        out
-    }
-
-    async fn on_dispatch(&mut self, from: Addr, h: DispatchHeader, body: Vec<f32>) -> Result<(), ActorProcessingErr> {
-        if self.ctx.faults.kill_point(Target::Shard(self.device), h.step, h.layer) {
-            return Err(format!("{}: injected crash at step {} layer {}", self.addr, h.step, h.layer).into());
-        }
-        let slow = self.ctx.faults.slowdown(self.device);
-        if !slow.is_zero() {
-            self.ctx.clock.sleep(slow).await;
-        }
-        let (status, out) = match self.check(&h, &body) {
-            Ok(()) => (ResultStatus::Ok, self.compute(&h, &body)),
-            Err(status) => {
-                self.ctx.events.record(format_args!("{} refuses dispatch from {from}: {status:?}", self.addr));
-                (status, Vec::new())
-            }
-        };
-        // Simulated device time of these expert rows.
-        if let (ResultStatus::Ok, Some(cost)) = (&status, &self.ctx.device_cost) {
-            let rows: usize = h.experts.iter().map(|x| x.rows as usize).sum();
-            let experts = h.experts.iter().filter(|x| x.rows > 0).count();
-            let busy = cost.experts_time(rows, experts);
-            if !busy.is_zero() {
-                self.ctx.clock.sleep(busy).await;
-            }
-        }
-        let reply = ExpertResultHeader {
-            pass: h.pass,
-            step: h.step,
-            layer: h.layer,
-            part: h.part,
-            shard: self.device,
-            status,
-            experts: h.experts,
-        };
-        self.ctx.send(self.addr, from, Message::ExpertResult(reply), &out);
-        Ok(())
-    }
 }
 
 impl Actor for ExpertShard {
     type Msg = ShardMsg;
-    type State = ShardState;
+    type State = ShardShell;
     type Arguments = ShardArgs;
 
-    async fn pre_start(&self, myself: ActorRef<ShardMsg>, args: ShardArgs) -> Result<ShardState, ActorProcessingErr> {
-        let addr = Addr::shard(args.device);
-        let topo = &args.ctx.topology;
-        let serving = topo.instance_of(args.device);
-        let placement = args.ctx.placement(serving);
-        let local = args.device - topo.devices_of(serving).start;
-        let mut state = ShardState { device: args.device, addr, epoch: 0, held: BTreeSet::new(), ctx: args.ctx };
-        state.load(placement.epoch(), placement.experts_on(local));
-        state.ctx.events.record(format_args!("{addr} up (incarnation {})", args.incarnation));
-        pump(state.ctx.transport.bind(addr), myself, ShardMsg::Net);
-        Ok(state)
+    async fn pre_start(&self, myself: ActorRef<ShardMsg>, args: ShardArgs) -> Result<ShardShell, ActorProcessingErr> {
+        let ctx = args.ctx;
+        let machine = ShardMachine::start(args.device, args.incarnation, Arc::clone(&ctx));
+        pump(ctx.transport.bind(machine.addr()), myself, ShardMsg::Net);
+        Ok(ShardShell { machine, ctx })
     }
 
     async fn handle(
         &self,
         _me: ActorRef<ShardMsg>,
         msg: ShardMsg,
-        state: &mut ShardState,
+        shell: &mut ShardShell,
     ) -> Result<(), ActorProcessingErr> {
         let ShardMsg::Net(d) = msg;
-        let Some(m) = state.ctx.open(state.addr, &d) else { return Ok(()) };
-        let from = m.envelope.from;
-        match m.envelope.msg {
-            Message::Dispatch(h) => state.on_dispatch(from, h, m.body).await,
-            Message::Control(Control::LoadExperts { epoch, experts }) => {
-                if epoch >= state.epoch {
-                    state.load(epoch, experts);
-                }
-                let ack = Control::Loaded { epoch, device: state.device };
-                state.ctx.send(state.addr, from, Message::Control(ack), &[]);
-                Ok(())
-            }
-            Message::Control(Control::Ping { nonce }) => {
-                state.ctx.send(state.addr, from, Message::Control(Control::Pong { nonce }), &[]);
-                Ok(())
-            }
-            other => {
-                bump(&state.ctx.metrics.frames_rejected);
-                state.ctx.events.record(format_args!("{} ignores {:?} from {from}", state.addr, other.kind()));
-                Ok(())
+        let result = shell.machine.handle(d);
+        let from = shell.machine.addr();
+        for effect in shell.machine.take_effects() {
+            match effect {
+                ShardEffect::Busy(t) => shell.ctx.clock.sleep(t).await,
+                ShardEffect::Send(o) => shell.ctx.send_frame(from, o.to, o.frame),
             }
         }
+        result.map_err(|crash| crash.0.into())
     }
 }

@@ -27,11 +27,11 @@ use deepinfer_engine::transfer::{parts_values, state_to_parts};
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 use tokio::task::JoinHandle;
 
-use crate::actor::cache::parts_len;
 use crate::cluster::ctx::Ctx;
 use crate::cluster::placement::{row_key, Placement};
 use crate::net::transport::pump;
 use crate::net::transport::Delivery;
+use crate::proto::cache::parts_len;
 use crate::sim::events::bump;
 use crate::sim::faults::Target;
 use crate::wire::{

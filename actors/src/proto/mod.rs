@@ -4,5 +4,43 @@
 //! folder (a tidy test checks it), so a machine is tested with scripted
 //! inputs alone.
 
+pub mod cache;
 pub mod membership;
 pub mod scheduler;
+pub mod shard;
+
+/// A frame a machine asks its shell to send (from the machine's own address).
+#[derive(Debug, PartialEq)]
+pub struct Outgoing {
+    pub to: crate::wire::Addr,
+    pub frame: Vec<u8>,
+}
+
+/// What every machine test is handed: the tiny V4 model on `devices`
+/// devices, `per_node` to a node, in `instances` equal instances.
+#[cfg(test)]
+pub(crate) fn test_ctx(devices: u32, per_node: u32, instances: u32) -> std::sync::Arc<crate::cluster::ctx::Ctx> {
+    use deepinfer_engine::presets::{build, Preset};
+    let model = std::sync::Arc::new(build(Preset::TinyV4, 7).expect("tiny-v4 builds"));
+    let mut cfg = crate::cluster::ClusterConfig::new(devices, devices / instances);
+    cfg.devices_per_node = per_node;
+    cfg.instances = instances;
+    crate::cluster::build_ctx(model, &cfg, crate::cluster::in_process_env(&cfg)).expect("a valid test cluster")
+}
+
+/// The machine must stop: its supervisor restarts the actor (an injected
+/// crash, or a lost node it cannot serve around without starting over).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Crash(pub String);
+
+impl From<String> for Crash {
+    fn from(why: String) -> Self {
+        Self(why)
+    }
+}
+
+impl std::fmt::Display for Crash {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}

@@ -40,11 +40,11 @@ use deepinfer_engine::sampling::SamplingParams;
 use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler as Policy, StepPlan};
 use deepinfer_engine::transfer::parts_values;
 
-use crate::actor::cache::parts_len;
 use crate::actor::router::end_item;
 use crate::cluster::ctx::Ctx;
 use crate::cluster::disagg::{eplb_table, InstanceKind, MAX_PENDING_TRANSFERS, TRANSFER_ATTEMPTS};
 use crate::net::transport::Delivery;
+use crate::proto::cache::parts_len;
 use crate::sim::events::bump;
 use crate::sim::faults::Target;
 use crate::wire::{self, Envelope};
@@ -108,22 +108,7 @@ pub enum Effect {
     Kill(String),
 }
 
-/// The machine must stop: its supervisor restarts the actor (an injected
-/// crash, or a lost node it cannot serve around without starting over).
-#[derive(Debug, PartialEq, Eq)]
-pub struct Crash(pub String);
-
-impl From<String> for Crash {
-    fn from(why: String) -> Self {
-        Self(why)
-    }
-}
-
-impl std::fmt::Display for Crash {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
+pub use super::Crash;
 
 /// A request this incarnation serves.
 struct Live {

@@ -4,11 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use deepinfer_engine::presets::{build, Preset};
-
 use super::{Effect, Input, SchedulerMachine};
 use crate::cluster::ctx::Ctx;
-use crate::cluster::{build_ctx, in_process_env, ClusterConfig};
 use crate::net::transport::Delivery;
 use crate::wire::{
     self, Addr, Envelope, FinishKind, Heartbeat, Message, OutputEnd, RequestSpec, Sampling, SeqOutput, StepOutcome,
@@ -19,9 +16,7 @@ const ROUTER: Addr = Addr::router(0);
 const WORKER: Addr = Addr::worker(0);
 
 fn ctx() -> Arc<Ctx> {
-    let model = Arc::new(build(Preset::TinyV4, 7).expect("tiny-v4 builds"));
-    let cfg = ClusterConfig::new(1, 1);
-    build_ctx(model, &cfg, in_process_env(&cfg)).expect("one device, one instance")
+    crate::proto::test_ctx(1, 8, 1)
 }
 
 fn ms(n: u64) -> Duration {
