@@ -1,7 +1,7 @@
-//! The ractor actors and their supervision. `scheduler`, `cache`, `shard`
-//! and `member` are thin shells around protocol machines of
-//! [`crate::proto`]; the router and worker still hold their logic and I/O in
-//! one type, each to become a machine and a shell the same way.
+//! The ractor actors and their supervision. `scheduler`, `router`, `cache`,
+//! `shard` and `member` are thin shells around protocol machines of
+//! [`crate::proto`]; the worker still holds its logic and I/O in one type,
+//! to become a machine and a shell the same way.
 
 pub mod cache;
 pub mod member;

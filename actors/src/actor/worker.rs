@@ -42,9 +42,7 @@ use crate::wire::{
 #[path = "worker_modelled.rs"]
 mod modelled;
 
-/// Largest body of exported states one step answer carries; past it the
-/// exports are left out and the scheduler falls back to recomputing.
-pub const MAX_EXPORT_BYTES: usize = 48 << 20;
+pub use crate::limits::MAX_EXPORT_BYTES;
 
 pub struct GpuWorker;
 

@@ -54,11 +54,7 @@ pub enum PrefillRouting {
     RoundRobin,
 }
 
-/// Tries of one state transfer before the request is placed elsewhere and recomputed.
-pub const TRANSFER_ATTEMPTS: u32 = 3;
-/// Prefilled requests one prefill scheduler keeps waiting for adoption; past
-/// it a new handoff is rerouted (recomputed) at once instead of held.
-pub const MAX_PENDING_TRANSFERS: usize = 1024;
+pub use crate::limits::{MAX_PENDING_TRANSFERS, TRANSFER_ATTEMPTS};
 
 /// Expert load balancing at run time.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -54,12 +54,8 @@ use crate::sim::events::{bump, EventLog, Metrics};
 use crate::sim::fabric::NodeOf;
 use crate::wire::{self, Addr, Envelope, Heartbeat, Message, MsgKind, Role, MAX_FRAME_BYTES};
 
-/// Frames queued per peer on the control lane.
-pub const CONTROL_QUEUE: usize = 1024;
-/// Frames queued per peer on the data lane (each up to the frame limit).
-pub const DATA_QUEUE: usize = 64;
-const BACKOFF_MIN: Duration = Duration::from_millis(50);
-const BACKOFF_MAX: Duration = Duration::from_secs(1);
+use crate::limits::{BACKOFF_MAX, BACKOFF_MIN};
+pub use crate::limits::{CONTROL_QUEUE, DATA_QUEUE};
 /// Application close codes.
 const CLOSE_SHUTDOWN: u32 = 0;
 const CLOSE_BAD_FRAME: u32 = 1;

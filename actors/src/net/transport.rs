@@ -115,13 +115,7 @@ pub(crate) fn offer(
     }
 }
 
-/// Per-address queue capacity of both transports.
-pub const DEFAULT_QUEUE: usize = 4096;
-/// Frames from the network an actor may hold in its (unbounded) ractor
-/// mailbox or be handling at once; past it its inbox fills and the
-/// transport refuses and counts, so at most `DEFAULT_QUEUE + MAILBOX_FRAMES`
-/// frames wait for any actor.
-pub const MAILBOX_FRAMES: usize = 256;
+pub use crate::limits::{DEFAULT_QUEUE, MAILBOX_FRAMES};
 
 /// Forward an inbox into an actor's mailbox until either side goes away,
 /// never more than `MAILBOX_FRAMES` at a time that the actor has not

@@ -6,6 +6,7 @@
 
 pub mod cache;
 pub mod membership;
+pub mod router;
 pub mod scheduler;
 pub mod shard;
 

@@ -27,8 +27,7 @@ use rkyv::{Archive, Deserialize, Serialize};
 
 /// Version of the envelope layout; bumped on any change to the archived types.
 pub const WIRE_VERSION: u16 = 5;
-/// Largest payload a frame may declare (after the length prefix).
-pub const MAX_FRAME_BYTES: u32 = 64 << 20;
+pub use crate::limits::MAX_FRAME_BYTES;
 /// "dINF" little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"dINF");
 const PREAMBLE: usize = 16;

@@ -40,11 +40,11 @@ use deepinfer_engine::sampling::SamplingParams;
 use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler as Policy, StepPlan};
 use deepinfer_engine::transfer::parts_values;
 
-use crate::actor::router::end_item;
 use crate::cluster::ctx::Ctx;
 use crate::cluster::disagg::{eplb_table, InstanceKind, MAX_PENDING_TRANSFERS, TRANSFER_ATTEMPTS};
 use crate::net::transport::Delivery;
 use crate::proto::cache::parts_len;
+use crate::proto::router::end_item;
 use crate::sim::events::bump;
 use crate::sim::faults::Target;
 use crate::wire::{self, Envelope};

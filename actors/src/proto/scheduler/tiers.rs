@@ -19,10 +19,7 @@ use crate::cluster::disagg::InstanceKind;
 use crate::modelled::tiers::{Admission, Found, ModelledTiers, SimTier, TIERS};
 use crate::wire::{CacheMsg, Message, StoredBlock};
 
-/// Waiting requests looked up again each plan (the head of the queue);
-/// every other waiting request is looked up once, as admission may reach
-/// past held ones.
-const LOOKUP_SCAN: usize = 64;
+use crate::limits::LOOKUP_SCAN;
 
 /// A held request's prefix on its way up.
 struct Load {

@@ -1,0 +1,55 @@
+//! Every limit of the runtime in one place, with the relationships between
+//! them checked when the crate compiles. A limit is what keeps a bad peer,
+//! a slow actor or a burst from growing memory without end: each queue, frame
+//! and table below has one, and code elsewhere refers to these names.
+
+use std::time::Duration;
+
+/// Largest payload a frame may declare (after the length prefix).
+pub const MAX_FRAME_BYTES: u32 = 64 << 20;
+/// What a frame's header (envelope, preamble, padding) may take beside its
+/// body: a body of up to `MAX_FRAME_BYTES - FRAME_HEADER_BYTES_MAX` always fits.
+pub const FRAME_HEADER_BYTES_MAX: u32 = 8 << 20;
+
+/// Frames queued per actor address, on every transport.
+pub const DEFAULT_QUEUE: usize = 4096;
+/// Frames from the network an actor may hold in its (unbounded) ractor
+/// mailbox or be handling at once; past it its inbox fills and the
+/// transport refuses and counts, so at most `DEFAULT_QUEUE + MAILBOX_FRAMES`
+/// frames wait for any actor.
+pub const MAILBOX_FRAMES: usize = 256;
+
+/// QUIC: frames queued per peer on the control lane.
+pub const CONTROL_QUEUE: usize = 1024;
+/// QUIC: frames queued per peer on the data lane (each up to the frame limit).
+pub const DATA_QUEUE: usize = 64;
+/// QUIC: a failed lane dials again after this long, doubling up to the most.
+pub const BACKOFF_MIN: Duration = Duration::from_millis(50);
+pub const BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// Largest body of exported states one step answer carries; past it the
+/// exports are left out and the scheduler falls back to recomputing.
+pub const MAX_EXPORT_BYTES: usize = 48 << 20;
+/// Tries of one state transfer before the request is placed elsewhere and recomputed.
+pub const TRANSFER_ATTEMPTS: u32 = 3;
+/// Prefilled requests one prefill scheduler keeps waiting for adoption; past
+/// it a new handoff is rerouted (recomputed) at once instead of held.
+pub const MAX_PENDING_TRANSFERS: usize = 1024;
+
+/// Waiting requests the scheduler looks up again in the lower cache tiers
+/// each plan (the head of the queue); every other waiting request is looked
+/// up once, as admission may reach past held ones.
+pub const LOOKUP_SCAN: usize = 64;
+
+// An exported state travels in one frame (worker → scheduler → scheduler):
+// the largest export, with its header, fits the frame limit.
+const _: () = assert!(MAX_EXPORT_BYTES + FRAME_HEADER_BYTES_MAX as usize <= MAX_FRAME_BYTES as usize);
+// An actor's mailbox never holds more than its inbox could.
+const _: () = assert!(MAILBOX_FRAMES > 0 && MAILBOX_FRAMES <= DEFAULT_QUEUE);
+// Control frames (heartbeats, acknowledgements) never wait behind data.
+const _: () = assert!(CONTROL_QUEUE > DATA_QUEUE && DATA_QUEUE > 0);
+const _: () = assert!(BACKOFF_MIN.as_nanos() > 0 && BACKOFF_MIN.as_nanos() < BACKOFF_MAX.as_nanos());
+// A transfer is retried at least once; the handoff table is bounded.
+const _: () = assert!(TRANSFER_ATTEMPTS >= 2 && MAX_PENDING_TRANSFERS > 0);
+// The worst case a peer's data lane holds stays within a few GiB.
+const _: () = assert!(DATA_QUEUE as u64 * MAX_FRAME_BYTES as u64 <= 4 << 30);

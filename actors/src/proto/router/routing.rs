@@ -1,0 +1,179 @@
+//! Routing a new request: the prompt's cached prefix asked of every
+//! node's cache manager, then the engine's prefill balancer (and, with
+//! disaggregation, the decode balancer) over the answers.
+
+use super::*;
+
+impl RouterMachine {
+    pub(super) fn on_submit(&mut self, client: Addr, submit: Submit) {
+        let id = submit.spec.id;
+        self.send(client, Message::Ack { ids: vec![id] }, &[]);
+        let deadline = self.now() + self.ctx.timeouts.request;
+        if let Some(f) = self.flights.get_mut(&id) {
+            // The client's tokens are authoritative: fewer means an output was lost on the way to it.
+            if !f.cancelled {
+                f.tokens = submit.generated;
+            }
+            f.client = client;
+            f.deadline = deadline;
+            self.forward(id);
+            return;
+        }
+        if self.routing.values().any(|r| r.submit.spec.id == id) {
+            return;
+        }
+        let ctx = Arc::clone(&self.ctx);
+        let topo = &ctx.topology;
+        let chain = prompt_chain(&submit.spec.prompt, self.ctx.block_tokens);
+        let query = self.next_query;
+        self.next_query += 1;
+        let mut routing = Routing {
+            submit,
+            client,
+            waiting: BTreeSet::new(),
+            matched: BTreeMap::new(),
+            deadline: self.now() + self.ctx.timeouts.control,
+        };
+        if topo.instances > 1 && self.ctx.engine.prefix_mode != PrefixMode::Off && !chain.is_empty() {
+            let tokens = routing.submit.spec.prompt[..chain.len() * self.ctx.block_tokens].to_vec();
+            for node in (0..topo.nodes()).filter(|&n| !topo.instances_on(n).is_empty()) {
+                let ask = CacheMsg::Lookup { query, hashes: chain.clone(), tokens: tokens.clone() };
+                self.send(Addr::cache(node), Message::Cache(ask), &[]);
+                routing.waiting.insert(node);
+            }
+            bump(&self.ctx.metrics.lookups);
+        }
+        self.routing.insert(query, routing);
+        if self.routing[&query].waiting.is_empty() {
+            self.decide(query);
+        }
+    }
+
+    /// Modelled tiers below the device: a prefix continuing in an instance's
+    /// host memory, its node's disk or the shared store is read while the
+    /// request waits, not recomputed, so it counts as cached, a little less
+    /// than on the device (the fastest tier wins a tie, and the shared store,
+    /// which every instance sees, favours none).
+    pub(super) fn count_lower_tiers(
+        &self,
+        prompt: &[u32],
+        matched: &BTreeMap<u32, u32>,
+        candidates: &mut [PrefillCandidate],
+    ) {
+        let Some(tiers) = self.ctx.modelled.as_ref().and_then(|m| m.tiers.as_ref()) else { return };
+        let chain = prompt_chain(prompt, self.ctx.block_tokens);
+        let now_ms = self.now().as_millis() as u64;
+        for (i, c) in candidates.iter_mut().enumerate() {
+            let start = matched.get(&(i as u32)).copied().unwrap_or(0) as usize;
+            let mut worth = 0.0;
+            for k in start..chain.len() {
+                let parent = if k == 0 { 0 } else { chain[k - 1] };
+                let Some(tier) = tiers.locate(i as u32, now_ms, chain[k], parent) else { break };
+                worth += match tier {
+                    SimTier::Device | SimTier::Host => 0.98,
+                    SimTier::Disk => 0.95,
+                    SimTier::Shared => 0.9,
+                };
+            }
+            c.cached_tokens += (worth * self.ctx.block_tokens as f64) as usize;
+        }
+    }
+
+    /// The engine's prefill balancer over what the router knows: prompts
+    /// that have produced no token yet are the queued prefill work.
+    pub(super) fn decide(&mut self, query: u64) {
+        let Some(r) = self.routing.remove(&query) else { return };
+        let topo = &self.ctx.topology;
+        let policy = PrefillPolicy::default();
+        let mut candidates: Vec<PrefillCandidate> = (0..topo.instances)
+            .map(|i| PrefillCandidate {
+                health: if self.ctx.is_lost(0, topo.devices_of(i).start) {
+                    Health::Down
+                } else if self.ctx.kind(i).prefills() {
+                    Health::Up
+                } else {
+                    Health::Draining
+                },
+                gpus: topo.devices_of(i).len() as u32,
+                queued_cost: 0.0,
+                requests: 0,
+                cached_tokens: r.matched.get(&i).copied().unwrap_or(0) as usize * self.ctx.block_tokens,
+            })
+            .collect();
+        self.count_lower_tiers(&r.submit.spec.prompt, &r.matched, &mut candidates);
+        for f in self.flights.values() {
+            let Some(c) = candidates.get_mut(f.instance as usize) else { continue };
+            c.requests += 1;
+            if f.tokens.is_empty() {
+                let prompt = f.spec.prompt.len();
+                let cached = f.cached_tokens.min(prompt.saturating_sub(1));
+                c.queued_cost += prefill_cost(prompt - cached, cached, policy.attention_tokens);
+            }
+        }
+        let instance = match self.ctx.prefill_routing {
+            PrefillRouting::CacheAffinity => choose_prefill(&policy, &candidates, r.submit.spec.prompt.len()),
+            PrefillRouting::RoundRobin => {
+                self.round_robin.choose(&candidates.iter().map(|c| c.health).collect::<Vec<_>>())
+            }
+        }
+        .unwrap_or(0) as u32;
+        let cached_tokens = candidates.get(instance as usize).map_or(0, |c| c.cached_tokens);
+        let decode = (!self.ctx.kind(instance).decodes()).then(|| self.choose_decode(None)).flatten();
+        let id = r.submit.spec.id;
+        self.ctx.events.record(format_args!(
+            "router sends request {id} to scheduler{instance} ({} cached blocks)",
+            r.matched.get(&instance).copied().unwrap_or(0)
+        ));
+        let f = Flight {
+            spec: r.submit.spec,
+            instance,
+            cached_tokens,
+            decode,
+            prefilled_on: None,
+            tokens: r.submit.generated,
+            client: r.client,
+            cancelled: false,
+            attempts: 0,
+            deadline: self.now() + self.ctx.timeouts.request,
+        };
+        self.flights.insert(id, f);
+        self.forward(id);
+    }
+
+    /// The engine's decode balancer over the router's view: requests and
+    /// their KV per instance; `exclude` (a failed transfer's target) only if
+    /// another instance decodes.
+    pub(super) fn choose_decode(&self, exclude: Option<u32>) -> Option<u32> {
+        let topo = &self.ctx.topology;
+        let first = self.ctx.engine_for(0);
+        let policy =
+            DecodePolicy { max_requests_per_gpu: (first.max_batch_size as u32).div_ceil(topo.size_of(0).max(1)) };
+        let mut candidates: Vec<DecodeCandidate> = (0..topo.instances)
+            .map(|i| DecodeCandidate {
+                health: if self.ctx.is_lost(0, topo.devices_of(i).start) {
+                    Health::Down
+                } else if self.ctx.kind(i).decodes() {
+                    Health::Up
+                } else {
+                    Health::Draining
+                },
+                gpus: topo.size_of(i).max(1),
+                kv_used: 0,
+                kv_capacity: self.ctx.engine_for(i).kv_budget_bytes as u64,
+                requests: 0,
+            })
+            .collect();
+        for f in self.flights.values() {
+            let Some(c) = candidates.get_mut(f.decode.unwrap_or(f.instance) as usize) else { continue };
+            c.requests += 1;
+            let tokens = f.spec.prompt.len() + f.tokens.len();
+            c.kv_used += self.layout.as_ref().map_or(0, |l| l.sequence_bytes(tokens)) as u64;
+        }
+        let pick = |c: &[DecodeCandidate]| choose_decode(&policy, c, 0).map(|i| i as u32);
+        let fallback = pick(&candidates);
+        if let Some(c) = exclude.and_then(|x| candidates.get_mut(x as usize)) {
+            c.health = Health::Down;
+        }
+        pick(&candidates).or(fallback)
+    }
+}
