@@ -128,7 +128,7 @@ impl RouterMachine {
         }
     }
 
-    fn to_client(&mut self, client: Addr, items: Vec<OutputItem>, body: &[f32]) {
+    fn send_to_client(&mut self, client: Addr, items: Vec<OutputItem>, body: &[f32]) {
         if !items.is_empty() {
             self.send(client, Message::Outputs(Outputs { items }), body);
         }
