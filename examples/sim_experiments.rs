@@ -9,7 +9,7 @@
 
 use std::path::Path;
 
-use deepinfer::scenario::{Role, Scenario};
+use deepinfer::scenario::{InstanceKind, Scenario};
 use deepinfer::simulate::{run, Report};
 use deepinfer_actors::cluster::disagg::PrefillRouting;
 
@@ -184,7 +184,10 @@ tpot_ms = 50
     println!("|---|---|---|---|---|---|---|");
     let mut best = (0.0, 0);
     for prefill in [32u32, 48, 64, 80, 96] {
-        let s = Scenario { instances: vec![(Role::Prefill, prefill), (Role::Decode, 128 - prefill)], ..base.clone() };
+        let s = Scenario {
+            instances: vec![(InstanceKind::Prefill, prefill), (InstanceKind::Decode, 128 - prefill)],
+            ..base.clone()
+        };
         let r = simulate(&s);
         println!(
             "| {prefill}:{} | {:.1} | {:.0} | {:.0} | {:.0} | {:.1} | {} |",

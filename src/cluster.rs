@@ -21,7 +21,7 @@ use deepinfer_engine::model::Model;
 use deepinfer_engine::scheduler::EngineConfig;
 
 use crate::config_file::{read_text, value_error, FileError};
-use crate::topology::{Backend, Role, Topology};
+use crate::topology::{Backend, Topology};
 
 /// A topology checked for what this program can launch.
 pub struct ClusterPlan {
@@ -115,15 +115,7 @@ impl ClusterPlan {
             instances: topology.instances.len() as u32,
             expert_parallel: ep as u32,
             redundant_experts: redundant,
-            kinds: topology
-                .instances
-                .iter()
-                .map(|i| match i.role {
-                    Role::Prefill => InstanceKind::Prefill,
-                    Role::Decode => InstanceKind::Decode,
-                    Role::Both => InstanceKind::Both,
-                })
-                .collect(),
+            kinds: topology.instances.iter().map(|i| i.role).collect(),
             heartbeat: Duration::from_millis(*topology.cluster.heartbeat_ms.get_ref()),
             failure_timeout: Duration::from_millis(*topology.cluster.failure_timeout_ms.get_ref()),
             topology,

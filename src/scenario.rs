@@ -27,13 +27,7 @@ pub const MAX_DEVICES: u32 = 4096;
 /// Longest simulated time, seconds.
 pub const MAX_DURATION_S: f64 = 86_400.0;
 
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    Prefill,
-    Decode,
-    Both,
-}
+pub use deepinfer_actors::cluster::disagg::InstanceKind;
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -73,7 +67,7 @@ fn default_devices_per_node() -> Spanned<u32> {
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct InstanceSpec {
-    pub role: Role,
+    pub role: InstanceKind,
     /// Devices of each instance (its expert-parallel degree); a multiple of `devices_per_node`.
     pub devices: Spanned<u32>,
     #[serde(default = "one")]
@@ -404,7 +398,7 @@ pub struct Scenario {
     pub model: ModelKind,
     pub devices_per_node: u32,
     /// One entry per instance, in order.
-    pub instances: Vec<(Role, u32)>,
+    pub instances: Vec<(InstanceKind, u32)>,
     /// Redundant expert slots per instance where it differs from `redundant_experts`.
     pub redundant_per_instance: Vec<Option<usize>>,
     pub batch_per_device: usize,
@@ -493,7 +487,9 @@ impl Scenario {
         if total > MAX_DEVICES as u64 {
             return Err(err(0..0, format!("{total} devices; a scenario simulates at most {MAX_DEVICES}")));
         }
-        if instances.iter().all(|&(r, _)| r == Role::Prefill) || instances.iter().all(|&(r, _)| r == Role::Decode) {
+        if instances.iter().all(|&(r, _)| r == InstanceKind::Prefill)
+            || instances.iter().all(|&(r, _)| r == InstanceKind::Decode)
+        {
             let first = &f.instances[0];
             return Err(err(first.devices.span(), "instances must be able to prefill and to decode".into()));
         }

@@ -25,13 +25,7 @@ pub enum Backend {
     Simulated,
 }
 
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, PartialOrd, Ord)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    Prefill,
-    Decode,
-    Both,
-}
+pub use deepinfer_actors::cluster::disagg::InstanceKind;
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -79,7 +73,7 @@ fn default_hardware() -> Spanned<String> {
 #[serde(deny_unknown_fields)]
 pub struct Instance {
     pub name: Spanned<String>,
-    pub role: Role,
+    pub role: InstanceKind,
     /// Nodes whose devices this instance uses, all of them.
     pub nodes: Vec<Spanned<String>>,
     /// Attention data-parallel degree (default: every device).
@@ -233,7 +227,7 @@ expert_parallel = 4
         let t = Topology::parse("t.toml", GOOD).unwrap();
         assert_eq!(t.total_devices(), 4);
         assert_eq!(*t.cluster.failure_timeout_ms.get_ref(), 1000);
-        assert_eq!(t.instances[0].role, Role::Both);
+        assert_eq!(t.instances[0].role, InstanceKind::Both);
     }
 
     #[test]

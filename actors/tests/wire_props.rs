@@ -82,8 +82,9 @@ fn message() -> impl Strategy<Value = Message> {
             };
             Message::StepResult(StepResult { step, attempt: 1, device: 0, outcome })
         }),
-        (any::<u64>(), any::<bool>(), any::<u64>())
-            .prop_map(|(instance, restarted, time_ns)| Message::Heartbeat(Heartbeat { instance, restarted, time_ns })),
+        (any::<u64>(), any::<bool>(), any::<u64>()).prop_map(|(incarnation, restarted, time_ns)| Message::Heartbeat(
+            Heartbeat { incarnation, restarted, time_ns }
+        )),
         prop::collection::vec(any::<u32>(), 0..9)
             .prop_map(|experts| Message::Control(Control::LoadExperts { epoch: 2, experts })),
         (any::<u64>(), prop::collection::vec(any::<u32>(), 0..30), prop::collection::vec(any::<u32>(), 0..5)).prop_map(

@@ -31,7 +31,7 @@ use deepinfer_engine::scheduler::EngineConfig;
 use deepinfer_engine::traffic::{parse_mooncake, Arrival, Synthetic, MOONCAKE_BLOCK_TOKENS};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::scenario::{Fault, Role, Scenario, Traffic};
+use crate::scenario::{Fault, Scenario, Traffic};
 pub use report::Report;
 
 /// How one request went, in simulated microseconds.
@@ -165,14 +165,7 @@ pub fn prompt_of(a: &Arrival, vocab: usize, unique: u64) -> Vec<u32> {
 }
 
 fn kinds(s: &Scenario) -> Vec<InstanceKind> {
-    s.instances
-        .iter()
-        .map(|(r, _)| match r {
-            Role::Prefill => InstanceKind::Prefill,
-            Role::Decode => InstanceKind::Decode,
-            Role::Both => InstanceKind::Both,
-        })
-        .collect()
+    s.instances.iter().map(|&(r, _)| r).collect()
 }
 
 /// The cluster a scenario describes.

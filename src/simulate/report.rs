@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use super::cache_report::CacheReport;
 use super::{End, RunData};
-use crate::scenario::{Role, Scenario};
+use crate::scenario::{InstanceKind, Scenario};
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct Percentiles {
@@ -202,10 +202,11 @@ impl Report {
         let input: u64 = d.buckets.iter().enumerate().filter(|(i, _)| in_window(*i)).map(|(_, b)| b.input_tokens).sum();
         let output: u64 =
             d.buckets.iter().enumerate().filter(|(i, _)| in_window(*i)).map(|(_, b)| b.output_tokens).sum();
-        let devices_of =
-            |want: fn(Role) -> bool| -> u32 { s.instances.iter().filter(|(r, _)| want(*r)).map(|&(_, n)| n).sum() };
-        let prefill = devices_of(|r| r != Role::Decode);
-        let decode = devices_of(|r| r != Role::Prefill);
+        let devices_of = |want: fn(InstanceKind) -> bool| -> u32 {
+            s.instances.iter().filter(|(r, _)| want(*r)).map(|&(_, n)| n).sum()
+        };
+        let prefill = devices_of(|r| r != InstanceKind::Decode);
+        let decode = devices_of(|r| r != InstanceKind::Prefill);
         let per_node = s.devices_per_node as f64;
         let (input_tok_s, output_tok_s) = (input as f64 / measured_s, output as f64 / measured_s);
 
@@ -272,7 +273,7 @@ impl Report {
                 expert_imbalance: d.expert_imbalance.get(i).copied().unwrap_or(1.0),
             })
             .collect();
-        let heat = s.instances.iter().position(|(r, _)| *r != Role::Prefill).unwrap_or(0);
+        let heat = s.instances.iter().position(|(r, _)| *r != InstanceKind::Prefill).unwrap_or(0);
         let series = d
             .buckets
             .iter()

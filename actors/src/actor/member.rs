@@ -67,7 +67,7 @@ impl Actor for MemberActor {
         let ctx = args.ctx;
         let config = ctx.membership.ok_or("membership actor without a membership configuration")?;
         let addr = Addr::node(args.node);
-        let number = ctx.new_instance();
+        let number = ctx.new_incarnation();
         ctx.events.record(format_args!("{addr} member up (incarnation {})", args.incarnation));
         pump(ctx.transport.bind(addr), myself.clone(), MemberMsg::Net);
         // A restarted member starts from scratch: peers are unknown until heard.
@@ -89,7 +89,8 @@ impl Actor for MemberActor {
                 let tick = state.machine.tick(now);
                 let from = Addr::node(state.node);
                 for n in tick.heartbeats {
-                    let beat = Heartbeat { instance: state.number, restarted: false, time_ns: now.as_nanos() as u64 };
+                    let beat =
+                        Heartbeat { incarnation: state.number, restarted: false, time_ns: now.as_nanos() as u64 };
                     state.ctx.send(from, Addr::node(n), Message::Heartbeat(beat), &[]);
                 }
                 for e in tick.events {

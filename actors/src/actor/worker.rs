@@ -686,13 +686,16 @@ impl Actor for GpuWorker {
         let topo = &args.ctx.topology;
         let serving = topo.instance_of(args.device);
         let scheduler = Addr::scheduler(serving);
-        let instance = args.ctx.new_instance();
+        let instance = args.ctx.new_incarnation();
         args.ctx.events.record(format_args!("{addr} up (incarnation {}, instance {instance})", args.incarnation));
         pump(args.ctx.transport.bind(addr), myself, WorkerMsg::Net);
         // Tell the scheduler a (new) incarnation is up, so a step this worker
         // lost is re-sent now rather than at its timeout.
-        let hello =
-            Heartbeat { instance, restarted: args.ctx.is_up(), time_ns: args.ctx.clock.now().as_nanos() as u64 };
+        let hello = Heartbeat {
+            incarnation: instance,
+            restarted: args.ctx.is_up(),
+            time_ns: args.ctx.clock.now().as_nanos() as u64,
+        };
         args.ctx.send(addr, scheduler, Message::Heartbeat(hello), &[]);
         Ok(WorkerState {
             device: args.device,

@@ -196,8 +196,10 @@ pub struct Ctx {
     /// The root supervisor, for faults that kill a whole subtree or a
     /// service actor from outside (`node1`, `node0/cache0`).
     pub root: OnceLock<ActorCell>,
-    /// Numbers actor instances, so that ids derived from them never repeat across restarts.
-    pub instances: AtomicU64,
+    /// Numbers actor incarnations (each start or restart of an actor), so
+    /// that ids derived from them never repeat across restarts. ("Instance"
+    /// is kept for serving instances.)
+    pub incarnations: AtomicU64,
     /// Set once the whole tree has started: any later start is a restart.
     pub up: AtomicBool,
     /// Devices of nodes that membership declared dead, as each node sees it
@@ -260,9 +262,9 @@ impl Ctx {
         }
     }
 
-    /// A cluster-unique instance number (from 1).
-    pub fn new_instance(&self) -> u64 {
-        self.instances.fetch_add(1, Ordering::Relaxed) + 1
+    /// A cluster-unique incarnation number (from 1).
+    pub fn new_incarnation(&self) -> u64 {
+        self.incarnations.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     pub fn is_up(&self) -> bool {

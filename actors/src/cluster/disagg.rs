@@ -22,8 +22,10 @@ use deepinfer_engine::eplb::{EplbError, ExpertLoadTracker};
 
 use crate::cluster::placement::{Placement, PlacementError};
 
-/// What an instance serves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// What an instance serves: the one name for it, from the topology and
+/// scenario files (`role = "prefill" | "decode" | "both"`) to the actors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum InstanceKind {
     #[default]
     Both,

@@ -442,7 +442,7 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         steps: (0..topo.instances).map(|_| AtomicU64::new(0)).collect(),
         gauges: (0..topo.instances).map(|_| InstanceGauges::default()).collect(),
         root: OnceLock::new(),
-        instances: AtomicU64::new(0),
+        incarnations: AtomicU64::new(0),
         up: AtomicBool::new(false),
         lost_devices: (0..topo.nodes()).map(|_| RwLock::new(Default::default())).collect(),
     });

@@ -422,7 +422,7 @@ impl Inner {
     }
 
     fn send_heartbeat(&self, to: Addr) {
-        let hb = Heartbeat { instance: 0, restarted: false, time_ns: self.now_ns() };
+        let hb = Heartbeat { incarnation: 0, restarted: false, time_ns: self.now_ns() };
         let env = Envelope { from: self.my_addr(), to, msg: Message::Heartbeat(hb) };
         if let Ok(frame) = wire::encode(&env, &[]) {
             let _ = self.route(to, frame);

@@ -329,9 +329,9 @@ pub struct ExpertResultHeader {
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[rkyv(derive(Debug))]
 pub struct Heartbeat {
-    /// Cluster-unique number of the sending actor instance.
-    pub instance: u64,
-    /// The instance replaces one that failed: work it held is gone.
+    /// Cluster-unique number of the sending actor's incarnation.
+    pub incarnation: u64,
+    /// This incarnation replaces one that failed: work it held is gone.
     pub restarted: bool,
     pub time_ns: u64,
 }

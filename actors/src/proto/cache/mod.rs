@@ -185,8 +185,8 @@ impl CacheMachine {
             ctx,
         };
         if machine.ctx.is_up() {
-            let number = machine.ctx.new_instance();
-            let hello = Heartbeat { instance: number, restarted: true, time_ns: now.as_nanos() as u64 };
+            let number = machine.ctx.new_incarnation();
+            let hello = Heartbeat { incarnation: number, restarted: true, time_ns: now.as_nanos() as u64 };
             for i in instances {
                 machine.send(Addr::scheduler(i), Message::Heartbeat(hello.clone()), &[]);
             }

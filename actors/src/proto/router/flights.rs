@@ -117,7 +117,7 @@ impl RouterMachine {
             items.push(new);
         }
         for (client, (items, b)) in by_client {
-            self.to_client(client, items, &b);
+            self.send_to_client(client, items, &b);
         }
     }
 
@@ -136,7 +136,7 @@ impl RouterMachine {
                 let f = self.flights.remove(&id).expect("listed");
                 if f.cancelled {
                     let item = end_item(id, f.tokens.len(), f.spec.prompt.len(), FinishKind::Cancelled);
-                    self.to_client(f.client, vec![item], &[]);
+                    self.send_to_client(f.client, vec![item], &[]);
                     continue;
                 }
                 let why = format!(
@@ -146,7 +146,7 @@ impl RouterMachine {
                 self.ctx.events.record(format_args!("router: {why}"));
                 self.send(Addr::scheduler(f.instance), Message::Cancel { id }, &[]);
                 let item = end_item(id, f.tokens.len(), f.spec.prompt.len(), FinishKind::Error(why));
-                self.to_client(f.client, vec![item], &[]);
+                self.send_to_client(f.client, vec![item], &[]);
                 continue;
             }
             bump(&self.ctx.metrics.submits_resent);
@@ -177,7 +177,7 @@ impl RouterMachine {
             if f.cancelled || none_left {
                 let why = format!("node{node} is down and no serving instance is left");
                 let reason = if f.cancelled { FinishKind::Cancelled } else { FinishKind::Error(why) };
-                self.to_client(f.client, vec![end_item(id, from, prompt, reason)], &[]);
+                self.send_to_client(f.client, vec![end_item(id, from, prompt, reason)], &[]);
                 continue;
             }
             self.ctx
@@ -199,6 +199,6 @@ impl RouterMachine {
         if let Some((q, _)) = routed {
             self.routing.remove(&q);
         }
-        self.to_client(client, vec![end_item(id, 0, prompt, FinishKind::Cancelled)], &[]);
+        self.send_to_client(client, vec![end_item(id, 0, prompt, FinishKind::Cancelled)], &[]);
     }
 }

@@ -128,7 +128,7 @@ impl RouterMachine {
         }
     }
 
-    fn to_client(&mut self, client: Addr, items: Vec<OutputItem>, body: &[f32]) {
+    fn send_to_client(&mut self, client: Addr, items: Vec<OutputItem>, body: &[f32]) {
         if !items.is_empty() {
             self.send(client, Message::Outputs(Outputs { items }), body);
         }
@@ -153,7 +153,8 @@ impl RouterMachine {
     pub fn start(now: Duration, incarnation: u32, ctx: Arc<Ctx>) -> Self {
         let addr = Addr::router(0);
         ctx.events.record(format_args!("{addr} up (incarnation {incarnation})"));
-        let hello = Heartbeat { instance: ctx.new_instance(), restarted: ctx.is_up(), time_ns: now.as_nanos() as u64 };
+        let hello =
+            Heartbeat { incarnation: ctx.new_incarnation(), restarted: ctx.is_up(), time_ns: now.as_nanos() as u64 };
         let mut machine = RouterMachine {
             addr,
             flights: BTreeMap::new(),

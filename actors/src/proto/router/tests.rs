@@ -106,7 +106,7 @@ fn a_restarted_scheduler_gets_its_requests_again_with_their_tokens() {
     let mut m = routed(&ctx);
     m.handle(ms(2), outputs(1, 0, &[40]));
     sent(&mut m);
-    m.handle(ms(3), frame(SCHEDULER, Message::Heartbeat(Heartbeat { instance: 9, restarted: true, time_ns: 0 })));
+    m.handle(ms(3), frame(SCHEDULER, Message::Heartbeat(Heartbeat { incarnation: 9, restarted: true, time_ns: 0 })));
     let out = sent(&mut m);
     assert!(
         matches!(&out[..], [(SCHEDULER, Message::Submit(s))] if s.spec.id == 1 && s.generated == vec![40]),

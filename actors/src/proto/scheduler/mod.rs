@@ -342,7 +342,7 @@ impl SchedulerMachine {
     pub fn start(now: Duration, instance: u32, incarnation: u32, ctx: Arc<Ctx>) -> Result<Self, Crash> {
         let addr = Addr::scheduler(instance);
         let policy = Policy::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| Crash(format!("{addr}: {e}")))?;
-        let number = ctx.new_instance();
+        let number = ctx.new_incarnation();
         ctx.events.record(format_args!("{addr} up (incarnation {incarnation}, instance {number})"));
         let cache = Addr::cache(ctx.topology.home_node(instance));
         let router = Addr::router(0);
@@ -380,7 +380,7 @@ impl SchedulerMachine {
             ctx,
         };
         machine.send(cache, Message::Cache(CacheMsg::Clear { instance }), &[]);
-        let hello = Heartbeat { instance: number, restarted, time_ns: now.as_nanos() as u64 };
+        let hello = Heartbeat { incarnation: number, restarted, time_ns: now.as_nanos() as u64 };
         machine.send(router, Message::Heartbeat(hello), &[]);
         // A predecessor may have died between changing the table and hearing every shard load it.
         if restarted {
@@ -437,7 +437,7 @@ impl SchedulerMachine {
             }
             (Role::Worker, Message::StepResult(r)) if mine(from) => return self.on_result(from, r, m.body),
             (Role::Worker, Message::Heartbeat(h)) if mine(from) && h.restarted => {
-                self.on_worker_restarted(from.index, h.instance)
+                self.on_worker_restarted(from.index, h.incarnation)
             }
             (Role::Shard, Message::Control(Control::Loaded { epoch, device })) if mine(from) => {
                 return self.on_loaded(epoch, device)

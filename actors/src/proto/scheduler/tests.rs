@@ -216,7 +216,7 @@ fn a_restarted_worker_gets_the_step_again_with_the_history() {
     m.handle(ms(3), Input::Tick).expect("no crash");
     let decode = step_requests(&drain(&mut m)).pop().expect("a decode step");
     assert!(!decode.items[0].rebuild);
-    let hello = Heartbeat { instance: 99, restarted: true, time_ns: 0 };
+    let hello = Heartbeat { incarnation: 99, restarted: true, time_ns: 0 };
     m.handle(ms(4), frame(WORKER, Message::Heartbeat(hello), &[])).expect("no crash");
     let again = step_requests(&drain(&mut m)).pop().expect("sent again");
     assert_eq!((again.step, again.attempt), (decode.step, 1));
