@@ -51,6 +51,7 @@ use crate::cluster::placement::{Placement, PlacementError};
 use crate::modelled::cost::{DeviceCost, DeviceCostModel};
 use crate::modelled::devices::{Modelled, ModelledSpec};
 use crate::net::transport::{InProcess, Inbox, Transport, DEFAULT_QUEUE};
+use crate::proto::cursor::{fit, Fit};
 use crate::proto::membership::MembershipConfig;
 use crate::sim::clock::{Clock, RealClock, SimClock};
 use crate::sim::events::{bump, EventLog, Metrics, MetricsSnapshot};
@@ -816,18 +817,17 @@ impl Cluster {
                     at += n;
                     let id = item.id;
                     let Some(o) = self.outstanding.get_mut(&id) else { continue };
-                    let (have, start) = (o.tokens.len(), item.from as usize);
-                    if start > have {
-                        o.deadline = now + timeout;
-                        bump(&self.ctx.metrics.submits_resent);
-                        let o = &self.outstanding[&id];
-                        self.send_submit(o);
-                        continue;
-                    }
-                    let skip = have - start;
-                    if skip > item.tokens.len() {
-                        continue;
-                    }
+                    let skip = match fit(o.tokens.len(), item.from as usize, item.tokens.len()) {
+                        Fit::Gap => {
+                            o.deadline = now + timeout;
+                            bump(&self.ctx.metrics.submits_resent);
+                            let o = &self.outstanding[&id];
+                            self.send_submit(o);
+                            continue;
+                        }
+                        Fit::Stale => continue,
+                        Fit::New { skip } => skip,
+                    };
                     o.attempts = 0;
                     o.deadline = now + timeout;
                     let tokens: Vec<TokenOutput> = item.tokens[skip..]

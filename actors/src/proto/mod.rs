@@ -5,6 +5,7 @@
 //! inputs alone.
 
 pub mod cache;
+pub mod cursor;
 pub mod membership;
 pub mod router;
 pub mod scheduler;

@@ -3,6 +3,7 @@
 //! deadlines, cancels and lost nodes.
 
 use super::*;
+use crate::proto::cursor::{fit, Fit};
 
 impl RouterMachine {
     /// The decode instance took the request over from its prefill instance.
@@ -76,18 +77,17 @@ impl RouterMachine {
                 continue;
             }
             let (have, start) = (f.tokens.len(), item.from as usize);
-            if start > have {
-                // A gap: something was lost on the way; ask for it again.
-                self.ctx.events.record(format_args!("router missed output {have}..{start} of request {id}"));
-                bump(&self.ctx.metrics.submits_resent);
-                f.deadline = now + self.ctx.timeouts.request;
-                self.forward(id);
-                continue;
-            }
-            let skip = have - start;
-            if skip > item.tokens.len() {
-                continue;
-            }
+            let skip = match fit(have, start, item.tokens.len()) {
+                Fit::Gap => {
+                    self.ctx.events.record(format_args!("router missed output {have}..{start} of request {id}"));
+                    bump(&self.ctx.metrics.submits_resent);
+                    f.deadline = now + self.ctx.timeouts.request;
+                    self.forward(id);
+                    continue;
+                }
+                Fit::Stale => continue,
+                Fit::New { skip } => skip,
+            };
             f.tokens.extend(item.tokens[skip..].iter().map(|t| t.token));
             f.attempts = 0;
             f.deadline = now + self.ctx.timeouts.request;
