@@ -1,4 +1,4 @@
-// tidy: long file: the QUIC transport with membership; membership moves to a protocol machine that runs over every transport.
+// tidy: long file: the QUIC transport whole (endpoint, two lanes per peer, frame and sender checks, reconnects, membership ticks), each concern a section.
 //! The QUIC transport: actors of different processes (or machines) talk over
 //! one quinn endpoint per process, mutual TLS 1.3 against the cluster CA.
 //!
