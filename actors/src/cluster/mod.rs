@@ -21,6 +21,7 @@
 pub mod ctx;
 pub mod disagg;
 pub mod placement;
+pub mod topology;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -9,7 +9,7 @@ use deepinfer_engine::cost::{
     step_cost, DeviceStep, Efficiency, Hardware, HardwareKind, ModelCost, ModelKind, SeqWork, StepCost,
 };
 
-use crate::cluster::ctx::Topology;
+use crate::cluster::topology::Topology;
 
 /// Which accelerator and model the simulated devices stand for.
 #[derive(Clone, Copy, Debug, PartialEq)]

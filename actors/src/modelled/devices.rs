@@ -19,7 +19,7 @@ use deepinfer_engine::eplb;
 use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::scheduler::EngineConfig;
 
-use crate::cluster::ctx::Topology;
+use crate::cluster::topology::Topology;
 use crate::modelled::drafting::{DraftCounters, Drafting};
 use crate::modelled::tiers::{ModelledTiers, TierSpec};
 
