@@ -10,3 +10,14 @@ pub mod scheduler;
 pub mod shard;
 pub mod supervisor;
 pub mod worker;
+
+/// Send the frames a machine at `from` left, in order.
+pub(crate) fn send_outgoing(
+    ctx: &crate::cluster::ctx::Ctx,
+    from: crate::wire::Addr,
+    outgoing: Vec<crate::proto::Outgoing>,
+) {
+    for o in outgoing {
+        ctx.send_frame(from, o.to, o.frame);
+    }
+}

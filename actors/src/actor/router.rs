@@ -35,10 +35,7 @@ impl RouterShell {
     }
 
     fn flush(&mut self) {
-        let from = self.machine.addr();
-        for o in self.machine.take_outgoing() {
-            self.ctx.send_frame(from, o.to, o.frame);
-        }
+        super::send_outgoing(&self.ctx, self.machine.addr(), self.machine.take_outgoing());
     }
 }
 

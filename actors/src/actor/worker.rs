@@ -141,17 +141,7 @@ pub struct WorkerState {
     ctx: Arc<Ctx>,
 }
 
-fn params(s: &crate::wire::Sampling) -> SamplingParams {
-    SamplingParams {
-        temperature: s.temperature,
-        top_p: s.top_p,
-        top_k: s.top_k as usize,
-        seed: s.seed,
-        logprobs: s.logprobs as usize,
-        // The wire carries no logit processing: `Cluster::submit` refuses it.
-        ..SamplingParams::default()
-    }
-}
+use crate::proto::sampling_params as params;
 
 impl WorkerState {
     /// Devices of this worker's instance.

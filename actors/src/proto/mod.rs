@@ -18,6 +18,37 @@ pub struct Outgoing {
     pub frame: Vec<u8>,
 }
 
+/// `msg` from `from` to `to`, encoded; `None` (logged) if it cannot be,
+/// which the sender treats as a lost message.
+pub(crate) fn encode(
+    events: &crate::sim::events::EventLog,
+    from: crate::wire::Addr,
+    to: crate::wire::Addr,
+    msg: crate::wire::Message,
+    body: &[f32],
+) -> Option<Outgoing> {
+    match crate::wire::encode(&crate::wire::Envelope { from, to, msg }, body) {
+        Ok(frame) => Some(Outgoing { to, frame }),
+        Err(e) => {
+            events.record(format_args!("{from} cannot encode for {to}: {e}"));
+            None
+        }
+    }
+}
+
+/// The engine's sampling parameters a wire `Sampling` stands for. The wire
+/// carries no logit processing: `Cluster::submit` refuses it.
+pub(crate) fn sampling_params(s: &crate::wire::Sampling) -> deepinfer_engine::sampling::SamplingParams {
+    deepinfer_engine::sampling::SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k as usize,
+        seed: s.seed,
+        logprobs: s.logprobs as usize,
+        ..Default::default()
+    }
+}
+
 /// What every machine test is handed: the tiny V4 model on `devices`
 /// devices, `per_node` to a node, in `instances` equal instances.
 #[cfg(test)]

@@ -23,9 +23,7 @@ use super::Outgoing;
 use crate::cluster::ctx::Ctx;
 use crate::net::transport::Delivery;
 use crate::sim::events::bump;
-use crate::wire::{
-    self, Addr, CacheMsg, Envelope, FetchItem, FetchedItem, Heartbeat, InstanceMatch, Message, StoredBlock,
-};
+use crate::wire::{Addr, CacheMsg, FetchItem, FetchedItem, Heartbeat, InstanceMatch, Message, StoredBlock};
 
 struct Entry {
     parent: u64,
@@ -204,10 +202,7 @@ impl CacheMachine {
     }
 
     fn send(&mut self, to: Addr, msg: Message, body: &[f32]) {
-        match wire::encode(&Envelope { from: self.addr, to, msg }, body) {
-            Ok(frame) => self.out.push(Outgoing { to, frame }),
-            Err(e) => self.ctx.events.record(format_args!("{} cannot encode for {to}: {e}", self.addr)),
-        }
+        self.out.extend(super::encode(&self.ctx.events, self.addr, to, msg, body));
     }
 
     /// React to one frame. The store stays within its capacity after every input.

@@ -38,8 +38,8 @@ use crate::modelled::tiers::SimTier;
 use crate::net::transport::Delivery;
 use crate::sim::events::bump;
 use crate::wire::{
-    self, Addr, CacheMsg, Envelope, FinishKind, FinishWire, HandoffMsg, Heartbeat, Message, OutputEnd, OutputItem,
-    Outputs, RequestSpec, Role, Submit,
+    Addr, CacheMsg, FinishKind, FinishWire, HandoffMsg, Heartbeat, Message, OutputEnd, OutputItem, Outputs,
+    RequestSpec, Role, Submit,
 };
 
 /// What the router reacts to.
@@ -122,10 +122,7 @@ impl RouterMachine {
     }
 
     fn send(&mut self, to: Addr, msg: Message, body: &[f32]) {
-        match wire::encode(&Envelope { from: self.addr, to, msg }, body) {
-            Ok(frame) => self.out.push(Outgoing { to, frame }),
-            Err(e) => self.ctx.events.record(format_args!("{} cannot encode for {to}: {e}", self.addr)),
-        }
+        self.out.extend(super::encode(&self.ctx.events, self.addr, to, msg, body));
     }
 
     fn send_to_client(&mut self, client: Addr, items: Vec<OutputItem>, body: &[f32]) {

@@ -36,7 +36,6 @@ use deepinfer_engine::eplb::ExpertLoadTracker;
 use deepinfer_engine::kv_pool::BlockId;
 use deepinfer_engine::prefix_cache::block_hash;
 use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId};
-use deepinfer_engine::sampling::SamplingParams;
 use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler as Policy, StepPlan};
 use deepinfer_engine::transfer::parts_values;
 
@@ -47,7 +46,6 @@ use crate::proto::cache::parts_len;
 use crate::proto::router::end_item;
 use crate::sim::events::bump;
 use crate::sim::faults::Target;
-use crate::wire::{self, Envelope};
 use crate::wire::{
     Addr, BlockSnapshot, CacheMsg, Control, ExpertLoad, FetchItem, FetchedItem, FinishKind, FinishWire, HandoffMsg,
     Heartbeat, Message, OutputEnd, OutputItem, Outputs, PlacementWire, RequestSpec, Role, Sampling, SeqOutput,
@@ -281,16 +279,7 @@ fn finish_wire(f: &Finished) -> FinishWire {
 
 /// The engine request a spec describes.
 pub(crate) fn request_of(spec: &RequestSpec) -> Request {
-    let s = &spec.sampling;
-    let params = SamplingParams {
-        temperature: s.temperature,
-        top_p: s.top_p,
-        top_k: s.top_k as usize,
-        seed: s.seed,
-        logprobs: s.logprobs as usize,
-        // The wire carries no logit processing: `Cluster::submit` refuses it.
-        ..SamplingParams::default()
-    };
+    let params = super::sampling_params(&spec.sampling);
     let mut r = Request::new(spec.prompt.clone(), spec.max_tokens as usize).with_params(params);
     r.stop_token_ids = spec.stop_token_ids.clone();
     r.stop_sequences = spec.stop_sequences.clone();
@@ -306,17 +295,9 @@ impl SchedulerMachine {
 
     /// Encode `msg` for `to` and queue it; false (logged) if it cannot be encoded.
     fn send(&mut self, to: Addr, msg: Message, body: &[f32]) -> bool {
-        let env = Envelope { from: self.addr, to, msg };
-        match wire::encode(&env, body) {
-            Ok(frame) => {
-                self.effects.push(Effect::Send { to, frame });
-                true
-            }
-            Err(e) => {
-                self.ctx.events.record(format_args!("{} cannot encode for {to}: {e}", self.addr));
-                false
-            }
-        }
+        let Some(o) = super::encode(&self.ctx.events, self.addr, to, msg, body) else { return false };
+        self.effects.push(Effect::Send { to: o.to, frame: o.frame });
+        true
     }
 
     fn arm(&mut self, deadline: Duration) {

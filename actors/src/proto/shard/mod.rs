@@ -16,7 +16,7 @@ use crate::cluster::ctx::Ctx;
 use crate::net::transport::Delivery;
 use crate::sim::events::bump;
 use crate::sim::faults::Target;
-use crate::wire::{self, Addr, Control, DispatchHeader, Envelope, ExpertResultHeader, Message, ResultStatus};
+use crate::wire::{Addr, Control, DispatchHeader, ExpertResultHeader, Message, ResultStatus};
 
 /// What the shard asks its shell to do, in order.
 #[derive(Debug, PartialEq)]
@@ -117,10 +117,7 @@ impl ShardMachine {
     }
 
     fn send(&mut self, to: Addr, msg: Message, body: &[f32]) {
-        match wire::encode(&Envelope { from: self.addr, to, msg }, body) {
-            Ok(frame) => self.effects.push(ShardEffect::Send(Outgoing { to, frame })),
-            Err(e) => self.ctx.events.record(format_args!("{} cannot encode for {to}: {e}", self.addr)),
-        }
+        self.effects.extend(super::encode(&self.ctx.events, self.addr, to, msg, body).map(ShardEffect::Send));
     }
 
     /// React to one frame.
