@@ -1,7 +1,7 @@
 //! The ractor actors and their supervision. `scheduler`, `router`, `cache`,
-//! `shard` and `member` are thin shells around protocol machines of
-//! [`crate::proto`]; the worker still holds its logic and I/O in one type,
-//! to become a machine and a shell the same way.
+//! `shard`, `worker` and `member` are thin shells around protocol machines
+//! of [`crate::proto`]: they feed a machine its inputs with the clock's time
+//! and carry out the effects it leaves.
 
 pub mod cache;
 pub mod member;

@@ -13,7 +13,9 @@ use crate::cluster::ctx::Ctx;
 use crate::net::transport::pump;
 use crate::proto::scheduler::{Effect, Input, SchedulerMachine};
 
-pub struct Scheduler;
+/// The actor that runs one serving instance's steps (the engine's
+/// [`deepinfer_engine::scheduler::Scheduler`] plans them inside its machine).
+pub struct InstanceScheduler;
 
 pub struct SchedulerArgs {
     pub instance: u32,
@@ -80,7 +82,7 @@ impl SchedulerShell {
     }
 }
 
-impl Actor for Scheduler {
+impl Actor for InstanceScheduler {
     type Msg = Input;
     type State = SchedulerShell;
     type Arguments = SchedulerArgs;

@@ -31,7 +31,7 @@ use std::time::Duration;
 use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::model::Model;
 use deepinfer_engine::request::{FinishReason, Finished, Request, TokenOutput};
-use deepinfer_engine::scheduler::{EngineConfig, Scheduler as Policy};
+use deepinfer_engine::scheduler::{EngineConfig, Scheduler};
 use deepinfer_engine::speculative::SpeculativeConfig;
 use ractor::{Actor, ActorRef};
 use tokio::sync::mpsc;
@@ -40,7 +40,7 @@ use tokio::task::JoinHandle;
 use crate::actor::cache::{CacheArgs, CacheManager};
 use crate::actor::member::{MemberActor, MemberArgs};
 use crate::actor::router::{Router, RouterArgs};
-use crate::actor::scheduler::{Scheduler, SchedulerArgs};
+use crate::actor::scheduler::{InstanceScheduler, SchedulerArgs};
 use crate::actor::shard::{ExpertShard, ShardArgs};
 use crate::actor::supervisor::{
     ChildKind, ChildSpec, Intensity, StartFn, Supervisor, SupervisorArgs, SupervisorEnv, SupervisorMsg,
@@ -328,7 +328,7 @@ fn node_spec(node: u32, ctx: &Arc<Ctx>, intensity: Intensity, env: SupervisorEnv
                 ChildKind::Scheduler,
                 i,
                 &ctx,
-                || Scheduler,
+                || InstanceScheduler,
                 |instance, incarnation, ctx| SchedulerArgs { instance, incarnation, ctx },
             )
         }));
@@ -383,7 +383,7 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         Some(m) => m.shape_config(&model.config),
         None => model.config.clone(),
     };
-    Policy::new(&config, cfg.engine.clone()).map_err(|e| ClusterError::Engine(e.to_string()))?;
+    Scheduler::new(&config, cfg.engine.clone()).map_err(|e| ClusterError::Engine(e.to_string()))?;
     let experts = config.n_routed_experts;
     let mut placements = Vec::with_capacity(topo.instances as usize);
     for instance in 0..topo.instances {
@@ -449,7 +449,7 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         lost_devices: (0..topo.nodes()).map(|_| RwLock::new(Default::default())).collect(),
     });
     for instance in 0..topo.instances {
-        Policy::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| ClusterError::Engine(e.to_string()))?;
+        Scheduler::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| ClusterError::Engine(e.to_string()))?;
     }
     Ok(ctx)
 }

@@ -10,6 +10,7 @@ pub mod membership;
 pub mod router;
 pub mod scheduler;
 pub mod shard;
+pub mod worker;
 
 /// A frame a machine asks its shell to send (from the machine's own address).
 #[derive(Debug, PartialEq)]

@@ -26,7 +26,7 @@ use deepinfer_engine::balance::{
 };
 use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::prefix_cache::{block_hash, PrefixMode};
-use deepinfer_engine::scheduler::Scheduler as Policy;
+use deepinfer_engine::scheduler::Scheduler;
 
 use super::Outgoing;
 
@@ -159,7 +159,7 @@ impl RouterMachine {
             next_query: 0,
             now,
             out: Vec::new(),
-            layout: Policy::new(&ctx.config, ctx.engine_for(0)).ok().map(|p| p.layout().clone()),
+            layout: Scheduler::new(&ctx.config, ctx.engine_for(0)).ok().map(|p| p.layout().clone()),
             round_robin: RoundRobin::default(),
             ctx,
         };

@@ -36,7 +36,7 @@ use deepinfer_engine::eplb::ExpertLoadTracker;
 use deepinfer_engine::kv_pool::BlockId;
 use deepinfer_engine::prefix_cache::block_hash;
 use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId};
-use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler as Policy, StepPlan};
+use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler, StepPlan};
 use deepinfer_engine::transfer::parts_values;
 
 use crate::cluster::ctx::Ctx;
@@ -234,7 +234,8 @@ pub struct SchedulerMachine {
     now: Duration,
     /// What the input being handled asks the shell to do.
     effects: Vec<Effect>,
-    policy: Policy,
+    /// The engine's scheduler: admission, batch plans, KV budget, prefix index.
+    policy: Scheduler,
     live: BTreeMap<u64, Live>,
     by_rid: BTreeMap<RequestId, u64>,
     /// Requests and their prompt tokens per worker.
@@ -322,7 +323,8 @@ impl SchedulerMachine {
     /// itself to the router (restarted, when the cluster was up before).
     pub fn start(now: Duration, instance: u32, incarnation: u32, ctx: Arc<Ctx>) -> Result<Self, Crash> {
         let addr = Addr::scheduler(instance);
-        let policy = Policy::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| Crash(format!("{addr}: {e}")))?;
+        let policy =
+            Scheduler::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| Crash(format!("{addr}: {e}")))?;
         let number = ctx.new_incarnation();
         ctx.events.record(format_args!("{addr} up (incarnation {incarnation}, instance {number})"));
         let cache = Addr::cache(ctx.topology.home_node(instance));

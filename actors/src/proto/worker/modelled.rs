@@ -3,16 +3,15 @@
 //! step's modelled time with placeholder tokens and empty block snapshots
 //! (the prefix cache then tracks which blocks exist, not their values).
 
-use std::collections::BTreeSet;
 use std::time::Duration;
 
 use deepinfer_engine::cost::SeqWork;
 use deepinfer_engine::prefix_cache::PrefixMode;
 use deepinfer_engine::speculative::policy::{DraftPolicy, StepCost};
 use deepinfer_engine::speculative::DraftMethod;
-use tokio::task::JoinHandle;
 
-use super::{params, WorkerState};
+use super::validate::{check_request, Device};
+use super::{Effect, WorkerMachine};
 use crate::modelled::cost::micros;
 use crate::modelled::devices::Modelled;
 use crate::modelled::drafting::{
@@ -24,25 +23,6 @@ use crate::wire::{
     Addr, BlockSnapshot, Message, SeqOutput, StateExport, StepOutcome, StepRequest, StepResult, Verification,
 };
 
-/// A step whose answer is on its way; dropping it (a newer step, a crash) cancels the answer.
-pub(super) struct ModelledRun {
-    pub step: u64,
-    reply: JoinHandle<()>,
-}
-
-impl ModelledRun {
-    /// The answer has not been sent yet.
-    pub fn pending(&self) -> bool {
-        !self.reply.is_finished()
-    }
-}
-
-impl Drop for ModelledRun {
-    fn drop(&mut self) {
-        self.reply.abort();
-    }
-}
-
 /// The token a modelled device "samples": any id that is not special, fixed by sequence and position.
 fn placeholder(seq: u64, position: usize, vocab: usize) -> u32 {
     let span = vocab.saturating_sub(1024).max(1) as u64;
@@ -50,47 +30,20 @@ fn placeholder(seq: u64, position: usize, vocab: usize) -> u32 {
     (1000 + (h >> 17) % span).min(vocab.saturating_sub(1) as u64) as u32
 }
 
-impl WorkerState {
+impl WorkerMachine {
     pub(super) fn modelled_step(&mut self, from: Addr, req: StepRequest, m: &Modelled) {
+        let positions = &self.positions;
+        let held = |seq| positions.get(&seq).copied();
+        let missing = match check_request(&req, &self.ctx.config, self.ctx.block_tokens, Device::Modelled, held) {
+            Ok(missing) => missing,
+            Err(why) => return self.refuse(from, &req, why),
+        };
+        if !missing.is_empty() {
+            return self.needs_history(from, &req, missing);
+        }
         let cfg = &self.ctx.config;
         let bt = self.ctx.block_tokens;
-        let fail = |me: &Self, why: String| {
-            me.reply(from, req.step, req.attempt, StepOutcome::Failed(why), &[]);
-        };
         let repeat = req.repeat.max(1) as usize;
-        if repeat > 1 && req.items.iter().any(|it| !it.sample) {
-            return fail(self, format!("{repeat} repeated steps need every item to sample"));
-        }
-        let mut seen = BTreeSet::new();
-        let mut missing = Vec::new();
-        for it in &req.items {
-            let (position, end) = (it.position as usize, (it.position as usize).saturating_add(it.tokens.len()));
-            let bad = if it.tokens.is_empty() {
-                Some("no tokens".to_string())
-            } else if !seen.insert(it.seq) {
-                Some("listed twice".to_string())
-            } else if end > cfg.max_position_embeddings {
-                Some("exceeds the context".to_string())
-            } else if it.logits {
-                Some("a modelled device computes no logits".to_string())
-            } else if it.snapshots.iter().any(|&k| (k as usize + 1) * bt > end) {
-                Some(format!("snapshots {:?} beyond {end}", it.snapshots))
-            } else {
-                params(&it.sampling).validate(cfg.vocab_size).err().map(|e| e.to_string())
-            };
-            if let Some(why) = bad {
-                return fail(self, format!("sequence {}: {why}", it.seq));
-            }
-            let continues = position > 0 && it.restore.is_empty() && it.import.is_empty() && !it.rebuild;
-            if continues && self.positions.get(&it.seq) != Some(&position) {
-                missing.push(it.seq);
-            }
-        }
-        if !missing.is_empty() {
-            self.ctx.events.record(format_args!("{} needs history of {missing:?} for step {}", self.addr, req.step));
-            self.reply(from, req.step, req.attempt, StepOutcome::NeedsHistory(missing), &[]);
-            return;
-        }
         let mut work = Vec::with_capacity(req.items.len());
         let mut decode = Vec::with_capacity(req.items.len());
         let mut imported = 0;
@@ -191,19 +144,13 @@ impl WorkerState {
             device: self.device,
             outcome: StepOutcome::Done { outputs, snapshots, loads: Vec::new(), exports, verifications },
         };
-        let Ok(frame) = crate::wire::encode(
-            &crate::wire::Envelope { from: self.addr, to: from, msg: Message::StepResult(result) },
-            &[],
-        ) else {
-            return fail(self, "cannot encode the result".into());
+        let Some(out) = crate::proto::encode(&self.ctx.events, self.addr, from, Message::StepResult(result), &[])
+        else {
+            return self.refuse(from, &req, "cannot encode the result".into());
         };
-        self.last = Some((req.scheduler, req.step, frame.clone()));
-        let (ctx, me) = (std::sync::Arc::clone(&self.ctx), self.addr);
-        let reply = tokio::spawn(async move {
-            ctx.clock.sleep(time).await;
-            ctx.send_frame(me, from, frame);
-        });
-        self.modelled_run = Some(ModelledRun { step: req.step, reply });
+        self.last = Some((req.scheduler, req.step, out.frame.clone()));
+        self.modelled_due = Some((req.step, self.now + time));
+        self.effects.push(Effect::SendLater { after: time, out });
     }
 }
 
