@@ -67,7 +67,7 @@ impl Actor for MemberActor {
         let ctx = args.ctx;
         let config = ctx.membership.ok_or("membership actor without a membership configuration")?;
         let addr = Addr::node(args.node);
-        let number = ctx.new_incarnation();
+        let number = ctx.durable.new_incarnation();
         ctx.events.record(format_args!("{addr} member up (incarnation {})", args.incarnation));
         pump(ctx.transport.bind(addr), myself.clone(), MemberMsg::Net);
         // A restarted member starts from scratch: peers are unknown until heard.

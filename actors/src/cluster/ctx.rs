@@ -1,8 +1,8 @@
 //! What every actor of a cluster is handed: the model, the transport, the
-//! clock, the log, the counters, the fault plan and the timeouts.
+//! clock, the log, the counters, the fault plan, the timeouts and what
+//! outlives an actor's incarnation (`durable.rs`).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use deepinfer_engine::config::ModelConfig;
@@ -74,20 +74,10 @@ impl Timeouts {
     }
 }
 
-/// An instance's occupancy after its last planned step.
-#[derive(Debug, Default)]
-pub struct InstanceGauges {
-    /// Bytes of the engine's KV block pool in use (cached blocks included), and its budget.
-    pub kv_used_bytes: AtomicU64,
-    pub kv_budget_bytes: AtomicU64,
-    pub running: AtomicU64,
-    pub waiting: AtomicU64,
-}
+pub use crate::cluster::durable::{Durable, InstanceGauges};
 
-/// Shared by the actors of a cluster. The placement cells are the current
-/// table of each instance (in instance-local device numbers), read by a shard
-/// when it (re)starts; the step counters outlive a restarted scheduler so a
-/// step id is never reused.
+/// What every actor of a cluster is handed: configuration, services
+/// (transport, clock, log, counters, faults) and the [`Durable`] state.
 pub struct Ctx {
     /// The model that computes (unused by modelled devices).
     pub model: Arc<Model>,
@@ -103,7 +93,6 @@ pub struct Ctx {
     pub faults: Arc<Faults>,
     pub timeouts: Timeouts,
     pub topology: Topology,
-    pub placements: Vec<RwLock<Placement>>,
     /// Tables to switch to before a given step of every instance.
     pub placement_changes: Vec<(u64, Placement)>,
     /// The batching policy of every instance's scheduler.
@@ -121,23 +110,12 @@ pub struct Ctx {
     pub eplb: Option<crate::cluster::disagg::EplbConfig>,
     /// Membership as an actor per node (see `ClusterConfig::membership`).
     pub membership: Option<crate::proto::membership::MembershipConfig>,
-    pub steps: Vec<AtomicU64>,
-    /// What each instance's scheduler last reported, for observers.
-    pub gauges: Vec<InstanceGauges>,
     /// The root supervisor, for faults that kill a whole subtree or a
     /// service actor from outside (`node1`, `node0/cache0`).
     pub root: OnceLock<ActorCell>,
-    /// Numbers actor incarnations (each start or restart of an actor), so
-    /// that ids derived from them never repeat across restarts. ("Instance"
-    /// is kept for serving instances.)
-    pub incarnations: AtomicU64,
-    /// Set once the whole tree has started: any later start is a restart.
-    pub up: AtomicBool,
-    /// Devices of nodes that membership declared dead, as each node sees it
-    /// (one entry per node: in a simulation one `Ctx` serves every node, and
-    /// a partitioned node's view must not leak into the others'). No work
-    /// goes to them.
-    pub lost_devices: Vec<RwLock<std::collections::BTreeSet<u32>>>,
+    /// What outlives an actor's incarnation (placements, step and
+    /// incarnation counters, lost devices, gauges).
+    pub durable: Durable,
 }
 
 impl Ctx {
@@ -193,50 +171,9 @@ impl Ctx {
         }
     }
 
-    /// A cluster-unique incarnation number (from 1).
-    pub fn new_incarnation(&self) -> u64 {
-        self.incarnations.fetch_add(1, Ordering::Relaxed) + 1
-    }
-
-    pub fn is_up(&self) -> bool {
-        self.up.load(Ordering::Relaxed)
-    }
-
     /// What `instance` serves.
     pub fn kind(&self, instance: u32) -> crate::cluster::disagg::InstanceKind {
         self.kinds.get(instance as usize).copied().unwrap_or_default()
-    }
-
-    /// The current table of `instance`.
-    pub fn placement(&self, instance: u32) -> Placement {
-        self.placements[instance as usize].read().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    pub fn set_placement(&self, instance: u32, p: Placement) {
-        *self.placements[instance as usize].write().unwrap_or_else(|e| e.into_inner()) = p;
-    }
-
-    /// Node `seen_from` heard that the device's node was declared dead.
-    pub fn is_lost(&self, seen_from: u32, device: u32) -> bool {
-        self.lost_devices
-            .get(seen_from as usize)
-            .is_some_and(|l| l.read().unwrap_or_else(|e| e.into_inner()).contains(&device))
-    }
-
-    pub fn mark_lost(&self, seen_from: u32, devices: &[u32]) {
-        if let Some(l) = self.lost_devices.get(seen_from as usize) {
-            l.write().unwrap_or_else(|e| e.into_inner()).extend(devices.iter().copied());
-        }
-    }
-
-    /// A new step id of `instance`'s scheduler.
-    pub fn next_step(&self, instance: u32) -> u64 {
-        self.steps[instance as usize].fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// Steps started by every instance.
-    pub fn total_steps(&self) -> u64 {
-        self.steps.iter().map(|s| s.load(Ordering::Relaxed)).sum()
     }
 
     /// Membership declared `dead` down; act on it from node `here`: its
@@ -247,7 +184,7 @@ impl Ctx {
     pub fn node_down(&self, here: u32, dead: u32) {
         let topo = &self.topology;
         let devices: Vec<u32> = (0..topo.devices).filter(|&d| topo.node_of_device(d) == dead).collect();
-        self.mark_lost(here, &devices);
+        self.durable.mark_lost(here, &devices);
         let msg = || Message::Control(wire::Control::NodeDown { node: dead });
         if here == 0 {
             self.send(Addr::node(here), Addr::router(0), msg(), &[]);

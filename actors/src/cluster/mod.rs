@@ -20,12 +20,13 @@
 
 pub mod ctx;
 pub mod disagg;
+pub mod durable;
 pub mod placement;
 pub mod topology;
 
 use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, RwLock};
+
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use deepinfer_engine::kv_pool::KvLayout;
@@ -46,7 +47,7 @@ use crate::actor::supervisor::{
     ChildKind, ChildSpec, Intensity, StartFn, Supervisor, SupervisorArgs, SupervisorEnv, SupervisorMsg,
 };
 use crate::actor::worker::{GpuWorker, WorkerArgs};
-use crate::cluster::ctx::{Ctx, InstanceGauges, Timeouts, Topology};
+use crate::cluster::ctx::{Ctx, Durable, InstanceGauges, Timeouts, Topology};
 use crate::cluster::disagg::{EplbConfig, InstanceKind, PrefillRouting};
 use crate::cluster::placement::{Placement, PlacementError};
 use crate::modelled::cost::{DeviceCost, DeviceCostModel};
@@ -398,7 +399,7 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
                 return Err(ClusterError::PlacementDevices { got: p.devices(), want: size });
             }
         }
-        placements.push(RwLock::new(placement));
+        placements.push(placement);
     }
     let kinds = &cfg.instance_kinds;
     if !kinds.is_empty()
@@ -431,7 +432,6 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         faults: env.faults,
         timeouts,
         topology: topo.clone(),
-        placements,
         placement_changes: cfg.placement_changes.clone(),
         engine: cfg.engine.clone(),
         block_tokens,
@@ -441,12 +441,8 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         eplb: cfg.eplb,
         membership: cfg.membership,
         prefill_routing: cfg.prefill_routing,
-        steps: (0..topo.instances).map(|_| AtomicU64::new(0)).collect(),
-        gauges: (0..topo.instances).map(|_| InstanceGauges::default()).collect(),
         root: OnceLock::new(),
-        incarnations: AtomicU64::new(0),
-        up: AtomicBool::new(false),
-        lost_devices: (0..topo.nodes()).map(|_| RwLock::new(Default::default())).collect(),
+        durable: Durable::new(placements, topo.nodes()),
     });
     for instance in 0..topo.instances {
         Scheduler::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| ClusterError::Engine(e.to_string()))?;
@@ -477,7 +473,7 @@ async fn start_tree(
     let (root, root_done) =
         Supervisor::spawn(None, Supervisor, args).await.map_err(|e| ClusterError::Start(e.to_string()))?;
     let _ = ctx.root.set(root.get_cell());
-    ctx.up.store(true, Ordering::Relaxed);
+    ctx.durable.mark_up();
     Ok((root, root_done))
 }
 
@@ -603,7 +599,7 @@ impl Cluster {
 
     /// Each instance's KV use, running and waiting requests after its last step.
     pub fn gauges(&self) -> &[InstanceGauges] {
-        &self.ctx.gauges
+        self.ctx.durable.gauges()
     }
 
     /// Crash the actor at `path` (`node3`, `node0/worker2`), as a fault would: its supervisor restarts it.
@@ -620,12 +616,12 @@ impl Cluster {
 
     /// The current expert placement of `instance`.
     pub fn placement(&self, instance: u32) -> Placement {
-        self.ctx.placement(instance)
+        self.ctx.durable.placement(instance)
     }
 
     /// Steps started by all schedulers.
     pub fn steps(&self) -> u64 {
-        self.ctx.total_steps()
+        self.ctx.durable.total_steps()
     }
 
     /// Requests submitted and not yet reported finished.

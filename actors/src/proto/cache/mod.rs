@@ -182,8 +182,8 @@ impl CacheMachine {
             out: Vec::new(),
             ctx,
         };
-        if machine.ctx.is_up() {
-            let number = machine.ctx.new_incarnation();
+        if machine.ctx.durable.is_up() {
+            let number = machine.ctx.durable.new_incarnation();
             let hello = Heartbeat { incarnation: number, restarted: true, time_ns: now.as_nanos() as u64 };
             for i in instances {
                 machine.send(Addr::scheduler(i), Message::Heartbeat(hello.clone()), &[]);

@@ -155,7 +155,7 @@ fn the_store_keeps_within_its_capacity_dropping_the_least_recent() {
 #[test]
 fn a_restarted_cache_manager_tells_its_schedulers_to_forget() {
     let ctx = test_ctx(4, 2, 2);
-    ctx.up.store(true, Ordering::Relaxed);
+    ctx.durable.mark_up();
     let mut m = CacheMachine::start(Duration::from_millis(5), 0, 1, Arc::clone(&ctx));
     let out = replies(&mut m);
     assert_eq!(out.len(), 1, "node 0 homes instance 0 only: {out:?}");

@@ -162,7 +162,8 @@ impl RouterMachine {
     /// end with an error.
     pub(super) fn on_node_down(&mut self, node: u32) {
         let topo = &self.ctx.topology;
-        let dead: Vec<bool> = (0..topo.instances).map(|i| self.ctx.is_lost(0, topo.devices_of(i).start)).collect();
+        let dead: Vec<bool> =
+            (0..topo.instances).map(|i| self.ctx.durable.is_lost(0, topo.devices_of(i).start)).collect();
         let is_dead = |i: u32| dead.get(i as usize).copied().unwrap_or(false);
         let moved: Vec<u64> = self
             .flights

@@ -150,8 +150,11 @@ impl RouterMachine {
     pub fn start(now: Duration, incarnation: u32, ctx: Arc<Ctx>) -> Self {
         let addr = Addr::router(0);
         ctx.events.record(format_args!("{addr} up (incarnation {incarnation})"));
-        let hello =
-            Heartbeat { incarnation: ctx.new_incarnation(), restarted: ctx.is_up(), time_ns: now.as_nanos() as u64 };
+        let hello = Heartbeat {
+            incarnation: ctx.durable.new_incarnation(),
+            restarted: ctx.durable.is_up(),
+            time_ns: now.as_nanos() as u64,
+        };
         let mut machine = RouterMachine {
             addr,
             flights: BTreeMap::new(),

@@ -325,11 +325,11 @@ impl SchedulerMachine {
         let addr = Addr::scheduler(instance);
         let policy =
             Scheduler::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| Crash(format!("{addr}: {e}")))?;
-        let number = ctx.new_incarnation();
+        let number = ctx.durable.new_incarnation();
         ctx.events.record(format_args!("{addr} up (incarnation {incarnation}, instance {number})"));
         let cache = Addr::cache(ctx.topology.home_node(instance));
         let router = Addr::router(0);
-        let restarted = ctx.is_up();
+        let restarted = ctx.durable.is_up();
         let eplb = ctx.eplb.map(|c| {
             ExpertLoadTracker::new(
                 ctx.model.config.num_layers,

@@ -8,7 +8,7 @@ impl SchedulerMachine {
     pub(super) fn eplb_change(&mut self) -> Option<crate::cluster::placement::Placement> {
         let cfg = self.ctx.eplb?;
         let tracker = self.eplb.as_mut().filter(|t| t.should_rebalance())?;
-        let current = self.ctx.placement(self.instance);
+        let current = self.ctx.durable.placement(self.instance);
         match eplb_table(tracker, current.devices(), cfg.redundant) {
             Ok(p) if p.clone().with_epoch(current.epoch()) != current => {
                 self.ctx.events.record(format_args!("{} eplb: new expert table", self.addr));
@@ -24,9 +24,9 @@ impl SchedulerMachine {
 
     /// Send the instance's current table to its shards and wait for every acknowledgement.
     pub(super) fn load_placement(&mut self, step: Option<u64>) {
-        let p = self.ctx.placement(self.instance);
+        let p = self.ctx.durable.placement(self.instance);
         let waiting: BTreeSet<u32> =
-            self.ctx.topology.devices_of(self.instance).filter(|d| !self.ctx.is_lost(self.home, *d)).collect();
+            self.ctx.topology.devices_of(self.instance).filter(|d| !self.ctx.durable.is_lost(self.home, *d)).collect();
         self.send_tables(&waiting);
         let deadline = self.now() + self.ctx.timeouts.control;
         self.phase = Phase::Loading { epoch: p.epoch(), waiting, round: 0, deadline, step };
@@ -34,7 +34,7 @@ impl SchedulerMachine {
     }
 
     pub(super) fn send_tables(&mut self, to: &BTreeSet<u32>) {
-        let p = self.ctx.placement(self.instance);
+        let p = self.ctx.durable.placement(self.instance);
         let base = self.ctx.topology.devices_of(self.instance).start;
         for &d in to {
             let msg = Control::LoadExperts { epoch: p.epoch(), experts: p.experts_on(d - base) };
@@ -130,15 +130,18 @@ impl SchedulerMachine {
     pub(super) fn on_node_down(&mut self, node: u32) -> Result<(), Crash> {
         let topo = &self.ctx.topology;
         let lost: Vec<u32> = topo.devices_of(self.instance).filter(|&d| topo.node_of_device(d) == node).collect();
-        self.ctx.mark_lost(self.home, &lost);
+        self.ctx.durable.mark_lost(self.home, &lost);
         let base = topo.devices_of(self.instance).start;
-        let gone =
-            topo.devices_of(self.instance).filter(|&d| self.ctx.is_lost(self.home, d)).map(|d| d - base).collect();
-        let current = self.ctx.placement(self.instance);
+        let gone = topo
+            .devices_of(self.instance)
+            .filter(|&d| self.ctx.durable.is_lost(self.home, d))
+            .map(|d| d - base)
+            .collect();
+        let current = self.ctx.durable.placement(self.instance);
         match current.without_devices(&gone) {
             // Already running without them (a repeated report, or a restart after the change).
             Ok(p) if p == current => return Ok(()),
-            Ok(p) => self.ctx.set_placement(self.instance, p.with_epoch(current.epoch() + 1)),
+            Ok(p) => self.ctx.durable.set_placement(self.instance, p.with_epoch(current.epoch() + 1)),
             Err(e) => {
                 let why = format!("node{node} is down and no device of instance {} is left: {e}", self.instance);
                 let ids: Vec<u64> = self.live.keys().copied().collect();

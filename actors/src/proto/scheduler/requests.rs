@@ -19,7 +19,7 @@ impl SchedulerMachine {
         let devices = self.ctx.topology.devices_of(self.instance);
         let first = devices.start;
         devices
-            .filter(|d| !self.ctx.is_lost(self.home, *d))
+            .filter(|d| !self.ctx.durable.is_lost(self.home, *d))
             .min_by_key(|d| {
                 let (n, tokens) = self.load.get(d).copied().unwrap_or((0, 0));
                 if by_tokens {

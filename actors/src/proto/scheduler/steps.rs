@@ -10,7 +10,7 @@ impl SchedulerMachine {
         if !matches!(self.phase, Phase::Idle) || !self.policy.has_work() {
             return Ok(());
         }
-        let step = self.ctx.next_step(self.instance);
+        let step = self.ctx.durable.next_step(self.instance);
         for t in self.ctx.faults.external_kills(step) {
             let path = match t {
                 Target::Node(n) => format!("node{n}"),
@@ -25,8 +25,8 @@ impl SchedulerMachine {
             change = self.eplb_change();
         }
         if let Some(p) = change {
-            let epoch = self.ctx.placement(self.instance).epoch() + 1;
-            self.ctx.set_placement(self.instance, p.with_epoch(epoch));
+            let epoch = self.ctx.durable.placement(self.instance).epoch() + 1;
+            self.ctx.durable.set_placement(self.instance, p.with_epoch(epoch));
             self.ctx.events.record(format_args!("{} placement epoch {epoch}", self.addr));
             self.load_placement(Some(step));
         }
@@ -43,7 +43,7 @@ impl SchedulerMachine {
         self.tiers_before_plan(step);
         let mut plan = self.policy.schedule();
         let pool = self.policy.pool_stats();
-        let g = &self.ctx.gauges[self.instance as usize];
+        let g = &self.ctx.durable.gauges()[self.instance as usize];
         g.kv_used_bytes.store(pool.used_bytes as u64, std::sync::atomic::Ordering::Relaxed);
         g.kv_budget_bytes.store(pool.budget_bytes as u64, std::sync::atomic::Ordering::Relaxed);
         g.running.store(self.policy.num_running() as u64, std::sync::atomic::Ordering::Relaxed);
@@ -224,7 +224,7 @@ impl SchedulerMachine {
     /// The table sent with step requests. Modelled devices price the
     /// all-to-all from the expected expert loads and need no table.
     pub(super) fn placement_wire(&self) -> PlacementWire {
-        let p = self.ctx.placement(self.instance);
+        let p = self.ctx.durable.placement(self.instance);
         if self.ctx.modelled.is_some() {
             PlacementWire { epoch: p.epoch(), devices: p.devices(), replicas: Vec::new() }
         } else {

@@ -100,7 +100,7 @@ impl ShardMachine {
         let addr = Addr::shard(device);
         let topo = &ctx.topology;
         let serving = topo.instance_of(device);
-        let placement = ctx.placement(serving);
+        let placement = ctx.durable.placement(serving);
         let local = device - topo.devices_of(serving).start;
         let mut machine = ShardMachine { device, addr, epoch: 0, held: BTreeSet::new(), effects: Vec::new(), ctx };
         machine.load(placement.epoch(), placement.experts_on(local));

@@ -107,7 +107,7 @@ impl WorkerMachine {
     pub fn start(now: Duration, device: u32, incarnation: u32, ctx: Arc<Ctx>) -> Self {
         let addr = Addr::worker(device);
         let serving = ctx.topology.instance_of(device);
-        let number = ctx.new_incarnation();
+        let number = ctx.durable.new_incarnation();
         ctx.events.record(format_args!("{addr} up (incarnation {incarnation}, instance {number})"));
         let mut machine = WorkerMachine {
             device,
@@ -126,7 +126,8 @@ impl WorkerMachine {
             effects: Vec::new(),
             ctx,
         };
-        let hello = Heartbeat { incarnation: number, restarted: machine.ctx.is_up(), time_ns: now.as_nanos() as u64 };
+        let hello =
+            Heartbeat { incarnation: number, restarted: machine.ctx.durable.is_up(), time_ns: now.as_nanos() as u64 };
         machine.send(machine.scheduler, Message::Heartbeat(hello), &[]);
         machine
     }

@@ -119,7 +119,7 @@ impl Rig {
             step,
             attempt: 0,
             scheduler: 1,
-            placement: self.ctx.placement(0).to_wire(),
+            placement: self.ctx.durable.placement(0).to_wire(),
             items,
             release: Vec::new(),
             batch_tokens: 0,

@@ -1,0 +1,109 @@
+//! What outlives an actor's incarnation: the one mutable state the actors
+//! of a cluster share, each part with the reason it cannot be a message.
+//! Everything else an actor knows came to it in a frame.
+//!
+//! - Each instance's placement table: a shard that restarts loads the
+//!   experts the current table gives it before any dispatch arrives (the
+//!   scheduler that wrote the table may itself be restarting).
+//! - Step and incarnation counters: a restarted scheduler or worker must
+//!   never reuse a step or pass id of its earlier incarnation, whose frames
+//!   may still be in flight.
+//! - Whether the tree has started: any later start is a restart.
+//! - The devices each node's membership declared dead, kept per observing
+//!   node (in a simulation every node shares this value, and a partitioned
+//!   node's view must not leak into the others').
+//! - Occupancy gauges, written by schedulers, read only by observers.
+//!
+//! In a multi-process cluster each process holds its own; what one node
+//! writes, no other reads.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::RwLock;
+
+use crate::cluster::placement::Placement;
+
+/// An instance's occupancy after its last planned step.
+#[derive(Debug, Default)]
+pub struct InstanceGauges {
+    /// Bytes of the engine's KV block pool in use (cached blocks included), and its budget.
+    pub kv_used_bytes: AtomicU64,
+    pub kv_budget_bytes: AtomicU64,
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+}
+
+pub struct Durable {
+    placements: Vec<RwLock<Placement>>,
+    steps: Vec<AtomicU64>,
+    gauges: Vec<InstanceGauges>,
+    incarnations: AtomicU64,
+    up: AtomicBool,
+    lost_devices: Vec<RwLock<BTreeSet<u32>>>,
+}
+
+impl Durable {
+    /// One placement table per instance, for a cluster of `nodes` nodes.
+    pub fn new(placements: Vec<Placement>, nodes: u32) -> Self {
+        assert!(!placements.is_empty() && nodes > 0, "a cluster has an instance and a node");
+        let instances = placements.len();
+        Self {
+            placements: placements.into_iter().map(RwLock::new).collect(),
+            steps: (0..instances).map(|_| AtomicU64::new(0)).collect(),
+            gauges: (0..instances).map(|_| InstanceGauges::default()).collect(),
+            incarnations: AtomicU64::new(0),
+            up: AtomicBool::new(false),
+            lost_devices: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
+        }
+    }
+
+    /// The current table of `instance`.
+    pub fn placement(&self, instance: u32) -> Placement {
+        self.placements[instance as usize].read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn set_placement(&self, instance: u32, p: Placement) {
+        *self.placements[instance as usize].write().unwrap_or_else(|e| e.into_inner()) = p;
+    }
+
+    /// A new step id of `instance`'s scheduler.
+    pub fn next_step(&self, instance: u32) -> u64 {
+        self.steps[instance as usize].fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Steps started by every instance.
+    pub fn total_steps(&self) -> u64 {
+        self.steps.iter().map(|s| s.load(Ordering::Relaxed)).sum()
+    }
+
+    /// A cluster-unique number for an actor's (re)start.
+    pub fn new_incarnation(&self) -> u64 {
+        self.incarnations.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Relaxed)
+    }
+
+    /// The whole tree has started.
+    pub fn mark_up(&self) {
+        self.up.store(true, Ordering::Relaxed);
+    }
+
+    /// Node `seen_from` heard that the device's node was declared dead.
+    pub fn is_lost(&self, seen_from: u32, device: u32) -> bool {
+        self.lost_devices
+            .get(seen_from as usize)
+            .is_some_and(|l| l.read().unwrap_or_else(|e| e.into_inner()).contains(&device))
+    }
+
+    pub fn mark_lost(&self, seen_from: u32, devices: &[u32]) {
+        if let Some(l) = self.lost_devices.get(seen_from as usize) {
+            l.write().unwrap_or_else(|e| e.into_inner()).extend(devices.iter().copied());
+        }
+    }
+
+    pub fn gauges(&self) -> &[InstanceGauges] {
+        &self.gauges
+    }
+}
