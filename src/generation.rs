@@ -14,11 +14,12 @@ pub use deepinfer_engine::request::FinishReason;
 use deepinfer_engine::request::Request;
 use deepinfer_engine::sampling::SamplingParams;
 use deepinfer_engine::speculative::policy::DraftPolicy;
-use deepinfer_engine::speculative::{DraftMethod, SpeculativeConfig, SpeculativeStats};
+use deepinfer_engine::speculative::{DraftMethod, SpeculativeConfig};
 use deepinfer_engine::v41::ModelV41;
 use serde::Deserialize;
 use tokenizers::Tokenizer;
 
+use crate::backend::Backend;
 use crate::tokenizer::{builtin_tokenizer, load_tokenizer};
 
 /// A model ready to generate: weights plus the tokenizer that matches them.
@@ -106,34 +107,39 @@ pub fn single_engine(model: &Model, speculative: SpeculativeConfig) -> anyhow::R
     new_engine(model, config)
 }
 
-/// Greedy or sampled generation of one sequence, through the serving engine
-/// with a batch of one. `on_token` sees each token as it is produced.
-/// Generation ends at EOS, `max_tokens` or the end of the model's context.
+/// Greedy or sampled generation of one sequence on `backend` (the engine
+/// with a batch of one, or a cluster: the same tokens, bit for bit).
+/// `on_token` sees each token as it is produced. Generation ends at EOS,
+/// `max_tokens` or the end of the model's context.
 pub fn generate(
-    mut engine: Engine<&Model>,
+    backend: &mut dyn Backend,
     prompt: &[u32],
     params: &SamplingParams,
     max_tokens: usize,
     mut on_token: impl FnMut(u32),
-) -> anyhow::Result<(Completion, SpeculativeStats)> {
-    engine.add_request(Request::new(prompt.to_vec(), max_tokens).with_params(params.clone()))?;
+) -> anyhow::Result<Completion> {
+    let id = backend.submit(Request::new(prompt.to_vec(), max_tokens).with_params(params.clone()));
     let mut tokens = Vec::new();
     let mut finish = FinishReason::Length;
-    while engine.has_work() {
-        for update in engine.step() {
-            for t in update.tokens {
-                tokens.push(t.token);
-                on_token(t.token);
-            }
-            if let Some(done) = update.finished {
-                finish = done.reason;
+    while let Some(updates) = backend.next_updates() {
+        for update in updates {
+            match update {
+                Update::Tokens { id: i, tokens: new } if i == id => {
+                    for t in new {
+                        tokens.push(t.token);
+                        on_token(t.token);
+                    }
+                }
+                Update::Finished { id: i, finished } if i == id => finish = finished.reason,
+                Update::Refused { id: i, reason } if i == id => bail!("{reason}"),
+                _ => {}
             }
         }
     }
     if let FinishReason::Error(message) = finish {
         bail!("generation failed: {message}");
     }
-    Ok((Completion { prompt_tokens: prompt.to_vec(), tokens, finish }, engine.speculative_stats().clone()))
+    Ok(Completion { prompt_tokens: prompt.to_vec(), tokens, finish })
 }
 
 /// An engine for `config`; with the adaptive draft-length policy, the step
@@ -169,36 +175,6 @@ pub fn start_cluster(
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(devices as usize);
     LocalCluster::start(Arc::new(model), cfg, threads)
         .with_context(|| format!("cannot start {devices} devices with expert parallelism {ep}"))
-}
-
-/// [`generate`] on a cluster: the same tokens, bit for bit.
-pub fn generate_on_cluster(
-    cluster: &mut LocalCluster,
-    prompt: &[u32],
-    params: &SamplingParams,
-    max_tokens: usize,
-    mut on_token: impl FnMut(u32),
-) -> anyhow::Result<Completion> {
-    let id = cluster.submit(Request::new(prompt.to_vec(), max_tokens).with_params(params.clone()));
-    let mut tokens = Vec::new();
-    let mut finish = FinishReason::Length;
-    while let Some(update) = cluster.next_update() {
-        match update {
-            Update::Tokens { id: i, tokens: new } if i == id => {
-                for t in new {
-                    tokens.push(t.token);
-                    on_token(t.token);
-                }
-            }
-            Update::Finished { id: i, finished } if i == id => finish = finished.reason,
-            Update::Refused { id: i, reason } if i == id => bail!("{reason}"),
-            _ => {}
-        }
-    }
-    if let FinishReason::Error(message) = finish {
-        bail!("generation failed: {message}");
-    }
-    Ok(Completion { prompt_tokens: prompt.to_vec(), tokens, finish })
 }
 
 /// Encode a prompt, starting with the model's BOS token.

@@ -1,6 +1,7 @@
 //! The deepinfer program: CLI, files users write, launcher.
 
 pub mod api;
+pub mod backend;
 pub mod cli;
 pub mod cluster;
 pub mod commands;

@@ -18,16 +18,17 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use deepinfer_actors::{LocalCluster, Update};
-use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId, TokenOutput};
+use deepinfer_actors::Update;
+use deepinfer_engine::request::{FinishReason, Finished, Request, TokenOutput};
 use deepinfer_engine::sampling::SamplingParams;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
+use crate::backend::{Backend, ClusterBackend, EngineBackend};
 use crate::cli::GenerateArgs;
-use crate::generation::{encode_chat, encode_prompt, load_model, start_cluster, ChatMessage, LoadedModel};
+use crate::generation::{encode_chat, encode_prompt, load_model, new_engine, start_cluster, ChatMessage, LoadedModel};
 
 /// Longest accepted input line, in bytes.
 const MAX_LINE_BYTES: usize = 16 << 20;
@@ -154,10 +155,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let spec = crate::commands::generate::model_spec(args)?;
     let loaded = load_model(&spec, args.source.model_seed, args.source.tokenizer.as_deref())?;
     let name = loaded.name.clone();
-    let summary = match (&args.topology, args.devices) {
-        (None, 1) => run_batch(&loaded, args, input, output, true)?,
-        _ => run_batch_on_cluster(loaded, args, input, output, true)?,
-    };
+    let summary = run_batch(loaded, args, input, output, true)?;
     let secs = summary.elapsed.as_secs_f64().max(1e-9);
     eprintln!(
         "{}: {} requests ({} failed) in {:.2} s; prompt {} tokens, generated {} tokens: {:.1} generated tokens/s, \
@@ -238,11 +236,14 @@ fn parse_job(loaded: &LoadedModel, args: &GenerateArgs, line: usize, text: &str)
     Ok(Job { line, id, request, stops, logprobs: input.logprobs.is_some() })
 }
 
-/// A request in the engine.
+/// A request on the backend.
 struct Live {
     slot: usize,
     job: Job,
+    /// Tokens kept: none after a stop string.
     tokens: Vec<TokenOutput>,
+    /// A stop string occurred; the request is being cancelled.
+    stopped: bool,
 }
 
 /// Text of the generated tokens, cut before the first stop string if one occurs.
@@ -316,10 +317,11 @@ fn progress_bar(progress: bool, total: usize) -> ProgressBar {
     bar
 }
 
-/// [`run_batch`] on the in-process cluster of `--devices`: the model moves
-/// into it. Requests are kept about two batches deep in flight; a stop
-/// string cancels its request, and tokens after it are not kept.
-pub fn run_batch_on_cluster(
+/// Run every request of `input` on the backend `args` names (the engine,
+/// the in-process cluster of `--devices`, or the cluster of `--topology`;
+/// the model moves into a cluster) and write `output`; `progress` shows a
+/// bar on stderr.
+pub fn run_batch(
     loaded: LoadedModel,
     args: &GenerateArgs,
     input: &Path,
@@ -329,10 +331,32 @@ pub fn run_batch_on_cluster(
     let config = args.engine.to_config()?;
     let jobs = read_jobs(&loaded, args, input)?;
     let LoadedModel { model, tokenizer, .. } = loaded;
-    let mut cluster: LocalCluster = match &args.topology {
-        Some(path) => crate::cluster::connect(path, args.certs.as_deref(), model)?,
-        None => start_cluster(model, args.devices, args.expert_parallel, config.clone())?,
+    let mut backend: Box<dyn Backend + '_> = match (&args.topology, args.devices) {
+        (Some(path), _) => {
+            Box::new(ClusterBackend::new(crate::cluster::connect(path, args.certs.as_deref(), model)?, &config))
+        }
+        (None, 1) => Box::new(EngineBackend::new(new_engine(&model, config)?)),
+        (None, n) => {
+            let cluster = start_cluster(model, n, args.expert_parallel, config.clone())?;
+            Box::new(ClusterBackend::new(cluster, &config))
+        }
     };
+    let summary = run_jobs(&mut *backend, &tokenizer, jobs, output, progress);
+    backend.shutdown();
+    summary
+}
+
+/// Run `jobs` on `backend`, writing each result line to `output` in input
+/// order. Requests are kept as deep as the backend wants; a stop string
+/// cancels its request, and tokens after it are not kept, so the results
+/// do not depend on how many tokens an update carries.
+fn run_jobs(
+    backend: &mut dyn Backend,
+    tokenizer: &Tokenizer,
+    jobs: Vec<Result<Job, LineError>>,
+    output: &Path,
+    progress: bool,
+) -> anyhow::Result<BatchSummary> {
     let file = File::create(output).with_context(|| format!("cannot create {}", output.display()))?;
     let mut out = BufWriter::new(file);
     let total = jobs.len();
@@ -341,53 +365,49 @@ pub fn run_batch_on_cluster(
     let mut summary = BatchSummary { requests: total, ..BatchSummary::default() };
     let mut results: Vec<Option<ResultLine>> = (0..total).map(|_| None).collect();
     let mut written = 0;
-    let mut live: BTreeMap<u64, (Live, bool)> = BTreeMap::new();
+    let mut live: BTreeMap<u64, Live> = BTreeMap::new();
     let mut pending = jobs.into_iter().enumerate();
-    let (mut generated, mut cached, mut prompts) = (0usize, 0usize, 0usize);
-    // Running plus waiting stays below what one scheduler queues without refusing.
-    let depth = config.max_batch_size + config.max_batch_size.min(config.max_waiting - 1);
+    let (mut generated, mut cached, mut prompts, mut preemptions) = (0usize, 0usize, 0usize, 0u64);
     loop {
-        while cluster.outstanding() < depth {
+        while backend.has_room() {
             let Some((slot, job)) = pending.next() else { break };
             match job {
                 Err(e) => results[slot] = Some(e.into()),
                 Ok(job) => {
-                    let id = cluster.submit(job.request.clone());
-                    live.insert(id, (Live { slot, job, tokens: Vec::new() }, false));
+                    let id = backend.submit(job.request.clone());
+                    live.insert(id, Live { slot, job, tokens: Vec::new(), stopped: false });
                 }
             }
         }
-        let update = cluster.next_update();
-        let idle = update.is_none();
-        match update {
-            None => {}
-            Some(Update::Tokens { id, tokens }) => {
-                if let Some((l, stopped)) = live.get_mut(&id) {
+        let updates = backend.next_updates();
+        let idle = updates.is_none();
+        for update in updates.into_iter().flatten() {
+            match update {
+                Update::Tokens { id, tokens } => {
+                    let Some(l) = live.get_mut(&id) else { continue };
                     for t in tokens {
-                        if *stopped {
+                        if l.stopped {
                             break;
                         }
                         generated += 1;
                         l.tokens.push(t);
-                        if !l.job.stops.is_empty() && output_text(&tokenizer, l).1 {
-                            *stopped = true;
-                            cluster.cancel(id);
+                        if !l.job.stops.is_empty() && output_text(tokenizer, l).1 {
+                            l.stopped = true;
+                            backend.cancel(id);
                         }
                     }
                 }
-            }
-            Some(Update::Finished { id, mut finished }) => {
-                if let Some((l, _)) = live.remove(&id) {
+                Update::Finished { id, mut finished } => {
+                    let Some(l) = live.remove(&id) else { continue };
                     finished.completion_tokens = l.tokens.len();
                     cached += finished.cached_tokens;
                     prompts += finished.prompt_tokens;
-                    summary.preemptions += u64::from(finished.preemptions);
+                    preemptions += u64::from(finished.preemptions);
                     let slot = l.slot;
-                    results[slot] = Some(result_line(&tokenizer, l, finished));
+                    results[slot] = Some(result_line(tokenizer, l, finished));
                 }
-            }
-            Some(Update::Refused { id, reason }) => {
-                if let Some((l, _)) = live.remove(&id) {
+                Update::Refused { id, reason } => {
+                    let Some(l) = live.remove(&id) else { continue };
                     results[l.slot] = Some(ResultLine::error(l.job.line, l.job.id, reason));
                 }
             }
@@ -399,81 +419,15 @@ pub fn run_batch_on_cluster(
             break;
         }
     }
-    cluster.shutdown();
     anyhow::ensure!(written == total, "{} of {total} results were never produced", total - written);
     out.flush()?;
     bar.finish_and_clear();
     summary.elapsed = started.elapsed();
-    summary.prefix_hit_rate = if prompts == 0 { 0.0 } else { cached as f64 / prompts as f64 };
-    Ok(summary)
-}
-
-/// Run every request of `input` and write `output`; `progress` shows a bar on stderr.
-pub fn run_batch(
-    loaded: &LoadedModel,
-    args: &GenerateArgs,
-    input: &Path,
-    output: &Path,
-    progress: bool,
-) -> anyhow::Result<BatchSummary> {
-    let config = args.engine.to_config()?;
-    let mut engine = crate::generation::new_engine(&loaded.model, config.clone())?;
-    let jobs = read_jobs(loaded, args, input)?;
-    let file = File::create(output).with_context(|| format!("cannot create {}", output.display()))?;
-    let mut out = BufWriter::new(file);
-
-    let total = jobs.len();
-    let bar = progress_bar(progress, total);
-    let started = Instant::now();
-    let mut summary = BatchSummary { requests: total, ..BatchSummary::default() };
-    let mut results: Vec<Option<ResultLine>> = (0..total).map(|_| None).collect();
-    let mut written = 0;
-    let mut live: BTreeMap<RequestId, Live> = BTreeMap::new();
-    let mut pending = jobs.into_iter().enumerate();
-    let mut generated = 0usize;
-
-    loop {
-        // Keep the queue about one batch deep: enough to refill freed slots.
-        while engine.scheduler().num_waiting() < config.max_batch_size {
-            let Some((slot, job)) = pending.next() else { break };
-            match job {
-                Err(e) => results[slot] = Some(e.into()),
-                Ok(job) => match engine.add_request(job.request.clone()) {
-                    Ok(id) => {
-                        live.insert(id, Live { slot, job, tokens: Vec::new() });
-                    }
-                    Err(e) => results[slot] = Some(ResultLine::error(job.line, job.id, e.to_string())),
-                },
-            }
-        }
-        let updates = if engine.has_work() { engine.step() } else { Vec::new() };
-        for update in updates {
-            let Some(l) = live.get_mut(&update.id) else { continue };
-            generated += update.tokens.len();
-            l.tokens.extend(update.tokens);
-            let mut finished = update.finished;
-            if finished.is_none() && !l.job.stops.is_empty() && output_text(&loaded.tokenizer, l).1 {
-                finished = Some(engine.cancel(update.id)?);
-            }
-            if let Some(f) = finished {
-                let l = live.remove(&update.id).expect("live request");
-                let slot = l.slot;
-                results[slot] = Some(result_line(&loaded.tokenizer, l, f));
-            }
-        }
-        write_ready(&mut results, &mut written, &mut out, &mut summary, &bar)?;
-        let secs = started.elapsed().as_secs_f64().max(1e-9);
-        bar.set_message(format!("{generated} tokens, {:.0} tokens/s", generated as f64 / secs));
-        if !engine.has_work() && pending.len() == 0 {
-            break;
-        }
-    }
-    anyhow::ensure!(written == total, "{} of {total} results were never produced", total - written);
-    out.flush()?;
-    bar.finish_and_clear();
-    summary.elapsed = started.elapsed();
-    summary.prefix_hit_rate = engine.scheduler().prefix_stats().hit_rate();
-    summary.preemptions = engine.scheduler().stats().preemptions;
+    // Without the backend's own count, the finished requests' records.
+    let stats = backend.stats();
+    summary.prefix_hit_rate =
+        stats.prefix_hit_rate.unwrap_or(if prompts == 0 { 0.0 } else { cached as f64 / prompts as f64 });
+    summary.preemptions = stats.preemptions.unwrap_or(preemptions);
     Ok(summary)
 }
 
@@ -499,12 +453,9 @@ mod tests {
         std::env::temp_dir().join(format!("deepinfer-batch-{}-{name}", std::process::id()))
     }
 
-    fn run_lines(
-        loaded: &LoadedModel,
-        args: &GenerateArgs,
-        name: &str,
-        lines: &[String],
-    ) -> (BatchSummary, Vec<Value>, String) {
+    /// Run `lines` on a fresh `builtin:tiny-v4` (the backend takes the model).
+    fn run_lines(args: &GenerateArgs, name: &str, lines: &[String]) -> (BatchSummary, Vec<Value>, String) {
+        let loaded = load_model("builtin:tiny-v4", 0, None).unwrap();
         let (input, output) = (temp(&format!("{name}.in.jsonl")), temp(&format!("{name}.out.jsonl")));
         std::fs::write(&input, lines.join("\n")).unwrap();
         let summary = run_batch(loaded, args, &input, &output, false).unwrap();
@@ -517,7 +468,6 @@ mod tests {
 
     #[test]
     fn bad_lines_get_an_error_and_the_others_still_run() {
-        let loaded = load_model("builtin:tiny-v4", 0, None).unwrap();
         let long: String = (0..3000).map(|i| format!("{i} ")).collect();
         let lines: Vec<String> = [
             r#"{"id": "a", "prompt": "Hello there", "max_tokens": 5}"#.to_string(),
@@ -535,7 +485,7 @@ mod tests {
         ]
         .into();
         let args = args(&[]);
-        let (summary, rows, text) = run_lines(&loaded, &args, "bad", &lines);
+        let (summary, rows, text) = run_lines(&args, "bad", &lines);
         let line_numbers: Vec<u64> = rows.iter().map(|r| r["line"].as_u64().unwrap()).collect();
         assert_eq!(line_numbers, [1, 2, 4, 5, 6, 7, 8, 9, 10], "one result per non-blank line, in order");
         let errors: Vec<bool> = rows.iter().map(|r| r["finish_reason"] == "error").collect();
@@ -557,24 +507,52 @@ mod tests {
         assert_eq!(rows[8]["usage"]["completion_tokens"], 5);
         assert!(rows[8]["usage"]["cached_tokens"].as_u64().unwrap() == 0, "prompt shorter than a block");
         // Same file, same bytes.
-        assert_eq!(run_lines(&loaded, &args, "bad2", &lines).2, text);
+        assert_eq!(run_lines(&args, "bad2", &lines).2, text);
     }
 
     #[test]
     fn stop_strings_cut_the_text_and_end_the_request() {
-        let loaded = load_model("builtin:tiny-v4", 0, None).unwrap();
         let args = args(&[]);
         let free = vec![r#"{"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": true}"#.to_string()];
-        let (_, rows, _) = run_lines(&loaded, &args, "free", &free);
+        let (_, rows, _) = run_lines(&args, "free", &free);
         let text = rows[0]["text"].as_str().unwrap().to_string();
         let stop: String = text.chars().skip(4).take(2).collect();
         assert_eq!(stop.chars().count(), 2, "enough text to pick a stop string from: {text:?}");
         let cut = &text[..text.find(&stop).unwrap()];
         let line =
             serde_json::json!({"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": true, "stop": [stop]});
-        let (_, rows, _) = run_lines(&loaded, &args, "stop", &[line.to_string()]);
+        let (_, rows, _) = run_lines(&args, "stop", &[line.to_string()]);
         assert_eq!(rows[0]["text"], cut);
         assert_eq!(rows[0]["finish_reason"], "stop");
         assert!(rows[0]["token_ids"].as_array().unwrap().len() < 16);
+    }
+
+    #[test]
+    fn the_engine_and_a_cluster_write_the_same_lines() {
+        let engine = args(&["--max-batch-size", "2", "--max-batch-tokens", "16"]);
+        let free = vec![r#"{"prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": true}"#.to_string()];
+        let text = run_lines(&engine, "probe", &free).1[0]["text"].as_str().unwrap().to_string();
+        let stop: String = text.chars().skip(5).take(2).collect();
+        let long: String = (0..3000).map(|i| format!("{i} ")).collect();
+        let lines: Vec<String> = [
+            r#"{"id": "a", "prompt": "Hello there", "max_tokens": 9}"#.to_string(),
+            serde_json::json!({"id": "stop", "prompt": "Once upon a time", "max_tokens": 16, "ignore_eos": true,
+                "stop": [stop]})
+            .to_string(),
+            r#"{"prompt": "x", "max_tokens": 0}"#.into(),
+            format!(r#"{{"id": "long", "prompt": "{long}"}}"#),
+            r#"{"prompt": "Seeded", "max_tokens": 6, "temperature": 0.9, "logprobs": 2}"#.into(),
+            "not json".into(),
+            r#"{"prompt": "Tell me", "max_tokens": 12, "ignore_eos": true}"#.into(),
+        ]
+        .into();
+        let (_, rows, one) = run_lines(&engine, "engine", &lines);
+        let errors: Vec<bool> = rows.iter().map(|r| r["finish_reason"] == "error").collect();
+        assert_eq!(errors, [false, false, true, true, false, true, false], "{one}");
+        assert_eq!(rows[1]["finish_reason"], "stop");
+        let cluster = args(&["--max-batch-size", "2", "--max-batch-tokens", "16", "--devices", "2"]);
+        let (summary, _, two) = run_lines(&cluster, "cluster", &lines);
+        assert_eq!(two, one);
+        assert_eq!((summary.requests, summary.failed), (7, 3));
     }
 }

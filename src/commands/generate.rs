@@ -8,10 +8,9 @@ use deepinfer_engine::engine::EngineConfig;
 use deepinfer_engine::prefix_cache::PrefixMode;
 use deepinfer_engine::sampling::SamplingParams;
 
+use crate::backend::{Backend, ClusterBackend, EngineBackend};
 use crate::cli::GenerateArgs;
-use crate::generation::{
-    encode_prompt, generate, generate_on_cluster, load_model, single_engine, start_cluster, LoadedModel,
-};
+use crate::generation::{encode_prompt, generate, load_model, single_engine, start_cluster, LoadedModel};
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     check_devices(args)?;
@@ -30,16 +29,17 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
         ..SamplingParams::default()
     };
     let LoadedModel { name, model, tokenizer } = loaded;
-    let (mut cluster, model) = match (&args.topology, args.devices) {
-        (Some(path), _) => (Some(crate::cluster::connect(path, args.certs.as_deref(), model)?), None),
-        (None, 1) => (None, Some(model)),
+    let one_request = EngineConfig { max_batch_size: 1, prefix_mode: PrefixMode::Off, ..EngineConfig::default() };
+    let mut backend: Box<dyn Backend + '_> = match (&args.topology, args.devices) {
+        (Some(path), _) => {
+            Box::new(ClusterBackend::new(crate::cluster::connect(path, args.certs.as_deref(), model)?, &one_request))
+        }
+        (None, 1) => Box::new(EngineBackend::new(single_engine(&model, speculative)?)),
         (None, n) => {
-            let engine = EngineConfig { max_batch_size: 1, prefix_mode: PrefixMode::Off, ..EngineConfig::default() };
-            (Some(start_cluster(model, n, args.expert_parallel, engine)?), None)
+            let cluster = start_cluster(model, n, args.expert_parallel, one_request.clone())?;
+            Box::new(ClusterBackend::new(cluster, &one_request))
         }
     };
-    let single = model.as_ref().map(|m| single_engine(m, speculative)).transpose()?;
-    let mut spec = None;
     let started = Instant::now();
     let mut first_token_at = None;
     let mut stdout = std::io::stdout().lock();
@@ -57,19 +57,9 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
             }
         }
     };
-    let completion = match cluster.as_mut() {
-        Some(c) => generate_on_cluster(c, &prompt, &params, args.max_tokens, on_token),
-        None => {
-            let engine = single.expect("one device keeps the model");
-            generate(engine, &prompt, &params, args.max_tokens, on_token).map(|(completion, stats)| {
-                spec = Some(stats);
-                completion
-            })
-        }
-    };
-    if let Some(c) = cluster {
-        c.shutdown();
-    }
+    let completion = generate(&mut *backend, &prompt, &params, args.max_tokens, on_token);
+    let spec = backend.stats().speculative;
+    backend.shutdown();
     let completion = completion?;
     let total = started.elapsed().as_secs_f64();
     writeln!(stdout)?;
