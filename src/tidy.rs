@@ -88,6 +88,20 @@ fn lower_layers_of_the_actors_name_no_higher_one() {
 }
 
 #[test]
+fn actors_share_mutable_state_only_through_the_durable_table() {
+    // Machines, shells and the cluster learn everything else from frames;
+    // counters go through `sim::events`, locks of the runtime stay in `net/` and `sim/`.
+    let files: Vec<_> = ["actors/src/proto", "actors/src/actor", "actors/src/cluster"]
+        .into_iter()
+        .flat_map(sources)
+        .filter(|(p, _)| p != "actors/src/cluster/durable.rs")
+        .collect();
+    let words = ["RwLock", "Mutex", "AtomicU64", "AtomicU32", "AtomicUsize", "AtomicBool", "RefCell", "static mut"];
+    let found = uses(&files, &words);
+    assert!(found.is_empty(), "shared mutable state outside cluster/durable.rs:\n{}", found.join("\n"));
+}
+
+#[test]
 fn the_engine_and_kernels_are_synchronous_and_read_no_clock() {
     let files: Vec<_> = sources("engine/src").into_iter().chain(sources("kernels/src")).collect();
     let words = ["tokio", "async", "futures", "ractor", "Instant", "SystemTime", "std::thread::sleep"];
