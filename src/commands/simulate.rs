@@ -1,4 +1,4 @@
-//! `deepinfer simulate FILE [--seed N] [--speculative off|mtp|dspark] [--cache-sweep SCALES] [--out DIR]`.
+//! `deepinfer simulate FILE [--seed N] [--speculative off|mtp|dspark] [--cache-sweep SCALES | --find-capacity] [--out DIR]`.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -10,6 +10,7 @@ use clap::Args;
 use deepinfer_engine::speculative::DraftMethod;
 
 use crate::scenario::{default_drafting, Scenario};
+use crate::simulate::capacity::{find_capacity, Criteria, STEPS_DEFAULT};
 use crate::simulate::sweep::cache_sweep;
 use crate::simulate::{plots, run};
 
@@ -36,6 +37,17 @@ pub struct SimulateArgs {
     /// of its capacities (e.g. `0.25,0.5,1,2,4`); writes cache_sweep.* into --out.
     #[arg(long, value_delimiter = ',')]
     pub cache_sweep: Option<Vec<f64>>,
+    /// Instead of one run: the highest load the deployment sustains within
+    /// its SLOs (the traffic's rate scaled, same seed); writes capacity.*
+    /// into --out.
+    #[arg(long, conflicts_with = "cache_sweep")]
+    pub find_capacity: bool,
+    /// With --find-capacity: least share of requests within both SLOs for a load to count as sustained.
+    #[arg(long, default_value_t = Criteria::default().slo_attainment_min, requires = "find_capacity")]
+    pub slo_attainment: f64,
+    /// With --find-capacity: bisection steps once the load is bracketed (each halves the bracket's ratio).
+    #[arg(long, default_value_t = STEPS_DEFAULT, requires = "find_capacity")]
+    pub capacity_steps: u32,
 }
 
 pub fn run_command(args: &SimulateArgs) -> anyhow::Result<()> {
@@ -67,6 +79,9 @@ pub fn run_command(args: &SimulateArgs) -> anyhow::Result<()> {
         eprintln!("{} runs in {:.1} s of wall time", sweep.rows.len(), started.elapsed().as_secs_f64());
         return Ok(());
     }
+    if args.find_capacity {
+        return capacity_command(&scenario, args, started);
+    }
     let report = run(&scenario, args.seed, !args.quiet && std::io::stderr().is_terminal())?;
     let wall_s = started.elapsed().as_secs_f64();
     let markdown = report.to_markdown();
@@ -86,5 +101,27 @@ pub fn run_command(args: &SimulateArgs) -> anyhow::Result<()> {
             report.requests.token_mismatches
         );
     }
+    Ok(())
+}
+
+fn capacity_command(scenario: &Scenario, args: &SimulateArgs, started: Instant) -> anyhow::Result<()> {
+    let criteria = Criteria { slo_attainment_min: args.slo_attainment };
+    let verbose = !args.quiet;
+    let capacity = find_capacity(scenario, args.seed, criteria, args.capacity_steps, |p| {
+        if verbose {
+            let held = if p.sustained { "held".to_string() } else { format!("broke: {}", p.broke.join("; ")) };
+            eprintln!("load {:.3}× ({:.2} requests/s): {held}", p.load_factor, p.offered_req_s);
+        }
+    })
+    .map_err(|e| anyhow::anyhow!("{}: {e}", scenario.file))?;
+    let markdown = capacity.to_markdown();
+    if let Some(dir) = &args.out {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+        std::fs::write(dir.join("capacity.json"), capacity.to_json())?;
+        std::fs::write(dir.join("capacity.md"), &markdown)?;
+        std::fs::write(dir.join("capacity.svg"), capacity.plot())?;
+    }
+    print!("{markdown}");
+    eprintln!("{} runs in {:.1} s of wall time", capacity.probes.len(), started.elapsed().as_secs_f64());
     Ok(())
 }

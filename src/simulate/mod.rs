@@ -4,6 +4,7 @@
 //! fabric and modelled full-size devices — and report what it did.
 
 pub mod cache_report;
+pub mod capacity;
 pub mod plots;
 pub mod report;
 pub mod sessions;
