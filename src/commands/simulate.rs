@@ -93,7 +93,12 @@ pub fn run_command(args: &SimulateArgs) -> anyhow::Result<()> {
         plots::write_all(&report, dir).with_context(|| format!("cannot write plots into {}", dir.display()))?;
     }
     print!("{markdown}");
-    eprintln!("simulated {:.0} s in {wall_s:.1} s of wall time", report.simulated_s);
+    eprintln!(
+        "simulated {:.0} s in {wall_s:.1} s of wall time: {} events, {:.0} events/s",
+        report.simulated_s,
+        report.events,
+        report.events as f64 / wall_s.max(1e-9)
+    );
     if report.requests.lost > 0 || report.requests.token_mismatches > 0 {
         anyhow::bail!(
             "{} requests lost, {} with the wrong number of tokens",

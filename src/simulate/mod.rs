@@ -84,6 +84,8 @@ pub struct RunData {
     pub expert_shares: Vec<Vec<Vec<f64>>>,
     pub simulated_s: f64,
     pub steps: u64,
+    /// Lines of the run's event log (every message handled, timer fired, fault).
+    pub events: u64,
     pub digest: u64,
     pub handovers: u64,
     pub restarts: u64,
@@ -331,6 +333,7 @@ pub fn run(s: &Scenario, seed: Option<u64>, progress: bool) -> anyhow::Result<Re
     let mut data = data;
     data.steps = sim.steps;
     data.digest = sim.digest;
+    data.events = sim.events;
     data.handovers = sim.metrics.handovers;
     data.rebuilt = sim.metrics.sequences_rebuilt;
     let m = &sim.metrics;
@@ -512,6 +515,7 @@ async fn drive(
         expert_shares: shares,
         simulated_s,
         steps: 0,
+        events: 0,
         digest: 0,
         handovers: 0,
         restarts: 0,

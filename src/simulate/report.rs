@@ -80,11 +80,23 @@ pub struct Report {
     /// Completed requests within both SLOs, per second of the arrival window.
     pub goodput_req_s: f64,
     pub slo_attainment: f64,
+    /// Share within both SLOs of every request whose outcome is known: a
+    /// request still running when the run ends counts once it has already
+    /// broken one (no first token after the TTFT SLO, or tokens slower than
+    /// the TPOT SLO); failed and refused ones count as broken.
+    pub slo_attainment_judged: f64,
+    /// Requests still running at the end that had broken no SLO yet.
+    pub slo_undetermined: u64,
+    /// Requests that broke the TTFT SLO, and the TPOT SLO (running ones included; one may break both).
+    pub slo_broken_ttft: u64,
+    pub slo_broken_tpot: u64,
     pub prefix_hit_rate: f64,
     pub instances: Vec<InstanceReport>,
     pub faults: Vec<(f64, String)>,
     pub series: Vec<SeriesPoint>,
     pub steps: u64,
+    /// Lines of the event log: what the simulation processed.
+    pub events: u64,
     pub actor_restarts: u64,
     /// Sequences a worker computed again from position 0 (it had lost their
     /// state, or held it at another position): 0 without faults.
@@ -190,6 +202,39 @@ pub struct Counts {
     pub first_errors: Vec<String>,
 }
 
+/// What the SLOs say of every request, running ones included.
+#[derive(Default)]
+struct Judged {
+    good: u64,
+    bad: u64,
+    /// Still running at the end without having broken an SLO.
+    open: u64,
+    broke_ttft: u64,
+    broke_tpot: u64,
+}
+
+fn judge_slos(s: &Scenario, d: &RunData) -> Judged {
+    let end_us = (d.simulated_s * 1e6) as u64;
+    let (ttft_us, tpot_us) = (s.ttft_slo_ms * 1e3, s.tpot_slo_ms * 1e3);
+    let mut j = Judged::default();
+    for t in &d.traces {
+        let waited_us = t.first_token_us.unwrap_or(end_us).saturating_sub(t.arrival_us);
+        let ttft_ok = waited_us as f64 <= ttft_us;
+        let tpot_ok = match t.first_token_us {
+            Some(f) if t.tokens > 1 => t.last_token_us.saturating_sub(f) as f64 / (t.tokens - 1) as f64 <= tpot_us,
+            _ => true,
+        };
+        j.broke_ttft += u64::from(!ttft_ok);
+        j.broke_tpot += u64::from(!tpot_ok);
+        match (&t.end, ttft_ok && tpot_ok) {
+            (Some(End::Completed), true) => j.good += 1,
+            (None, true) => j.open += 1,
+            _ => j.bad += 1,
+        }
+    }
+    j
+}
+
 impl Report {
     pub fn new(s: &Scenario, d: &RunData) -> Self {
         let window_s = s.duration_s;
@@ -257,6 +302,7 @@ impl Report {
                 None => counts.unfinished += 1,
             }
         }
+        let judged = judge_slos(s, d);
         counts.lost = counts.submitted - counts.completed - counts.failed - counts.refused - counts.unfinished;
         ttft.sort_by(f64::total_cmp);
         tpot.sort_by(f64::total_cmp);
@@ -312,11 +358,16 @@ impl Report {
             slo_tpot_ms: s.tpot_slo_ms,
             goodput_req_s: good as f64 / window_s,
             slo_attainment: if ttft.is_empty() { 0.0 } else { good as f64 / ttft.len() as f64 },
+            slo_attainment_judged: judged.good as f64 / (judged.good + judged.bad).max(1) as f64,
+            slo_undetermined: judged.open,
+            slo_broken_ttft: judged.broke_ttft,
+            slo_broken_tpot: judged.broke_tpot,
             prefix_hit_rate: if prompt_tokens == 0 { 0.0 } else { cached_tokens as f64 / prompt_tokens as f64 },
             instances,
             faults: d.faults.clone(),
             series,
             steps: d.steps,
+            events: d.events,
             actor_restarts: d.restarts,
             sequences_rebuilt: d.rebuilt,
             handovers: d.handovers,
