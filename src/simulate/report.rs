@@ -87,7 +87,8 @@ pub struct Report {
     pub slo_attainment_judged: f64,
     /// Requests still running at the end that had broken no SLO yet.
     pub slo_undetermined: u64,
-    /// Requests that broke the TTFT SLO, and the TPOT SLO (running ones included; one may break both).
+    /// Completed or running requests that broke the TTFT SLO, and the TPOT
+    /// SLO (one may break both).
     pub slo_broken_ttft: u64,
     pub slo_broken_tpot: u64,
     pub prefix_hit_rate: f64,
@@ -224,8 +225,10 @@ fn judge_slos(s: &Scenario, d: &RunData) -> Judged {
             Some(f) if t.tokens > 1 => t.last_token_us.saturating_sub(f) as f64 / (t.tokens - 1) as f64 <= tpot_us,
             _ => true,
         };
-        j.broke_ttft += u64::from(!ttft_ok);
-        j.broke_tpot += u64::from(!tpot_ok);
+        // A failed or refused request is broken whatever its timing said so far.
+        let timed = matches!(t.end, None | Some(End::Completed));
+        j.broke_ttft += u64::from(timed && !ttft_ok);
+        j.broke_tpot += u64::from(timed && !tpot_ok);
         match (&t.end, ttft_ok && tpot_ok) {
             (Some(End::Completed), true) => j.good += 1,
             (None, true) => j.open += 1,
@@ -508,5 +511,87 @@ impl Report {
         md += "\nPlots: `throughput.svg` (faults marked), `latency_cdf.svg`, `expert_load.svg`";
         md += if self.cache.is_some() { ", `cache_tiers.svg`.\n" } else { ".\n" };
         md
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::simulate::Trace;
+
+    fn scenario() -> Scenario {
+        let text = r#"
+[scenario]
+name = "judge"
+duration_s = 10
+hardware = "H200"
+model = "V4-Flash"
+devices_per_node = 8
+
+[[instance]]
+role = "both"
+devices = 8
+
+[traffic]
+kind = "poisson"
+rate_per_s = 1
+input = { dist = "uniform", min = 64, max = 64 }
+output = { dist = "uniform", min = 8, max = 8 }
+
+[slo]
+ttft_ms = 1000
+tpot_ms = 50
+"#;
+        Scenario::parse("judge.toml", text, Path::new(".")).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn trace(arrival_ms: u64, first_ms: Option<u64>, last_ms: u64, tokens: usize, end: Option<End>) -> Trace {
+        Trace {
+            arrival_us: arrival_ms * 1000,
+            input_tokens: 64,
+            output_wanted: 8,
+            first_token_us: first_ms.map(|f| f * 1000),
+            last_token_us: last_ms * 1000,
+            tokens: if end == Some(End::Completed) { 8 } else { tokens },
+            end,
+            ..Trace::default()
+        }
+    }
+
+    #[test]
+    fn requests_still_running_count_once_they_broke_an_slo() {
+        let s = scenario();
+        let traces = vec![
+            trace(0, Some(200), 550, 8, Some(End::Completed)),   // within both
+            trace(0, Some(1500), 1850, 8, Some(End::Completed)), // TTFT broken
+            trace(9_000, None, 0, 0, None),                      // waiting 3 s at the end: TTFT broken
+            trace(11_500, None, 0, 0, None),                     // waiting 0.5 s: not known yet
+            trace(5_000, Some(5_100), 5_700, 4, None),           // 200 ms per token: TPOT broken
+            trace(1_000, None, 0, 0, Some(End::Failed("lost its worker".into()))),
+        ];
+        let d = RunData {
+            traces,
+            buckets: Vec::new(),
+            faults: Vec::new(),
+            kv_use: Vec::new(),
+            kv_budget_gib: Vec::new(),
+            expert_imbalance: Vec::new(),
+            expert_shares: Vec::new(),
+            simulated_s: 12.0,
+            steps: 0,
+            events: 0,
+            digest: 0,
+            handovers: 0,
+            restarts: 0,
+            rebuilt: 0,
+            drafts: None,
+            tiers: None,
+        };
+        let r = Report::new(&s, &d);
+        assert_eq!((r.slo_broken_ttft, r.slo_broken_tpot, r.slo_undetermined), (2, 1, 1));
+        assert_eq!(r.slo_attainment_judged, 1.0 / 5.0, "one good of five known");
+        assert_eq!(r.slo_attainment, 0.5, "completed ones only: one of two");
     }
 }
