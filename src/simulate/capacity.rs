@@ -91,9 +91,12 @@ pub fn scaled_load(s: &Scenario, factor: f64) -> Scenario {
                 shared_fraction: *shared_fraction,
             }
         }
-        Traffic::Mooncake { path, time_scale, repeat } => {
-            Traffic::Mooncake { path: path.clone(), time_scale: time_scale / factor, repeat: *repeat }
-        }
+        // A compressed trace is repeated more often, so that it still covers the window.
+        Traffic::Mooncake { path, time_scale, repeat } => Traffic::Mooncake {
+            path: path.clone(),
+            time_scale: time_scale / factor,
+            repeat: (*repeat as f64 * factor.max(1.0)).ceil().min(u32::MAX as f64) as u32,
+        },
         Traffic::Sessions(x) => {
             Traffic::Sessions(crate::scenario::Sessions { rate_per_s: x.rate_per_s * factor, ..x.clone() })
         }

@@ -81,9 +81,10 @@ pub struct Report {
     pub goodput_req_s: f64,
     pub slo_attainment: f64,
     /// Share within both SLOs of every request whose outcome is known: a
-    /// request still running when the run ends counts once it has already
-    /// broken one (no first token after the TTFT SLO, or tokens slower than
-    /// the TPOT SLO); failed and refused ones count as broken.
+    /// request still running when the run ends counts once it must break
+    /// one (no first token yet past the TTFT SLO, or its last token, still to
+    /// come, already too late for the TPOT SLO); failed and refused ones
+    /// count as broken; 1 when no outcome is known.
     pub slo_attainment_judged: f64,
     /// Requests still running at the end that had broken no SLO yet.
     pub slo_undetermined: u64,
@@ -219,10 +220,18 @@ fn judge_slos(s: &Scenario, d: &RunData) -> Judged {
     let (ttft_us, tpot_us) = (s.ttft_slo_ms * 1e3, s.tpot_slo_ms * 1e3);
     let mut j = Judged::default();
     for t in &d.traces {
+        // For a request still running, the end of the run bounds what is
+        // still to come: its first token (if none yet) and its last token
+        // come no earlier, so these are lower bounds on its final TTFT and TPOT.
         let waited_us = t.first_token_us.unwrap_or(end_us).saturating_sub(t.arrival_us);
         let ttft_ok = waited_us as f64 <= ttft_us;
-        let tpot_ok = match t.first_token_us {
-            Some(f) if t.tokens > 1 => t.last_token_us.saturating_sub(f) as f64 / (t.tokens - 1) as f64 <= tpot_us,
+        let tpot_ok = match (t.first_token_us, &t.end) {
+            (Some(f), Some(End::Completed)) if t.tokens > 1 => {
+                t.last_token_us.saturating_sub(f) as f64 / (t.tokens - 1) as f64 <= tpot_us
+            }
+            (Some(f), None) if t.output_wanted > 1 => {
+                end_us.saturating_sub(f) as f64 / (t.output_wanted - 1) as f64 <= tpot_us
+            }
             _ => true,
         };
         // A failed or refused request is broken whatever its timing said so far.
@@ -361,7 +370,12 @@ impl Report {
             slo_tpot_ms: s.tpot_slo_ms,
             goodput_req_s: good as f64 / window_s,
             slo_attainment: if ttft.is_empty() { 0.0 } else { good as f64 / ttft.len() as f64 },
-            slo_attainment_judged: judged.good as f64 / (judged.good + judged.bad).max(1) as f64,
+            // Nothing known to have broken an SLO is within them.
+            slo_attainment_judged: if judged.good + judged.bad == 0 {
+                1.0
+            } else {
+                judged.good as f64 / (judged.good + judged.bad) as f64
+            },
             slo_undetermined: judged.open,
             slo_broken_ttft: judged.broke_ttft,
             slo_broken_tpot: judged.broke_tpot,
@@ -568,7 +582,9 @@ tpot_ms = 50
             trace(0, Some(1500), 1850, 8, Some(End::Completed)), // TTFT broken
             trace(9_000, None, 0, 0, None),                      // waiting 3 s at the end: TTFT broken
             trace(11_500, None, 0, 0, None),                     // waiting 0.5 s: not known yet
-            trace(5_000, Some(5_100), 5_700, 4, None),           // 200 ms per token: TPOT broken
+            trace(5_000, Some(5_100), 5_700, 4, None),           // 8 tokens cannot end by 12 s at 50 ms each
+            trace(2_000, Some(2_100), 2_100, 1, None),           // stalled after its first token: TPOT broken
+            trace(11_800, Some(11_900), 11_950, 2, None),        // on pace so far: not known yet
             trace(1_000, None, 0, 0, Some(End::Failed("lost its worker".into()))),
         ];
         let d = RunData {
@@ -590,8 +606,8 @@ tpot_ms = 50
             tiers: None,
         };
         let r = Report::new(&s, &d);
-        assert_eq!((r.slo_broken_ttft, r.slo_broken_tpot, r.slo_undetermined), (2, 1, 1));
-        assert_eq!(r.slo_attainment_judged, 1.0 / 5.0, "one good of five known");
+        assert_eq!((r.slo_broken_ttft, r.slo_broken_tpot, r.slo_undetermined), (2, 2, 2));
+        assert_eq!(r.slo_attainment_judged, 1.0 / 6.0, "one good of six known");
         assert_eq!(r.slo_attainment, 0.5, "completed ones only: one of two");
     }
 }

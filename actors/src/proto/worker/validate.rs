@@ -42,7 +42,7 @@ pub(super) fn check_request(
     let mut missing = Vec::new();
     for it in &req.items {
         let fresh = seen.insert(it.seq);
-        if let Some(why) = item_error(it, fresh, config, block_tokens, device) {
+        if let Some(why) = item_error(it, fresh, repeat as usize, config, block_tokens, device) {
             return Err(format!("sequence {}: {why}", it.seq));
         }
         // Position 0, a restore or an import is a new state; later positions need the state they continue.
@@ -55,7 +55,15 @@ pub(super) fn check_request(
     Ok(missing)
 }
 
-fn item_error(it: &StepItem, fresh: bool, config: &ModelConfig, bt: usize, device: Device) -> Option<String> {
+/// Why `it` cannot run (`repeat` steps in one), or `None`.
+fn item_error(
+    it: &StepItem,
+    fresh: bool,
+    repeat: usize,
+    config: &ModelConfig,
+    bt: usize,
+    device: Device,
+) -> Option<String> {
     let (position, len) = (it.position as usize, it.tokens.len());
     let end = position.saturating_add(len);
     let replay = it.replay_until as usize;
@@ -71,7 +79,7 @@ fn item_error(it: &StepItem, fresh: bool, config: &ModelConfig, bt: usize, devic
         "listed twice".to_string()
     } else if it.rebuild && (position != 0 || restored != 0 || replay != 0) {
         "a rebuild starts at position 0 from nothing".to_string()
-    } else if end > config.max_position_embeddings {
+    } else if end.saturating_add(repeat - 1) > config.max_position_embeddings {
         "exceeds the context".to_string()
     } else if restored > 0 && (replay != restored.saturating_mul(bt) || position > replay) {
         format!("restores {restored} blocks but replays to {replay} from {position}")
