@@ -71,6 +71,7 @@ pub struct Bucket {
 }
 
 /// Everything a run produced, before it is summarised.
+#[derive(Default)]
 pub struct RunData {
     pub traces: Vec<Trace>,
     pub buckets: Vec<Bucket>,
@@ -514,13 +515,9 @@ async fn drive(
         expert_imbalance: imbalance,
         expert_shares: shares,
         simulated_s,
-        steps: 0,
-        events: 0,
-        digest: 0,
-        handovers: 0,
-        restarts: 0,
-        rebuilt: 0,
         drafts,
         tiers,
+        // The run's totals are filled in from the cluster's report.
+        ..RunData::default()
     }
 }

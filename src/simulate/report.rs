@@ -587,24 +587,7 @@ tpot_ms = 50
             trace(11_800, Some(11_900), 11_950, 2, None),        // on pace so far: not known yet
             trace(1_000, None, 0, 0, Some(End::Failed("lost its worker".into()))),
         ];
-        let d = RunData {
-            traces,
-            buckets: Vec::new(),
-            faults: Vec::new(),
-            kv_use: Vec::new(),
-            kv_budget_gib: Vec::new(),
-            expert_imbalance: Vec::new(),
-            expert_shares: Vec::new(),
-            simulated_s: 12.0,
-            steps: 0,
-            events: 0,
-            digest: 0,
-            handovers: 0,
-            restarts: 0,
-            rebuilt: 0,
-            drafts: None,
-            tiers: None,
-        };
+        let d = RunData { traces, simulated_s: 12.0, ..RunData::default() };
         let r = Report::new(&s, &d);
         assert_eq!((r.slo_broken_ttft, r.slo_broken_tpot, r.slo_undetermined), (2, 2, 2));
         assert_eq!(r.slo_attainment_judged, 1.0 / 6.0, "one good of six known");
