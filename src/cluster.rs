@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use deepinfer_actors::cluster::disagg::InstanceKind;
 use deepinfer_actors::cluster::placement::Placement;
+use deepinfer_actors::cluster::Constraints;
 use deepinfer_actors::net::quic::{Member, MemberEvent, NodeAddr, QuicConfig, QuicTransport};
 use deepinfer_actors::net::tls::{self, CLIENT_NAME};
 use deepinfer_actors::sim::clock::{Clock, RealClock};
@@ -20,6 +21,7 @@ use deepinfer_actors::{Cluster, ClusterConfig, Env, LocalCluster, NodeRuntime};
 use deepinfer_engine::model::Model;
 use deepinfer_engine::scheduler::EngineConfig;
 
+use crate::api::constraint::ConstraintFactory;
 use crate::config_file::{read_text, value_error, FileError};
 use crate::topology::{Backend, Topology};
 
@@ -124,6 +126,21 @@ impl ClusterPlan {
 
     pub fn name(&self) -> &str {
         &self.topology.cluster.name
+    }
+
+    /// The model to load: a built-in name, or a directory relative to the topology file.
+    pub fn model_spec(&self) -> String {
+        let model = &self.topology.cluster.model;
+        if model.starts_with("builtin:") || Path::new(model).is_absolute() {
+            model.clone()
+        } else {
+            self.path.parent().unwrap_or(Path::new(".")).join(model).display().to_string()
+        }
+    }
+
+    /// Where the HTTP API listens by default.
+    pub fn api_listen(&self) -> SocketAddr {
+        self.topology.cluster.api_listen.get_ref().parse().expect("checked when the topology was read")
     }
 
     pub fn devices(&self) -> u32 {
@@ -231,6 +248,17 @@ fn start_transport(
 /// drives instead of an in-process cluster.
 pub fn connect(path: &Path, certs: Option<&Path>, model: Model) -> anyhow::Result<LocalCluster> {
     let plan = ClusterPlan::load(path)?;
+    let (rt, cluster) = connect_client(&plan, certs, Arc::new(model))?;
+    Ok(LocalCluster::from_runtime(rt, cluster))
+}
+
+/// A client of the running cluster of `plan`, connected on the runtime
+/// returned with it (which must drive it): `generate` and the API front end.
+pub fn connect_client(
+    plan: &ClusterPlan,
+    certs: Option<&Path>,
+    model: Arc<Model>,
+) -> anyhow::Result<(tokio::runtime::Runtime, Cluster)> {
     let identity = tls::load_identity(&plan.certs_dir(certs)?, CLIENT_NAME)?;
     let cfg = plan.cluster_config(&model)?;
     let rt = runtime()?;
@@ -238,7 +266,7 @@ pub fn connect(path: &Path, certs: Option<&Path>, model: Model) -> anyhow::Resul
     let index = std::process::id();
     let router_node = plan.nodes[0].name.clone();
     let cluster = rt.block_on(async {
-        let (transport, clock) = start_transport(&plan, Member::Client(index), identity, &cfg)?;
+        let (transport, clock) = start_transport(plan, Member::Client(index), identity, &cfg)?;
         let mut members = transport.subscribe();
         let (down_tx, down_rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
@@ -250,9 +278,9 @@ pub fn connect(path: &Path, certs: Option<&Path>, model: Model) -> anyhow::Resul
                 }
             }
         });
-        anyhow::Ok(Cluster::connect(Arc::new(model), cfg, env(transport, clock), index, down_rx)?)
+        anyhow::Ok(Cluster::connect(model, cfg, env(transport, clock), index, down_rx)?)
     })?;
-    Ok(LocalCluster::from_runtime(rt, cluster))
+    Ok((rt, cluster))
 }
 
 /// What `deepinfer node` was asked for.
@@ -271,8 +299,14 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
     let name = opts.node.clone();
     let identity = tls::load_identity(&plan.certs_dir(opts.certs.as_deref())?, &name)
         .with_context(|| format!("certificates of node `{name}`"))?;
-    let loaded = crate::generation::load_model(&plan.topology.cluster.model, 0, None)?;
-    let cfg = plan.cluster_config(&loaded.model)?;
+    let loaded = crate::generation::load_model(&plan.model_spec(), 0, None)?;
+    let mut cfg = plan.cluster_config(&loaded.model)?;
+    // The schedulers build structured-output constraints over the model's tokenizer.
+    let (vocab, eos) = (loaded.model.config.vocab_size, loaded.model.config.eos_token_id);
+    match ConstraintFactory::new(&loaded.tokenizer, vocab, eos) {
+        Ok(f) => cfg.constraints = Some(Constraints(Arc::new(f))),
+        Err(e) => eprintln!("node {}: structured output disabled: {e:#}", opts.node),
+    }
     let rt = runtime()?;
     let stdin_closed = opts.exit_with_stdin.then(|| {
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();

@@ -5,8 +5,8 @@ use deepinfer_actors::wire::{
     decode, decode_with_limit, encode, read_frame, Addr, BlockSnapshot, CacheMsg, Control, DispatchHeader, Envelope,
     ExpertLoad, ExpertResultHeader, ExpertRows, FetchItem, FinishKind, FinishWire, HandoffMsg, Heartbeat, Message,
     OutputEnd, OutputItem, Outputs, PlacementWire, RequestSpec, ResultStatus, Role, Sampling, SeqOutput, StateExport,
-    StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, TokenOut, TopLogprob, Verification, WireError,
-    MAX_FRAME_BYTES,
+    StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, TokenBias, TokenCount, TokenOut, TopLogprob,
+    Verification, WireError, MAX_FRAME_BYTES,
 };
 use proptest::prelude::*;
 
@@ -59,6 +59,8 @@ fn message() -> impl Strategy<Value = Message> {
                         export: step % 3 == 0,
                         import: if step % 5 == 0 { vec![4, 0, 12] } else { Vec::new() },
                         drafts: (step % 7) as u32,
+                        allowed: if step % 2 == 0 { vec![u32::MAX, 5] } else { Vec::new() },
+                        history: vec![TokenCount { token: 3, count: 0 }, TokenCount { token: 8, count: step as u32 }],
                     }],
                     release: vec![1, 2],
                     batch_tokens: step % 4096,
@@ -98,6 +100,7 @@ fn message() -> impl Strategy<Value = Message> {
                     stop_sequences: vec![vec![4, 5]],
                     ignore_eos: false,
                     logits: true,
+                    constraint: (id % 3 == 0).then(|| format!("{{\"regex\": \"a{{{id}}}\"}}")),
                 };
                 let decode = (id % 2 == 0).then_some(id as u32);
                 Message::Submit(Submit { spec, generated, decode })
@@ -118,6 +121,7 @@ fn message() -> impl Strategy<Value = Message> {
                         stop_sequences: Vec::new(),
                         ignore_eos: true,
                         logits: false,
+                        constraint: None,
                     };
                     HandoffMsg::Transfer { spec, generated: vec![5], lens, attempt: instance }
                 }
@@ -162,7 +166,18 @@ fn message() -> impl Strategy<Value = Message> {
 }
 
 fn sampling() -> Sampling {
-    Sampling { temperature: 0.5, top_p: 1.0, top_k: 0, seed: 1, logprobs: 2 }
+    Sampling {
+        temperature: 0.5,
+        top_p: 1.0,
+        top_k: 0,
+        seed: 1,
+        logprobs: 2,
+        min_p: 0.05,
+        logit_bias: vec![TokenBias { token: 3, bias: -100.0 }, TokenBias { token: 7, bias: 2.5 }],
+        frequency_penalty: 0.5,
+        presence_penalty: -1.0,
+        repetition_penalty: 1.2,
+    }
 }
 
 fn top() -> Vec<TopLogprob> {

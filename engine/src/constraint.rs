@@ -26,3 +26,28 @@ pub trait TokenConstraint: Send {
         None
     }
 }
+
+/// Builds a request's constraint from the description a front end sent with
+/// it, where the constraint runs away from the front end (a cluster's
+/// schedulers). The description's format is the front end's and the
+/// source's business alone. What it builds must mask by token alone, never
+/// by the logits' values: the mask is taken before the row exists.
+pub trait ConstraintSource: Send + Sync {
+    /// A fresh constraint for a request that may generate `max_tokens`; the
+    /// error says what is wrong with `spec`.
+    fn build(&self, spec: &str, max_tokens: usize) -> Result<Box<dyn TokenConstraint>, String>;
+}
+
+/// The tokens `constraint` allows next over a vocabulary of `vocab`: one bit
+/// per token, 32 to a word, as a masked row of zeros shows them.
+pub fn allowed_tokens(constraint: &mut dyn TokenConstraint, vocab: usize) -> Vec<u32> {
+    let mut row = vec![0.0f32; vocab];
+    constraint.allowed(&mut row);
+    let mut words = vec![0u32; vocab.div_ceil(32)];
+    for (token, logit) in row.iter().enumerate() {
+        if logit.is_finite() {
+            words[token / 32] |= 1 << (token % 32);
+        }
+    }
+    words
+}

@@ -184,6 +184,9 @@ pub enum RequestError {
     ExceedsKvBudget { needed: usize, tokens: usize, budget: usize },
     #[error("no request {0} is queued or running")]
     Unknown(RequestId),
+    /// Refused where it was sent to run (a cluster's scheduler), for this reason.
+    #[error("{0}")]
+    Refused(String),
     #[error("a cache retention must be 1 ms to {MAX_CACHE_TTL_MS} ms, got {0} ms")]
     BadRetention(u64),
 }

@@ -9,6 +9,7 @@
 //! and every ranking breaks ties by the lower token id.
 
 use std::cmp::Ordering;
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -189,6 +190,42 @@ pub fn adjust_logits(row: &mut [f32], params: &SamplingParams, prompt: &[u32], o
         for run in counts.chunk_by(|a, b| a == b) {
             if let Some(l) = row.get_mut(run[0] as usize) {
                 *l -= params.frequency_penalty * run.len() as f32 + params.presence_penalty;
+            }
+        }
+    }
+}
+
+/// What the penalties of [`adjust_logits`] look at, for a sampler that has
+/// no token history (a cluster's worker): every distinct token of `prompt`
+/// and `output`, ascending, with how often it occurs in `output`.
+pub fn token_history(prompt: &[u32], output: &[u32]) -> Vec<(u32, u32)> {
+    let mut counts: BTreeMap<u32, u32> = prompt.iter().map(|&t| (t, 0)).collect();
+    for &t in output {
+        *counts.entry(t).or_default() += 1;
+    }
+    counts.into_iter().collect()
+}
+
+/// [`adjust_logits`] from a [`token_history`] instead of the tokens: the same
+/// operations on the same values, so the same row to the bit.
+pub fn adjust_logits_from_history(row: &mut [f32], params: &SamplingParams, history: &[(u32, u32)]) {
+    for &(token, bias) in &params.logit_bias {
+        if let Some(l) = row.get_mut(token as usize) {
+            *l += bias;
+        }
+    }
+    let r = params.repetition_penalty;
+    if r != 1.0 {
+        for &(token, _) in history {
+            if let Some(l) = row.get_mut(token as usize) {
+                *l = if *l > 0.0 { *l / r } else { *l * r };
+            }
+        }
+    }
+    if params.frequency_penalty != 0.0 || params.presence_penalty != 0.0 {
+        for &(token, count) in history.iter().filter(|(_, count)| *count > 0) {
+            if let Some(l) = row.get_mut(token as usize) {
+                *l -= params.frequency_penalty * count as f32 + params.presence_penalty;
             }
         }
     }
@@ -744,6 +781,31 @@ mod tests {
             assert!((s.token as usize) < logits.len());
         }
     }
+    #[test]
+    fn the_history_gives_the_row_the_tokens_give_to_the_bit() {
+        for seed in 0..40u64 {
+            let vocab = 64;
+            let pick = |n: u64, salt: u64| -> Vec<u32> {
+                (0..n).map(|i| (uniform(seed ^ salt, i) * vocab as f64) as u32 % (vocab as u32 - 4)).collect()
+            };
+            let prompt = pick(1 + seed % 30, 1);
+            let output = pick(seed % 17, 2);
+            let params = SamplingParams {
+                logit_bias: vec![(1, 2.5), (9, -100.0)],
+                frequency_penalty: [0.0, 0.5, -1.25][seed as usize % 3],
+                presence_penalty: [0.0, 1.5][seed as usize % 2],
+                repetition_penalty: [1.0, 1.3, 0.7][seed as usize % 3],
+                ..SamplingParams::default()
+            };
+            let logits = random_logits(vocab, seed, 4.0);
+            let (mut a, mut b) = (logits.clone(), logits);
+            adjust_logits(&mut a, &params, &prompt, &output);
+            adjust_logits_from_history(&mut b, &params, &token_history(&prompt, &output));
+            let bits = |r: &[f32]| r.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "seed {seed}");
+        }
+    }
+
     #[test]
     fn logit_bias_and_penalties_follow_their_definitions() {
         let p = SamplingParams {

@@ -18,7 +18,7 @@
 use std::sync::Arc;
 
 use anyhow::{anyhow, Context};
-use deepinfer_engine::constraint::TokenConstraint;
+use deepinfer_engine::constraint::{ConstraintSource, TokenConstraint};
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{token_bytes_from_tokenizer_json, Matcher, ParserFactory};
@@ -33,7 +33,8 @@ pub const MAX_GRAMMAR_BYTES: usize = 64 << 10;
 const MAX_RESERVE: usize = 64;
 
 /// What the output must match.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum OutputFormat {
     /// A JSON value valid under the schema; `None` is any JSON object.
     Json(Option<Value>),
@@ -161,6 +162,45 @@ impl ConstraintFactory {
             },
             done: false,
         })
+    }
+}
+
+/// A request's constraint, with the description that builds it again
+/// where the request runs away from this process (a cluster's schedulers).
+pub struct RequestConstraint {
+    pub guided: Guided,
+    pub description: String,
+}
+
+/// What [`ConstraintFactory::describe`] writes and its [`ConstraintSource`] reads.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Description {
+    format: OutputFormat,
+    thinking: bool,
+}
+
+impl ConstraintFactory {
+    /// A constraint for one request and its description; errors as [`Self::build`]'s.
+    pub fn build_described(
+        &self,
+        format: OutputFormat,
+        max_tokens: usize,
+        thinking: bool,
+    ) -> Result<RequestConstraint, String> {
+        let guided = self.build(&format, max_tokens, thinking)?;
+        let description = serde_json::to_string(&Description { format, thinking }).map_err(|e| e.to_string())?;
+        Ok(RequestConstraint { guided, description })
+    }
+}
+
+impl ConstraintSource for ConstraintFactory {
+    fn build(&self, spec: &str, max_tokens: usize) -> Result<Box<dyn TokenConstraint>, String> {
+        if spec.len() > 2 * MAX_GRAMMAR_BYTES + 1024 {
+            return Err(format!("a constraint description of {} bytes", spec.len()));
+        }
+        let d: Description =
+            serde_json::from_str(spec).map_err(|e| format!("the constraint description does not parse: {e}"))?;
+        Ok(Box::new(ConstraintFactory::build(self, &d.format, max_tokens, d.thinking)?))
     }
 }
 

@@ -8,13 +8,13 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use deepinfer_engine::constraint::TokenConstraint;
 use deepinfer_engine::engine::{Engine, EngineConfig, TierConfig};
 use deepinfer_engine::model::Model;
 use deepinfer_engine::request::{FinishReason, Finished, Request, RequestError, RequestId, RequestStatus, TokenOutput};
 use tokio::sync::mpsc;
 
 use super::cache_metrics;
+use super::constraint::RequestConstraint;
 use super::metrics as m;
 use crate::kv_disk::worker::{Clock, DiskWorker, Fetched};
 use crate::kv_disk::{CacheSetup, DiskStats};
@@ -22,7 +22,7 @@ use crate::kv_disk::{CacheSetup, DiskStats};
 /// A request for the engine thread.
 pub struct Submission {
     pub request: Request,
-    pub constraint: Option<Box<dyn TokenConstraint>>,
+    pub constraint: Option<RequestConstraint>,
     pub events: mpsc::UnboundedSender<Event>,
     /// When the HTTP request arrived, for time to first token.
     pub arrived: Instant,
@@ -62,6 +62,11 @@ pub struct EngineHandle {
 }
 
 impl EngineHandle {
+    /// A handle over `tx`, whichever thread takes its submissions.
+    pub fn new(tx: mpsc::Sender<Submission>, disk_stats: Option<Arc<DiskStats>>) -> Self {
+        Self { tx, disk_stats }
+    }
+
     /// False once the engine thread has ended (it never does while serving,
     /// unless it panicked).
     pub fn is_alive(&self) -> bool {
@@ -259,7 +264,7 @@ fn admit(engine: &mut Engine, live: &mut BTreeMap<RequestId, Live>, s: Submissio
     }
     let prompt_tokens = s.request.prompt.len();
     let added = match s.constraint {
-        Some(c) => engine.add_constrained_request(s.request, c),
+        Some(c) => engine.add_constrained_request(s.request, Box::new(c.guided)),
         None => engine.add_request(s.request),
     };
     match added {

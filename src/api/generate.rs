@@ -16,7 +16,6 @@ use axum::extract::State;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use deepinfer_engine::constraint::TokenConstraint;
 use deepinfer_engine::request::Request;
 use deepseek_recipe::request::{ConversationRequest, OutputConstraint, ProtocolRequest};
 use deepseek_recipe::response::{Accumulate, ProtocolResponse};
@@ -29,7 +28,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
-use super::constraint::{OutputFormat, MAX_GRAMMAR_BYTES};
+use super::constraint::{OutputFormat, RequestConstraint, MAX_GRAMMAR_BYTES};
 use super::errors::{ApiError, Flavor, Kind};
 use super::inference::{inference_stream, Inference};
 use super::protocols::Api;
@@ -44,7 +43,7 @@ pub type ChunkOf<P> = <<<P as ProtocolRequest>::Response as ProtocolResponse>::C
 struct Prepared {
     converted: ConversationRequest,
     request: Request,
-    constraint: Option<Box<dyn TokenConstraint>>,
+    constraint: Option<RequestConstraint>,
     logprobs: bool,
     /// Streamed usage: Chat Completions only when `stream_options.include_usage`.
     include_usage: bool,
@@ -498,7 +497,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
     let parsing = &converted.parsing_options;
     let thinking =
         !parsing.starts_in_tool_calls && parsing.thinking_initial_stage.is_some_and(|s| s.starts_in_reasoning());
-    let constraint: Option<Box<dyn TokenConstraint>> = match format {
+    let constraint: Option<RequestConstraint> = match format {
         None => None,
         Some(format) => {
             let size = match &format {
@@ -513,7 +512,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
                 .constraints
                 .as_ref()
                 .ok_or_else(|| bad("structured output is not available: the tokenizer is not byte-level".into()))?;
-            Some(Box::new(factory.build(&format, max_tokens as usize, thinking).map_err(bad)?))
+            Some(factory.build_described(format, max_tokens as usize, thinking).map_err(bad)?)
         }
     };
     let mut request = Request::new(prompt, max_tokens as usize).with_params(params);

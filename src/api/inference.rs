@@ -114,7 +114,9 @@ pub fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChu
                     s.queue.push_back(InferenceChunk::Finish { finish_reason });
                     s.finished = true;
                 }
-                Some(Event::Queued | Event::Rejected(_)) => {}
+                // Refused where it was sent after it was queued (a cluster's scheduler).
+                Some(Event::Rejected(e)) => s.fail(format!("refused: {e}")),
+                Some(Event::Queued) => {}
                 None => s.fail("the engine stopped".into()),
             }
         }

@@ -7,6 +7,7 @@
 //! protocol chunks by the recipe's `StreamProcessor`.
 
 pub mod cache_metrics;
+pub mod cluster_thread;
 pub mod completions;
 pub mod constraint;
 pub mod engine_thread;
@@ -117,7 +118,7 @@ impl AppState {
         &self,
         flavor: Flavor,
         request: deepinfer_engine::request::Request,
-        constraint: Option<Box<dyn deepinfer_engine::constraint::TokenConstraint>>,
+        constraint: Option<constraint::RequestConstraint>,
         arrived: std::time::Instant,
     ) -> Result<tokio::sync::mpsc::UnboundedReceiver<engine_thread::Event>, ApiError> {
         let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -145,6 +146,15 @@ pub fn parse_object(flavor: Flavor, body: &[u8]) -> Result<serde_json::Map<Strin
     }
 }
 
+/// What runs the server's requests.
+pub enum Runner {
+    /// An engine in this process.
+    Engine,
+    /// A running cluster, reached as its client (`cluster` connected on
+    /// `rt`) whose schedulers follow `policy`.
+    Cluster { rt: tokio::runtime::Runtime, cluster: deepinfer_actors::Cluster, policy: EngineConfig },
+}
+
 /// A bound server, ready to run.
 pub struct Server {
     listener: tokio::net::TcpListener,
@@ -154,12 +164,13 @@ pub struct Server {
 }
 
 impl Server {
-    /// Start the engine thread and bind `addr` (port 0 picks a free port).
+    /// Start what runs the requests and bind `addr` (port 0 picks a free port).
     pub async fn bind(
-        model: Model,
+        model: Arc<Model>,
         tokenizer: Tokenizer,
         config: ServeConfig,
         addr: SocketAddr,
+        runner: Runner,
     ) -> anyhow::Result<Self> {
         let context = model.config.max_position_embeddings;
         let vocab = model.config.vocab_size;
@@ -175,8 +186,12 @@ impl Server {
         metrics::set_model_name(&config.model_name);
         // Installed before the engine thread starts, which reports from its first moment.
         let metrics_handle = metrics::handle();
-        let (engine, engine_thread) =
-            engine_thread::spawn(Arc::new(model), config.engine.clone(), config.cache.clone())?;
+        let (engine, engine_thread) = match runner {
+            Runner::Engine => engine_thread::spawn(Arc::clone(&model), config.engine.clone(), config.cache.clone())?,
+            Runner::Cluster { rt, cluster, policy } => {
+                cluster_thread::spawn(rt, cluster, &model, policy, config.max_concurrent)?
+            }
+        };
         let conversion = ConversionOptions::new()
             .with_model_versions_by_name([(config.model_name.clone(), ModelVersion::DeepseekV4Pro)])
             .with_default_thinking_mode(config.default_thinking)

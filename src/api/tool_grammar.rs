@@ -25,7 +25,7 @@ pub const MAX_CALLS: usize = 8;
 pub const STRING_CHARS_MAX: u64 = 64;
 
 /// One tool a forced call may use: its name and its parameters' JSON schema.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ToolSpec {
     pub name: String,
     pub parameters: Value,

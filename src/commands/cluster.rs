@@ -3,6 +3,7 @@
 //! described by a topology file.
 
 use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
@@ -55,6 +56,10 @@ pub struct LaunchArgs {
     /// Give up if the cluster is not ready after this many seconds.
     #[arg(long, default_value_t = 120)]
     pub ready_timeout: u64,
+    /// Start no API front end (by default one serves at the topology's
+    /// `api_listen` when that address is on this machine).
+    #[arg(long)]
+    pub no_api: bool,
 }
 
 #[derive(Args, Debug)]
@@ -155,6 +160,32 @@ impl Children {
     }
 }
 
+impl Children {
+    /// Start `command` as child `name`, its stderr lines echoed with the name
+    /// and sent on `lines` with its slot; returns the slot.
+    fn start(
+        &mut self,
+        mut command: Command,
+        name: String,
+        lines: &mpsc::Sender<(usize, Option<String>)>,
+    ) -> anyhow::Result<usize> {
+        let mut child =
+            command.stdin(Stdio::piped()).stderr(Stdio::piped()).spawn().with_context(|| format!("starting {name}"))?;
+        let stderr = child.stderr.take().expect("piped");
+        let stdin = child.stdin.take();
+        let (tx, prefix, slot) = (lines.clone(), name.clone(), self.0.len());
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                eprintln!("[{prefix}] {line}");
+                let _ = tx.send((slot, Some(line)));
+            }
+            let _ = tx.send((slot, None));
+        });
+        self.0.push(NodeChild { name, child, stdin, ready: false, exited: false });
+        Ok(slot)
+    }
+}
+
 impl Drop for Children {
     fn drop(&mut self) {
         self.stop(Duration::from_secs(5));
@@ -179,36 +210,16 @@ pub fn launch(args: &LaunchArgs) -> anyhow::Result<()> {
     let exe = std::env::current_exe().context("locating the deepinfer binary")?;
     let (tx, rx) = mpsc::channel::<(usize, Option<String>)>();
     let mut children = Children(Vec::new());
-    for (slot, &i) in here.iter().enumerate() {
+    for &i in &here {
         let name = plan.nodes[i as usize].name.clone();
-        let mut child = Command::new(&exe)
-            .arg("node")
-            .arg("--topology")
-            .arg(&args.topology)
-            .args(["--node", &name, "--exit-with-stdin"])
-            .arg("--certs")
-            .arg(&certs)
-            .stdin(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("starting node {name}"))?;
-        let stderr = child.stderr.take().expect("piped");
-        let stdin = child.stdin.take();
-        let tx = tx.clone();
-        let prefix = name.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                eprintln!("[{prefix}] {line}");
-                let _ = tx.send((slot, Some(line)));
-            }
-            let _ = tx.send((slot, None));
-        });
-        children.0.push(NodeChild { name, child, stdin, ready: false, exited: false });
+        let mut command = Command::new(&exe);
+        command.arg("node").arg("--topology").arg(&args.topology).args(["--node", &name, "--exit-with-stdin"]);
+        command.arg("--certs").arg(&certs);
+        children.start(command, name, &tx)?;
     }
-    drop(tx);
-
     let deadline = Instant::now() + Duration::from_secs(args.ready_timeout);
     while !children.0.iter().all(|c| c.ready) {
+        // Only nodes are started yet; each says when it sees the whole cluster.
         let left = deadline.saturating_duration_since(Instant::now());
         match rx.recv_timeout(left) {
             Ok((slot, Some(line))) => {
@@ -220,6 +231,24 @@ pub fn launch(args: &LaunchArgs) -> anyhow::Result<()> {
             Err(_) => bail!("the cluster was not ready after {} s", args.ready_timeout),
         }
     }
+    // The API front end, once the nodes it submits to are up.
+    let api = plan.api_listen();
+    let api_here = !args.no_api && std::net::UdpSocket::bind(SocketAddr::new(api.ip(), 0)).is_ok();
+    if api_here {
+        let mut command = Command::new(&exe);
+        command.arg("serve").arg("--topology").arg(&args.topology).arg("--certs").arg(&certs);
+        command.arg("--listen").arg(api.to_string()).arg("--exit-with-stdin");
+        let slot = children.start(command, "api".into(), &tx)?;
+        loop {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok((s, Some(line))) if s == slot && line.contains("on http://") => break,
+                Ok((s, None)) if s == slot => bail!("the API front end exited before it listened"),
+                Ok(_) => {}
+                Err(_) => bail!("the API front end did not listen within {} s", args.ready_timeout),
+            }
+        }
+    }
+    drop(tx);
     println!(
         "cluster {} ready: {} nodes ({} started here), {} devices, {} instance(s), expert parallel {}",
         plan.name(),
@@ -230,7 +259,8 @@ pub fn launch(args: &LaunchArgs) -> anyhow::Result<()> {
         plan.expert_parallel
     );
     for c in &children.0 {
-        let addr = plan.nodes.iter().find(|n| n.name == c.name).map(|n| n.addr.to_string()).unwrap_or_default();
+        let addr = plan.nodes.iter().find(|n| n.name == c.name).map(|n| n.addr.to_string());
+        let addr = addr.unwrap_or_else(|| format!("http://{api}"));
         println!("  {:<12} {:<22} pid {}", c.name, addr, c.child.id());
     }
     println!("stop with Ctrl-C");
@@ -244,6 +274,8 @@ pub fn launch(args: &LaunchArgs) -> anyhow::Result<()> {
                 _ = tokio::signal::ctrl_c() => return anyhow::Ok("interrupted"),
                 _ = term.recv() => return Ok("terminated"),
                 _ = tick.tick() => {
+                    // The children's lines are echoed already; keep the channel from growing.
+                    while rx.try_recv().is_ok() {}
                     for c in &mut children.0 {
                         if !c.exited {
                             if let Ok(Some(status)) = c.child.try_wait() {

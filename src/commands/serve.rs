@@ -1,17 +1,19 @@
-//! `deepinfer serve`: the HTTP API on one local engine.
+//! `deepinfer serve`: the HTTP API on this process's engine, or as a front
+//! end of a running cluster.
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::bail;
 use clap::{ArgAction, Args};
 use deepinfer_engine::engine::EngineConfig;
 
-use crate::api::{ServeConfig, Server};
+use crate::api::{Runner, ServeConfig, Server};
 use crate::cli::{EngineArgs, ModelArgs};
+use crate::cluster::ClusterPlan;
 use crate::generation::load_model;
 use crate::kv_disk::{system_clock, weights_identity, CacheSetup, DiskConfig};
-use crate::topology::Topology;
 use deepinfer_engine::engine::TierConfig;
 use deepinfer_engine::kv_tiers::PersistRule;
 use deepinfer_engine::request::MAX_CACHE_TTL_MS;
@@ -23,13 +25,18 @@ pub struct ServeArgs {
     /// Name clients pass as `model` (default: the preset's or the directory's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// Serve the model and API address of a topology file (one-device topologies;
-    /// larger ones need the multi-process cluster).
+    /// Serve the model of a topology file: a one-device topology in this
+    /// process, a larger one as a front end of its running cluster (started
+    /// with `deepinfer launch`), reached over QUIC with the `client` certificate.
     #[arg(long)]
     pub topology: Option<PathBuf>,
+    /// Certificate directory of the cluster (default: `certs_dir` of the topology).
+    #[arg(long, requires = "topology")]
+    pub certs: Option<PathBuf>,
     /// Address to listen on; port 0 picks a free port (printed at start).
-    #[arg(long, default_value = "127.0.0.1:8000")]
-    pub listen: SocketAddr,
+    /// Default: the topology's `api_listen`, else 127.0.0.1:8000.
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
     /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`).
     #[arg(long, env = "DEEPINFER_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -54,6 +61,9 @@ pub struct ServeArgs {
     /// Largest `max_tokens` a request may ask for (default: the model's context).
     #[arg(long)]
     pub max_tokens_limit: Option<u32>,
+    /// Stop when standard input closes (how `launch` stops the front end it starts).
+    #[arg(long, hide = true)]
+    pub exit_with_stdin: bool,
     #[command(flatten)]
     pub engine: EngineArgs,
     #[command(flatten)]
@@ -105,45 +115,42 @@ impl CacheArgs {
 }
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
-    let (model_spec, listen) = match &args.topology {
-        None => (args.source.model.clone(), args.listen),
-        Some(path) => from_topology(path)?,
+    let default_listen = || SocketAddr::from(([127, 0, 0, 1], 8000));
+    let (model_spec, listen, plan) = match &args.topology {
+        None => (args.source.model.clone(), args.listen.unwrap_or_else(default_listen), None),
+        Some(path) => {
+            let plan = ClusterPlan::load(path)?;
+            let listen = args.listen.unwrap_or_else(|| plan.api_listen());
+            (plan.model_spec(), listen, (plan.devices() > 1).then_some(plan))
+        }
     };
     let loaded = load_model(&model_spec, args.source.model_seed, args.source.tokenizer.as_deref())?;
     let context = loaded.model.config.max_position_embeddings;
     let config = serve_config(args, &loaded.name, context, (&model_spec, args.source.model_seed))?;
+    let model = Arc::new(loaded.model);
+    let runner = match &plan {
+        None => Runner::Engine,
+        Some(plan) => {
+            let (rt, cluster) = crate::cluster::connect_client(plan, args.certs.as_deref(), Arc::clone(&model))?;
+            Runner::Cluster { rt, cluster, policy: plan.base_config().engine }
+        }
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("http").build()?;
     runtime.block_on(async move {
         let name = config.model_name.clone();
-        let server = Server::bind(loaded.model, loaded.tokenizer, config, listen).await?;
+        let server = Server::bind(model, loaded.tokenizer, config, listen, runner).await?;
         let addr = server.local_addr()?;
-        eprintln!("deepinfer: serving `{name}` on http://{addr}");
-        server.run(shutdown_signal()).await
+        match &plan {
+            None => eprintln!("deepinfer: serving `{name}` on http://{addr}"),
+            Some(p) => eprintln!(
+                "deepinfer: serving `{name}` from cluster {} ({} nodes, {} devices) on http://{addr}",
+                p.name(),
+                p.nodes.len(),
+                p.devices()
+            ),
+        }
+        server.run(shutdown_signal(args.exit_with_stdin)).await
     })
-}
-
-/// The model and API address of a topology. A one-device topology is served by
-/// this process's engine; larger ones need the multi-process cluster.
-fn from_topology(path: &Path) -> anyhow::Result<(String, SocketAddr)> {
-    let topology = Topology::from_file(path)?;
-    let devices = topology.total_devices();
-    if devices != 1 {
-        bail!(
-            "{}: {devices} devices on {} nodes need the multi-process cluster launcher, which is not available yet; \
-             serve a one-device topology (such as cluster-configs/local-1.toml) or run without --topology",
-            path.display(),
-            topology.nodes.len()
-        );
-    }
-    let model = &topology.cluster.model;
-    let model = if model.starts_with("builtin:") || Path::new(model).is_absolute() {
-        model.clone()
-    } else {
-        // Relative model directories are relative to the topology file.
-        path.parent().unwrap_or(Path::new(".")).join(model).display().to_string()
-    };
-    let listen = topology.cluster.api_listen.get_ref().parse().expect("checked when the topology was read");
-    Ok((model, listen))
 }
 
 fn serve_config(
@@ -192,9 +199,16 @@ fn served_name(loaded: &str) -> String {
     }
 }
 
-async fn shutdown_signal() {
+async fn shutdown_signal(exit_with_stdin: bool) {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
+    };
+    let stdin_closed = async move {
+        if !exit_with_stdin {
+            return std::future::pending().await;
+        }
+        let _ =
+            tokio::task::spawn_blocking(|| std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new())).await;
     };
     #[cfg(unix)]
     let terminate = async {
@@ -210,6 +224,7 @@ async fn shutdown_signal() {
     tokio::select! {
         () = ctrl_c => {},
         () = terminate => {},
+        () = stdin_closed => {},
     }
     eprintln!("deepinfer: shutting down");
 }

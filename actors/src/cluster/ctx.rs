@@ -116,6 +116,8 @@ pub struct Ctx {
     /// What outlives an actor's incarnation (placements, step and
     /// incarnation counters, lost devices, gauges).
     pub durable: Durable,
+    /// Builds structured-output constraints; `None`: such requests are refused.
+    pub constraints: Option<Arc<dyn deepinfer_engine::constraint::ConstraintSource>>,
 }
 
 impl Ctx {

@@ -29,6 +29,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
+use deepinfer_engine::constraint::ConstraintSource;
 use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::model::Model;
 use deepinfer_engine::request::{FinishReason, Finished, Request, TokenOutput};
@@ -60,7 +61,7 @@ use crate::sim::events::{bump, EventLog, Metrics, MetricsSnapshot};
 use crate::sim::fabric::{FabricConfig, NodeOf, SimFabric};
 use crate::sim::faults::{FaultPlan, Faults};
 use crate::sim::rng::Seed;
-use crate::wire::{Addr, FinishKind, Message, OutputEnd, RequestSpec, Role, Sampling, Submit};
+use crate::wire::{Addr, FinishKind, Message, OutputEnd, RequestSpec, Role, Sampling, Submit, TokenBias};
 
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {
@@ -106,6 +107,19 @@ pub struct ClusterConfig {
     pub prefill_routing: PrefillRouting,
     /// Simulation only: full-size modelled devices that compute nothing.
     pub modelled: Option<ModelledSpec>,
+    /// Builds the constraints of structured-output requests in the
+    /// schedulers; `None`: such requests are refused.
+    pub constraints: Option<Constraints>,
+}
+
+/// The schedulers' [`ConstraintSource`], shared by every instance.
+#[derive(Clone)]
+pub struct Constraints(pub Arc<dyn ConstraintSource>);
+
+impl std::fmt::Debug for Constraints {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Constraints")
+    }
 }
 
 impl ClusterConfig {
@@ -133,6 +147,7 @@ impl ClusterConfig {
             eplb: None,
             prefill_routing: PrefillRouting::CacheAffinity,
             modelled: None,
+            constraints: None,
         }
     }
 
@@ -443,6 +458,7 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         prefill_routing: cfg.prefill_routing,
         root: OnceLock::new(),
         durable: Durable::new(placements, topo.nodes()),
+        constraints: cfg.constraints.as_ref().map(|c| Arc::clone(&c.0)),
     });
     for instance in 0..topo.instances {
         Scheduler::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| ClusterError::Engine(e.to_string()))?;
@@ -650,15 +666,16 @@ impl Cluster {
 
     /// Submit a request; its id names it in every [`Update`].
     pub fn submit(&mut self, request: Request) -> u64 {
+        self.submit_constrained(request, None)
+    }
+
+    /// Submit a request whose output must match `constraint` (a description
+    /// the cluster's [`Constraints`] build from). A request the cluster
+    /// cannot run gets an [`Update::Refused`] naming why.
+    pub fn submit_constrained(&mut self, request: Request, constraint: Option<String>) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
         let p = &request.params;
-        // Logit bias, penalties and min-p need the whole history at the sampler,
-        // which the step protocol does not carry yet; no caller sends them here.
-        assert!(
-            !p.adjusts_logits() && p.min_p == 0.0,
-            "the cluster runtime does not carry logit bias, penalties or min-p"
-        );
         let spec = RequestSpec {
             id,
             prompt: request.prompt,
@@ -669,11 +686,17 @@ impl Cluster {
                 top_k: p.top_k.min(u32::MAX as usize) as u32,
                 seed: p.seed,
                 logprobs: p.logprobs.min(u32::MAX as usize) as u32,
+                min_p: p.min_p,
+                logit_bias: p.logit_bias.iter().map(|&(token, bias)| TokenBias { token, bias }).collect(),
+                frequency_penalty: p.frequency_penalty,
+                presence_penalty: p.presence_penalty,
+                repetition_penalty: p.repetition_penalty,
             },
             stop_token_ids: request.stop_token_ids,
             stop_sequences: request.stop_sequences,
             ignore_eos: request.ignore_eos,
             logits: request.return_logits || self.ctx.return_logits,
+            constraint,
         };
         let o = Outstanding {
             spec,

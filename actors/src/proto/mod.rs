@@ -46,7 +46,11 @@ pub(crate) fn sampling_params(s: &crate::wire::Sampling) -> deepinfer_engine::sa
         top_k: s.top_k as usize,
         seed: s.seed,
         logprobs: s.logprobs as usize,
-        ..Default::default()
+        min_p: s.min_p,
+        logit_bias: s.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
+        frequency_penalty: s.frequency_penalty,
+        presence_penalty: s.presence_penalty,
+        repetition_penalty: s.repetition_penalty,
     }
 }
 

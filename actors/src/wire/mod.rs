@@ -26,7 +26,7 @@ use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// Version of the envelope layout; bumped on any change to the archived types.
-pub const WIRE_VERSION: u16 = 5;
+pub const WIRE_VERSION: u16 = 6;
 pub use crate::limits::MAX_FRAME_BYTES;
 /// "dINF" little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"dINF");
@@ -109,6 +109,49 @@ pub struct Sampling {
     pub seed: u64,
     /// Most likely alternatives to report per token.
     pub logprobs: u32,
+    /// Drops tokens less likely than this fraction of the most likely one; 0 keeps all.
+    pub min_p: f32,
+    /// Added to the listed tokens' logits (OpenAI's `logit_bias`), sorted by token, each once.
+    pub logit_bias: Vec<TokenBias>,
+    /// Penalties over the token history (the engine's `SamplingParams`);
+    /// the history travels with each step (`StepItem::history`).
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    pub repetition_penalty: f32,
+}
+
+impl Sampling {
+    /// Greedy decoding, nothing reported, logits as the model gives them.
+    pub fn greedy() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+            logprobs: 0,
+            min_p: 0.0,
+            logit_bias: Vec::new(),
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            repetition_penalty: 1.0,
+        }
+    }
+}
+
+/// A token of a sequence's history and how often it was generated.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct TokenCount {
+    pub token: u32,
+    pub count: u32,
+}
+
+/// One entry of a request's logit bias.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq)]
+#[rkyv(derive(Debug))]
+pub struct TokenBias {
+    pub token: u32,
+    pub bias: f32,
 }
 
 /// The expert placement a step runs under: replicas (devices) per logical expert.
@@ -154,6 +197,12 @@ pub struct StepItem {
     /// Most draft tokens the item may verify after its tokens (speculative
     /// decoding; reserved by the scheduler).
     pub drafts: u32,
+    /// Tokens the sampled one may be (structured output): one bit per
+    /// vocabulary entry, 32 to a word; empty allows every token.
+    pub allowed: Vec<u32>,
+    /// With penalties: every distinct token of the prompt and the output,
+    /// ascending, with its count in the output; empty without.
+    pub history: Vec<TokenCount>,
 }
 
 /// Scheduler → worker: run one forward step over these sequences and sample.
@@ -376,6 +425,9 @@ pub struct RequestSpec {
     pub ignore_eos: bool,
     /// Return every generated token's logits row.
     pub logits: bool,
+    /// What the output must match (structured output, forced tool calls),
+    /// as the front end describes it to the cluster's constraint source.
+    pub constraint: Option<String>,
 }
 
 /// "Make sure this request is running, and send me its output from token

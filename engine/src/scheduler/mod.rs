@@ -485,7 +485,9 @@ impl Scheduler {
         freed
     }
 
-    fn validate(&self, r: &Request) -> Result<(), RequestError> {
+    /// Why [`Self::add`] would refuse `r` whatever the queue holds, if it
+    /// would: a front end checks requests it sends elsewhere with it.
+    pub fn validate(&self, r: &Request) -> Result<(), RequestError> {
         let limits = &self.limits;
         if r.prompt.is_empty() {
             return Err(RequestError::EmptyPrompt);

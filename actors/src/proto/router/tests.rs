@@ -29,11 +29,12 @@ fn spec(id: u64) -> RequestSpec {
         id,
         prompt: (2..12).collect(),
         max_tokens: 8,
-        sampling: Sampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0, logprobs: 0 },
+        sampling: Sampling::greedy(),
         stop_token_ids: Vec::new(),
         stop_sequences: Vec::new(),
         ignore_eos: true,
         logits: false,
+        constraint: None,
     }
 }
 

@@ -115,6 +115,17 @@ impl SchedulerMachine {
                 }
             })
         };
+        let constraint = match self.constraint_for(&spec, &generated) {
+            Ok(c) => c,
+            Err(why) => {
+                self.send(from, adopted.clone(), &[]);
+                self.send(self.router, adopted, &[]);
+                let end = Some(OutputEnd::Refused(why));
+                let item = OutputItem { id, from: generated.len() as u32, tokens: Vec::new(), logits: false, end };
+                self.send_outputs(vec![item], &[]);
+                return;
+            }
+        };
         let request = request_of(&spec);
         let added = match &checked {
             Ok(()) => self.policy.add_prefilled(request, &generated),
@@ -142,7 +153,8 @@ impl SchedulerMachine {
                 self.by_rid.insert(rid, id);
                 let import = checked.is_ok().then_some((lens, values));
                 self.ctx.events.record(format_args!("{} adopts request {id} at {position} tokens", self.addr));
-                let live = Live { rid, worker, spec, hashes: Vec::new(), plain: false, decode: None, import };
+                let live =
+                    Live { rid, worker, spec, hashes: Vec::new(), plain: false, decode: None, import, constraint };
                 self.live.insert(id, live);
                 self.tick();
             }

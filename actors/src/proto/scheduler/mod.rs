@@ -31,11 +31,13 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
+use deepinfer_engine::constraint::{allowed_tokens, TokenConstraint};
 use deepinfer_engine::engine::step_segments;
 use deepinfer_engine::eplb::ExpertLoadTracker;
 use deepinfer_engine::kv_pool::BlockId;
 use deepinfer_engine::prefix_cache::block_hash;
 use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId};
+use deepinfer_engine::sampling::token_history;
 use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler, StepPlan};
 use deepinfer_engine::transfer::parts_values;
 
@@ -49,7 +51,7 @@ use crate::sim::faults::Target;
 use crate::wire::{
     Addr, BlockSnapshot, CacheMsg, Control, ExpertLoad, FetchItem, FetchedItem, FinishKind, FinishWire, HandoffMsg,
     Heartbeat, Message, OutputEnd, OutputItem, Outputs, PlacementWire, RequestSpec, Role, Sampling, SeqOutput,
-    StateExport, StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, Verification,
+    StateExport, StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, TokenCount, Verification,
 };
 
 mod drafts;
@@ -123,6 +125,8 @@ struct Live {
     decode: Option<u32>,
     /// Its state as a prefill instance computed it (lengths, values), until admitted.
     import: Option<(Vec<u32>, Vec<f32>)>,
+    /// Its structured-output constraint, advanced over every token it generated.
+    constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 /// A prefilled request waiting for its decode instance to adopt it.
@@ -158,6 +162,10 @@ struct Item {
     export: bool,
     /// Most drafts it may verify (speculative decoding).
     drafts: usize,
+    /// The tokens it may sample (its constraint's mask); empty: any.
+    allowed: Vec<u32>,
+    /// The token history its penalties look at; empty without penalties.
+    history: Vec<TokenCount>,
 }
 
 struct Pending {

@@ -8,6 +8,24 @@ impl SchedulerMachine {
         self.policy.tokens(rid).len() - self.policy.request(rid).prompt.len()
     }
 
+    /// `spec`'s constraint advanced over the tokens it already generated;
+    /// the error says why the request cannot run.
+    pub(super) fn constraint_for(
+        &self,
+        spec: &RequestSpec,
+        generated: &[u32],
+    ) -> Result<Option<Box<dyn TokenConstraint>>, String> {
+        let Some(description) = &spec.constraint else { return Ok(None) };
+        let Some(source) = self.ctx.constraints.as_ref().filter(|_| self.ctx.modelled.is_none()) else {
+            return Err("structured output is not available on this cluster".into());
+        };
+        let mut constraint = source.build(description, spec.max_tokens as usize)?;
+        for &token in generated {
+            constraint.accept(token);
+        }
+        Ok(Some(constraint))
+    }
+
     pub(super) fn wants_logits(&self, spec: &RequestSpec) -> bool {
         spec.logits || self.ctx.return_logits
     }
@@ -109,6 +127,15 @@ impl SchedulerMachine {
             self.send_outputs(vec![item], &[]);
             return;
         }
+        let constraint = match self.constraint_for(&spec, &generated) {
+            Ok(c) => c,
+            Err(why) => {
+                let end = Some(OutputEnd::Refused(why));
+                let item = OutputItem { id, from: generated.len() as u32, tokens: Vec::new(), logits: false, end };
+                self.send_outputs(vec![item], &[]);
+                return;
+            }
+        };
         let request = request_of(&spec);
         let added = if generated.is_empty() {
             self.policy.add(request)
@@ -131,8 +158,10 @@ impl SchedulerMachine {
                 let worker = worker.unwrap_or_else(|| self.pick_worker());
                 self.assign(rid, worker, spec.prompt.len());
                 self.by_rid.insert(rid, id);
-                self.live
-                    .insert(id, Live { rid, worker, spec, hashes: Vec::new(), plain: false, decode, import: None });
+                self.live.insert(
+                    id,
+                    Live { rid, worker, spec, hashes: Vec::new(), plain: false, decode, import: None, constraint },
+                );
                 self.tiers_arrived(rid);
                 self.send(self.router, Message::Ack { ids: vec![id] }, &[]);
                 self.tick();

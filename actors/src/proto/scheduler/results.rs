@@ -147,15 +147,30 @@ impl SchedulerMachine {
                 continue;
             }
             let mut sampled = Vec::with_capacity(current.len());
+            let mut satisfied = Vec::new();
             for &(id, rid, _) in &current {
                 let Some((o, row)) = sampled_rows.get_mut(&id).and_then(VecDeque::pop_front) else { continue };
                 sampled.push(SampledToken { id: rid, token: o.token, ok: o.logprob.is_finite() });
+                if let Some(c) = self.live.get_mut(&id).and_then(|l| l.constraint.as_deref_mut()) {
+                    c.accept(o.token);
+                    if c.is_done() {
+                        satisfied.push(id);
+                    }
+                }
                 outs.push(id, self.generated(rid), o, row);
             }
             for (rid, f) in self.policy.complete(&sampled) {
                 let Some(&id) = self.by_rid.get(&rid) else { continue };
                 self.forget(id);
                 outs.finish(id, &f);
+            }
+            // A constraint that admits nothing more ends its request as a stop, as in the engine.
+            for id in satisfied {
+                let Some(l) = self.forget(id) else { continue };
+                if let Ok(mut f) = self.policy.cancel(l.rid) {
+                    f.reason = FinishReason::Stop;
+                    outs.finish(id, &f);
+                }
             }
         }
         let mut body = Vec::new();

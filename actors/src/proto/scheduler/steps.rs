@@ -61,7 +61,18 @@ impl SchedulerMachine {
             // Admitted past 0 without cached blocks: from a state another instance computed.
             let imported = it.from > 0 && it.start.as_ref().is_some_and(Vec::is_empty);
             let import = if imported { self.live.get_mut(&id).and_then(|l| l.import.take()) } else { None };
+            let vocab = self.ctx.config.vocab_size;
+            let allowed = match self.live.get_mut(&id).and_then(|l| l.constraint.as_deref_mut()) {
+                Some(c) if it.sample => allowed_tokens(c, vocab),
+                _ => Vec::new(),
+            };
             let l = &self.live[&id];
+            let history = if it.sample && penalised(&l.spec.sampling) {
+                let (prompt, output) = self.policy.tokens(it.id).split_at(l.spec.prompt.len());
+                token_history(prompt, output).into_iter().map(|(token, count)| TokenCount { token, count }).collect()
+            } else {
+                Vec::new()
+            };
             let hit = it.start.as_deref().unwrap_or_default();
             let mut restore: Option<Vec<u64>> = hit.iter().map(|b| self.cached.get(b).copied()).collect();
             if imported && import.is_none() {
@@ -73,13 +84,9 @@ impl SchedulerMachine {
                 import,
                 export,
                 logits: it.sample && self.wants_logits(&l.spec),
-                sampling: Sampling {
-                    temperature: s.temperature,
-                    top_p: s.top_p,
-                    top_k: s.top_k,
-                    seed: s.seed,
-                    logprobs: s.logprobs,
-                },
+                sampling: s.clone(),
+                allowed,
+                history,
                 id,
                 rid: it.id,
                 worker: l.worker,
@@ -274,6 +281,8 @@ impl SchedulerMachine {
                     export: it.export,
                     import,
                     drafts: it.drafts as u32,
+                    allowed: it.allowed.clone(),
+                    history: it.history.clone(),
                 }
             })
             .collect();
@@ -380,4 +389,9 @@ impl SchedulerMachine {
         }
         Ok(())
     }
+}
+
+/// Whether sampling needs the token history (any penalty set).
+fn penalised(s: &Sampling) -> bool {
+    s.frequency_penalty != 0.0 || s.presence_penalty != 0.0 || s.repetition_penalty != 1.0
 }

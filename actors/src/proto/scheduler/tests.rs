@@ -30,7 +30,7 @@ fn frame(from: Addr, msg: Message, body: &[f32]) -> Input {
 }
 
 fn submit(id: u64, prompt: Vec<u32>, max_tokens: u32) -> Input {
-    let sampling = Sampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0, logprobs: 0 };
+    let sampling = Sampling::greedy();
     let spec = RequestSpec {
         id,
         prompt,
@@ -40,6 +40,7 @@ fn submit(id: u64, prompt: Vec<u32>, max_tokens: u32) -> Input {
         stop_sequences: Vec::new(),
         ignore_eos: true,
         logits: false,
+        constraint: None,
     };
     frame(ROUTER, Message::Submit(Submit { spec, generated: Vec::new(), decode: None }), &[])
 }

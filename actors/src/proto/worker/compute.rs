@@ -9,7 +9,7 @@ use std::time::Duration;
 use deepinfer_engine::cost::SeqWork;
 use deepinfer_engine::engine::{check_restore, restore_state, step_segments, BlockValues};
 use deepinfer_engine::model::{Chunk, ExpertOutputs, LogitsWanted, Pass, SequenceState};
-use deepinfer_engine::sampling::{sample, SamplingParams};
+use deepinfer_engine::sampling::{adjust_logits_from_history, sample, SamplingParams};
 use deepinfer_engine::transfer::{parts_values, state_to_parts};
 
 use super::validate::{check_request, Device};
@@ -41,6 +41,10 @@ struct ItemRun {
     state: SequenceState,
     params: SamplingParams,
     sample: bool,
+    /// The structured-output mask of the sampled token (empty: any).
+    allowed: Vec<u32>,
+    /// The token history its penalties look at (empty without penalties).
+    history: Vec<(u32, u32)>,
     logits: bool,
     /// `(start, end, replay)` per wave, absolute positions.
     segments: Vec<(usize, usize, bool)>,
@@ -142,6 +146,8 @@ impl WorkerMachine {
                 state,
                 params: sampling_params(&it.sampling),
                 sample: it.sample,
+                allowed: it.allowed,
+                history: it.history.iter().map(|h| (h.token, h.count)).collect(),
                 logits: it.logits,
                 segments,
                 snapshots,
@@ -400,7 +406,10 @@ impl WorkerMachine {
         let mut outputs = Vec::new();
         let mut body = Vec::new();
         for it in &mut run.items {
-            let Some(row) = it.row.take() else { continue };
+            let Some(mut row) = it.row.take() else { continue };
+            // The engine's order: bias, then the structured-output mask, then sampling.
+            adjust_logits_from_history(&mut row, &it.params, &it.history);
+            mask_row(&mut row, &it.allowed);
             let position = it.state.position as u64;
             let s = sample(&row, &it.params, position);
             let top = s.top.iter().map(|&(token, logprob)| TopLogprob { token, logprob }).collect();
@@ -511,5 +520,18 @@ impl WorkerMachine {
         }
         let after = self.ctx.timeouts.dispatch;
         self.effects.push(Effect::ArmDispatch { pass, layer, round: run.round, after });
+    }
+}
+
+/// Set the logits of tokens outside `allowed` (one bit per token; empty
+/// allows all) to -inf, as the engine's constraint does.
+fn mask_row(row: &mut [f32], allowed: &[u32]) {
+    if allowed.is_empty() {
+        return;
+    }
+    for (token, logit) in row.iter_mut().enumerate() {
+        if allowed.get(token / 32).is_none_or(|w| w >> (token % 32) & 1 == 0) {
+            *logit = f32::NEG_INFINITY;
+        }
     }
 }

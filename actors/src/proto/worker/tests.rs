@@ -7,9 +7,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use deepinfer_engine::constraint::{allowed_tokens, TokenConstraint};
 use deepinfer_engine::engine::{Engine, EngineConfig};
 use deepinfer_engine::request::Request;
-use deepinfer_engine::sampling::SamplingParams;
+use deepinfer_engine::sampling::{token_history, SamplingParams};
 
 use super::{Effect, Input, WorkerMachine};
 use crate::cluster::ctx::Ctx;
@@ -22,7 +23,6 @@ use crate::wire::{
 };
 
 const SCHEDULER: Addr = Addr::scheduler(0);
-const GREEDY: Sampling = Sampling { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0, logprobs: 0 };
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -134,7 +134,7 @@ fn item(seq: u64, position: u64, tokens: Vec<u32>) -> StepItem {
         position,
         tokens,
         rebuild: false,
-        sampling: GREEDY,
+        sampling: Sampling::greedy(),
         sample: true,
         logits: false,
         replay_until: 0,
@@ -143,6 +143,8 @@ fn item(seq: u64, position: u64, tokens: Vec<u32>) -> StepItem {
         export: false,
         import: Vec::new(),
         drafts: 0,
+        allowed: Vec::new(),
+        history: Vec::new(),
     }
 }
 
@@ -192,6 +194,81 @@ fn prefill_and_decode_sample_the_engines_tokens() {
         got.extend(tokens_of(&rig.run(seen, |_| false)));
     }
     assert_eq!(got, want, "bit for bit the engine's greedy tokens");
+}
+
+/// Allows the even tokens below 200, as a structured-output grammar would a set.
+struct EvenTokens;
+
+impl TokenConstraint for EvenTokens {
+    fn allowed(&mut self, logits: &mut [f32]) {
+        for (t, l) in logits.iter_mut().enumerate() {
+            if t % 2 == 1 || t >= 200 {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+    fn accept(&mut self, _token: u32) {}
+    fn is_done(&self) -> bool {
+        false
+    }
+}
+
+#[test]
+fn a_mask_bias_and_penalties_sample_what_the_engine_samples() {
+    let mut rig = Rig::new();
+    let vocab = rig.ctx.config.vocab_size;
+    let params = SamplingParams {
+        temperature: 0.9,
+        seed: 3,
+        logprobs: 2,
+        logit_bias: vec![(4, 3.0), (10, -100.0)],
+        frequency_penalty: 1.5,
+        presence_penalty: 0.5,
+        repetition_penalty: 1.3,
+        min_p: 0.01,
+        ..Default::default()
+    };
+    let mut engine = Engine::new(&*rig.ctx.model, EngineConfig::default()).expect("an engine");
+    let request = Request { ignore_eos: true, ..Request::new(prompt(), 4).with_params(params.clone()) };
+    engine.add_constrained_request(request, Box::new(EvenTokens)).expect("admitted");
+    let mut want = Vec::new();
+    while engine.has_work() {
+        for u in engine.step() {
+            want.extend(u.tokens.iter().map(|t| (t.token, t.logprob.to_bits())));
+        }
+    }
+    let sampling = Sampling {
+        temperature: params.temperature,
+        seed: params.seed,
+        logprobs: 2,
+        logit_bias: params.logit_bias.iter().map(|&(token, bias)| wire::TokenBias { token, bias }).collect(),
+        frequency_penalty: params.frequency_penalty,
+        presence_penalty: params.presence_penalty,
+        repetition_penalty: params.repetition_penalty,
+        min_p: params.min_p,
+        ..Sampling::greedy()
+    };
+    let mut got: Vec<(u32, u32)> = Vec::new();
+    for step in 1..=4u64 {
+        let output: Vec<u32> = got.iter().map(|g| g.0).collect();
+        let history = token_history(&prompt(), &output)
+            .into_iter()
+            .map(|(token, count)| wire::TokenCount { token, count })
+            .collect();
+        let (position, tokens) = match output.last() {
+            None => (0, prompt()),
+            Some(&t) => ((prompt().len() + output.len() - 1) as u64, vec![t]),
+        };
+        let allowed = allowed_tokens(&mut EvenTokens, vocab);
+        let it = StepItem { sampling: sampling.clone(), allowed, history, ..item(7, position, tokens) };
+        let seen = rig.request(rig.step(step, vec![it]));
+        match &rig.run(seen, |_| false).outcome {
+            StepOutcome::Done { outputs, .. } => got.extend(outputs.iter().map(|o| (o.token, o.logprob.to_bits()))),
+            other => panic!("a finished step: {other:?}"),
+        }
+    }
+    assert_eq!(got, want, "tokens and logprobs to the bit");
+    assert!(got.iter().all(|&(t, _)| t % 2 == 0 && t < 200 && t != 10), "{got:?}");
 }
 
 #[test]

@@ -93,6 +93,21 @@ fn item_error(
         "a modelled device computes no logits".to_string()
     } else if device == Device::Computing && it.drafts > 0 {
         format!("{} drafts: a computing device verifies none", it.drafts)
+    } else if !it.allowed.is_empty() && (!it.sample || it.allowed.len() != config.vocab_size.div_ceil(32)) {
+        format!(
+            "an allowed-token mask of {} words, for {} tokens and sample {}",
+            it.allowed.len(),
+            config.vocab_size,
+            it.sample
+        )
+    } else if !it.allowed.is_empty() && !it.allowed.iter().any(|&w| w != 0) {
+        "an allowed-token mask that allows nothing".to_string()
+    } else if !it.history.is_empty()
+        && (!it.sample
+            || !it.history.windows(2).all(|w| w[0].token < w[1].token)
+            || it.history.last().is_some_and(|h| h.token as usize >= config.vocab_size))
+    {
+        "a token history that is not ascending inside the vocabulary, or not sampled".to_string()
     } else {
         return sampling_params(&it.sampling).validate(config.vocab_size).err().map(|e| e.to_string());
     };
