@@ -67,9 +67,9 @@ impl<M: Deref<Target = Model>> EngineBackend<M> {
 }
 
 /// An engine step's update as the cluster's: tokens first, then the end.
-fn updates_of(update: RequestUpdate) -> impl Iterator<Item = Update> {
+fn updates_of(update: RequestUpdate, cached_tokens: usize) -> impl Iterator<Item = Update> {
     let id = update.id.0;
-    let tokens = (!update.tokens.is_empty()).then_some(Update::Tokens { id, tokens: update.tokens });
+    let tokens = (!update.tokens.is_empty()).then_some(Update::Tokens { id, tokens: update.tokens, cached_tokens });
     let finished = update.finished.map(|finished| Update::Finished { id, finished });
     tokens.into_iter().chain(finished)
 }
@@ -102,7 +102,11 @@ impl<M: Deref<Target = Model>> Backend for EngineBackend<M> {
     fn next_updates(&mut self) -> Option<Vec<Update>> {
         let mut updates = std::mem::take(&mut self.answered);
         if self.engine.has_work() {
-            updates.extend(self.engine.step().into_iter().flat_map(updates_of));
+            for update in self.engine.step() {
+                let cached = update.finished.as_ref().map(|f| f.cached_tokens);
+                let cached = cached.or_else(|| self.engine.scheduler().cached_tokens(update.id)).unwrap_or(0);
+                updates.extend(updates_of(update, cached));
+            }
         } else if updates.is_empty() {
             return None;
         }

@@ -124,7 +124,7 @@ pub fn generate(
     while let Some(updates) = backend.next_updates() {
         for update in updates {
             match update {
-                Update::Tokens { id: i, tokens: new } if i == id => {
+                Update::Tokens { id: i, tokens: new, .. } if i == id => {
                     for t in new {
                         tokens.push(t.token);
                         on_token(t.token);

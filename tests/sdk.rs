@@ -8,25 +8,7 @@ mod serve_support;
 use std::path::Path;
 use std::process::Command;
 
-use serve_support::Served;
-
-/// Whether `python3` can import the SDKs; panics if they are required.
-fn sdks_available() -> bool {
-    let ok = Command::new("python3")
-        .args(["-c", "import openai, anthropic, jsonschema"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !ok {
-        if std::env::var("DEEPINFER_REQUIRE_SDK").as_deref() == Ok("1") {
-            panic!("DEEPINFER_REQUIRE_SDK=1 but python3 cannot import openai, anthropic and jsonschema");
-        }
-        eprintln!(
-            "skipped: python3 cannot import openai, anthropic and jsonschema \
-             (python3 -m pip install openai anthropic jsonschema)"
-        );
-    }
-    ok
-}
+use serve_support::{sdks_available, Served};
 
 fn run_script(script: &str) {
     run_script_on(script, "tiny-v4");

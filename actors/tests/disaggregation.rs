@@ -184,7 +184,7 @@ fn a_request_cancelled_during_its_handoff_ends_and_the_others_do_not_change() {
         let mut ends = BTreeMap::new();
         while let Some(u) = c.next_update().await {
             match u {
-                Update::Tokens { id, tokens: t } => {
+                Update::Tokens { id, tokens: t, .. } => {
                     let seen = tokens.entry(id).or_default();
                     seen.extend(t.iter().map(|t| t.token));
                     // The first token comes from the prefill instance, as the state leaves it.

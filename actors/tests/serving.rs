@@ -81,7 +81,7 @@ async fn cluster_outcomes(c: &mut Cluster, requests: &[GenRequest]) -> Vec<Outco
     let mut ends: BTreeMap<u64, Result<Finished, String>> = BTreeMap::new();
     while let Some(u) = c.next_update().await {
         match u {
-            Update::Tokens { id, tokens: t } => tokens.entry(id).or_default().extend(t),
+            Update::Tokens { id, tokens: t, .. } => tokens.entry(id).or_default().extend(t),
             Update::Finished { id, finished } => {
                 ends.insert(id, Ok(finished));
             }
@@ -208,7 +208,7 @@ fn routing_follows_the_cached_prefix_and_a_restarted_cache_turns_hits_into_misse
         let mut tokens = Vec::new();
         while let Some(u) = c.next_update().await {
             match u {
-                Update::Tokens { id: i, tokens: t } if i == id => tokens.extend(t.iter().map(|t| t.token)),
+                Update::Tokens { id: i, tokens: t, .. } if i == id => tokens.extend(t.iter().map(|t| t.token)),
                 Update::Finished { id: i, finished } if i == id => return (tokens, finished),
                 _ => {}
             }
@@ -318,7 +318,7 @@ fn a_cancelled_request_ends_and_the_others_do_not_change() {
         let mut ends = BTreeMap::new();
         while let Some(u) = c.next_update().await {
             match u {
-                Update::Tokens { id, tokens: t } => {
+                Update::Tokens { id, tokens: t, .. } => {
                     let seen = tokens.entry(id).or_default();
                     seen.extend(t.iter().map(|t| t.token));
                     if id == ids[1] && seen.len() >= 3 && !ends.contains_key(&id) {

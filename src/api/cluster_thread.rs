@@ -128,7 +128,7 @@ fn deliver(live: &mut BTreeMap<u64, Live>, update: Update) {
                 let _ = l.events.send(Event::Rejected(e));
             }
         }
-        Update::Tokens { id, tokens } => {
+        Update::Tokens { id, tokens, cached_tokens } => {
             let Some(l) = live.get_mut(&id) else { return };
             if !tokens.is_empty() {
                 match l.last_token {
@@ -142,7 +142,7 @@ fn deliver(live: &mut BTreeMap<u64, Live>, update: Update) {
             m::generated(tokens.len());
             l.sent += tokens.len();
             if !tokens.is_empty() {
-                let _ = l.events.send(Event::Tokens { tokens, cached_tokens: 0 });
+                let _ = l.events.send(Event::Tokens { tokens, cached_tokens });
             }
         }
         Update::Finished { id, finished } => {

@@ -383,7 +383,7 @@ fn run_jobs(
         let idle = updates.is_none();
         for update in updates.into_iter().flatten() {
             match update {
-                Update::Tokens { id, tokens } => {
+                Update::Tokens { id, tokens, .. } => {
                     let Some(l) = live.get_mut(&id) else { continue };
                     for t in tokens {
                         if l.stopped {

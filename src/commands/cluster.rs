@@ -234,6 +234,7 @@ pub fn launch(args: &LaunchArgs) -> anyhow::Result<()> {
     // The API front end, once the nodes it submits to are up.
     let api = plan.api_listen();
     let api_here = !args.no_api && std::net::UdpSocket::bind(SocketAddr::new(api.ip(), 0)).is_ok();
+    let mut api_url = format!("http://{api}");
     if api_here {
         let mut command = Command::new(&exe);
         command.arg("serve").arg("--topology").arg(&args.topology).arg("--certs").arg(&certs);
@@ -241,7 +242,11 @@ pub fn launch(args: &LaunchArgs) -> anyhow::Result<()> {
         let slot = children.start(command, "api".into(), &tx)?;
         loop {
             match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok((s, Some(line))) if s == slot && line.contains("on http://") => break,
+                Ok((s, Some(line))) if s == slot && line.contains("on http://") => {
+                    // The address it bound (the topology may ask for port 0).
+                    api_url = line.split("on ").last().unwrap_or_default().trim().to_string();
+                    break;
+                }
                 Ok((s, None)) if s == slot => bail!("the API front end exited before it listened"),
                 Ok(_) => {}
                 Err(_) => bail!("the API front end did not listen within {} s", args.ready_timeout),
@@ -260,7 +265,7 @@ pub fn launch(args: &LaunchArgs) -> anyhow::Result<()> {
     );
     for c in &children.0 {
         let addr = plan.nodes.iter().find(|n| n.name == c.name).map(|n| n.addr.to_string());
-        let addr = addr.unwrap_or_else(|| format!("http://{api}"));
+        let addr = addr.unwrap_or_else(|| api_url.clone());
         println!("  {:<12} {:<22} pid {}", c.name, addr, c.child.id());
     }
     println!("stop with Ctrl-C");

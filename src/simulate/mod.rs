@@ -445,7 +445,7 @@ async fn drive(
             buckets.resize(slot + 1, Bucket::default());
         }
         match u {
-            Update::Tokens { id, tokens } => {
+            Update::Tokens { id, tokens, .. } => {
                 let Some(&i) = ids.get(&id) else { continue };
                 let t = &mut traces[i];
                 if t.first_token_us.is_none() {

@@ -109,3 +109,21 @@ impl Drop for Served {
         let _ = self.child.wait();
     }
 }
+
+/// Whether `python3` can import the SDKs; panics if they are required.
+pub fn sdks_available() -> bool {
+    let ok = Command::new("python3")
+        .args(["-c", "import openai, anthropic, jsonschema"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        if std::env::var("DEEPINFER_REQUIRE_SDK").as_deref() == Ok("1") {
+            panic!("DEEPINFER_REQUIRE_SDK=1 but python3 cannot import openai, anthropic and jsonschema");
+        }
+        eprintln!(
+            "skipped: python3 cannot import openai, anthropic and jsonschema \
+             (python3 -m pip install openai anthropic jsonschema)"
+        );
+    }
+    ok
+}

@@ -200,8 +200,9 @@ pub struct RequestFailed {
 /// What the cluster reports about a request, in order.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Update {
-    /// New tokens, in order, none repeated.
-    Tokens { id: u64, tokens: Vec<TokenOutput> },
+    /// New tokens, in order, none repeated, and how many prompt tokens the
+    /// prefix cache served.
+    Tokens { id: u64, tokens: Vec<TokenOutput>, cached_tokens: usize },
     /// The request ended (an error names why); nothing follows.
     Finished { id: u64, finished: Finished },
     /// The request can never run (the engine's validation): why.
@@ -862,7 +863,8 @@ impl Cluster {
                         .collect();
                     o.tokens.extend(tokens.iter().map(|t| t.token));
                     if !tokens.is_empty() && !o.cancelled {
-                        self.ready.push_back(Update::Tokens { id, tokens });
+                        let cached_tokens = item.cached as usize;
+                        self.ready.push_back(Update::Tokens { id, tokens, cached_tokens });
                     }
                     match item.end {
                         None => {}
@@ -899,7 +901,7 @@ impl Cluster {
         let mut results: Vec<Option<Result<Generated, RequestFailed>>> = vec![None; requests.len()];
         while let Some(u) = self.next_update().await {
             match u {
-                Update::Tokens { id, tokens } => {
+                Update::Tokens { id, tokens, .. } => {
                     let Some(&i) = slots.get(&id) else { continue };
                     let g = &mut out[i];
                     for t in tokens {

@@ -492,6 +492,8 @@ pub struct OutputItem {
     /// One logits row per token follows in the body.
     pub logits: bool,
     pub end: Option<OutputEnd>,
+    /// Prompt tokens the prefix cache served; set on items with tokens.
+    pub cached: u32,
 }
 
 /// Scheduler → router → client, once per step. Body: the logits rows of the

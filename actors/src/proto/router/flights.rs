@@ -98,6 +98,8 @@ impl RouterMachine {
                 tokens: item.tokens[skip..].to_vec(),
                 logits: item.logits,
                 end: item.end.clone(),
+                // A request decoded elsewhere than it was prefilled reports the prefill's hits.
+                cached: item.cached.max(if f.prefilled_on.is_some() { f.cached_tokens as u32 } else { 0 }),
             };
             // A request decoded elsewhere than it was prefilled reports the
             // prefill's cache hits (the lookup at routing time).

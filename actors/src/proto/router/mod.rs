@@ -113,7 +113,14 @@ pub(crate) fn end_item(id: u64, from: usize, prompt: usize, reason: FinishKind) 
         cached_tokens: 0,
         preemptions: 0,
     };
-    OutputItem { id, from: from as u32, tokens: Vec::new(), logits: false, end: Some(OutputEnd::Finished(finished)) }
+    OutputItem {
+        id,
+        from: from as u32,
+        tokens: Vec::new(),
+        logits: false,
+        end: Some(OutputEnd::Finished(finished)),
+        cached: 0,
+    }
 }
 
 impl RouterMachine {

@@ -44,7 +44,7 @@ fn submit(id: u64, generated: Vec<u32>) -> RouterInput {
 
 fn outputs(id: u64, from: u32, tokens: &[u32]) -> RouterInput {
     let tokens = tokens.iter().map(|&token| TokenOut { token, logprob: -1.0, top: Vec::new() }).collect();
-    let item = OutputItem { id, from, tokens, logits: false, end: None };
+    let item = OutputItem { id, from, tokens, logits: false, end: None, cached: 0 };
     frame(SCHEDULER, Message::Outputs(Outputs { items: vec![item] }))
 }
 

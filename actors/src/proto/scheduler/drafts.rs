@@ -31,13 +31,14 @@ pub(super) struct Outs {
 
 impl Outs {
     /// Request `id`'s next token; `from`: its tokens before this one.
-    pub fn push(&mut self, id: u64, from: usize, o: SeqOutput, row: Option<Vec<f32>>) {
+    pub fn push(&mut self, id: u64, from: usize, cached: usize, o: SeqOutput, row: Option<Vec<f32>>) {
         let token = TokenOut { token: o.token, logprob: o.logprob, top: o.top };
         match self.slot.get(&id) {
             Some(&k) => self.items[k].0.tokens.push(token),
             None => {
                 self.slot.insert(id, self.items.len());
-                let item = OutputItem { id, from: from as u32, tokens: vec![token], logits: row.is_some(), end: None };
+                let (tokens, logits, cached) = (vec![token], row.is_some(), cached as u32);
+                let item = OutputItem { id, from: from as u32, tokens, logits, end: None, cached };
                 self.items.push((item, row));
             }
         }
@@ -112,7 +113,7 @@ impl SchedulerMachine {
             // The step's tokens leave the queue; those past a finish are dropped.
             for (o, row) in queue.drain(..n).take(1 + accepted) {
                 let sampled = SampledToken { id: rid, token: o.token, ok: o.logprob.is_finite() };
-                outs.push(id, self.generated(rid), o, row);
+                outs.push(id, self.generated(rid), self.policy.cached_tokens(rid).unwrap_or(0), o, row);
                 produced += 1;
                 finished = self.policy.complete(&[sampled]).pop().map(|(_, f)| f);
                 if finished.is_some() {

@@ -121,7 +121,8 @@ impl SchedulerMachine {
                 self.send(from, adopted.clone(), &[]);
                 self.send(self.router, adopted, &[]);
                 let end = Some(OutputEnd::Refused(why));
-                let item = OutputItem { id, from: generated.len() as u32, tokens: Vec::new(), logits: false, end };
+                let item =
+                    OutputItem { id, from: generated.len() as u32, tokens: Vec::new(), logits: false, end, cached: 0 };
                 self.send_outputs(vec![item], &[]);
                 return;
             }
@@ -143,7 +144,8 @@ impl SchedulerMachine {
         match added {
             Err(e) => {
                 let end = Some(OutputEnd::Refused(e.to_string()));
-                let item = OutputItem { id, from: generated.len() as u32, tokens: Vec::new(), logits: false, end };
+                let item =
+                    OutputItem { id, from: generated.len() as u32, tokens: Vec::new(), logits: false, end, cached: 0 };
                 self.send_outputs(vec![item], &[]);
             }
             Ok(rid) => {

@@ -80,6 +80,7 @@ impl SchedulerMachine {
             tokens: Vec::new(),
             logits: false,
             end: Some(OutputEnd::Finished(finish_wire(&f))),
+            cached: 0,
         })
     }
 
@@ -131,7 +132,8 @@ impl SchedulerMachine {
             Ok(c) => c,
             Err(why) => {
                 let end = Some(OutputEnd::Refused(why));
-                let item = OutputItem { id, from: generated.len() as u32, tokens: Vec::new(), logits: false, end };
+                let item =
+                    OutputItem { id, from: generated.len() as u32, tokens: Vec::new(), logits: false, end, cached: 0 };
                 self.send_outputs(vec![item], &[]);
                 return;
             }
@@ -151,6 +153,7 @@ impl SchedulerMachine {
                     tokens: Vec::new(),
                     logits: false,
                     end: Some(OutputEnd::Refused(e.to_string())),
+                    cached: 0,
                 };
                 self.send_outputs(vec![item], &[]);
             }
@@ -186,6 +189,7 @@ impl SchedulerMachine {
                         tokens: Vec::new(),
                         logits: false,
                         end: Some(OutputEnd::Finished(finish_wire(&f))),
+                        cached: 0,
                     },
                     Err(_) => end_item(id, from, l.spec.prompt.len(), FinishKind::Cancelled),
                 }

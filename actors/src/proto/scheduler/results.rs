@@ -157,7 +157,7 @@ impl SchedulerMachine {
                         satisfied.push(id);
                     }
                 }
-                outs.push(id, self.generated(rid), o, row);
+                outs.push(id, self.generated(rid), self.policy.cached_tokens(rid).unwrap_or(0), o, row);
             }
             for (rid, f) in self.policy.complete(&sampled) {
                 let Some(&id) = self.by_rid.get(&rid) else { continue };
@@ -219,6 +219,7 @@ impl SchedulerMachine {
                 tokens: Vec::new(),
                 logits: false,
                 end: Some(OutputEnd::Finished(finish_wire(&f))),
+                cached: 0,
             });
         }
         for rid in &plan.preempted {

@@ -1,0 +1,154 @@
+//! Real cluster processes for the tests: a child process killed when its
+//! guard drops, whose output lines are kept with the time they arrived; a
+//! directory with a four-node topology on free ports and its certificates.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::UdpSocket;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_deepinfer");
+pub const FAILURE_TIMEOUT_MS: u64 = 1000;
+
+/// A child process that is killed (if still running) when dropped; its
+/// stderr lines are collected with the time they arrived.
+pub struct Proc {
+    pub child: Child,
+    lines: Arc<Mutex<Vec<(Instant, String)>>>,
+}
+
+impl Proc {
+    pub fn spawn(args: &[&str], stdout: bool) -> Self {
+        let mut child = Command::new(BIN)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(if stdout { Stdio::piped() } else { Stdio::null() })
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("binary starts");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        for stream in [
+            child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+            child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let lines = Arc::clone(&lines);
+            std::thread::spawn(move || {
+                for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                    lines.lock().unwrap().push((Instant::now(), line));
+                }
+            });
+        }
+        Self { child, lines }
+    }
+
+    pub fn text(&self) -> String {
+        self.lines.lock().unwrap().iter().map(|(_, l)| l.as_str()).collect::<Vec<_>>().join("\n")
+    }
+
+    /// Wait until a line contains `needle`; panics with everything seen after `limit`.
+    pub fn wait_for(&self, needle: &str, limit: Duration) -> Instant {
+        let end = Instant::now() + limit;
+        loop {
+            if let Some((t, _)) = self.lines.lock().unwrap().iter().find(|(_, l)| l.contains(needle)) {
+                return *t;
+            }
+            assert!(Instant::now() < end, "no `{needle}` within {limit:?}:\n{}", self.text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn wait_exit(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let end = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return s;
+            }
+            assert!(Instant::now() < end, "still running after {limit:?}:\n{}", self.text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn run(args: &[&str]) -> Output {
+    let mut child = Proc::spawn(args, true);
+    let status = child.wait_exit(Duration::from_secs(120));
+    std::thread::sleep(Duration::from_millis(50)); // let the reader threads drain
+    let text = child.text();
+    Output { status, stdout: text.into_bytes(), stderr: Vec::new() }
+}
+
+pub fn run_plain(args: &[&str]) -> Output {
+    Command::new(BIN).args(args).output().expect("binary runs")
+}
+
+/// A directory with a four-node topology on free ports and its certificates.
+pub struct Site {
+    pub dir: PathBuf,
+    pub topology: PathBuf,
+}
+
+/// One instance over all four nodes, experts spread over all four.
+pub const ONE_INSTANCE: &str = "\n[[instance]]\nname = \"main\"\nrole = \"both\"\n\
+                            nodes = [\"node0\", \"node1\", \"node2\", \"node3\"]\nattention_dp = 4\nexpert_parallel = 4\n";
+/// Two instances of two nodes; the second's scheduler lives on node2.
+pub const TWO_INSTANCES: &str = "\n[[instance]]\nname = \"a\"\nrole = \"both\"\nnodes = [\"node0\", \"node1\"]\n\
+                             \n[[instance]]\nname = \"b\"\nrole = \"both\"\nnodes = [\"node2\", \"node3\"]\n";
+
+impl Site {
+    pub fn new(name: &str) -> Self {
+        Self::with_instances(name, ONE_INSTANCE)
+    }
+
+    pub fn with_instances(name: &str, instances: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!("deepinfer-quic-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // Ports that were free a moment ago (held together so they differ).
+        let sockets: Vec<UdpSocket> = (0..4).map(|_| UdpSocket::bind("127.0.0.1:0").unwrap()).collect();
+        let ports: Vec<u16> = sockets.iter().map(|s| s.local_addr().unwrap().port()).collect();
+        drop(sockets);
+        let mut text = format!(
+            "[cluster]\nname = \"{name}\"\nmodel = \"builtin:tiny-v4\"\napi_listen = \"127.0.0.1:0\"\n\
+             heartbeat_ms = 100\nfailure_timeout_ms = {FAILURE_TIMEOUT_MS}\ncerts_dir = \"certs\"\n"
+        );
+        for (i, port) in ports.iter().enumerate() {
+            text += &format!(
+                "\n[[node]]\nname = \"node{i}\"\naddress = \"127.0.0.1:{port}\"\ndevices = 1\nbackend = \"cpu\"\n"
+            );
+        }
+        text += instances;
+        let topology = dir.join("cluster.toml");
+        std::fs::write(&topology, text).unwrap();
+        let o = run_plain(&["cluster", "init-certs", "--topology", s(&topology), "--out", s(&dir.join("certs"))]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        Self { dir, topology }
+    }
+
+    pub fn t(&self) -> &str {
+        s(&self.topology)
+    }
+}
+
+impl Drop for Site {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+pub fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
