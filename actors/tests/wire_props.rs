@@ -123,7 +123,7 @@ fn message() -> impl Strategy<Value = Message> {
                         logits: false,
                         constraint: None,
                     };
-                    HandoffMsg::Transfer { spec, generated: vec![5], lens, attempt: instance }
+                    HandoffMsg::Transfer { spec: Box::new(spec), generated: vec![5], lens, attempt: instance }
                 }
             })
         }),

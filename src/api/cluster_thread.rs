@@ -35,7 +35,7 @@ struct Live {
 
 /// What one turn of the driver's loop got.
 enum Turn {
-    Submission(Option<Submission>),
+    Submission(Option<Box<Submission>>),
     Update(Option<Update>),
     Scan,
 }
@@ -79,13 +79,13 @@ async fn drive(
         let busy = cluster.has_updates();
         // The select ends (dropping its borrows of the cluster) before the turn is handled.
         let turn = tokio::select! {
-            s = rx.recv(), if room => Turn::Submission(s),
+            s = rx.recv(), if room => Turn::Submission(s.map(Box::new)),
             u = cluster.next_update(), if busy => Turn::Update(u),
             _ = scan.tick() => Turn::Scan,
         };
         match turn {
             Turn::Submission(None) => open = false,
-            Turn::Submission(Some(s)) => admit(&mut cluster, &mut live, s, checker, eos),
+            Turn::Submission(Some(s)) => admit(&mut cluster, &mut live, *s, checker, eos),
             Turn::Update(Some(u)) => deliver(&mut live, u),
             Turn::Update(None) => {}
             Turn::Scan => {

@@ -150,9 +150,16 @@ pub fn parse_object(flavor: Flavor, body: &[u8]) -> Result<serde_json::Map<Strin
 pub enum Runner {
     /// An engine in this process.
     Engine,
-    /// A running cluster, reached as its client (`cluster` connected on
-    /// `rt`) whose schedulers follow `policy`.
-    Cluster { rt: tokio::runtime::Runtime, cluster: deepinfer_actors::Cluster, policy: EngineConfig },
+    /// A running cluster.
+    Cluster(Box<ClusterRunner>),
+}
+
+/// A running cluster, reached as its client (`cluster` connected on `rt`)
+/// whose schedulers follow `policy`.
+pub struct ClusterRunner {
+    pub rt: tokio::runtime::Runtime,
+    pub cluster: deepinfer_actors::Cluster,
+    pub policy: EngineConfig,
 }
 
 /// A bound server, ready to run.
@@ -188,7 +195,8 @@ impl Server {
         let metrics_handle = metrics::handle();
         let (engine, engine_thread) = match runner {
             Runner::Engine => engine_thread::spawn(Arc::clone(&model), config.engine.clone(), config.cache.clone())?,
-            Runner::Cluster { rt, cluster, policy } => {
+            Runner::Cluster(c) => {
+                let ClusterRunner { rt, cluster, policy } = *c;
                 cluster_thread::spawn(rt, cluster, &model, policy, config.max_concurrent)?
             }
         };

@@ -9,7 +9,7 @@ use anyhow::bail;
 use clap::{ArgAction, Args};
 use deepinfer_engine::engine::EngineConfig;
 
-use crate::api::{Runner, ServeConfig, Server};
+use crate::api::{ClusterRunner, Runner, ServeConfig, Server};
 use crate::cli::{EngineArgs, ModelArgs};
 use crate::cluster::ClusterPlan;
 use crate::generation::load_model;
@@ -132,7 +132,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         None => Runner::Engine,
         Some(plan) => {
             let (rt, cluster) = crate::cluster::connect_client(plan, args.certs.as_deref(), Arc::clone(&model))?;
-            Runner::Cluster { rt, cluster, policy: plan.base_config().engine }
+            Runner::Cluster(Box::new(ClusterRunner { rt, cluster, policy: plan.base_config().engine }))
         }
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("http").build()?;

@@ -312,7 +312,7 @@ pub struct StateExport {
 pub enum HandoffMsg {
     /// Prefill scheduler → decode scheduler: continue this request from its
     /// state (lengths here, values in the body) after `generated`.
-    Transfer { spec: RequestSpec, generated: Vec<u32>, lens: Vec<u32>, attempt: u32 },
+    Transfer { spec: Box<RequestSpec>, generated: Vec<u32>, lens: Vec<u32>, attempt: u32 },
     /// Decode scheduler → prefill scheduler and router: the request runs here now.
     Adopted { id: u64, instance: u32 },
     /// Prefill scheduler → router: the transfer to `instance` failed; decode it elsewhere.

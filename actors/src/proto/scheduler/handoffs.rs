@@ -25,7 +25,7 @@ impl SchedulerMachine {
     pub(super) fn send_transfer(&mut self, id: u64) {
         let Some(h) = self.handoffs.get_mut(&id) else { return };
         let msg = HandoffMsg::Transfer {
-            spec: h.spec.clone(),
+            spec: Box::new(h.spec.clone()),
             generated: h.generated.clone(),
             lens: h.lens.clone(),
             attempt: h.attempt,

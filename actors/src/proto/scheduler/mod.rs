@@ -421,7 +421,7 @@ impl SchedulerMachine {
             (Role::Router, Message::Submit(s)) => self.on_submit(s),
             (Role::Router, Message::Cancel { id }) => self.on_cancel(id),
             (Role::Scheduler, Message::Handoff(HandoffMsg::Transfer { spec, generated, lens, .. })) => {
-                self.on_transfer(from, spec, generated, lens, m.body)
+                self.on_transfer(from, *spec, generated, lens, m.body)
             }
             (Role::Scheduler, Message::Handoff(HandoffMsg::Adopted { id, instance })) if instance == from.index => {
                 self.on_adopted(id, instance)
