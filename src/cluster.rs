@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use deepinfer_actors::cluster::ctx::NodeNews;
 use deepinfer_actors::cluster::disagg::InstanceKind;
 use deepinfer_actors::cluster::placement::Placement;
 use deepinfer_actors::cluster::Constraints;
@@ -264,21 +265,21 @@ pub fn connect_client(
     let rt = runtime()?;
     // Unique enough among the clients of one cluster; request ids start at index << 32.
     let index = std::process::id();
-    let router_node = plan.nodes[0].name.clone();
+    let names: Vec<String> = plan.nodes.iter().map(|n| n.name.clone()).collect();
     let cluster = rt.block_on(async {
         let (transport, clock) = start_transport(plan, Member::Client(index), identity, &cfg)?;
         let mut members = transport.subscribe();
-        let (down_tx, down_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (dead_tx, dead_rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
             while let Some(e) = members.recv().await {
-                if let MemberEvent::Down { node: 0, silent } = e {
-                    let why =
-                        format!("node {router_node} (the router) is unreachable: silent for {} ms", silent.as_millis());
-                    let _ = down_tx.send(why);
+                if let MemberEvent::Down { node, silent } = e {
+                    let name = names.get(node as usize).map_or("?", String::as_str);
+                    eprintln!("client: node {name} is unreachable: silent for {} ms", silent.as_millis());
+                    let _ = dead_tx.send(NodeNews { dead: node, seen_from: None });
                 }
             }
         });
-        anyhow::Ok(Cluster::connect(model, cfg, env(transport, clock), index, down_rx)?)
+        anyhow::Ok(Cluster::connect(model, cfg, env(transport, clock), index, dead_rx)?)
     })?;
     Ok((rt, cluster))
 }

@@ -141,7 +141,7 @@ fn message() -> impl Strategy<Value = Message> {
                 })),
             };
             let tokens = vec![TokenOut { token: 3, logprob: -1.0, top: top() }];
-            Message::Outputs(Outputs { items: vec![OutputItem { id, from, tokens, logits: false, end }] })
+            Message::Outputs(Outputs { items: vec![OutputItem { id, from, tokens, logits: false, end, cached: from }] })
         }),
         (any::<u64>(), prop::collection::vec(any::<u64>(), 0..4), prop::collection::vec(any::<u32>(), 0..20)).prop_map(
             |(query, hashes, tokens)| {

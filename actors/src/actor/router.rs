@@ -1,4 +1,4 @@
-//! The router's shell: binds `router0`, feeds [`RouterMachine`] every frame
+//! A router's shell: binds `router<node>`, feeds [`RouterMachine`] every frame
 //! and a periodic tick on the cluster's clock, and sends what it leaves.
 
 use std::sync::Arc;
@@ -13,6 +13,8 @@ use crate::proto::router::{RouterInput, RouterMachine};
 pub struct Router;
 
 pub struct RouterArgs {
+    /// The node it runs on (and whose membership view it follows).
+    pub node: u32,
     pub incarnation: u32,
     pub ctx: Arc<Ctx>,
 }
@@ -50,7 +52,7 @@ impl Actor for Router {
         args: RouterArgs,
     ) -> Result<RouterShell, ActorProcessingErr> {
         let ctx = args.ctx;
-        let machine = RouterMachine::start(ctx.clock.now(), args.incarnation, Arc::clone(&ctx));
+        let machine = RouterMachine::start(ctx.clock.now(), args.node, args.incarnation, Arc::clone(&ctx));
         pump(ctx.transport.bind(machine.addr()), myself.clone(), RouterMsg::Net);
         let (clock, every) = (Arc::clone(&ctx.clock), machine.tick_every());
         let ticker = tokio::spawn(async move {

@@ -21,6 +21,14 @@ use crate::sim::events::{bump, EventLog, Metrics};
 use crate::sim::faults::Faults;
 use crate::wire::{self, Addr, Decoded, Envelope, Message};
 
+/// Membership declared node `dead` dead: as node `seen_from` saw it, or
+/// (`None`) as the client itself saw it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeNews {
+    pub dead: u32,
+    pub seen_from: Option<u32>,
+}
+
 /// How long to wait for an answer, and how often to ask again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timeouts {
@@ -116,6 +124,11 @@ pub struct Ctx {
     /// What outlives an actor's incarnation (placements, step and
     /// incarnation counters, lost devices, gauges).
     pub durable: Durable,
+    /// Nodes `0..routers` each run a router; the active one is the first a
+    /// node's membership has not declared dead.
+    pub routers: u32,
+    /// In-process clients hear here which nodes membership declared dead, and where.
+    pub node_news: OnceLock<tokio::sync::mpsc::UnboundedSender<NodeNews>>,
     /// Builds structured-output constraints; `None`: such requests are refused.
     pub constraints: Option<Arc<dyn deepinfer_engine::constraint::ConstraintSource>>,
 }
@@ -178,18 +191,29 @@ impl Ctx {
         self.kinds.get(instance as usize).copied().unwrap_or_default()
     }
 
+    /// The router that actors of node `seen_from` talk to.
+    pub fn active_router(&self, seen_from: u32) -> Addr {
+        Addr::router(self.durable.first_live_node(seen_from, self.routers).unwrap_or(0))
+    }
+
     /// Membership declared `dead` down; act on it from node `here`: its
     /// devices get no more work; each scheduler of `here` whose instance has
     /// devices there re-places their experts and restarts its requests on
-    /// the survivors; node 0 tells the router, which moves the requests of
-    /// instances whose scheduler lived there to the others.
+    /// the survivors; the router of `here` (if it runs one) stops routing to
+    /// instances whose scheduler lived there and, if it is the active one,
+    /// moves their requests to the others; a dead active router's place goes
+    /// to the next node's.
     pub fn node_down(&self, here: u32, dead: u32) {
         let topo = &self.topology;
         let devices: Vec<u32> = (0..topo.devices).filter(|&d| topo.node_of_device(d) == dead).collect();
         self.durable.mark_lost(here, &devices);
+        self.durable.mark_node_down(here, dead);
+        if let Some(news) = self.node_news.get() {
+            let _ = news.send(NodeNews { dead, seen_from: Some(here) });
+        }
         let msg = || Message::Control(wire::Control::NodeDown { node: dead });
-        if here == 0 {
-            self.send(Addr::node(here), Addr::router(0), msg(), &[]);
+        if here < self.routers {
+            self.send(Addr::node(here), Addr::router(here), msg(), &[]);
         }
         for i in topo.instances_on(here) {
             if topo.devices_of(i).any(|d| topo.node_of_device(d) == dead) {

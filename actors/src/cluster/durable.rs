@@ -40,6 +40,8 @@ pub struct Durable {
     incarnations: AtomicU64,
     up: AtomicBool,
     lost_devices: Vec<RwLock<BTreeSet<u32>>>,
+    /// Per node: the nodes its membership declared dead.
+    down_nodes: Vec<RwLock<BTreeSet<u32>>>,
 }
 
 impl Durable {
@@ -54,6 +56,7 @@ impl Durable {
             incarnations: AtomicU64::new(0),
             up: AtomicBool::new(false),
             lost_devices: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
+            down_nodes: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
         }
     }
 
@@ -101,6 +104,20 @@ impl Durable {
         if let Some(l) = self.lost_devices.get(seen_from as usize) {
             l.write().unwrap_or_else(|e| e.into_inner()).extend(devices.iter().copied());
         }
+    }
+
+    /// Node `seen_from` heard that `node` was declared dead.
+    pub fn mark_node_down(&self, seen_from: u32, node: u32) {
+        if let Some(d) = self.down_nodes.get(seen_from as usize) {
+            d.write().unwrap_or_else(|e| e.into_inner()).insert(node);
+        }
+    }
+
+    /// The first of nodes `0..routers` that `seen_from` has not heard is dead
+    /// (its router is the active one there); `None` if every one is.
+    pub fn first_live_node(&self, seen_from: u32, routers: u32) -> Option<u32> {
+        let down = self.down_nodes.get(seen_from as usize)?.read().unwrap_or_else(|e| e.into_inner());
+        (0..routers).find(|n| !down.contains(n))
     }
 
     pub fn gauges(&self) -> &[InstanceGauges] {

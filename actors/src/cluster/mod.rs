@@ -24,7 +24,7 @@ pub mod durable;
 pub mod placement;
 pub mod topology;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -48,7 +48,7 @@ use crate::actor::supervisor::{
     ChildKind, ChildSpec, Intensity, StartFn, Supervisor, SupervisorArgs, SupervisorEnv, SupervisorMsg,
 };
 use crate::actor::worker::{GpuWorker, WorkerArgs};
-use crate::cluster::ctx::{Ctx, Durable, InstanceGauges, Timeouts, Topology};
+use crate::cluster::ctx::{Ctx, Durable, InstanceGauges, NodeNews, Timeouts, Topology};
 use crate::cluster::disagg::{EplbConfig, InstanceKind, PrefillRouting};
 use crate::cluster::placement::{Placement, PlacementError};
 use crate::modelled::cost::{DeviceCost, DeviceCostModel};
@@ -110,6 +110,12 @@ pub struct ClusterConfig {
     /// Builds the constraints of structured-output requests in the
     /// schedulers; `None`: such requests are refused.
     pub constraints: Option<Constraints>,
+    /// Nodes that run a router (the first ones; at least one): the first
+    /// not declared dead is active, the others stand by to take over.
+    pub routers: u32,
+    /// Simulation: the node whose side of the fabric an in-process client
+    /// is on (and whose membership it trusts as its own).
+    pub client_node: u32,
 }
 
 /// The schedulers' [`ConstraintSource`], shared by every instance.
@@ -148,6 +154,8 @@ impl ClusterConfig {
             prefill_routing: PrefillRouting::CacheAffinity,
             modelled: None,
             constraints: None,
+            routers: 2,
+            client_node: 0,
         }
     }
 
@@ -166,11 +174,12 @@ impl ClusterConfig {
     /// Which node an address lives on.
     pub fn node_of(&self) -> NodeOf {
         let topo = self.topology();
+        let client_node = self.client_node;
         Arc::new(move |a: Addr| match a.role {
             Role::Worker | Role::Shard => topo.node_of_device(a.index),
             Role::Scheduler => topo.home_node(a.index),
-            Role::CacheManager | Role::Node => a.index,
-            Role::Router | Role::Client => 0,
+            Role::CacheManager | Role::Node | Role::Router => a.index,
+            Role::Client => client_node,
         })
     }
 }
@@ -265,6 +274,16 @@ pub struct Cluster {
     /// The supervision tree, when this process runs it.
     root: Option<(ActorRef<SupervisorMsg>, JoinHandle<()>)>,
     down_rx: mpsc::UnboundedReceiver<String>,
+    /// Nodes membership declared dead, as they are heard of.
+    nodes_rx: mpsc::UnboundedReceiver<NodeNews>,
+    /// Per node: who declared it dead (`None`: this client's own membership).
+    declared: BTreeMap<u32, BTreeSet<Option<u32>>>,
+    /// An in-process client's node, whose membership it trusts as its own.
+    attached: Option<u32>,
+    /// Nodes this client holds dead: its own membership said so, or most of the other nodes did.
+    down_nodes: BTreeSet<u32>,
+    /// The node whose router this client submits to.
+    router: u32,
     down: Option<String>,
     next_id: u64,
     outstanding: BTreeMap<u64, Outstanding>,
@@ -299,14 +318,14 @@ fn node_spec(node: u32, ctx: &Arc<Ctx>, intensity: Intensity, env: SupervisorEnv
             || CacheManager,
             |node, incarnation, ctx| CacheArgs { node, incarnation, ctx },
         )];
-        if node == 0 {
+        if node < ctx.routers {
             children.push(spec(
-                "router0".into(),
+                format!("router{node}"),
                 ChildKind::Router,
-                0,
+                node,
                 &ctx,
                 || Router,
-                |_, incarnation, ctx| RouterArgs { incarnation, ctx },
+                |node, incarnation, ctx| RouterArgs { node, incarnation, ctx },
             ));
         }
         if ctx.membership.is_some() {
@@ -460,6 +479,8 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         root: OnceLock::new(),
         durable: Durable::new(placements, topo.nodes()),
         constraints: cfg.constraints.as_ref().map(|c| Arc::clone(&c.0)),
+        routers: cfg.routers.clamp(1, topo.nodes()),
+        node_news: OnceLock::new(),
     });
     for instance in 0..topo.instances {
         Scheduler::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| ClusterError::Engine(e.to_string()))?;
@@ -546,6 +567,8 @@ impl Cluster {
         let addr = Addr::client(0);
         let inbox = ctx.transport.bind(addr);
         let (tx, down_rx) = mpsc::unbounded_channel();
+        let (news, nodes_rx) = mpsc::unbounded_channel::<NodeNews>();
+        let _ = ctx.node_news.set(news);
         let (root, root_done) = start_tree(&ctx, &cfg, 0..topo.nodes(), tx).await?;
         ctx.events.record(format_args!(
             "cluster up: {} devices, {} instances, expert parallel {}, {} nodes, {} transport",
@@ -555,24 +578,30 @@ impl Cluster {
             topo.nodes(),
             ctx.transport.name()
         ));
-        Ok(Self::client(ctx, addr, inbox, Some((root, root_done)), down_rx, 0))
+        let mut client = Self::client(ctx, addr, inbox, Some((root, root_done)), (down_rx, nodes_rx), 0);
+        client.attached = Some(cfg.client_node);
+        Ok(client)
     }
 
     /// A client of a cluster whose actors run elsewhere (other processes,
     /// reached through `env.transport`), with address `Addr::client(index)`;
-    /// request ids start at `index << 32` so clients do not collide. A
-    /// message on `down` (e.g. the router's node died) ends every request.
+    /// request ids start at `index << 32` so clients do not collide.
+    /// `dead_nodes` says which nodes membership declared dead: a dead
+    /// router's place goes to the next router node's, and every request is
+    /// submitted there again; with none left every request ends with an error.
     pub fn connect(
         model: Arc<Model>,
         cfg: ClusterConfig,
         env: Env,
         index: u32,
-        down: mpsc::UnboundedReceiver<String>,
+        dead_nodes: mpsc::UnboundedReceiver<NodeNews>,
     ) -> Result<Self, ClusterError> {
         let ctx = build_ctx(model, &cfg, env)?;
         let addr = Addr::client(index);
         let inbox = ctx.transport.bind(addr);
-        Ok(Self::client(ctx, addr, inbox, None, down, (index as u64) << 32))
+        // Nothing else can take the cluster down under a client of other processes.
+        let (_, never) = mpsc::unbounded_channel();
+        Ok(Self::client(ctx, addr, inbox, None, (never, dead_nodes), (index as u64) << 32))
     }
 
     fn client(
@@ -580,7 +609,7 @@ impl Cluster {
         addr: Addr,
         inbox: Inbox,
         root: Option<(ActorRef<SupervisorMsg>, JoinHandle<()>)>,
-        down_rx: mpsc::UnboundedReceiver<String>,
+        (down_rx, nodes_rx): (mpsc::UnboundedReceiver<String>, mpsc::UnboundedReceiver<NodeNews>),
         first_id: u64,
     ) -> Self {
         Self {
@@ -589,6 +618,11 @@ impl Cluster {
             inbox,
             root,
             down_rx,
+            nodes_rx,
+            declared: BTreeMap::new(),
+            attached: None,
+            down_nodes: BTreeSet::new(),
+            router: 0,
             down: None,
             next_id: first_id,
             outstanding: BTreeMap::new(),
@@ -662,7 +696,7 @@ impl Cluster {
         } else {
             Message::Submit(Submit { spec: o.spec.clone(), generated: o.tokens.clone(), decode: None })
         };
-        self.ctx.send(self.addr, Addr::router(0), msg, &[]);
+        self.ctx.send(self.addr, Addr::router(self.router), msg, &[]);
     }
 
     /// Submit a request; its id names it in every [`Update`].
@@ -761,6 +795,10 @@ impl Cluster {
                     self.down = Some(why);
                     continue;
                 }
+                Some(news) = self.nodes_rx.recv() => {
+                    self.on_node_news(news);
+                    continue;
+                }
                 d = self.inbox.recv() => {
                     let Some(d) = d else {
                         self.down = Some("transport closed".into());
@@ -776,6 +814,56 @@ impl Cluster {
         }
     }
 
+    /// Submit every outstanding request again, with the tokens it has, to
+    /// the router in use (which may know nothing of them).
+    fn resubmit_all(&mut self) {
+        let deadline = self.ctx.clock.now() + self.ctx.timeouts.request;
+        self.ctx.events.record(format_args!(
+            "client resubmits {} requests to router{}",
+            self.outstanding.len(),
+            self.router
+        ));
+        for o in self.outstanding.values_mut() {
+            o.deadline = deadline;
+        }
+        for o in self.outstanding.values() {
+            bump(&self.ctx.metrics.submits_resent);
+            self.send_submit(o);
+        }
+    }
+
+    /// A membership declared a node dead. The client holds it dead when its
+    /// own membership says so, or most of the nodes do (a node cut off alone
+    /// declares every other one dead). If it ran the router in
+    /// use, the next router node's takes over (with every request submitted
+    /// again); with none left, the cluster is down for this client.
+    fn on_node_news(&mut self, news: NodeNews) {
+        let node = news.dead;
+        let witnesses = self.declared.entry(node).or_default();
+        witnesses.insert(news.seen_from);
+        let nodes = self.ctx.topology.nodes() as usize;
+        let own = witnesses.contains(&None) || self.attached.is_some_and(|n| witnesses.contains(&Some(n)));
+        let held = own || witnesses.len() * 2 > nodes;
+        if !held || !self.down_nodes.insert(node) || node != self.router {
+            return;
+        }
+        match (0..self.ctx.routers).find(|n| !self.down_nodes.contains(n)) {
+            Some(next) => {
+                self.ctx.events.record(format_args!("client: router{node} is gone, router{next} takes over"));
+                self.router = next;
+                self.resubmit_all();
+            }
+            None => {
+                let why = format!(
+                    "every router node is unreachable (nodes 0..{} declared dead by membership)",
+                    self.ctx.routers
+                );
+                self.ctx.events.record(format_args!("client: cluster down: {why}"));
+                self.down = Some(why);
+            }
+        }
+    }
+
     fn check_deadlines(&mut self) {
         let now = self.ctx.clock.now();
         let late: Vec<u64> = self.outstanding.iter().filter(|(_, o)| o.deadline <= now).map(|(id, _)| *id).collect();
@@ -785,8 +873,8 @@ impl Cluster {
             o.deadline = now + self.ctx.timeouts.request;
             if o.attempts > self.ctx.timeouts.request_attempts {
                 let why = format!(
-                    "router0 made no progress on request {id} after {} attempts",
-                    self.ctx.timeouts.request_attempts
+                    "router{} made no progress on request {id} after {} attempts",
+                    self.router, self.ctx.timeouts.request_attempts
                 );
                 self.ctx.events.record(format_args!("client: {why}"));
                 self.end(id, FinishReason::Error(why));
@@ -813,16 +901,9 @@ impl Cluster {
                     }
                 }
             }
-            Message::Heartbeat(h) if h.restarted => {
+            Message::Heartbeat(h) if h.restarted && from == Addr::router(self.router) => {
                 // A new router knows nothing: tell it everything again.
-                self.ctx.events.record(format_args!("client resubmits {} requests", self.outstanding.len()));
-                for o in self.outstanding.values_mut() {
-                    o.deadline = now + timeout;
-                }
-                for o in self.outstanding.values() {
-                    bump(&self.ctx.metrics.submits_resent);
-                    self.send_submit(o);
-                }
+                self.resubmit_all();
             }
             Message::Outputs(out) => {
                 let vocab = self.ctx.config.vocab_size;

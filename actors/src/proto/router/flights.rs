@@ -156,7 +156,7 @@ impl RouterMachine {
         }
     }
 
-    /// Membership declared `node` dead (node0's transport says so):
+    /// Membership declared `node` dead (this router's node says so):
     /// requests on an instance whose scheduler lived there, or bound to
     /// decode on one, are routed again as if just submitted with the tokens
     /// they have (recomputed on the new instance, bit for bit); the dead
@@ -165,7 +165,7 @@ impl RouterMachine {
     pub(super) fn on_node_down(&mut self, node: u32) {
         let topo = &self.ctx.topology;
         let dead: Vec<bool> =
-            (0..topo.instances).map(|i| self.ctx.durable.is_lost(0, topo.devices_of(i).start)).collect();
+            (0..topo.instances).map(|i| self.ctx.durable.is_lost(self.node, topo.devices_of(i).start)).collect();
         let is_dead = |i: u32| dead.get(i as usize).copied().unwrap_or(false);
         let moved: Vec<u64> = self
             .flights

@@ -78,6 +78,8 @@ struct Routing {
 
 pub struct RouterMachine {
     addr: Addr,
+    /// The node it runs on: its membership view decides which instances are dead.
+    node: u32,
     flights: BTreeMap<u64, Flight>,
     routing: BTreeMap<u64, Routing>,
     next_query: u64,
@@ -152,10 +154,11 @@ impl RouterMachine {
 }
 
 impl RouterMachine {
-    /// A new router incarnation at `now`: it knows nothing, so it says so to
-    /// the client, which submits everything again.
-    pub fn start(now: Duration, incarnation: u32, ctx: Arc<Ctx>) -> Self {
-        let addr = Addr::router(0);
+    /// A new incarnation of node `node`'s router at `now`: it knows nothing,
+    /// so it says so to the client, which submits everything again if this
+    /// is the router it uses.
+    pub fn start(now: Duration, node: u32, incarnation: u32, ctx: Arc<Ctx>) -> Self {
+        let addr = Addr::router(node);
         ctx.events.record(format_args!("{addr} up (incarnation {incarnation})"));
         let hello = Heartbeat {
             incarnation: ctx.durable.new_incarnation(),
@@ -164,6 +167,7 @@ impl RouterMachine {
         };
         let mut machine = RouterMachine {
             addr,
+            node,
             flights: BTreeMap::new(),
             routing: BTreeMap::new(),
             next_query: 0,
@@ -173,7 +177,10 @@ impl RouterMachine {
             round_robin: RoundRobin::default(),
             ctx,
         };
-        machine.send(Addr::client(0), Message::Heartbeat(hello), &[]);
+        // A standby router has nothing to announce until clients turn to it.
+        if machine.ctx.active_router(node) == addr {
+            machine.send(Addr::client(0), Message::Heartbeat(hello), &[]);
+        }
         machine
     }
 
@@ -252,7 +259,9 @@ impl RouterMachine {
                     }
                 }
             }
-            (Role::Node, Message::Control(crate::wire::Control::NodeDown { node })) if from == Addr::node(0) => {
+            (Role::Node, Message::Control(crate::wire::Control::NodeDown { node }))
+                if from == Addr::node(self.node) =>
+            {
                 self.on_node_down(node)
             }
             (_, Message::Heartbeat(_)) => {}

@@ -87,7 +87,7 @@ impl RouterMachine {
         let policy = PrefillPolicy::default();
         let mut candidates: Vec<PrefillCandidate> = (0..topo.instances)
             .map(|i| PrefillCandidate {
-                health: if self.ctx.durable.is_lost(0, topo.devices_of(i).start) {
+                health: if self.ctx.durable.is_lost(self.node, topo.devices_of(i).start) {
                     Health::Down
                 } else if self.ctx.kind(i).prefills() {
                     Health::Up
@@ -150,7 +150,7 @@ impl RouterMachine {
             DecodePolicy { max_requests_per_gpu: (first.max_batch_size as u32).div_ceil(topo.size_of(0).max(1)) };
         let mut candidates: Vec<DecodeCandidate> = (0..topo.instances)
             .map(|i| DecodeCandidate {
-                health: if self.ctx.durable.is_lost(0, topo.devices_of(i).start) {
+                health: if self.ctx.durable.is_lost(self.node, topo.devices_of(i).start) {
                     Health::Down
                 } else if self.ctx.kind(i).decodes() {
                     Health::Up

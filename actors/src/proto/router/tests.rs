@@ -61,7 +61,7 @@ fn sent(m: &mut RouterMachine) -> Vec<(Addr, Message)> {
 
 /// A router with request 1 routed to scheduler 0 (one instance: no cache lookup).
 fn routed(ctx: &Arc<Ctx>) -> RouterMachine {
-    let mut m = RouterMachine::start(ms(0), 0, Arc::clone(ctx));
+    let mut m = RouterMachine::start(ms(0), 0, 0, Arc::clone(ctx));
     assert!(matches!(&sent(&mut m)[..], [(CLIENT, Message::Heartbeat(h))] if !h.restarted));
     m.handle(ms(1), submit(1, Vec::new()));
     let out = sent(&mut m);

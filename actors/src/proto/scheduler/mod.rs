@@ -259,7 +259,6 @@ pub struct SchedulerMachine {
     /// Serial of the step timer last armed: an older one that fires is stale.
     serial: u64,
     queries: u64,
-    router: Addr,
     cache: Addr,
     /// Measured expert loads (EPLB at run time).
     eplb: Option<ExpertLoadTracker>,
@@ -309,6 +308,11 @@ impl SchedulerMachine {
         true
     }
 
+    /// The router this scheduler's node uses.
+    fn router(&self) -> Addr {
+        self.ctx.active_router(self.home)
+    }
+
     fn arm(&mut self, deadline: Duration) {
         self.serial += 1;
         self.effects.push(Effect::ArmStep { at: deadline, serial: self.serial });
@@ -320,7 +324,7 @@ impl SchedulerMachine {
 
     fn send_outputs(&mut self, items: Vec<OutputItem>, body: &[f32]) {
         if !items.is_empty() {
-            self.send(self.router, Message::Outputs(Outputs { items }), body);
+            self.send(self.router(), Message::Outputs(Outputs { items }), body);
         }
     }
 }
@@ -336,7 +340,6 @@ impl SchedulerMachine {
         let number = ctx.durable.new_incarnation();
         ctx.events.record(format_args!("{addr} up (incarnation {incarnation}, instance {number})"));
         let cache = Addr::cache(ctx.topology.home_node(instance));
-        let router = Addr::router(0);
         let restarted = ctx.durable.is_up();
         let eplb = ctx.eplb.map(|c| {
             ExpertLoadTracker::new(
@@ -363,7 +366,6 @@ impl SchedulerMachine {
             phase: Phase::Idle,
             serial: 0,
             queries: 0,
-            router,
             cache,
             eplb,
             handoffs: BTreeMap::new(),
@@ -372,7 +374,7 @@ impl SchedulerMachine {
         };
         machine.send(cache, Message::Cache(CacheMsg::Clear { instance }), &[]);
         let hello = Heartbeat { incarnation: number, restarted, time_ns: now.as_nanos() as u64 };
-        machine.send(router, Message::Heartbeat(hello), &[]);
+        machine.send(machine.router(), Message::Heartbeat(hello), &[]);
         // A predecessor may have died between changing the table and hearing every shard load it.
         if restarted {
             machine.load_placement(None);
