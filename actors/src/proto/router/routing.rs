@@ -100,6 +100,15 @@ impl RouterMachine {
                 cached_tokens: r.matched.get(&i).copied().unwrap_or(0) as usize * self.ctx.block_tokens,
             })
             .collect();
+        if candidates.iter().all(|c| c.health == Health::Down) {
+            // Nowhere to run it: say so now rather than after every retry.
+            let (id, spec) = (r.submit.spec.id, &r.submit.spec);
+            let why = format!("no serving instance is up: every scheduler's node is down (as {} sees it)", self.addr);
+            self.ctx.events.record(format_args!("router ends request {id}: {why}"));
+            let item = end_item(id, r.submit.generated.len(), spec.prompt.len(), FinishKind::Error(why));
+            self.send_to_client(r.client, vec![item], &[]);
+            return;
+        }
         self.count_lower_tiers(&r.submit.spec.prompt, &r.matched, &mut candidates);
         for f in self.flights.values() {
             let Some(c) = candidates.get_mut(f.instance as usize) else { continue };
