@@ -272,11 +272,15 @@ pub fn connect_client(
         let (dead_tx, dead_rx) = tokio::sync::mpsc::unbounded_channel();
         tokio::spawn(async move {
             while let Some(e) = members.recv().await {
-                if let MemberEvent::Down { node, silent } = e {
-                    let name = names.get(node as usize).map_or("?", String::as_str);
-                    eprintln!("client: node {name} is unreachable: silent for {} ms", silent.as_millis());
-                    let _ = dead_tx.send(NodeNews { dead: node, seen_from: None });
-                }
+                let news = match e {
+                    MemberEvent::Down { node, silent } => {
+                        let name = names.get(node as usize).map_or("?", String::as_str);
+                        eprintln!("client: node {name} is unreachable: silent for {} ms", silent.as_millis());
+                        NodeNews { node, alive: false, seen_from: None }
+                    }
+                    MemberEvent::Up { node } => NodeNews { node, alive: true, seen_from: None },
+                };
+                let _ = dead_tx.send(news);
             }
         });
         anyhow::Ok(Cluster::connect(model, cfg, env(transport, clock), index, dead_rx)?)
@@ -353,6 +357,8 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
                 e = members.recv() => match e {
                     Some(MemberEvent::Up { node }) => {
                         eprintln!("node {name}: node {} up", plan.nodes[node as usize].name);
+                        // Back after being declared dead: its devices take work again.
+                        actors.node_up(node);
                         let up = transport.nodes_up().len();
                         if !ready && up == total {
                             ready = true;
@@ -381,8 +387,12 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
             }
         };
         eprintln!("node {name}: stopping ({why})");
+        let m = actors.ctx.metrics.snapshot();
         actors.shutdown().await;
-        eprintln!("node {name}: stopped");
+        eprintln!(
+            "node {name}: stopped; its workers ran {} passes, its shards answered {} expert dispatches",
+            m.passes, m.dispatches_answered
+        );
         Ok(())
     })
 }

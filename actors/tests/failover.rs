@@ -1,9 +1,12 @@
-//! No single point of failure, in the deterministic simulation: the node
-//! that runs the active router is cut off for good in the middle of a
-//! batch; membership declares it dead, the next router node's router takes
-//! over, the client submits every request there again with the tokens it
-//! has, and every request completes with the fault-free output — over 20
-//! seeds, each run reproduced to the same event digest.
+//! No single point of failure, in the deterministic simulation, over 20
+//! seeds each (every run reproduced to the same event digest):
+//! - the node that runs the active router is cut off for good in the middle
+//!   of a batch; membership declares it dead, the next router node's router
+//!   takes over, the client submits every request there again with the
+//!   tokens it has, and every request completes with the fault-free output;
+//! - a node cut off for a while comes back: declared dead, then up again,
+//!   it rejoins its instance (its experts are put back at the next step)
+//!   and no request is lost or changed.
 
 mod common;
 
@@ -22,19 +25,25 @@ const STEPS: usize = 6;
 /// nodes 0 and 1; the client on node 3's side of the fabric; node 0 cut
 /// off from the rest at `cut`.
 fn config(seed: u64, cut: Duration) -> ClusterConfig {
+    config_cut(seed, 0, 3, cut, Duration::MAX)
+}
+
+/// As [`config`], with node `cut_node` cut off over `from..until` and the client on `client_node`'s side.
+fn config_cut(seed: u64, cut_node: u32, client_node: u32, from: Duration, until: Duration) -> ClusterConfig {
     let mut cfg = ClusterConfig::new(4, 2);
     cfg.devices_per_node = 1;
     cfg.instances = 2;
     cfg.seed = seed;
     cfg.return_logits = true;
-    cfg.client_node = 3;
+    cfg.client_node = client_node;
     cfg.keep_events = 200_000;
     cfg.engine = EngineConfig { max_batch_tokens: 32, ..EngineConfig::default() };
     cfg.membership = Some(MembershipConfig::simulated());
     // Slow steps keep requests in flight when node 0 goes.
     let slow = (0..4).map(|device| SlowDevice { device, per_layer: Duration::from_millis(3) }).collect();
     cfg.faults = Some(FaultPlan { slow, ..FaultPlan::default() });
-    cfg.fabric.partitions = vec![Partition { a: vec![0], b: vec![1, 2, 3], from: cut, until: Duration::MAX }];
+    let rest = (0..4).filter(|&n| n != cut_node).collect();
+    cfg.fabric.partitions = vec![Partition { a: vec![cut_node], b: rest, from, until }];
     cfg
 }
 
@@ -60,4 +69,29 @@ fn losing_the_active_routers_node_loses_no_request_over_20_seeds() {
     // A batch that finished before the cut needs no new router.
     assert!(took_over >= 15, "router1 took over in only {took_over} of 20 runs");
     eprintln!("router failover: router1 took over in {took_over}/20 runs, 0 requests lost");
+}
+
+#[test]
+fn a_node_that_comes_back_rejoins_its_instance_and_loses_no_request_over_20_seeds() {
+    let m = model();
+    let reqs = requests(8, STEPS);
+    let want = reference(&m, &reqs);
+    let mut rejoined = 0;
+    for seed in 0..20u64 {
+        let from = Duration::from_millis(50 + (seed % 4) * 10);
+        let cfg = || config_cut(seed, 3, 1, from, from + Duration::from_millis(400));
+        let report = run_simulated(m.clone(), cfg(), &reqs).unwrap();
+        assert_same(&report.outputs, &want, &format!("seed {seed}"));
+        let at = |needle: &str| report.log.iter().position(|l| l.contains(needle));
+        assert!(at("membership: Down { node: 3").is_some(), "seed {seed}: node 3 declared down");
+        if let Some(back) = at("scheduler1: node3 is back") {
+            rejoined += 1;
+            let replaced = report.log[back..].iter().any(|l| l.contains("scheduler1 placement epoch"));
+            assert!(replaced, "seed {seed}: node 3's experts are put back");
+        }
+        let again = run_simulated(m.clone(), cfg(), &reqs).unwrap();
+        assert_eq!(report.digest, again.digest, "seed {seed}: the same seed, the same run");
+    }
+    assert!(rejoined >= 15, "node 3 rejoined in only {rejoined} of 20 runs");
+    eprintln!("rejoin: node 3 came back in {rejoined}/20 runs, 0 requests lost");
 }

@@ -155,18 +155,30 @@ fn past_the_restart_intensity_requests_end_with_an_error() {
         ..FaultPlan::default()
     });
     let (tx, rx) = std::sync::mpsc::channel();
-    let mm = m.clone();
-    std::thread::spawn(move || tx.send(run_simulated(mm, cfg, &reqs).unwrap()).unwrap());
+    let (mm, rr) = (m.clone(), reqs.clone());
+    std::thread::spawn(move || tx.send(run_simulated(mm, cfg, &rr).unwrap()).unwrap());
     let report = rx.recv_timeout(Duration::from_secs(120)).expect("the run ends (nothing hangs)");
-    let first = report.outputs[0].as_ref().expect("request 0 finished before the faults");
-    assert_eq!(first.tokens.len(), 1);
-    for (i, out) in report.outputs.iter().enumerate().skip(1) {
-        let err = out.as_ref().expect_err("a request past the intensity limit fails");
-        assert!(err.reason.contains("cluster down") && err.reason.contains("exceed"), "request {i}: {}", err.reason);
-        assert!(err.tokens.len() < 5, "request {i} is incomplete");
+    // What ran only on worker 0 may finish before the faults (request 0, if
+    // it arrived in time); everything else ends with why, none hangs.
+    let mut failed = None;
+    for (i, (out, r)) in report.outputs.iter().zip(&reqs).enumerate() {
+        match out {
+            Ok(g) => assert_eq!(g.tokens.len(), r.max_tokens, "request {i} is complete"),
+            Err(err) => {
+                assert!(
+                    err.reason.contains("cluster down") && err.reason.contains("exceed"),
+                    "request {i}: {}",
+                    err.reason
+                );
+                assert!(err.tokens.len() < r.max_tokens, "request {i} is incomplete");
+                failed = Some(err.reason.clone());
+            }
+        }
     }
+    let why = failed.expect("the requests on worker 1 fail");
+    assert!(report.outputs.iter().skip(1).all(Result::is_err), "only request 0 can finish in one step");
     let mx = &report.metrics;
-    println!("intensity: {mx:?}\n{}", report.outputs[1].as_ref().unwrap_err().reason);
+    println!("intensity: {mx:?}\n{why}");
     // node0 restarts worker1 twice, gives up; the cluster restarts node0 once; node0 gives up again; the cluster gives up.
     assert_eq!(mx.worker_restarts, 4, "{mx:?}");
     assert_eq!(mx.supervisor_restarts, 1, "{mx:?}");

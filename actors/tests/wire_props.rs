@@ -123,7 +123,13 @@ fn message() -> impl Strategy<Value = Message> {
                         logits: false,
                         constraint: None,
                     };
-                    HandoffMsg::Transfer { spec: Box::new(spec), generated: vec![5], lens, attempt: instance }
+                    HandoffMsg::Transfer {
+                        spec: Box::new(spec),
+                        generated: vec![5],
+                        lens,
+                        attempt: instance,
+                        router: id as u32,
+                    }
                 }
             })
         }),

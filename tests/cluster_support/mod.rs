@@ -54,11 +54,19 @@ impl Proc {
 
     /// Wait until a line contains `needle`; panics with everything seen after `limit`.
     pub fn wait_for(&self, needle: &str, limit: Duration) -> Instant {
+        self.wait_for_since(needle, None, limit)
+    }
+
+    /// Wait for a line containing `needle` that arrived after `since`.
+    pub fn wait_for_since(&self, needle: &str, since: Option<Instant>, limit: Duration) -> Instant {
         let end = Instant::now() + limit;
         loop {
-            if let Some((t, _)) = self.lines.lock().unwrap().iter().find(|(_, l)| l.contains(needle)) {
+            let lines = self.lines.lock().unwrap();
+            let found = lines.iter().find(|(t, l)| since.is_none_or(|s| *t > s) && l.contains(needle));
+            if let Some((t, _)) = found {
                 return *t;
             }
+            drop(lines);
             assert!(Instant::now() < end, "no `{needle}` within {limit:?}:\n{}", self.text());
             std::thread::sleep(Duration::from_millis(20));
         }

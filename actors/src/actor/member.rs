@@ -48,8 +48,9 @@ impl MemberState {
 
     fn act(&self, event: MemberEvent) {
         self.ctx.events.record(format_args!("node{} membership: {event:?}", self.node));
-        if let MemberEvent::Down { node, .. } = event {
-            self.ctx.node_down(self.node, node);
+        match event {
+            MemberEvent::Down { node, .. } => self.ctx.node_down(self.node, node),
+            MemberEvent::Up { node } => self.ctx.node_up(self.node, node),
         }
     }
 }

@@ -21,11 +21,12 @@ use crate::sim::events::{bump, EventLog, Metrics};
 use crate::sim::faults::Faults;
 use crate::wire::{self, Addr, Decoded, Envelope, Message};
 
-/// Membership declared node `dead` dead: as node `seen_from` saw it, or
-/// (`None`) as the client itself saw it.
+/// Membership declared `node` dead (or, `alive`, back after that): as
+/// node `seen_from` saw it, or (`None`) as the client itself saw it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct NodeNews {
-    pub dead: u32,
+    pub node: u32,
+    pub alive: bool,
     pub seen_from: Option<u32>,
 }
 
@@ -209,7 +210,7 @@ impl Ctx {
         self.durable.mark_lost(here, &devices);
         self.durable.mark_node_down(here, dead);
         if let Some(news) = self.node_news.get() {
-            let _ = news.send(NodeNews { dead, seen_from: Some(here) });
+            let _ = news.send(NodeNews { node: dead, alive: false, seen_from: Some(here) });
         }
         let msg = || Message::Control(wire::Control::NodeDown { node: dead });
         if here < self.routers {
@@ -217,6 +218,29 @@ impl Ctx {
         }
         for i in topo.instances_on(here) {
             if topo.devices_of(i).any(|d| topo.node_of_device(d) == dead) {
+                self.send(Addr::node(here), Addr::scheduler(i), msg(), &[]);
+            }
+        }
+    }
+
+    /// Membership hears `node` again after declaring it dead; act on it from
+    /// node `here`: its devices take work again, and each scheduler of
+    /// `here` whose instance has devices there puts their experts back.
+    pub fn node_up(&self, here: u32, node: u32) {
+        let topo = &self.topology;
+        let devices: Vec<u32> = (0..topo.devices).filter(|&d| topo.node_of_device(d) == node).collect();
+        if !self.durable.mark_node_up(here, node, &devices) {
+            return;
+        }
+        if let Some(news) = self.node_news.get() {
+            let _ = news.send(NodeNews { node, alive: true, seen_from: Some(here) });
+        }
+        let msg = || Message::Control(wire::Control::NodeUp { node });
+        if here < self.routers {
+            self.send(Addr::node(here), Addr::router(here), msg(), &[]);
+        }
+        for i in topo.instances_on(here) {
+            if topo.devices_of(i).any(|d| topo.node_of_device(d) == node) {
                 self.send(Addr::node(here), Addr::scheduler(i), msg(), &[]);
             }
         }

@@ -35,6 +35,8 @@ pub struct InstanceGauges {
 
 pub struct Durable {
     placements: Vec<RwLock<Placement>>,
+    /// Each instance's table as configured, over all its devices.
+    initial: Vec<Placement>,
     steps: Vec<AtomicU64>,
     gauges: Vec<InstanceGauges>,
     incarnations: AtomicU64,
@@ -50,6 +52,7 @@ impl Durable {
         assert!(!placements.is_empty() && nodes > 0, "a cluster has an instance and a node");
         let instances = placements.len();
         Self {
+            initial: placements.clone(),
             placements: placements.into_iter().map(RwLock::new).collect(),
             steps: (0..instances).map(|_| AtomicU64::new(0)).collect(),
             gauges: (0..instances).map(|_| InstanceGauges::default()).collect(),
@@ -104,6 +107,27 @@ impl Durable {
         if let Some(l) = self.lost_devices.get(seen_from as usize) {
             l.write().unwrap_or_else(|e| e.into_inner()).extend(devices.iter().copied());
         }
+    }
+
+    /// `instance`'s table as configured, over all its devices.
+    pub fn initial_placement(&self, instance: u32) -> Placement {
+        self.initial[instance as usize].clone()
+    }
+
+    /// Node `seen_from` hears `node` again: it and its devices are back.
+    /// False if it had not been declared dead there.
+    pub fn mark_node_up(&self, seen_from: u32, node: u32, devices: &[u32]) -> bool {
+        let Some(down) = self.down_nodes.get(seen_from as usize) else { return false };
+        if !down.write().unwrap_or_else(|e| e.into_inner()).remove(&node) {
+            return false;
+        }
+        if let Some(l) = self.lost_devices.get(seen_from as usize) {
+            let mut lost = l.write().unwrap_or_else(|e| e.into_inner());
+            devices.iter().for_each(|d| {
+                lost.remove(d);
+            });
+        }
+        true
     }
 
     /// Node `seen_from` heard that `node` was declared dead.

@@ -546,6 +546,11 @@ impl NodeRuntime {
         self.ctx.node_down(self.node, node);
     }
 
+    /// Tell local actors that `node`, declared dead before, answers again.
+    pub fn node_up(&self, node: u32) {
+        self.ctx.node_up(self.node, node);
+    }
+
     /// Resolves when the node's supervisors gave up, with why.
     pub async fn gave_up(&mut self) -> String {
         self.down_rx.recv().await.unwrap_or_else(|| "supervision tree stopped".into())
@@ -838,7 +843,21 @@ impl Cluster {
     /// use, the next router node's takes over (with every request submitted
     /// again); with none left, the cluster is down for this client.
     fn on_node_news(&mut self, news: NodeNews) {
-        let node = news.dead;
+        let node = news.node;
+        if news.alive {
+            // Back: usable again if its router is needed (the one in use stays).
+            if let Some(w) = self.declared.get_mut(&node) {
+                w.remove(&news.seen_from);
+            }
+            let still = self
+                .declared
+                .get(&node)
+                .is_some_and(|w| w.contains(&None) || w.len() * 2 > self.ctx.topology.nodes() as usize);
+            if !still {
+                self.down_nodes.remove(&node);
+            }
+            return;
+        }
         let witnesses = self.declared.entry(node).or_default();
         witnesses.insert(news.seen_from);
         let nodes = self.ctx.topology.nodes() as usize;

@@ -312,7 +312,8 @@ pub struct StateExport {
 pub enum HandoffMsg {
     /// Prefill scheduler → decode scheduler: continue this request from its
     /// state (lengths here, values in the body) after `generated`.
-    Transfer { spec: Box<RequestSpec>, generated: Vec<u32>, lens: Vec<u32>, attempt: u32 },
+    /// `router`: the node whose router owns the request.
+    Transfer { spec: Box<RequestSpec>, generated: Vec<u32>, lens: Vec<u32>, attempt: u32, router: u32 },
     /// Decode scheduler → prefill scheduler and router: the request runs here now.
     Adopted { id: u64, instance: u32 },
     /// Prefill scheduler → router: the transfer to `instance` failed; decode it elsewhere.
@@ -407,6 +408,11 @@ pub enum Control {
     /// Membership: `node` stopped answering for longer than the failure
     /// timeout; its devices' workers and shards are gone.
     NodeDown {
+        node: u32,
+    },
+    /// Membership: `node`, declared dead before, answers again (a restarted
+    /// process): its devices take work again.
+    NodeUp {
         node: u32,
     },
 }

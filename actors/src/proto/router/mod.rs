@@ -264,6 +264,10 @@ impl RouterMachine {
             {
                 self.on_node_down(node)
             }
+            // Its instances count as up again through the shared view of lost devices.
+            (Role::Node, Message::Control(crate::wire::Control::NodeUp { node })) if from == Addr::node(self.node) => {
+                self.ctx.events.record(format_args!("{} routes to node{node} again", self.addr));
+            }
             (_, Message::Heartbeat(_)) => {}
             (_, other) => {
                 bump(&self.ctx.metrics.frames_rejected);

@@ -29,6 +29,7 @@ impl SchedulerMachine {
             generated: h.generated.clone(),
             lens: h.lens.clone(),
             attempt: h.attempt,
+            router: self.owners.get(&id).copied().unwrap_or(self.last_router),
         };
         let to = Addr::scheduler(h.target);
         self.ctx.events.record(format_args!("{} transfers request {id} to {to} (attempt {})", self.addr, h.attempt));
@@ -50,7 +51,7 @@ impl SchedulerMachine {
         bump(&self.ctx.metrics.requests_restarted);
         self.ctx.events.record(format_args!("{} reroutes request {id} away from scheduler{target}: {why}", self.addr));
         let msg = HandoffMsg::Reroute { id, instance: target };
-        self.send(self.router(), Message::Handoff(msg), &[]);
+        self.send(self.router_of(id), Message::Handoff(msg), &[]);
     }
 
     pub(super) fn on_transfer_timeout(&mut self, id: u64, attempt: u32) {
@@ -67,6 +68,7 @@ impl SchedulerMachine {
     pub(super) fn on_adopted(&mut self, id: u64, instance: u32) {
         if self.handoffs.get(&id).is_some_and(|h| h.target == instance) {
             self.handoffs.remove(&id);
+            self.owners.remove(&id);
             self.effects.push(Effect::DisarmTransfer(id));
             self.ctx.events.record(format_args!("{} request {id} adopted by scheduler{instance}", self.addr));
         }
@@ -88,7 +90,7 @@ impl SchedulerMachine {
             // A repeated (or late) transfer of a request already running here:
             // it may have moved on since; only the answer was lost.
             self.send(from, adopted.clone(), &[]);
-            self.send(self.router(), adopted, &[]);
+            self.send(self.router_of(id), adopted, &[]);
             return;
         }
         let cfg = &self.ctx.model.config;
@@ -96,7 +98,7 @@ impl SchedulerMachine {
         if generated.len() >= spec.max_tokens as usize || position >= self.ctx.config.max_position_embeddings {
             // Nothing is left to generate (a peer that should have finished it).
             self.send(from, adopted.clone(), &[]);
-            self.send(self.router(), adopted, &[]);
+            self.send(self.router_of(id), adopted, &[]);
             let item = end_item(id, generated.len(), spec.prompt.len(), FinishKind::Length);
             self.send_outputs(vec![item], &[]);
             return;
@@ -119,7 +121,7 @@ impl SchedulerMachine {
             Ok(c) => c,
             Err(why) => {
                 self.send(from, adopted.clone(), &[]);
-                self.send(self.router(), adopted, &[]);
+                self.send(self.router_of(id), adopted, &[]);
                 let end = Some(OutputEnd::Refused(why));
                 let item =
                     OutputItem { id, from: generated.len() as u32, tokens: Vec::new(), logits: false, end, cached: 0 };
@@ -140,7 +142,7 @@ impl SchedulerMachine {
             }
         };
         self.send(from, adopted.clone(), &[]);
-        self.send(self.router(), adopted, &[]);
+        self.send(self.router_of(id), adopted, &[]);
         match added {
             Err(e) => {
                 let end = Some(OutputEnd::Refused(e.to_string()));

@@ -259,6 +259,13 @@ pub struct SchedulerMachine {
     /// Serial of the step timer last armed: an older one that fires is stale.
     serial: u64,
     queries: u64,
+    /// The router node that owns each request it answers for (the one that
+    /// last submitted it), until its final output is sent.
+    owners: BTreeMap<u64, u32>,
+    /// The router that spoke last: the owner of what has none recorded.
+    last_router: u32,
+    /// A node of this instance came back: its experts return at the next step.
+    rejoined: bool,
     cache: Addr,
     /// Measured expert loads (EPLB at run time).
     eplb: Option<ExpertLoadTracker>,
@@ -297,6 +304,14 @@ pub(crate) fn request_of(spec: &RequestSpec) -> Request {
 }
 
 impl SchedulerMachine {
+    /// Router `from` submitted or cancelled request `id`: it owns it now.
+    fn owned_by(&mut self, from: Addr, id: u64) {
+        if from.index < self.ctx.routers {
+            self.last_router = from.index;
+            self.owners.insert(id, from.index);
+        }
+    }
+
     fn now(&self) -> Duration {
         self.now
     }
@@ -308,9 +323,9 @@ impl SchedulerMachine {
         true
     }
 
-    /// The router this scheduler's node uses.
-    fn router(&self) -> Addr {
-        self.ctx.active_router(self.home)
+    /// The router that owns request `id`.
+    fn router_of(&self, id: u64) -> Addr {
+        Addr::router(self.owners.get(&id).copied().unwrap_or(self.last_router))
     }
 
     fn arm(&mut self, deadline: Duration) {
@@ -322,9 +337,25 @@ impl SchedulerMachine {
         self.effects.push(Effect::Tick);
     }
 
+    /// Send outputs to the routers that own them (one message each, with
+    /// their logits rows); a request's last output ends its ownership.
     fn send_outputs(&mut self, items: Vec<OutputItem>, body: &[f32]) {
-        if !items.is_empty() {
-            self.send(self.router(), Message::Outputs(Outputs { items }), body);
+        let vocab = self.ctx.config.vocab_size;
+        let mut by_router: BTreeMap<Addr, (Vec<OutputItem>, Vec<f32>)> = BTreeMap::new();
+        let mut at = 0;
+        for item in items {
+            let rows = if item.logits { item.tokens.len() * vocab } else { 0 };
+            let router = self.router_of(item.id);
+            if item.end.is_some() {
+                self.owners.remove(&item.id);
+            }
+            let (mine, values) = by_router.entry(router).or_default();
+            values.extend_from_slice(&body[at..at + rows]);
+            at += rows;
+            mine.push(item);
+        }
+        for (router, (items, values)) in by_router {
+            self.send(router, Message::Outputs(Outputs { items }), &values);
         }
     }
 }
@@ -366,6 +397,9 @@ impl SchedulerMachine {
             phase: Phase::Idle,
             serial: 0,
             queries: 0,
+            owners: BTreeMap::new(),
+            last_router: ctx.active_router(ctx.topology.home_node(instance)).index,
+            rejoined: false,
             cache,
             eplb,
             handoffs: BTreeMap::new(),
@@ -374,7 +408,10 @@ impl SchedulerMachine {
         };
         machine.send(cache, Message::Cache(CacheMsg::Clear { instance }), &[]);
         let hello = Heartbeat { incarnation: number, restarted, time_ns: now.as_nanos() as u64 };
-        machine.send(machine.router(), Message::Heartbeat(hello), &[]);
+        // Every router may own requests of this instance.
+        for node in 0..machine.ctx.routers {
+            machine.send(Addr::router(node), Message::Heartbeat(hello.clone()), &[]);
+        }
         // A predecessor may have died between changing the table and hearing every shard load it.
         if restarted {
             machine.load_placement(None);
@@ -420,9 +457,16 @@ impl SchedulerMachine {
         let devices = self.ctx.topology.devices_of(self.instance);
         let mine = |a: Addr| devices.contains(&a.index);
         match (from.role, m.envelope.msg) {
-            (Role::Router, Message::Submit(s)) => self.on_submit(s),
-            (Role::Router, Message::Cancel { id }) => self.on_cancel(id),
-            (Role::Scheduler, Message::Handoff(HandoffMsg::Transfer { spec, generated, lens, .. })) => {
+            (Role::Router, Message::Submit(s)) => {
+                self.owned_by(from, s.spec.id);
+                self.on_submit(s)
+            }
+            (Role::Router, Message::Cancel { id }) => {
+                self.owned_by(from, id);
+                self.on_cancel(id)
+            }
+            (Role::Scheduler, Message::Handoff(HandoffMsg::Transfer { spec, generated, lens, router, .. })) => {
+                self.owners.insert(spec.id, router);
                 self.on_transfer(from, *spec, generated, lens, m.body)
             }
             (Role::Scheduler, Message::Handoff(HandoffMsg::Adopted { id, instance })) if instance == from.index => {
@@ -450,6 +494,11 @@ impl SchedulerMachine {
                 if from == Addr::node(self.ctx.topology.home_node(self.instance)) =>
             {
                 return self.on_node_down(node)
+            }
+            (Role::Node, Message::Control(Control::NodeUp { node }))
+                if from == Addr::node(self.ctx.topology.home_node(self.instance)) =>
+            {
+                self.on_node_up(node)
             }
             (_, Message::Heartbeat(_)) => {}
             (_, other) => {

@@ -153,6 +153,37 @@ impl SchedulerMachine {
         Err(format!("{}: node{node} is down (devices {lost:?}); restarting on the survivors", self.addr).into())
     }
 
+    /// `node`, declared dead before, answers again: if it holds devices of
+    /// this instance, the next step puts their experts back (the configured
+    /// table without what is still lost), and its workers take new requests.
+    pub(super) fn on_node_up(&mut self, node: u32) {
+        let topo = &self.ctx.topology;
+        if topo.devices_of(self.instance).any(|d| topo.node_of_device(d) == node) {
+            self.ctx.events.record(format_args!("{}: node{node} is back", self.addr));
+            self.rejoined = true;
+            self.tick();
+        }
+    }
+
+    /// The table after a node came back, if it differs from the current one.
+    pub(super) fn rejoin_change(&mut self) -> Option<crate::cluster::placement::Placement> {
+        if !std::mem::take(&mut self.rejoined) {
+            return None;
+        }
+        let topo = &self.ctx.topology;
+        let base = topo.devices_of(self.instance).start;
+        let gone: BTreeSet<u32> = topo
+            .devices_of(self.instance)
+            .filter(|&d| self.ctx.durable.is_lost(self.home, d))
+            .map(|d| d - base)
+            .collect();
+        let current = self.ctx.durable.placement(self.instance);
+        match self.ctx.durable.initial_placement(self.instance).without_devices(&gone) {
+            Ok(p) if p.clone().with_epoch(current.epoch()) != current => Some(p),
+            _ => None,
+        }
+    }
+
     pub(super) fn on_cache_restarted(&mut self) {
         self.policy.clear_prefix_cache();
         self.cached.clear();

@@ -102,14 +102,14 @@ impl SchedulerMachine {
         let mut worker = None;
         if self.handoffs.contains_key(&id) {
             // Prefilled and on its way to a decode instance: that is progress.
-            self.send(self.router(), Message::Ack { ids: vec![id] }, &[]);
+            self.send(self.router_of(id), Message::Ack { ids: vec![id] }, &[]);
             return;
         }
         if let Some(l) = self.live.get_mut(&id) {
             l.decode = decode;
             let l = &self.live[&id];
             if self.generated(l.rid) == generated.len() {
-                self.send(self.router(), Message::Ack { ids: vec![id] }, &[]);
+                self.send(self.router_of(id), Message::Ack { ids: vec![id] }, &[]);
                 self.tick();
                 return;
             }
@@ -166,7 +166,7 @@ impl SchedulerMachine {
                     Live { rid, worker, spec, hashes: Vec::new(), plain: false, decode, import: None, constraint },
                 );
                 self.tiers_arrived(rid);
-                self.send(self.router(), Message::Ack { ids: vec![id] }, &[]);
+                self.send(self.router_of(id), Message::Ack { ids: vec![id] }, &[]);
                 self.tick();
             }
         }

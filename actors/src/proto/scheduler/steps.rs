@@ -22,6 +22,9 @@ impl SchedulerMachine {
         }
         let mut change = self.ctx.placement_changes.iter().find(|(s, _)| *s == step).map(|(_, p)| p.clone());
         if change.is_none() {
+            change = self.rejoin_change();
+        }
+        if change.is_none() {
             change = self.eplb_change();
         }
         if let Some(p) = change {

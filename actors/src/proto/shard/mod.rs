@@ -154,7 +154,10 @@ impl ShardMachine {
             self.effects.push(ShardEffect::Busy(slow));
         }
         let (status, out) = match self.check(&h, &body) {
-            Ok(()) => (ResultStatus::Ok, self.compute(&h, &body)),
+            Ok(()) => {
+                bump(&self.ctx.metrics.dispatches_answered);
+                (ResultStatus::Ok, self.compute(&h, &body))
+            }
             Err(status) => {
                 self.ctx.events.record(format_args!("{} refuses dispatch from {from}: {status:?}", self.addr));
                 (status, Vec::new())

@@ -1,0 +1,69 @@
+//! A node that comes back: four `deepinfer node` processes over QUIC; node2
+//! is killed outright, the survivors declare it dead and serve without it;
+//! a new node2 process starts, the survivors hear it again, it rejoins its
+//! instance (its experts are put back) and every batch, before, during and
+//! after, gives the tokens of one process.
+
+mod cluster_support;
+
+use std::time::{Duration, Instant};
+
+use cluster_support::{run_plain, s, Proc, Site};
+
+fn spawn_node(site: &Site, i: usize) -> Proc {
+    Proc::spawn(&["node", "--topology", site.t(), "--node", &format!("node{i}"), "--exit-with-stdin"], false)
+}
+
+#[test]
+fn a_killed_node_started_again_rejoins_and_the_tokens_never_change() {
+    let site = Site::new("rejoin");
+    let mut nodes: Vec<Proc> = (0..4).map(|i| spawn_node(&site, i)).collect();
+    for n in &nodes {
+        n.wait_for("cluster ready", Duration::from_secs(60));
+    }
+    let lines: Vec<String> = (0..6)
+        .map(|i| serde_json::json!({"id": i, "prompt": format!("Batch request {i}"), "max_tokens": 24}).to_string())
+        .collect();
+    let input = site.dir.join("in.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let one_out = site.dir.join("one.jsonl");
+    let one = run_plain(&["generate", "--input", s(&input), "--output", s(&one_out)]);
+    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
+    let want = std::fs::read_to_string(&one_out).unwrap();
+    let batch = |name: &str| {
+        let out = site.dir.join(format!("{name}.jsonl"));
+        let o = run_plain(&["generate", "--topology", site.t(), "--input", s(&input), "--output", s(&out)]);
+        assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), want, "{name}: the tokens of one process");
+    };
+    batch("before");
+
+    nodes[2].child.kill().unwrap();
+    let killed = Instant::now();
+    for i in [0, 1, 3] {
+        nodes[i].wait_for_since("node node2 down", Some(killed), Duration::from_secs(15));
+    }
+    batch("without node2");
+
+    let restarted = Instant::now();
+    nodes[2] = spawn_node(&site, 2);
+    for i in [0, 1, 3] {
+        nodes[i].wait_for_since("node node2 up", Some(restarted), Duration::from_secs(30));
+    }
+    nodes[2].wait_for("cluster ready", Duration::from_secs(30));
+    batch("after node2 rejoined");
+
+    for n in &mut nodes {
+        drop(n.child.stdin.take());
+    }
+    for (i, n) in nodes.iter_mut().enumerate() {
+        let code = n.wait_exit(Duration::from_secs(30));
+        assert!(code.success(), "node{i}: {code}\n{}", n.text());
+    }
+    // The new node2 did work after it rejoined: its experts were put back.
+    let text = nodes[2].text();
+    let line = text.lines().find(|l| l.contains("stopped; its workers")).expect("node2's summary");
+    let answered: u64 = line.split("answered ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    assert!(answered > 0, "node2 computed no expert after rejoining: {line}");
+    eprintln!("rejoined {line}");
+}
