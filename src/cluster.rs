@@ -18,6 +18,7 @@ use deepinfer_actors::net::tls::{self, CLIENT_NAME};
 use deepinfer_actors::sim::clock::{Clock, RealClock};
 use deepinfer_actors::sim::events::{EventLog, Metrics};
 use deepinfer_actors::sim::faults::Faults;
+use deepinfer_actors::wire::Addr;
 use deepinfer_actors::{Cluster, ClusterConfig, Env, LocalCluster, NodeRuntime};
 use deepinfer_engine::model::Model;
 use deepinfer_engine::scheduler::EngineConfig;
@@ -329,6 +330,7 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
             NodeRuntime::start(Arc::new(loaded.model), cfg.clone(), env(Arc::clone(&transport), clock), me)
                 .await
                 .with_context(|| format!("starting node `{name}`"))?;
+        crate::node_agent::spawn(Arc::clone(&actors.ctx), me, std::time::SystemTime::now());
         let devices = me * plan.devices_per_node..(me + 1) * plan.devices_per_node;
         eprintln!(
             "node {name}: listening on {} (QUIC), devices {}..{} of {}",
@@ -397,15 +399,16 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
     })
 }
 
-/// Connect as a client, wait up to `wait` for every node to answer, print
-/// one line per node; true when all are up.
+/// Connect as a client, wait up to `wait` for every node to answer, ask
+/// each for its status and print one line per node; true when all are up.
 pub fn status(path: &Path, certs: Option<&Path>, wait: Duration) -> anyhow::Result<bool> {
     let plan = ClusterPlan::load(path)?;
     let identity = tls::load_identity(&plan.certs_dir(certs)?, CLIENT_NAME)?;
     let cfg = plan.base_config();
     let rt = runtime()?;
-    let up = rt.block_on(async {
-        let (transport, _) = start_transport(&plan, Member::Client(std::process::id()), identity, &cfg)?;
+    let index = std::process::id();
+    let (up, reports, heard) = rt.block_on(async {
+        let (transport, _) = start_transport(&plan, Member::Client(index), identity, &cfg)?;
         let total = plan.nodes.len();
         let _ = tokio::time::timeout(wait, async {
             while transport.nodes_up().len() < total {
@@ -414,8 +417,10 @@ pub fn status(path: &Path, certs: Option<&Path>, wait: Duration) -> anyhow::Resu
         })
         .await;
         let up = transport.nodes_up();
+        let reports = crate::node_agent::query(&*transport, Addr::client(index), &up, wait).await;
+        let heard: Vec<Option<Duration>> = (0..total as u32).map(|n| transport.heard_ago(n)).collect();
         deepinfer_actors::net::transport::Transport::close(&*transport);
-        anyhow::Ok(up)
+        anyhow::Ok((up, reports, heard))
     })?;
     println!(
         "cluster {}: {}/{} nodes up, {} devices, {} instance(s), expert parallel {}",
@@ -427,9 +432,15 @@ pub fn status(path: &Path, certs: Option<&Path>, wait: Duration) -> anyhow::Resu
         plan.expert_parallel
     );
     for (i, n) in plan.nodes.iter().enumerate() {
-        let state = if up.contains(&(i as u32)) { "up" } else { "unreachable" };
-        let first = i as u32 * plan.devices_per_node;
-        println!("  {:<12} {:<22} devices {}..{}  {state}", n.name, n.addr, first, first + plan.devices_per_node);
+        let node = i as u32;
+        match reports.get(&node) {
+            Some(s) => println!("  {}", crate::node_agent::status_line(&n.name, s, heard[i])),
+            None => {
+                let state = if up.contains(&node) { "up (no report)" } else { "unreachable" };
+                let first = node * plan.devices_per_node;
+                println!("  {:<10} {state}  {}  devices {}..{}", n.name, n.addr, first, first + plan.devices_per_node);
+            }
+        }
     }
     Ok(up.len() == plan.nodes.len())
 }

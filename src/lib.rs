@@ -9,6 +9,7 @@ pub mod config_file;
 pub mod engram_vocab;
 pub mod generation;
 pub mod kv_disk;
+pub mod node_agent;
 pub mod scenario;
 pub mod simulate;
 pub mod step_cost;

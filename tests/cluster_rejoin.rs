@@ -1,8 +1,9 @@
 //! A node that comes back: four `deepinfer node` processes over QUIC; node2
-//! is killed outright, the survivors declare it dead and serve without it;
-//! a new node2 process starts, the survivors hear it again, it rejoins its
-//! instance (its experts are put back) and every batch, before, during and
-//! after, gives the tokens of one process.
+//! is killed outright, the survivors declare it dead and serve without it
+//! (`deepinfer status` shows it unreachable and seen down); a new node2
+//! process starts, the survivors hear it again, it rejoins its instance
+//! (its experts are put back, it computes again) and every batch, before,
+//! during and after, gives the tokens of one process.
 
 mod cluster_support;
 
@@ -44,6 +45,23 @@ fn a_killed_node_started_again_rejoins_and_the_tokens_never_change() {
         nodes[i].wait_for_since("node node2 down", Some(killed), Duration::from_secs(15));
     }
     batch("without node2");
+    let status = |what: &str| {
+        let o = run_plain(&["status", "--topology", site.t(), "--wait-ms", "3000"]);
+        let text = String::from_utf8_lossy(&o.stdout).to_string();
+        eprintln!("status {what}:\n{text}");
+        (o.status.success(), text)
+    };
+    let (all_up, text) = status("without node2");
+    assert!(!all_up && text.contains("3/4 nodes up"), "{text}");
+    let line = |text: &str, node: &str| text.lines().find(|l| l.trim_start().starts_with(node)).unwrap().to_string();
+    assert!(line(&text, "node2").contains("unreachable"), "{text}");
+    assert!(line(&text, "node0").contains("sees down: [2]"), "{text}");
+    // Every routed expert of tiny-v4 (8) is held by a live node, before and after.
+    let experts = |text: &str| -> u32 {
+        text.lines().filter_map(|l| l.split("experts").nth(1)?.split_whitespace().next()?.parse().ok()).sum()
+    };
+    assert_eq!(experts(&text), 8, "{text}");
+    let incarnation = |l: &str| l.split("(incarnation ").nth(1).and_then(|r| r.split(')').next()).map(str::to_string);
 
     let restarted = Instant::now();
     nodes[2] = spawn_node(&site, 2);
@@ -52,6 +70,13 @@ fn a_killed_node_started_again_rejoins_and_the_tokens_never_change() {
     }
     nodes[2].wait_for("cluster ready", Duration::from_secs(30));
     batch("after node2 rejoined");
+    let (all_up, after) = status("after node2 rejoined");
+    assert!(all_up && after.contains("4/4 nodes up"), "{after}");
+    assert!(!line(&after, "node0").contains("sees down"), "{after}");
+    assert!(incarnation(&line(&after, "node2")).is_some(), "{after}");
+    assert_eq!(experts(&after), 8, "{after}");
+    assert!(!line(&after, "node2").contains("experts    0"), "node2 holds experts again: {after}");
+    assert_eq!(incarnation(&line(&after, "node0")), incarnation(&line(&text, "node0")), "node0 never restarted");
 
     for n in &mut nodes {
         drop(n.child.stdin.take());

@@ -44,11 +44,13 @@ pub struct Durable {
     lost_devices: Vec<RwLock<BTreeSet<u32>>>,
     /// Per node: the nodes its membership declared dead.
     down_nodes: Vec<RwLock<BTreeSet<u32>>>,
+    /// Per device: the routed experts its shard holds (written by the shard).
+    experts_held: Vec<AtomicU64>,
 }
 
 impl Durable {
     /// One placement table per instance, for a cluster of `nodes` nodes.
-    pub fn new(placements: Vec<Placement>, nodes: u32) -> Self {
+    pub fn new(placements: Vec<Placement>, nodes: u32, devices: u32) -> Self {
         assert!(!placements.is_empty() && nodes > 0, "a cluster has an instance and a node");
         let instances = placements.len();
         Self {
@@ -60,6 +62,7 @@ impl Durable {
             up: AtomicBool::new(false),
             lost_devices: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
             down_nodes: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
+            experts_held: (0..devices).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
@@ -128,6 +131,24 @@ impl Durable {
             });
         }
         true
+    }
+
+    pub fn set_experts_held(&self, device: u32, experts: u32) {
+        if let Some(h) = self.experts_held.get(device as usize) {
+            h.store(u64::from(experts), Ordering::Relaxed);
+        }
+    }
+
+    /// The routed experts `device`'s shard holds.
+    pub fn experts_held(&self, device: u32) -> u32 {
+        self.experts_held.get(device as usize).map_or(0, |h| h.load(Ordering::Relaxed) as u32)
+    }
+
+    /// Whether node `seen_from` holds `node` dead.
+    pub fn is_node_down(&self, seen_from: u32, node: u32) -> bool {
+        self.down_nodes
+            .get(seen_from as usize)
+            .is_some_and(|d| d.read().unwrap_or_else(|e| e.into_inner()).contains(&node))
     }
 
     /// Node `seen_from` heard that `node` was declared dead.

@@ -178,7 +178,7 @@ impl ClusterConfig {
         Arc::new(move |a: Addr| match a.role {
             Role::Worker | Role::Shard => topo.node_of_device(a.index),
             Role::Scheduler => topo.home_node(a.index),
-            Role::CacheManager | Role::Node | Role::Router => a.index,
+            Role::CacheManager | Role::Node | Role::Router | Role::Agent => a.index,
             Role::Client => client_node,
         })
     }
@@ -477,7 +477,7 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         membership: cfg.membership,
         prefill_routing: cfg.prefill_routing,
         root: OnceLock::new(),
-        durable: Durable::new(placements, topo.nodes()),
+        durable: Durable::new(placements, topo.nodes(), topo.devices),
         constraints: cfg.constraints.as_ref().map(|c| Arc::clone(&c.0)),
         routers: cfg.routers.clamp(1, topo.nodes()),
         node_news: OnceLock::new(),

@@ -305,6 +305,11 @@ impl QuicTransport {
         lock(&self.inner.membership).nodes_up()
     }
 
+    /// How long ago `node` was last heard from, if ever.
+    pub fn heard_ago(&self, node: u32) -> Option<std::time::Duration> {
+        lock(&self.inner.membership).heard_ago(self.inner.clock.now(), node)
+    }
+
     /// Send a raw byte string on a fresh stream to node `node` (tests of the
     /// receiving side's validation).
     #[doc(hidden)]

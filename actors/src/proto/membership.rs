@@ -134,6 +134,11 @@ impl Membership {
         out
     }
 
+    /// How long ago `node` was last heard from, if ever.
+    pub fn heard_ago(&self, now: Duration, node: u32) -> Option<Duration> {
+        self.peers.get(node as usize)?.heard.map(|h| now.saturating_sub(h))
+    }
+
     /// Nodes heard from and not since declared down (this member's own node included).
     pub fn nodes_up(&self) -> Vec<u32> {
         (0..self.peers.len() as u32)

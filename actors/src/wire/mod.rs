@@ -46,6 +46,8 @@ pub enum Role {
     Client,
     /// A node's transport itself: heartbeats and membership news.
     Node,
+    /// A node process's operations endpoint: status reports.
+    Agent,
 }
 
 /// An actor's address on the fabric: its role and index (device, instance).
@@ -81,6 +83,9 @@ impl Addr {
     pub const fn node(index: u32) -> Self {
         Self::new(Role::Node, index)
     }
+    pub const fn agent(node: u32) -> Self {
+        Self::new(Role::Agent, node)
+    }
 }
 
 impl std::fmt::Display for Addr {
@@ -93,6 +98,7 @@ impl std::fmt::Display for Addr {
             Role::CacheManager => "cache",
             Role::Client => "client",
             Role::Node => "node",
+            Role::Agent => "agent",
         };
         write!(f, "{role}{}", self.index)
     }
@@ -415,6 +421,52 @@ pub enum Control {
     NodeUp {
         node: u32,
     },
+    /// Client → a node's agent: how are you? Answered with a `StatusReport`.
+    StatusQuery {
+        nonce: u64,
+    },
+    StatusReport {
+        nonce: u64,
+        status: Box<NodeStatus>,
+    },
+}
+
+/// What a node reports about itself (`deepinfer status`).
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct NodeStatus {
+    pub node: u32,
+    /// When the node process started, in Unix milliseconds: a restarted node has a later one.
+    pub started_unix_ms: u64,
+    pub uptime_ms: u64,
+    /// Nodes this node's membership holds dead.
+    pub nodes_down: Vec<u32>,
+    pub devices: Vec<DeviceStatus>,
+    /// The instances whose scheduler runs here.
+    pub instances: Vec<InstanceStatus>,
+    /// Forward passes its workers ran and expert dispatches its shards answered.
+    pub passes: u64,
+    pub dispatches_answered: u64,
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct DeviceStatus {
+    pub device: u32,
+    pub instance: u32,
+    /// Routed experts the current table places on it.
+    pub experts: u32,
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct InstanceStatus {
+    pub instance: u32,
+    pub running: u64,
+    pub waiting: u64,
+    pub kv_used_bytes: u64,
+    pub kv_budget_bytes: u64,
+    pub placement_epoch: u64,
 }
 
 /// A generation request as it travels client → router → scheduler.

@@ -188,6 +188,7 @@ impl SchedulerMachine {
             self.hand_off(id, state);
         }
         self.phase = Phase::Idle;
+        self.publish_gauges();
         self.tick();
     }
 

@@ -45,12 +45,7 @@ impl SchedulerMachine {
     pub(super) fn plan(&mut self, step: u64) {
         self.tiers_before_plan(step);
         let mut plan = self.policy.schedule();
-        let pool = self.policy.pool_stats();
-        let g = &self.ctx.durable.gauges()[self.instance as usize];
-        g.kv_used_bytes.store(pool.used_bytes as u64, std::sync::atomic::Ordering::Relaxed);
-        g.kv_budget_bytes.store(pool.budget_bytes as u64, std::sync::atomic::Ordering::Relaxed);
-        g.running.store(self.policy.num_running() as u64, std::sync::atomic::Ordering::Relaxed);
-        g.waiting.store(self.policy.num_waiting() as u64, std::sync::atomic::Ordering::Relaxed);
+        self.publish_gauges();
         let mut ended = Vec::new();
         self.settle(step, &mut plan, &mut ended);
         let mut items = Vec::with_capacity(plan.items.len());
@@ -397,4 +392,16 @@ impl SchedulerMachine {
 /// Whether sampling needs the token history (any penalty set).
 fn penalised(s: &Sampling) -> bool {
     s.frequency_penalty != 0.0 || s.presence_penalty != 0.0 || s.repetition_penalty != 1.0
+}
+
+impl SchedulerMachine {
+    /// The instance's KV use and requests, for observers (status, reports).
+    pub(super) fn publish_gauges(&self) {
+        let pool = self.policy.pool_stats();
+        let g = &self.ctx.durable.gauges()[self.instance as usize];
+        g.kv_used_bytes.store(pool.used_bytes as u64, std::sync::atomic::Ordering::Relaxed);
+        g.kv_budget_bytes.store(pool.budget_bytes as u64, std::sync::atomic::Ordering::Relaxed);
+        g.running.store(self.policy.num_running() as u64, std::sync::atomic::Ordering::Relaxed);
+        g.waiting.store(self.policy.num_waiting() as u64, std::sync::atomic::Ordering::Relaxed);
+    }
 }

@@ -41,6 +41,7 @@ impl ShardMachine {
         self.held = experts.into_iter().collect();
         self.epoch = epoch;
         self.ctx.metrics.expert_loads.fetch_add(self.held.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        self.ctx.durable.set_experts_held(self.device, self.held.len() as u32);
         self.ctx.events.record(format_args!("{} holds {:?} (epoch {epoch})", self.addr, self.held));
     }
 

@@ -1,0 +1,120 @@
+//! A node process's operations endpoint (`agent<node>` on the cluster's
+//! transport): it answers status queries from what the node's actors share
+//! (placements, occupancy gauges, counters, the node's membership view);
+//! and the client side of `deepinfer status`, which asks every node and
+//! prints one line per node.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use deepinfer_actors::cluster::ctx::Ctx;
+use deepinfer_actors::net::transport::Transport;
+use deepinfer_actors::wire::{self, Addr, Control, DeviceStatus, Envelope, InstanceStatus, Message, NodeStatus, Role};
+
+/// What a node reports now.
+pub fn node_status(ctx: &Ctx, node: u32, started: SystemTime) -> NodeStatus {
+    let topo = &ctx.topology;
+    let devices = (0..topo.devices)
+        .filter(|&d| topo.node_of_device(d) == node)
+        .map(|device| {
+            let instance = (0..topo.instances).find(|&i| topo.devices_of(i).contains(&device)).unwrap_or(0);
+            DeviceStatus { device, instance, experts: ctx.durable.experts_held(device) }
+        })
+        .collect();
+    let gauges = ctx.durable.gauges();
+    let load = |g: &std::sync::atomic::AtomicU64| g.load(std::sync::atomic::Ordering::Relaxed);
+    let instances = topo
+        .instances_on(node)
+        .into_iter()
+        .map(|instance| {
+            let g = &gauges[instance as usize];
+            InstanceStatus {
+                instance,
+                running: load(&g.running),
+                waiting: load(&g.waiting),
+                kv_used_bytes: load(&g.kv_used_bytes),
+                kv_budget_bytes: load(&g.kv_budget_bytes),
+                placement_epoch: ctx.durable.placement(instance).epoch(),
+            }
+        })
+        .collect();
+    let m = ctx.metrics.snapshot();
+    let nodes_down = (0..topo.nodes()).filter(|&n| ctx.durable.is_node_down(node, n)).collect();
+    let started_unix_ms = started.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64;
+    let uptime_ms = started.elapsed().unwrap_or_default().as_millis() as u64;
+    NodeStatus {
+        node,
+        started_unix_ms,
+        uptime_ms,
+        nodes_down,
+        devices,
+        instances,
+        passes: m.passes,
+        dispatches_answered: m.dispatches_answered,
+    }
+}
+
+/// Answer status queries sent to `agent<node>` until the transport closes.
+pub fn spawn(ctx: Arc<Ctx>, node: u32, started: SystemTime) {
+    let me = Addr::agent(node);
+    let mut inbox = ctx.transport.bind(me);
+    tokio::spawn(async move {
+        while let Some(d) = inbox.recv().await {
+            let Some(m) = ctx.open(me, &d) else { continue };
+            if let (Role::Client, Message::Control(Control::StatusQuery { nonce })) =
+                (m.envelope.from.role, m.envelope.msg)
+            {
+                let status = Box::new(node_status(&ctx, node, started));
+                ctx.send(me, m.envelope.from, Message::Control(Control::StatusReport { nonce, status }), &[]);
+            }
+        }
+    });
+}
+
+/// Ask the agents of `nodes` from client address `me`; the reports that
+/// arrive within `wait`, by node.
+pub async fn query(transport: &dyn Transport, me: Addr, nodes: &[u32], wait: Duration) -> BTreeMap<u32, NodeStatus> {
+    let mut inbox = transport.bind(me);
+    let nonce = u64::from(std::process::id());
+    for &n in nodes {
+        let env = Envelope { from: me, to: Addr::agent(n), msg: Message::Control(Control::StatusQuery { nonce }) };
+        if let Ok(frame) = wire::encode(&env, &[]) {
+            let _ = transport.send(me, Addr::agent(n), frame);
+        }
+    }
+    let mut reports = BTreeMap::new();
+    let _ = tokio::time::timeout(wait, async {
+        while reports.len() < nodes.len() {
+            let Some(d) = inbox.recv().await else { break };
+            let Ok(m) = wire::decode(&d.frame) else { continue };
+            if let Message::Control(Control::StatusReport { nonce: n, status }) = m.envelope.msg {
+                if n == nonce && m.envelope.from == Addr::agent(status.node) {
+                    reports.insert(status.node, *status);
+                }
+            }
+        }
+    })
+    .await;
+    reports
+}
+
+/// One line per node: what a user checks first.
+pub fn status_line(name: &str, status: &NodeStatus, heard_ago: Option<Duration>) -> String {
+    let experts: u32 = status.devices.iter().map(|d| d.experts).sum();
+    let (running, waiting): (u64, u64) =
+        status.instances.iter().fold((0, 0), |(r, w), i| (r + i.running, w + i.waiting));
+    let (used, budget): (u64, u64) =
+        status.instances.iter().fold((0, 0), |(u, b), i| (u + i.kv_used_bytes, b + i.kv_budget_bytes));
+    let kv = if budget == 0 { "-".to_string() } else { format!("{:.1}%", 100.0 * used as f64 / budget as f64) };
+    let heard = heard_ago.map_or("-".to_string(), |d| format!("{} ms ago", d.as_millis()));
+    let down =
+        if status.nodes_down.is_empty() { String::new() } else { format!("  sees down: {:?}", status.nodes_down) };
+    format!(
+        "{name:<10} up {:>6} s (incarnation {})  devices {:?}  experts {experts:>4}  running {running:>3}  \
+         waiting {waiting:>3}  KV {kv:>6}  heard {heard}{down}",
+        status.uptime_ms / 1000,
+        status.started_unix_ms,
+        status.devices.iter().map(|d| d.device).collect::<Vec<_>>(),
+    )
+}
