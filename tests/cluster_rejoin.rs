@@ -58,7 +58,7 @@ fn a_killed_node_started_again_rejoins_and_the_tokens_never_change() {
     assert!(line(&text, "node0").contains("sees down: [2]"), "{text}");
     // Every routed expert of tiny-v4 (8) is held by a live node, before and after.
     let experts = |text: &str| -> u32 {
-        text.lines().filter_map(|l| l.split("experts").nth(1)?.split_whitespace().next()?.parse().ok()).sum()
+        text.lines().filter_map(|l| l.split("experts").nth(1)?.split_whitespace().next()?.parse::<u32>().ok()).sum()
     };
     assert_eq!(experts(&text), 8, "{text}");
     let incarnation = |l: &str| l.split("(incarnation ").nth(1).and_then(|r| r.split(')').next()).map(str::to_string);
