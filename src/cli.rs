@@ -41,8 +41,11 @@ pub enum Command {
     Launch(commands::cluster::LaunchArgs),
     /// Run one node of a topology in this process (multi-host clusters start one per machine).
     Node(commands::cluster::NodeArgs),
-    /// Which nodes of a running cluster answer.
+    /// Each node of a running cluster: up or not, devices, experts, requests, KV use.
     Status(commands::cluster::StatusArgs),
+    /// Stop a node gracefully for a rolling restart: no new requests go to
+    /// its instances, running ones finish, then it stops.
+    Drain(commands::cluster::DrainArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -213,6 +216,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Launch(args) => commands::cluster::launch(&args),
         Command::Node(args) => commands::cluster::node(&args),
         Command::Status(args) => commands::cluster::status(&args),
+        Command::Drain(args) => commands::cluster::drain(&args),
         Command::Simulate(args) => commands::simulate::run_command(&args),
     }
 }

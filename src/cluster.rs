@@ -229,12 +229,12 @@ fn env(transport: Arc<QuicTransport>, clock: Arc<dyn Clock>) -> Env {
     Env { transport, clock, events, metrics, faults }
 }
 
-fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get()).clamp(2, 8);
     Ok(tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build()?)
 }
 
-fn start_transport(
+pub(crate) fn start_transport(
     plan: &ClusterPlan,
     me: Member,
     identity: tls::Identity,
@@ -307,6 +307,9 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
         .with_context(|| format!("certificates of node `{name}`"))?;
     let loaded = crate::generation::load_model(&plan.model_spec(), 0, None)?;
     let mut cfg = plan.cluster_config(&loaded.model)?;
+    // A node process started again must outrank its previous life's actors.
+    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    cfg.incarnation_base = (since_epoch.as_millis() as u64) << 20;
     // The schedulers build structured-output constraints over the model's tokenizer.
     let (vocab, eos) = (loaded.model.config.vocab_size, loaded.model.config.eos_token_id);
     match ConstraintFactory::new(&loaded.tokenizer, vocab, eos) {
@@ -330,7 +333,8 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
             NodeRuntime::start(Arc::new(loaded.model), cfg.clone(), env(Arc::clone(&transport), clock), me)
                 .await
                 .with_context(|| format!("starting node `{name}`"))?;
-        crate::node_agent::spawn(Arc::clone(&actors.ctx), me, std::time::SystemTime::now());
+        let drained = Arc::new(tokio::sync::Notify::new());
+        crate::node_agent::spawn(Arc::clone(&actors.ctx), me, std::time::SystemTime::now(), Arc::clone(&drained));
         let devices = me * plan.devices_per_node..(me + 1) * plan.devices_per_node;
         eprintln!(
             "node {name}: listening on {} (QUIC), devices {}..{} of {}",
@@ -386,6 +390,7 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
                 _ = tokio::signal::ctrl_c() => break "interrupted".to_string(),
                 _ = term.recv() => break "terminated".to_string(),
                 _ = &mut stdin_closed => break "launcher closed standard input".to_string(),
+                _ = drained.notified() => break "drained".to_string(),
             }
         };
         eprintln!("node {name}: stopping ({why})");

@@ -6,6 +6,7 @@ pub mod cli;
 pub mod cluster;
 pub mod commands;
 pub mod config_file;
+pub mod drain;
 pub mod engram_vocab;
 pub mod generation;
 pub mod kv_disk;

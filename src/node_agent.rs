@@ -8,6 +8,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use tokio::sync::Notify;
+
 use deepinfer_actors::cluster::ctx::Ctx;
 use deepinfer_actors::net::transport::Transport;
 use deepinfer_actors::wire::{self, Addr, Control, DeviceStatus, Envelope, InstanceStatus, Message, NodeStatus, Role};
@@ -55,21 +57,30 @@ pub fn node_status(ctx: &Ctx, node: u32, started: SystemTime) -> NodeStatus {
     }
 }
 
-/// Answer status queries sent to `agent<node>` until the transport closes.
-pub fn spawn(ctx: Arc<Ctx>, node: u32, started: SystemTime) {
+/// Answer status queries sent to `agent<node>` until the transport closes;
+/// a client's `Shutdown` (the end of a drain) notifies `stop`.
+pub fn spawn(ctx: Arc<Ctx>, node: u32, started: SystemTime, stop: Arc<Notify>) {
     let me = Addr::agent(node);
     let mut inbox = ctx.transport.bind(me);
     tokio::spawn(async move {
         while let Some(d) = inbox.recv().await {
             let Some(m) = ctx.open(me, &d) else { continue };
-            if let (Role::Client, Message::Control(Control::StatusQuery { nonce })) =
-                (m.envelope.from.role, m.envelope.msg)
-            {
-                let status = Box::new(node_status(&ctx, node, started));
-                ctx.send(me, m.envelope.from, Message::Control(Control::StatusReport { nonce, status }), &[]);
+            match (m.envelope.from.role, m.envelope.msg) {
+                (Role::Client, Message::Control(Control::StatusQuery { nonce })) => {
+                    let status = Box::new(node_status(&ctx, node, started));
+                    ctx.send(me, m.envelope.from, Message::Control(Control::StatusReport { nonce, status }), &[]);
+                }
+                (Role::Client, Message::Control(Control::Shutdown)) => stop.notify_one(),
+                _ => {}
             }
         }
     });
+}
+
+/// Send `msg` from client address `me` to `to`; false if it could not be sent.
+pub fn send(transport: &dyn Transport, me: Addr, to: Addr, msg: Message) -> bool {
+    let env = Envelope { from: me, to, msg };
+    wire::encode(&env, &[]).is_ok_and(|frame| transport.send(me, to, frame).is_ok())
 }
 
 /// Ask the agents of `nodes` from client address `me`; the reports that

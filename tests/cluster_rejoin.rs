@@ -92,3 +92,69 @@ fn a_killed_node_started_again_rejoins_and_the_tokens_never_change() {
     assert!(answered > 0, "node2 computed no expert after rejoining: {line}");
     eprintln!("rejoined {line}");
 }
+
+/// A rolling restart under continuous load: two instances of two nodes
+/// each; every node in turn is drained (no new requests, the running ones
+/// finish, it stops), started again and rejoins, while a client keeps
+/// sending batches. Not one request fails, and every batch has the tokens
+/// of one process.
+#[test]
+fn a_rolling_restart_of_every_node_under_load_fails_no_request() {
+    let site = Site::with_instances("rolling", cluster_support::TWO_INSTANCES);
+    let mut nodes: Vec<Proc> = (0..4).map(|i| spawn_node(&site, i)).collect();
+    for n in &nodes {
+        n.wait_for("cluster ready", Duration::from_secs(60));
+    }
+    let lines: Vec<String> = (0..12)
+        .map(|i| serde_json::json!({"id": i, "prompt": format!("Rolling request {i}"), "max_tokens": 16}).to_string())
+        .collect();
+    let input = site.dir.join("in.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let one_out = site.dir.join("one.jsonl");
+    let one = run_plain(&["generate", "--input", s(&input), "--output", s(&one_out)]);
+    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
+    let want = std::fs::read_to_string(&one_out).unwrap();
+
+    // The load: batch after batch until the restarts are done.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (done, topology, input, dir, want) =
+            (done.clone(), site.t().to_string(), input.clone(), site.dir.clone(), want.clone());
+        std::thread::spawn(move || {
+            let mut batches = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) || batches == 0 {
+                let out = dir.join(format!("load{batches}.jsonl"));
+                let o = run_plain(&["generate", "--topology", &topology, "--input", s(&input), "--output", s(&out)]);
+                let got = std::fs::read_to_string(&out).unwrap_or_default();
+                assert!(o.status.success(), "batch {batches}: {}", String::from_utf8_lossy(&o.stderr));
+                assert_eq!(got, want, "batch {batches}: a failed or changed request");
+                batches += 1;
+            }
+            batches
+        })
+    };
+    for i in 0..4 {
+        let name = format!("node{i}");
+        let o = run_plain(&["drain", &name, "--topology", site.t(), "--timeout-s", "60"]);
+        assert!(o.status.success(), "drain {name}: {}", String::from_utf8_lossy(&o.stderr));
+        let code = nodes[i].wait_exit(Duration::from_secs(30));
+        assert!(code.success(), "{name} stops cleanly: {code}\n{}", nodes[i].text());
+        assert!(nodes[i].text().contains("stopping (drained)"), "{}", nodes[i].text());
+        let restarted = Instant::now();
+        nodes[i] = spawn_node(&site, i);
+        nodes[i].wait_for("cluster ready", Duration::from_secs(30));
+        for j in (0..4).filter(|&j| j != i) {
+            nodes[j].wait_for_since(&format!("node {name} up"), Some(restarted), Duration::from_secs(30));
+        }
+    }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    let batches = load.join().expect("every batch under load completed with one process's tokens");
+    eprintln!("rolling restart of 4 nodes: {batches} batches of 12 requests under load, 0 failed");
+    for n in &mut nodes {
+        drop(n.child.stdin.take());
+    }
+    for (i, n) in nodes.iter_mut().enumerate() {
+        let code = n.wait_exit(Duration::from_secs(30));
+        assert!(code.success(), "node{i}: {code}\n{}", n.text());
+    }
+}

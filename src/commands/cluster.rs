@@ -107,6 +107,25 @@ pub fn node(args: &NodeArgs) -> anyhow::Result<()> {
     })
 }
 
+#[derive(Args, Debug)]
+pub struct DrainArgs {
+    /// The node to drain, as the topology names it.
+    pub node: String,
+    /// The topology file.
+    #[arg(long)]
+    pub topology: PathBuf,
+    /// Certificate directory (default: `certs_dir` of the topology).
+    #[arg(long)]
+    pub certs: Option<PathBuf>,
+    /// Give up if requests still run on the node's instances after this many seconds.
+    #[arg(long, default_value_t = 300)]
+    pub timeout_s: u64,
+}
+
+pub fn drain(args: &DrainArgs) -> anyhow::Result<()> {
+    crate::drain::drain(&args.topology, args.certs.as_deref(), &args.node, Duration::from_secs(args.timeout_s))
+}
+
 pub fn status(args: &StatusArgs) -> anyhow::Result<()> {
     let plan = ClusterPlan::load(&args.topology)?;
     let wait = Duration::from_millis(args.wait_ms.unwrap_or(2 * plan.failure_timeout.as_millis() as u64));

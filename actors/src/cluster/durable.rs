@@ -50,7 +50,7 @@ pub struct Durable {
 
 impl Durable {
     /// One placement table per instance, for a cluster of `nodes` nodes.
-    pub fn new(placements: Vec<Placement>, nodes: u32, devices: u32) -> Self {
+    pub fn new(placements: Vec<Placement>, nodes: u32, devices: u32, incarnation_base: u64) -> Self {
         assert!(!placements.is_empty() && nodes > 0, "a cluster has an instance and a node");
         let instances = placements.len();
         Self {
@@ -58,7 +58,7 @@ impl Durable {
             placements: placements.into_iter().map(RwLock::new).collect(),
             steps: (0..instances).map(|_| AtomicU64::new(0)).collect(),
             gauges: (0..instances).map(|_| InstanceGauges::default()).collect(),
-            incarnations: AtomicU64::new(0),
+            incarnations: AtomicU64::new(incarnation_base),
             up: AtomicBool::new(false),
             lost_devices: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
             down_nodes: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),

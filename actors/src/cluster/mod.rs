@@ -116,6 +116,10 @@ pub struct ClusterConfig {
     /// Simulation: the node whose side of the fabric an in-process client
     /// is on (and whose membership it trusts as its own).
     pub client_node: u32,
+    /// Where this process's incarnation numbers start. Peers tell a newer
+    /// actor from an older one by them, so a restarted node process must
+    /// start above anything its previous life gave out (its start time does).
+    pub incarnation_base: u64,
 }
 
 /// The schedulers' [`ConstraintSource`], shared by every instance.
@@ -156,6 +160,7 @@ impl ClusterConfig {
             constraints: None,
             routers: 2,
             client_node: 0,
+            incarnation_base: 0,
         }
     }
 
@@ -477,7 +482,7 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         membership: cfg.membership,
         prefill_routing: cfg.prefill_routing,
         root: OnceLock::new(),
-        durable: Durable::new(placements, topo.nodes(), topo.devices),
+        durable: Durable::new(placements, topo.nodes(), topo.devices, cfg.incarnation_base),
         constraints: cfg.constraints.as_ref().map(|c| Arc::clone(&c.0)),
         routers: cfg.routers.clamp(1, topo.nodes()),
         node_news: OnceLock::new(),

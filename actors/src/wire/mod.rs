@@ -421,6 +421,16 @@ pub enum Control {
     NodeUp {
         node: u32,
     },
+    /// Client → every router: route nothing new to instances with devices
+    /// on `node` (until it restarts); answered with `DrainAck`.
+    Drain {
+        node: u32,
+        nonce: u64,
+    },
+    DrainAck {
+        node: u32,
+        nonce: u64,
+    },
     /// Client → a node's agent: how are you? Answered with a `StatusReport`.
     StatusQuery {
         nonce: u64,

@@ -80,6 +80,8 @@ pub struct RouterMachine {
     addr: Addr,
     /// The node it runs on: its membership view decides which instances are dead.
     node: u32,
+    /// Nodes being drained: their instances get no new requests.
+    draining: BTreeSet<u32>,
     flights: BTreeMap<u64, Flight>,
     routing: BTreeMap<u64, Routing>,
     next_query: u64,
@@ -168,6 +170,7 @@ impl RouterMachine {
         let mut machine = RouterMachine {
             addr,
             node,
+            draining: BTreeSet::new(),
             flights: BTreeMap::new(),
             routing: BTreeMap::new(),
             next_query: 0,
@@ -264,9 +267,17 @@ impl RouterMachine {
             {
                 self.on_node_down(node)
             }
-            // Its instances count as up again through the shared view of lost devices.
+            // Its instances count as up again through the shared view of lost
+            // devices; a drained node that restarted is not draining any more.
             (Role::Node, Message::Control(crate::wire::Control::NodeUp { node })) if from == Addr::node(self.node) => {
+                self.draining.remove(&node);
                 self.ctx.events.record(format_args!("{} routes to node{node} again", self.addr));
+            }
+            (Role::Client, Message::Control(crate::wire::Control::Drain { node, nonce })) => {
+                if node < self.ctx.topology.nodes() && self.draining.insert(node) {
+                    self.ctx.events.record(format_args!("{} drains node{node}: no new requests there", self.addr));
+                }
+                self.send(from, Message::Control(crate::wire::Control::DrainAck { node, nonce }), &[]);
             }
             (_, Message::Heartbeat(_)) => {}
             (_, other) => {

@@ -87,23 +87,20 @@ impl RouterMachine {
         let policy = PrefillPolicy::default();
         let mut candidates: Vec<PrefillCandidate> = (0..topo.instances)
             .map(|i| PrefillCandidate {
-                health: if self.ctx.durable.is_lost(self.node, topo.devices_of(i).start) {
-                    Health::Down
-                } else if self.ctx.kind(i).prefills() {
-                    Health::Up
-                } else {
-                    Health::Draining
-                },
+                health: self.health(i, self.ctx.kind(i).prefills()),
                 gpus: topo.devices_of(i).len() as u32,
                 queued_cost: 0.0,
                 requests: 0,
                 cached_tokens: r.matched.get(&i).copied().unwrap_or(0) as usize * self.ctx.block_tokens,
             })
             .collect();
-        if candidates.iter().all(|c| c.health == Health::Down) {
+        if candidates.iter().all(|c| c.health != Health::Up) {
             // Nowhere to run it: say so now rather than after every retry.
             let (id, spec) = (r.submit.spec.id, &r.submit.spec);
-            let why = format!("no serving instance is up: every scheduler's node is down (as {} sees it)", self.addr);
+            let why = format!(
+                "no serving instance is up: every scheduler's node is down or draining (as {} sees it)",
+                self.addr
+            );
             self.ctx.events.record(format_args!("router ends request {id}: {why}"));
             let item = end_item(id, r.submit.generated.len(), spec.prompt.len(), FinishKind::Error(why));
             self.send_to_client(r.client, vec![item], &[]);
@@ -149,6 +146,20 @@ impl RouterMachine {
         self.forward(id);
     }
 
+    /// Instance `i` as this router sees it: `Down` once its scheduler's
+    /// node is declared dead, `Draining` while one of its nodes drains (or
+    /// it does not do the work asked, `serves` false), else `Up`.
+    fn health(&self, i: u32, serves: bool) -> Health {
+        let topo = &self.ctx.topology;
+        if self.ctx.durable.is_lost(self.node, topo.devices_of(i).start) {
+            Health::Down
+        } else if !serves || topo.devices_of(i).any(|d| self.draining.contains(&topo.node_of_device(d))) {
+            Health::Draining
+        } else {
+            Health::Up
+        }
+    }
+
     /// The engine's decode balancer over the router's view: requests and
     /// their KV per instance; `exclude` (a failed transfer's target) only if
     /// another instance decodes.
@@ -159,13 +170,7 @@ impl RouterMachine {
             DecodePolicy { max_requests_per_gpu: (first.max_batch_size as u32).div_ceil(topo.size_of(0).max(1)) };
         let mut candidates: Vec<DecodeCandidate> = (0..topo.instances)
             .map(|i| DecodeCandidate {
-                health: if self.ctx.durable.is_lost(self.node, topo.devices_of(i).start) {
-                    Health::Down
-                } else if self.ctx.kind(i).decodes() {
-                    Health::Up
-                } else {
-                    Health::Draining
-                },
+                health: self.health(i, self.ctx.kind(i).decodes()),
                 gpus: topo.size_of(i).max(1),
                 kv_used: 0,
                 kv_capacity: self.ctx.engine_for(i).kv_budget_bytes as u64,

@@ -268,7 +268,9 @@ impl WorkerMachine {
         run.pending.clear();
         self.passes += 1;
         bump(&self.ctx.metrics.passes);
-        run.pass_id = (self.incarnation << 32) | self.passes;
+        // The incarnation's bits spread over the high half (it may use all 64 bits).
+        let high = self.incarnation.wrapping_mul(0x9e37_79b9_7f4a_7c15) & !0xffff_ffff;
+        run.pass_id = high | (self.passes & 0xffff_ffff);
     }
 
     /// Run attention and routing of the current layer and send its dispatches.
