@@ -53,3 +53,76 @@ fn the_api_on_four_processes_answers_the_sdks_as_one_process_does() {
     run_script("anthropic_sdk.py", &api, None, 3);
     run_script("tools_sdk.py", &api, None, 2);
 }
+
+/// A request of the front-end test: long, seeded, streamed or not.
+fn long_request(i: u64, stream: bool) -> serde_json::Value {
+    serde_json::json!({
+        "model": "tiny-v4",
+        "messages": [{"role": "user", "content": format!("Front end request {i}")}],
+        "max_tokens": 160,
+        "ignore_eos": true,
+        "temperature": 0.8,
+        "seed": i,
+        "stream": stream,
+        "thinking": {"type": "disabled"},
+    })
+}
+
+/// Two front ends on one cluster; one is killed outright while it streams
+/// four answers. Each of its streams ends at once with an error (none
+/// hangs), and the same requests sent to the other front end complete with
+/// one process's answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_front_end_killed_mid_stream_ends_its_streams_and_another_serves_them() {
+    use futures_util::StreamExt;
+    let site = Site::new("front-ends");
+    let nodes: Vec<Proc> = (0..4)
+        .map(|i| {
+            Proc::spawn(&["node", "--topology", site.t(), "--node", &format!("node{i}"), "--exit-with-stdin"], false)
+        })
+        .collect();
+    for n in &nodes {
+        n.wait_for("cluster ready", Duration::from_secs(60));
+    }
+    let front_end = || {
+        let mut cmd = Command::new(cluster_support::BIN);
+        cmd.args(["serve", "--topology", site.t(), "--listen", "127.0.0.1:0"]);
+        Served::start_command(cmd)
+    };
+    let (doomed, other, one) = (front_end(), front_end(), Served::start(&[]));
+    let client = reqwest::Client::new();
+    let chat = "/v1/chat/completions";
+    let mut streams = Vec::new();
+    for i in 0..4 {
+        let r = client.post(doomed.url(chat)).json(&long_request(i, true)).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let mut body = r.bytes_stream();
+        body.next().await.expect("a first chunk").unwrap();
+        streams.push(body);
+    }
+    drop(doomed); // SIGKILL mid-stream
+    for (i, mut body) in streams.into_iter().enumerate() {
+        let ended = tokio::time::timeout(Duration::from_secs(10), async {
+            let mut text = Vec::new();
+            loop {
+                match body.next().await {
+                    Some(Ok(bytes)) => text.extend_from_slice(&bytes),
+                    Some(Err(_)) | None => return String::from_utf8_lossy(&text).to_string(),
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("stream {i} hangs after its front end died"));
+        assert!(!ended.contains("[DONE]"), "stream {i} cannot have completed: {ended}");
+    }
+    // The client retries on the other front end: one process's answers.
+    for i in 0..4 {
+        let ask = |base: &Served| client.post(base.url(chat)).json(&long_request(i, false)).send();
+        let (got, want) = (ask(&other).await.unwrap(), ask(&one).await.unwrap());
+        assert_eq!(got.status(), 200);
+        let content = |v: serde_json::Value| v["choices"][0]["message"]["content"].clone();
+        let (got, want) = (content(got.json().await.unwrap()), content(want.json().await.unwrap()));
+        assert_eq!(got, want, "request {i} on the surviving front end");
+    }
+    drop(nodes);
+}

@@ -9,9 +9,12 @@ use deepinfer::scenario::Scenario;
 use deepinfer::simulate::capacity::{find_capacity, scaled_load, Criteria};
 use deepinfer::simulate::{arrivals, run};
 
-/// V4-Flash on H200 with `devices` in one colocated instance, short enough
-/// to run a few dozen times.
+/// V4-Flash on H200, `devices` in colocated instances of one 8-GPU node
+/// each (more GPUs are more replicas of the same instance), short enough to
+/// run a few dozen times.
 fn small_text(devices: u32) -> String {
+    let instance = "\n[[instance]]\nrole = \"both\"\ndevices = 8\n";
+    let instances = instance.repeat((devices / 8).max(1) as usize);
     format!(
         r#"
 [scenario]
@@ -23,10 +26,7 @@ hardware = "H200"
 model = "V4-Flash"
 devices_per_node = 8
 
-[[instance]]
-role = "both"
-devices = {devices}
-
+{instances}
 [engine]
 batch_per_device = 32
 batch_tokens_per_device = 4096
