@@ -61,7 +61,7 @@ use crate::sim::events::{bump, EventLog, Metrics, MetricsSnapshot};
 use crate::sim::fabric::{FabricConfig, NodeOf, SimFabric};
 use crate::sim::faults::{FaultPlan, Faults};
 use crate::sim::rng::Seed;
-use crate::wire::{Addr, FinishKind, Message, OutputEnd, RequestSpec, Role, Sampling, Submit, TokenBias};
+use crate::wire::{Addr, FinishKind, Heartbeat, Message, OutputEnd, RequestSpec, Role, Sampling, Submit, TokenBias};
 
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {
@@ -289,6 +289,10 @@ pub struct Cluster {
     down_nodes: BTreeSet<u32>,
     /// The node whose router this client submits to.
     router: u32,
+    /// A client of other processes tells its router it is alive this often
+    /// (so that the requests of one that vanished are cancelled), next at `next_keepalive`.
+    keepalive: Option<Duration>,
+    next_keepalive: Duration,
     down: Option<String>,
     next_id: u64,
     outstanding: BTreeMap<u64, Outstanding>,
@@ -611,7 +615,10 @@ impl Cluster {
         let inbox = ctx.transport.bind(addr);
         // Nothing else can take the cluster down under a client of other processes.
         let (_, never) = mpsc::unbounded_channel();
-        Ok(Self::client(ctx, addr, inbox, None, (never, dead_nodes), (index as u64) << 32))
+        let keepalive = ctx.timeouts.request / 4;
+        let mut client = Self::client(ctx, addr, inbox, None, (never, dead_nodes), (index as u64) << 32);
+        client.keepalive = Some(keepalive);
+        Ok(client)
     }
 
     fn client(
@@ -633,6 +640,8 @@ impl Cluster {
             attached: None,
             down_nodes: BTreeSet::new(),
             router: 0,
+            keepalive: None,
+            next_keepalive: Duration::ZERO,
             down: None,
             next_id: first_id,
             outstanding: BTreeMap::new(),
@@ -789,6 +798,8 @@ impl Cluster {
             if self.outstanding.is_empty() {
                 return None;
             }
+            // Here too: a caller may drop this future before its timer fires.
+            self.keep_alive();
             if let Some(why) = self.down.clone() {
                 let ids: Vec<u64> = self.outstanding.keys().copied().collect();
                 for id in ids {
@@ -796,7 +807,10 @@ impl Cluster {
                 }
                 continue;
             }
-            let deadline = self.outstanding.values().map(|o| o.deadline).min().expect("non-empty");
+            let mut deadline = self.outstanding.values().map(|o| o.deadline).min().expect("non-empty");
+            if self.keepalive.is_some() {
+                deadline = deadline.min(self.next_keepalive);
+            }
             let wait = deadline.saturating_sub(self.ctx.clock.now());
             tokio::select! {
                 biased;
@@ -821,6 +835,17 @@ impl Cluster {
                 _ = self.ctx.clock.sleep(wait) => {}
             }
             self.check_deadlines();
+            self.keep_alive();
+        }
+    }
+
+    /// Tell the router in use that this client is alive, when it is time.
+    fn keep_alive(&mut self) {
+        let (Some(every), now) = (self.keepalive, self.ctx.clock.now()) else { return };
+        if now >= self.next_keepalive {
+            self.next_keepalive = now + every;
+            let hb = Heartbeat { incarnation: 0, restarted: false, time_ns: now.as_nanos() as u64 };
+            self.ctx.send(self.addr, Addr::router(self.router), Message::Heartbeat(hb), &[]);
         }
     }
 

@@ -123,7 +123,28 @@ impl RouterMachine {
         }
     }
 
+    /// Cancel the requests of watched clients silent for longer than
+    /// `request_attempts` request timeouts: nobody reads their outputs.
+    fn cancel_vanished_clients(&mut self) {
+        let now = self.now();
+        let silence = self.ctx.timeouts.request * self.ctx.timeouts.request_attempts.max(1);
+        let gone: Vec<Addr> =
+            self.watched.iter().filter(|(_, &heard)| now.saturating_sub(heard) > silence).map(|(c, _)| *c).collect();
+        for client in gone {
+            self.watched.remove(&client);
+            let ids: Vec<u64> =
+                self.flights.iter().filter(|(_, f)| f.client == client && !f.cancelled).map(|(id, _)| *id).collect();
+            self.ctx.events.record(format_args!("router: {client} is gone; cancelling its {} requests", ids.len()));
+            for id in ids {
+                let f = self.flights.get_mut(&id).expect("listed");
+                f.cancelled = true;
+                self.forward(id);
+            }
+        }
+    }
+
     pub(super) fn on_tick(&mut self) {
+        self.cancel_vanished_clients();
         let now = self.now();
         let late: Vec<u64> = self.routing.iter().filter(|(_, r)| r.deadline <= now).map(|(q, _)| *q).collect();
         for q in late {

@@ -82,6 +82,9 @@ pub struct RouterMachine {
     node: u32,
     /// Nodes being drained: their instances get no new requests.
     draining: BTreeSet<u32>,
+    /// Clients that send keepalives, with when they were last heard: the
+    /// requests of one silent for too long are cancelled (it is gone).
+    watched: BTreeMap<Addr, Duration>,
     flights: BTreeMap<u64, Flight>,
     routing: BTreeMap<u64, Routing>,
     next_query: u64,
@@ -136,6 +139,14 @@ impl RouterMachine {
         self.out.extend(super::encode(&self.ctx.events, self.addr, to, msg, body));
     }
 
+    /// A watched client spoke: it is alive.
+    fn heard_client(&mut self, client: Addr) {
+        let now = self.now;
+        if let Some(heard) = self.watched.get_mut(&client) {
+            *heard = now;
+        }
+    }
+
     fn send_to_client(&mut self, client: Addr, items: Vec<OutputItem>, body: &[f32]) {
         if !items.is_empty() {
             self.send(client, Message::Outputs(Outputs { items }), body);
@@ -171,6 +182,7 @@ impl RouterMachine {
             addr,
             node,
             draining: BTreeSet::new(),
+            watched: BTreeMap::new(),
             flights: BTreeMap::new(),
             routing: BTreeMap::new(),
             next_query: 0,
@@ -223,8 +235,14 @@ impl RouterMachine {
         let from = m.envelope.from;
         let now = self.now;
         match (from.role, m.envelope.msg) {
-            (Role::Client, Message::Submit(s)) => self.on_submit(from, s),
-            (Role::Client, Message::Cancel { id }) => self.on_cancel(from, id),
+            (Role::Client, Message::Submit(s)) => {
+                self.heard_client(from);
+                self.on_submit(from, s)
+            }
+            (Role::Client, Message::Cancel { id }) => {
+                self.heard_client(from);
+                self.on_cancel(from, id)
+            }
             (Role::Scheduler, Message::Ack { ids }) => {
                 for id in ids {
                     if let Some(f) = self.flights.get_mut(&id).filter(|f| f.instance == from.index) {
@@ -278,6 +296,10 @@ impl RouterMachine {
                     self.ctx.events.record(format_args!("{} drains node{node}: no new requests there", self.addr));
                 }
                 self.send(from, Message::Control(crate::wire::Control::DrainAck { node, nonce }), &[]);
+            }
+            // A client of another process says it is alive: its requests are watched.
+            (Role::Client, Message::Heartbeat(_)) => {
+                self.watched.insert(from, now);
             }
             (_, Message::Heartbeat(_)) => {}
             (_, other) => {

@@ -152,3 +152,27 @@ fn a_cancel_goes_to_the_scheduler_and_its_answer_to_the_client() {
     assert!(matches!(&out[..], [(CLIENT, Message::Outputs(o))] if o.items[0].end.is_some()), "{out:?}");
     assert_eq!(m.in_flight(), 0);
 }
+
+#[test]
+fn the_requests_of_a_client_that_went_silent_are_cancelled_and_a_live_one_keeps_its_own() {
+    let ctx = test_ctx(1, 8, 1);
+    let mut m = routed(&ctx);
+    let alive = |t: u64| frame(CLIENT, Message::Heartbeat(Heartbeat { incarnation: 0, restarted: false, time_ns: t }));
+    m.handle(ms(2), alive(2));
+    let silence = ctx.timeouts.request * ctx.timeouts.request_attempts;
+    // Keepalives hold it: nothing is cancelled however long the request runs.
+    let mut t = ms(2);
+    while t < ms(2) + silence * 2 {
+        t += ctx.timeouts.request / 4;
+        m.handle(t, alive(t.as_millis() as u64));
+        m.handle(t, RouterInput::Tick);
+        m.handle(t, outputs(1, 0, &[]));
+        assert!(sent(&mut m).iter().all(|(_, msg)| !matches!(msg, Message::Cancel { .. })), "at {t:?}");
+    }
+    // Then it goes silent: past the limit its request is cancelled at the scheduler.
+    m.handle(t + silence, RouterInput::Tick);
+    assert!(sent(&mut m).iter().all(|(_, msg)| !matches!(msg, Message::Cancel { .. })), "not yet");
+    m.handle(t + silence + ms(1), RouterInput::Tick);
+    let out = sent(&mut m);
+    assert!(out.iter().any(|(to, msg)| *to == SCHEDULER && matches!(msg, Message::Cancel { id: 1 })), "{out:?}");
+}
