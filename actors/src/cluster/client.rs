@@ -1,0 +1,551 @@
+//! The client of a cluster: submits requests to a router, relays their
+//! outputs in order as [`Update`]s, resubmits what made no progress, follows
+//! membership to a live router, and (as a client of other processes) tells
+//! its router it is alive.
+
+use super::*;
+
+struct Outstanding {
+    spec: RequestSpec,
+    tokens: Vec<u32>,
+    cancelled: bool,
+    attempts: u32,
+    deadline: Duration,
+}
+
+/// The client of a running cluster.
+pub struct Cluster {
+    ctx: Arc<Ctx>,
+    addr: Addr,
+    inbox: Inbox,
+    /// The supervision tree, when this process runs it.
+    root: Option<(ActorRef<SupervisorMsg>, JoinHandle<()>)>,
+    down_rx: mpsc::UnboundedReceiver<String>,
+    /// Nodes membership declared dead, as they are heard of.
+    nodes_rx: mpsc::UnboundedReceiver<NodeNews>,
+    /// Per node: who declared it dead (`None`: this client's own membership).
+    declared: BTreeMap<u32, BTreeSet<Option<u32>>>,
+    /// An in-process client's node, whose membership it trusts as its own.
+    attached: Option<u32>,
+    /// Nodes this client holds dead: its own membership said so, or most of the other nodes did.
+    down_nodes: BTreeSet<u32>,
+    /// The node whose router this client submits to.
+    router: u32,
+    /// A client of other processes tells its router it is alive this often
+    /// (so that the requests of one that vanished are cancelled), next at `next_keepalive`.
+    keepalive: Option<Duration>,
+    next_keepalive: Duration,
+    down: Option<String>,
+    next_id: u64,
+    outstanding: BTreeMap<u64, Outstanding>,
+    ready: VecDeque<Update>,
+}
+
+fn finish_reason(k: FinishKind) -> FinishReason {
+    match k {
+        FinishKind::Stop => FinishReason::Stop,
+        FinishKind::Length => FinishReason::Length,
+        FinishKind::Cancelled => FinishReason::Cancelled,
+        FinishKind::Error(e) => FinishReason::Error(e),
+    }
+}
+
+impl Cluster {
+    /// Check the configuration and start the supervision tree and every actor.
+    pub async fn start(model: Arc<Model>, cfg: ClusterConfig, env: Env) -> Result<Self, ClusterError> {
+        let ctx = build_ctx(model, &cfg, env)?;
+        let topo = ctx.topology.clone();
+        let addr = Addr::client(0);
+        let inbox = ctx.transport.bind(addr);
+        let (tx, down_rx) = mpsc::unbounded_channel();
+        let (news, nodes_rx) = mpsc::unbounded_channel::<NodeNews>();
+        let _ = ctx.node_news.set(news);
+        let (root, root_done) = start_tree(&ctx, &cfg, 0..topo.nodes(), tx).await?;
+        ctx.events.record(format_args!(
+            "cluster up: {} devices, {} instances, expert parallel {}, {} nodes, {} transport",
+            cfg.devices,
+            topo.instances,
+            cfg.expert_parallel,
+            topo.nodes(),
+            ctx.transport.name()
+        ));
+        let mut client = Self::client(ctx, addr, inbox, Some((root, root_done)), (down_rx, nodes_rx), 0);
+        client.attached = Some(cfg.client_node);
+        Ok(client)
+    }
+
+    /// A client of a cluster whose actors run elsewhere (other processes,
+    /// reached through `env.transport`), with address `Addr::client(index)`;
+    /// request ids start at `index << 32` so clients do not collide.
+    /// `dead_nodes` says which nodes membership declared dead: a dead
+    /// router's place goes to the next router node's, and every request is
+    /// submitted there again; with none left every request ends with an error.
+    pub fn connect(
+        model: Arc<Model>,
+        cfg: ClusterConfig,
+        env: Env,
+        index: u32,
+        dead_nodes: mpsc::UnboundedReceiver<NodeNews>,
+    ) -> Result<Self, ClusterError> {
+        let ctx = build_ctx(model, &cfg, env)?;
+        let addr = Addr::client(index);
+        let inbox = ctx.transport.bind(addr);
+        // Nothing else can take the cluster down under a client of other processes.
+        let (_, never) = mpsc::unbounded_channel();
+        let keepalive = ctx.timeouts.request / 4;
+        let mut client = Self::client(ctx, addr, inbox, None, (never, dead_nodes), (index as u64) << 32);
+        client.keepalive = Some(keepalive);
+        Ok(client)
+    }
+
+    fn client(
+        ctx: Arc<Ctx>,
+        addr: Addr,
+        inbox: Inbox,
+        root: Option<(ActorRef<SupervisorMsg>, JoinHandle<()>)>,
+        (down_rx, nodes_rx): (mpsc::UnboundedReceiver<String>, mpsc::UnboundedReceiver<NodeNews>),
+        first_id: u64,
+    ) -> Self {
+        Self {
+            ctx,
+            addr,
+            inbox,
+            root,
+            down_rx,
+            nodes_rx,
+            declared: BTreeMap::new(),
+            attached: None,
+            down_nodes: BTreeSet::new(),
+            router: 0,
+            keepalive: None,
+            next_keepalive: Duration::ZERO,
+            down: None,
+            next_id: first_id,
+            outstanding: BTreeMap::new(),
+            ready: VecDeque::new(),
+        }
+    }
+
+    pub fn metrics(&self) -> MetricsSnapshot {
+        self.ctx.metrics.snapshot()
+    }
+
+    /// The cluster's clock (virtual in simulation).
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.ctx.clock)
+    }
+
+    pub fn topology(&self) -> &Topology {
+        &self.ctx.topology
+    }
+
+    /// The modelled devices' figures, in a modelled simulation.
+    pub fn modelled(&self) -> Option<Arc<Modelled>> {
+        self.ctx.modelled.clone()
+    }
+
+    /// Each instance's KV use, running and waiting requests after its last step.
+    pub fn gauges(&self) -> &[InstanceGauges] {
+        self.ctx.durable.gauges()
+    }
+
+    /// Crash the actor at `path` (`node3`, `node0/worker2`), as a fault would: its supervisor restarts it.
+    pub fn kill(&self, path: &str) {
+        self.ctx.events.record(format_args!("fault: kill {path}"));
+        bump(&self.ctx.metrics.kills_injected);
+        self.ctx.kill(path);
+    }
+
+    /// Record a line in the event log (and its digest).
+    pub fn record(&self, line: std::fmt::Arguments<'_>) {
+        self.ctx.events.record(line);
+    }
+
+    /// The current expert placement of `instance`.
+    pub fn placement(&self, instance: u32) -> Placement {
+        self.ctx.durable.placement(instance)
+    }
+
+    /// Steps started by all schedulers.
+    pub fn steps(&self) -> u64 {
+        self.ctx.durable.total_steps()
+    }
+
+    /// Requests submitted and not yet reported finished.
+    pub fn outstanding(&self) -> usize {
+        self.outstanding.len()
+    }
+
+    /// Requests still running, or updates not yet taken by [`Self::next_update`].
+    pub fn has_updates(&self) -> bool {
+        !self.outstanding.is_empty() || !self.ready.is_empty()
+    }
+
+    /// Why the cluster went down, if it did.
+    pub fn down_reason(&self) -> Option<&str> {
+        self.down.as_deref()
+    }
+
+    fn send_submit(&self, o: &Outstanding) {
+        let msg = if o.cancelled {
+            Message::Cancel { id: o.spec.id }
+        } else {
+            Message::Submit(Submit { spec: o.spec.clone(), generated: o.tokens.clone(), decode: None })
+        };
+        self.ctx.send(self.addr, Addr::router(self.router), msg, &[]);
+    }
+
+    /// Submit a request; its id names it in every [`Update`].
+    pub fn submit(&mut self, request: Request) -> u64 {
+        self.submit_constrained(request, None)
+    }
+
+    /// Submit a request whose output must match `constraint` (a description
+    /// the cluster's [`Constraints`] build from). A request the cluster
+    /// cannot run gets an [`Update::Refused`] naming why.
+    pub fn submit_constrained(&mut self, request: Request, constraint: Option<String>) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let p = &request.params;
+        let spec = RequestSpec {
+            id,
+            prompt: request.prompt,
+            max_tokens: request.max_tokens.min(u32::MAX as usize) as u32,
+            sampling: Sampling {
+                temperature: p.temperature,
+                top_p: p.top_p,
+                top_k: p.top_k.min(u32::MAX as usize) as u32,
+                seed: p.seed,
+                logprobs: p.logprobs.min(u32::MAX as usize) as u32,
+                min_p: p.min_p,
+                logit_bias: p.logit_bias.iter().map(|&(token, bias)| TokenBias { token, bias }).collect(),
+                frequency_penalty: p.frequency_penalty,
+                presence_penalty: p.presence_penalty,
+                repetition_penalty: p.repetition_penalty,
+            },
+            stop_token_ids: request.stop_token_ids,
+            stop_sequences: request.stop_sequences,
+            ignore_eos: request.ignore_eos,
+            logits: request.return_logits || self.ctx.return_logits,
+            constraint,
+        };
+        let o = Outstanding {
+            spec,
+            tokens: Vec::new(),
+            cancelled: false,
+            attempts: 0,
+            deadline: self.ctx.clock.now() + self.ctx.timeouts.request,
+        };
+        self.send_submit(&o);
+        self.outstanding.insert(id, o);
+        id
+    }
+
+    /// Stop generating for `id`; its `Finished` update still comes (tokens after this call are not reported).
+    pub fn cancel(&mut self, id: u64) {
+        if let Some(o) = self.outstanding.get_mut(&id) {
+            o.cancelled = true;
+            let o = &self.outstanding[&id];
+            self.send_submit(o);
+        }
+    }
+
+    fn end(&mut self, id: u64, reason: FinishReason) {
+        if let Some(o) = self.outstanding.remove(&id) {
+            let finished = Finished {
+                reason,
+                prompt_tokens: o.spec.prompt.len(),
+                completion_tokens: o.tokens.len(),
+                cached_tokens: 0,
+                cached_tokens_by_tier: [0; 3],
+                preemptions: 0,
+            };
+            self.ready.push_back(Update::Finished { id, finished });
+        }
+    }
+
+    /// The next update of any outstanding request; `None` when none is left.
+    /// Never waits forever: silence past the request timeouts, or a cluster
+    /// whose supervisors gave up, ends requests with an error.
+    pub async fn next_update(&mut self) -> Option<Update> {
+        loop {
+            if let Some(u) = self.ready.pop_front() {
+                return Some(u);
+            }
+            if self.outstanding.is_empty() {
+                return None;
+            }
+            // Here too: a caller may drop this future before its timer fires.
+            self.keep_alive();
+            if let Some(why) = self.down.clone() {
+                let ids: Vec<u64> = self.outstanding.keys().copied().collect();
+                for id in ids {
+                    self.end(id, FinishReason::Error(format!("cluster down: {why}")));
+                }
+                continue;
+            }
+            let mut deadline = self.outstanding.values().map(|o| o.deadline).min().expect("non-empty");
+            if self.keepalive.is_some() {
+                deadline = deadline.min(self.next_keepalive);
+            }
+            let wait = deadline.saturating_sub(self.ctx.clock.now());
+            tokio::select! {
+                biased;
+                Some(why) = self.down_rx.recv() => {
+                    self.ctx.events.record(format_args!("client: cluster down: {why}"));
+                    self.down = Some(why);
+                    continue;
+                }
+                Some(news) = self.nodes_rx.recv() => {
+                    self.on_node_news(news);
+                    continue;
+                }
+                d = self.inbox.recv() => {
+                    let Some(d) = d else {
+                        self.down = Some("transport closed".into());
+                        continue;
+                    };
+                    if let Some(m) = self.ctx.open(self.addr, &d) {
+                        self.on_message(m.envelope.from, m.envelope.msg, m.body);
+                    }
+                }
+                _ = self.ctx.clock.sleep(wait) => {}
+            }
+            self.check_deadlines();
+            self.keep_alive();
+        }
+    }
+
+    /// Tell the router in use that this client is alive, when it is time.
+    fn keep_alive(&mut self) {
+        let (Some(every), now) = (self.keepalive, self.ctx.clock.now()) else { return };
+        if now >= self.next_keepalive {
+            self.next_keepalive = now + every;
+            let hb = Heartbeat { incarnation: 0, restarted: false, time_ns: now.as_nanos() as u64 };
+            self.ctx.send(self.addr, Addr::router(self.router), Message::Heartbeat(hb), &[]);
+        }
+    }
+
+    /// Submit every outstanding request again, with the tokens it has, to
+    /// the router in use (which may know nothing of them).
+    fn resubmit_all(&mut self) {
+        let deadline = self.ctx.clock.now() + self.ctx.timeouts.request;
+        self.ctx.events.record(format_args!(
+            "client resubmits {} requests to router{}",
+            self.outstanding.len(),
+            self.router
+        ));
+        for o in self.outstanding.values_mut() {
+            o.deadline = deadline;
+        }
+        for o in self.outstanding.values() {
+            bump(&self.ctx.metrics.submits_resent);
+            self.send_submit(o);
+        }
+    }
+
+    /// A membership declared a node dead. The client holds it dead when its
+    /// own membership says so, or most of the nodes do (a node cut off alone
+    /// declares every other one dead). If it ran the router in
+    /// use, the next router node's takes over (with every request submitted
+    /// again); with none left, the cluster is down for this client.
+    fn on_node_news(&mut self, news: NodeNews) {
+        let node = news.node;
+        if news.alive {
+            // Back: usable again if its router is needed (the one in use stays).
+            if let Some(w) = self.declared.get_mut(&node) {
+                w.remove(&news.seen_from);
+            }
+            let still = self
+                .declared
+                .get(&node)
+                .is_some_and(|w| w.contains(&None) || w.len() * 2 > self.ctx.topology.nodes() as usize);
+            if !still {
+                self.down_nodes.remove(&node);
+            }
+            return;
+        }
+        let witnesses = self.declared.entry(node).or_default();
+        witnesses.insert(news.seen_from);
+        let nodes = self.ctx.topology.nodes() as usize;
+        let own = witnesses.contains(&None) || self.attached.is_some_and(|n| witnesses.contains(&Some(n)));
+        let held = own || witnesses.len() * 2 > nodes;
+        if !held || !self.down_nodes.insert(node) || node != self.router {
+            return;
+        }
+        match (0..self.ctx.routers).find(|n| !self.down_nodes.contains(n)) {
+            Some(next) => {
+                self.ctx.events.record(format_args!("client: router{node} is gone, router{next} takes over"));
+                self.router = next;
+                self.resubmit_all();
+            }
+            None => {
+                let why = format!(
+                    "every router node is unreachable (nodes 0..{} declared dead by membership)",
+                    self.ctx.routers
+                );
+                self.ctx.events.record(format_args!("client: cluster down: {why}"));
+                self.down = Some(why);
+            }
+        }
+    }
+
+    fn check_deadlines(&mut self) {
+        let now = self.ctx.clock.now();
+        let late: Vec<u64> = self.outstanding.iter().filter(|(_, o)| o.deadline <= now).map(|(id, _)| *id).collect();
+        for id in late {
+            let o = self.outstanding.get_mut(&id).expect("listed");
+            o.attempts += 1;
+            o.deadline = now + self.ctx.timeouts.request;
+            if o.attempts > self.ctx.timeouts.request_attempts {
+                let why = format!(
+                    "router{} made no progress on request {id} after {} attempts",
+                    self.router, self.ctx.timeouts.request_attempts
+                );
+                self.ctx.events.record(format_args!("client: {why}"));
+                self.end(id, FinishReason::Error(why));
+                continue;
+            }
+            bump(&self.ctx.metrics.submits_resent);
+            let o = &self.outstanding[&id];
+            self.send_submit(o);
+        }
+    }
+
+    fn on_message(&mut self, from: crate::wire::Addr, msg: Message, body: Vec<f32>) {
+        if from.role != Role::Router {
+            return;
+        }
+        let now = self.ctx.clock.now();
+        let timeout = self.ctx.timeouts.request;
+        match msg {
+            Message::Ack { ids } => {
+                for id in ids {
+                    if let Some(o) = self.outstanding.get_mut(&id) {
+                        o.attempts = 0;
+                        o.deadline = now + timeout;
+                    }
+                }
+            }
+            Message::Heartbeat(h) if h.restarted && from == Addr::router(self.router) => {
+                // A new router knows nothing: tell it everything again.
+                self.resubmit_all();
+            }
+            Message::Outputs(out) => {
+                let vocab = self.ctx.config.vocab_size;
+                let rows: usize = out.items.iter().filter(|i| i.logits).map(|i| i.tokens.len()).sum();
+                if rows * vocab != body.len() {
+                    bump(&self.ctx.metrics.frames_rejected);
+                    return;
+                }
+                let mut at = 0;
+                for item in out.items {
+                    let n = if item.logits { item.tokens.len() * vocab } else { 0 };
+                    let logits = &body[at..at + n];
+                    at += n;
+                    let id = item.id;
+                    let Some(o) = self.outstanding.get_mut(&id) else { continue };
+                    let skip = match fit(o.tokens.len(), item.from as usize, item.tokens.len()) {
+                        Fit::Gap => {
+                            o.deadline = now + timeout;
+                            bump(&self.ctx.metrics.submits_resent);
+                            let o = &self.outstanding[&id];
+                            self.send_submit(o);
+                            continue;
+                        }
+                        Fit::Stale => continue,
+                        Fit::New { skip } => skip,
+                    };
+                    o.attempts = 0;
+                    o.deadline = now + timeout;
+                    let tokens: Vec<TokenOutput> = item.tokens[skip..]
+                        .iter()
+                        .enumerate()
+                        .map(|(j, t)| TokenOutput {
+                            token: t.token,
+                            logprob: t.logprob,
+                            top: t.top.iter().map(|x| (x.token, x.logprob)).collect(),
+                            logits: item.logits.then(|| logits[(skip + j) * vocab..(skip + j + 1) * vocab].to_vec()),
+                        })
+                        .collect();
+                    o.tokens.extend(tokens.iter().map(|t| t.token));
+                    if !tokens.is_empty() && !o.cancelled {
+                        let cached_tokens = item.cached as usize;
+                        self.ready.push_back(Update::Tokens { id, tokens, cached_tokens });
+                    }
+                    match item.end {
+                        None => {}
+                        Some(OutputEnd::Refused(reason)) => {
+                            self.outstanding.remove(&id);
+                            self.ready.push_back(Update::Refused { id, reason });
+                        }
+                        Some(OutputEnd::Finished(f)) => {
+                            let o = self.outstanding.remove(&id).expect("present");
+                            let finished = Finished {
+                                reason: finish_reason(f.reason),
+                                prompt_tokens: f.prompt_tokens as usize,
+                                completion_tokens: o.tokens.len(),
+                                cached_tokens: f.cached_tokens as usize,
+                                cached_tokens_by_tier: [f.cached_tokens as usize, 0, 0],
+                                preemptions: f.preemptions,
+                            };
+                            self.ready.push_back(Update::Finished { id, finished });
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Generate for every request; each ends with its tokens or with why it could not.
+    pub async fn generate(&mut self, requests: &[Request]) -> Vec<Result<Generated, RequestFailed>> {
+        let mut slots: BTreeMap<u64, usize> = BTreeMap::new();
+        for (i, r) in requests.iter().enumerate() {
+            slots.insert(self.submit(r.clone()), i);
+        }
+        let mut out: Vec<Generated> = vec![Generated::default(); requests.len()];
+        let mut results: Vec<Option<Result<Generated, RequestFailed>>> = vec![None; requests.len()];
+        while let Some(u) = self.next_update().await {
+            match u {
+                Update::Tokens { id, tokens, .. } => {
+                    let Some(&i) = slots.get(&id) else { continue };
+                    let g = &mut out[i];
+                    for t in tokens {
+                        g.tokens.push(t.token);
+                        g.logprobs.push(t.logprob);
+                        g.top.push(t.top);
+                        if let Some(l) = t.logits {
+                            g.logits.push(l);
+                        }
+                    }
+                }
+                Update::Finished { id, finished } => {
+                    let Some(&i) = slots.get(&id) else { continue };
+                    let g = std::mem::take(&mut out[i]);
+                    results[i] = Some(match &finished.reason {
+                        FinishReason::Error(e) => Err(RequestFailed { reason: e.clone(), tokens: g.tokens }),
+                        _ => Ok(Generated { finished: Some(finished), ..g }),
+                    });
+                }
+                Update::Refused { id, reason } => {
+                    let Some(&i) = slots.get(&id) else { continue };
+                    results[i] = Some(Err(RequestFailed { reason, tokens: Vec::new() }));
+                }
+            }
+        }
+        results
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(RequestFailed { reason: "not run".into(), tokens: Vec::new() })))
+            .collect()
+    }
+
+    /// Stop the tree in order and close the transport.
+    pub async fn shutdown(self) {
+        if let Some((root, done)) = self.root {
+            let _ = root.send_message(SupervisorMsg::Shutdown);
+            let _ = done.await;
+        }
+        self.ctx.transport.close();
+    }
+}
