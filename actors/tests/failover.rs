@@ -6,7 +6,10 @@
 //!   tokens it has, and every request completes with the fault-free output;
 //! - a node cut off for a while comes back: declared dead, then up again,
 //!   it rejoins its instance (its experts are put back at the next step)
-//!   and no request is lost or changed.
+//!   and no request is lost or changed;
+//! - a drained node: no new request goes to its instance while the
+//!   requests already there finish; it stops (cut off) and comes back, and
+//!   its instance takes requests again.
 
 mod common;
 
@@ -16,7 +19,7 @@ use common::{assert_same, model, reference, requests};
 use deepinfer_actors::proto::membership::MembershipConfig;
 use deepinfer_actors::sim::fabric::Partition;
 use deepinfer_actors::sim::faults::{FaultPlan, SlowDevice};
-use deepinfer_actors::{run_simulated, ClusterConfig};
+use deepinfer_actors::{run_simulated, simulate, Cluster, ClusterConfig};
 use deepinfer_engine::engine::EngineConfig;
 
 const STEPS: usize = 6;
@@ -94,4 +97,43 @@ fn a_node_that_comes_back_rejoins_its_instance_and_loses_no_request_over_20_seed
     }
     assert!(rejoined >= 15, "node 3 rejoined in only {rejoined} of 20 runs");
     eprintln!("rejoin: node 3 came back in {rejoined}/20 runs, 0 requests lost");
+}
+
+#[test]
+fn a_drained_node_gets_no_new_request_stops_and_serves_again_after_it_returns_over_20_seeds() {
+    let m = model();
+    let reqs = requests(12, STEPS);
+    let want = reference(&m, &reqs);
+    for seed in 0..20u64 {
+        // Node 3 (second device of instance 1) stops at 400 ms, back at 800 ms.
+        let mut cfg = config_cut(seed, 3, 1, Duration::from_millis(400), Duration::from_millis(800));
+        cfg.faults = None;
+        let waves = reqs.chunks(4).map(<[_]>::to_vec).collect::<Vec<_>>();
+        let (outputs, report) = simulate(m.clone(), cfg, async |c: &mut Cluster| {
+            let mut out = c.generate(&waves[0]).await;
+            c.drain(3);
+            c.clock().sleep(Duration::from_millis(20)).await;
+            out.extend(c.generate(&waves[1]).await);
+            let now = c.clock().now();
+            c.clock().sleep(Duration::from_millis(1200).saturating_sub(now)).await;
+            out.extend(c.generate(&waves[2]).await);
+            out
+        })
+        .unwrap();
+        assert_same(&outputs, &want, &format!("seed {seed}"));
+        let routed_to = |id: u64| -> Vec<String> {
+            let needle = format!("router sends request {id} to ");
+            report.log.iter().filter_map(|l| l.split(&needle).nth(1)).map(|r| r[..10].to_string()).collect()
+        };
+        for id in 4..8 {
+            assert_eq!(routed_to(id), vec!["scheduler0"], "seed {seed}: request {id} avoids the drained instance");
+        }
+        let log = |needle: &str| report.log.iter().any(|l| l.contains(needle));
+        assert!(
+            log("membership: Down { node: 3") && log("routes to node3 again"),
+            "seed {seed}: it left and came back"
+        );
+        let back = (8..12).filter(|&id| routed_to(id).contains(&"scheduler1".to_string())).count();
+        assert!(back > 0, "seed {seed}: after it returned, instance 1 serves again");
+    }
 }

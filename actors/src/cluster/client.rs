@@ -250,6 +250,17 @@ impl Cluster {
         }
     }
 
+    /// Ask every router to route nothing new to the instances with devices
+    /// on `node` until it restarts (the first step of a drain; their
+    /// acknowledgements are for `deepinfer drain`, which waits for them).
+    pub fn drain(&mut self, node: u32) {
+        self.ctx.events.record(format_args!("client drains node{node}"));
+        for r in 0..self.ctx.routers {
+            let msg = Message::Control(crate::wire::Control::Drain { node, nonce: u64::from(self.addr.index) });
+            self.ctx.send(self.addr, Addr::router(r), msg, &[]);
+        }
+    }
+
     fn end(&mut self, id: u64, reason: FinishReason) {
         if let Some(o) = self.outstanding.remove(&id) {
             let finished = Finished {
