@@ -126,3 +126,58 @@ async fn a_front_end_killed_mid_stream_ends_its_streams_and_another_serves_them(
     }
     drop(nodes);
 }
+
+/// With every router node gone a front end says so: `/health` answers 503
+/// with the reason and a request ends at once with an error; when the
+/// router nodes are started again it is healthy and serves one process's
+/// answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_front_end_says_when_no_router_is_left_and_serves_again_when_they_return() {
+    let site = Site::with_instances("routers-gone", cluster_support::TWO_INSTANCES);
+    let spawn = |i: usize| {
+        Proc::spawn(&["node", "--topology", site.t(), "--node", &format!("node{i}"), "--exit-with-stdin"], false)
+    };
+    let mut nodes: Vec<Proc> = (0..4).map(spawn).collect();
+    for n in &nodes {
+        n.wait_for("cluster ready", Duration::from_secs(60));
+    }
+    let mut cmd = Command::new(cluster_support::BIN);
+    cmd.args(["serve", "--topology", site.t(), "--listen", "127.0.0.1:0"]);
+    let front = Served::start_command(cmd);
+    let one = Served::start(&[]);
+    let client = reqwest::Client::new();
+    let chat = "/v1/chat/completions";
+    let health = || async { client.get(front.url("/health")).send().await.unwrap() };
+    assert_eq!(health().await.status(), 200);
+    for i in [0, 1] {
+        nodes[i].child.kill().unwrap();
+    }
+    let gone = std::time::Instant::now();
+    let why = loop {
+        let h = health().await;
+        if h.status() == 503 {
+            break h.text().await.unwrap();
+        }
+        assert!(gone.elapsed() < Duration::from_secs(20), "/health never said the routers are gone");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(why.contains("every router node is unreachable"), "{why}");
+    let refused = client.post(front.url(chat)).json(&long_request(1, false)).send().await.unwrap();
+    assert!(refused.status().is_server_error(), "{}", refused.status());
+    for i in [0, 1] {
+        nodes[i] = spawn(i);
+    }
+    let back = std::time::Instant::now();
+    while health().await.status() != 200 {
+        assert!(back.elapsed() < Duration::from_secs(30), "/health never recovered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for i in 0..2 {
+        let ask = |base: &Served| client.post(base.url(chat)).json(&long_request(i, false)).send();
+        let (got, want) = (ask(&front).await.unwrap(), ask(&one).await.unwrap());
+        assert_eq!(got.status(), 200);
+        let content = |v: serde_json::Value| v["choices"][0]["message"]["content"].clone();
+        assert_eq!(content(got.json().await.unwrap()), content(want.json().await.unwrap()), "request {i}");
+    }
+    drop(nodes);
+}

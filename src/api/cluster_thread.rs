@@ -6,6 +6,7 @@
 //! the schedulers build again. A request whose client left is cancelled.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -56,19 +57,20 @@ pub fn spawn(
     let checker = Scheduler::new(&model.config, config.clone())?;
     let (tx, rx) = mpsc::channel(config.max_waiting.max(1));
     let eos = model.config.eos_token_id;
+    let handle = EngineHandle::new(tx, None);
+    let unavailable = Arc::clone(&handle.unavailable);
     let thread = std::thread::Builder::new().name("cluster-driver".into()).spawn(move || {
-        let cluster = rt.block_on(drive(cluster, rx, &checker, eos, max_outstanding));
+        let cluster = rt.block_on(drive(cluster, rx, (&checker, eos, max_outstanding), unavailable));
         rt.block_on(cluster.shutdown());
     })?;
-    Ok((EngineHandle::new(tx, None), thread))
+    Ok((handle, thread))
 }
 
 async fn drive(
     mut cluster: Cluster,
     mut rx: mpsc::Receiver<Submission>,
-    checker: &Scheduler,
-    eos: u32,
-    max_outstanding: usize,
+    (checker, eos, max_outstanding): (&Scheduler, u32, usize),
+    unavailable: Arc<Mutex<Option<String>>>,
 ) -> Cluster {
     let mut live: BTreeMap<u64, Live> = BTreeMap::new();
     let mut scan = tokio::time::interval(CANCEL_SCAN);
@@ -93,6 +95,9 @@ async fn drive(
                     l.cancelled = true;
                     cluster.cancel(id);
                 }
+                // Follow the routers while idle too, and tell `/health`.
+                cluster.poll_news();
+                *unavailable.lock().unwrap_or_else(|e| e.into_inner()) = cluster.down_reason().map(str::to_string);
             }
         }
     }

@@ -59,12 +59,20 @@ pub struct EngineHandle {
     tx: mpsc::Sender<Submission>,
     /// The disk tier's counters, for `/metrics`.
     pub disk_stats: Option<Arc<DiskStats>>,
+    /// Why what runs the requests cannot now (a cluster none of whose
+    /// routers is reachable), for `/health`; `None` while it can.
+    pub unavailable: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl EngineHandle {
     /// A handle over `tx`, whichever thread takes its submissions.
     pub fn new(tx: mpsc::Sender<Submission>, disk_stats: Option<Arc<DiskStats>>) -> Self {
-        Self { tx, disk_stats }
+        Self { tx, disk_stats, unavailable: Arc::default() }
+    }
+
+    /// Why requests cannot run now, if they cannot.
+    pub fn unavailable(&self) -> Option<String> {
+        self.unavailable.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// False once the engine thread has ended (it never does while serving,
@@ -109,7 +117,7 @@ pub fn spawn(
         engine.configure_tiers(tiers);
         run(engine, rx, disk, cache.clock);
     })?;
-    Ok((EngineHandle { tx, disk_stats }, thread))
+    Ok((EngineHandle::new(tx, disk_stats), thread))
 }
 
 /// Waiting requests whose prefixes are looked for on disk per step.

@@ -370,10 +370,10 @@ fn rfc3339(secs: u64) -> String {
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
-    if state.engine.is_alive() {
-        Json(json!({"status": "ok"})).into_response()
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "engine stopped"}))).into_response()
+    match (state.engine.is_alive(), state.engine.unavailable()) {
+        (true, None) => Json(json!({"status": "ok"})).into_response(),
+        (true, Some(why)) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": why}))).into_response(),
+        (false, _) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "engine stopped"}))).into_response(),
     }
 }
 

@@ -31,6 +31,8 @@ pub struct Cluster {
     down_nodes: BTreeSet<u32>,
     /// The node whose router this client submits to.
     router: u32,
+    /// `down` says every router node is dead: a router node's return ends it.
+    routers_lost: bool,
     /// A client of other processes tells its router it is alive this often
     /// (so that the requests of one that vanished are cancelled), next at `next_keepalive`.
     keepalive: Option<Duration>,
@@ -117,6 +119,7 @@ impl Cluster {
             attached: None,
             down_nodes: BTreeSet::new(),
             router: 0,
+            routers_lost: false,
             keepalive: None,
             next_keepalive: Duration::ZERO,
             down: None,
@@ -373,6 +376,14 @@ impl Cluster {
                 .is_some_and(|w| w.contains(&None) || w.len() * 2 > self.ctx.topology.nodes() as usize);
             if !still {
                 self.down_nodes.remove(&node);
+                if self.routers_lost && node < self.ctx.routers {
+                    // Every router was gone; this one is back: serve again through it.
+                    self.ctx.events.record(format_args!("client: router{node} is back"));
+                    self.routers_lost = false;
+                    self.down = None;
+                    self.router = node;
+                    self.resubmit_all();
+                }
             }
             return;
         }
@@ -397,7 +408,21 @@ impl Cluster {
                 );
                 self.ctx.events.record(format_args!("client: cluster down: {why}"));
                 self.down = Some(why);
+                self.routers_lost = true;
             }
+        }
+    }
+
+    /// Take the membership news that arrived, without waiting: a client
+    /// with nothing outstanding still follows the routers (and can say
+    /// whether the cluster is reachable, [`Self::down_reason`]).
+    pub fn poll_news(&mut self) {
+        while let Ok(news) = self.nodes_rx.try_recv() {
+            self.on_node_news(news);
+        }
+        if let Ok(why) = self.down_rx.try_recv() {
+            self.ctx.events.record(format_args!("client: cluster down: {why}"));
+            self.down = Some(why);
         }
     }
 
