@@ -404,6 +404,22 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
     })
 }
 
+/// Wait up to `wait` until the nodes `transport` sees up satisfy `done`;
+/// the nodes up then, whether it did or not.
+pub(crate) async fn wait_for_members(
+    transport: &QuicTransport,
+    wait: Duration,
+    done: impl Fn(&[u32]) -> bool,
+) -> Vec<u32> {
+    let _ = tokio::time::timeout(wait, async {
+        while !done(&transport.nodes_up()) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    transport.nodes_up()
+}
+
 /// Connect as a client, wait up to `wait` for every node to answer, ask
 /// each for its status and print one line per node; true when all are up.
 pub fn status(path: &Path, certs: Option<&Path>, wait: Duration) -> anyhow::Result<bool> {
@@ -415,13 +431,7 @@ pub fn status(path: &Path, certs: Option<&Path>, wait: Duration) -> anyhow::Resu
     let (up, reports, heard) = rt.block_on(async {
         let (transport, _) = start_transport(&plan, Member::Client(index), identity, &cfg)?;
         let total = plan.nodes.len();
-        let _ = tokio::time::timeout(wait, async {
-            while transport.nodes_up().len() < total {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-        })
-        .await;
-        let up = transport.nodes_up();
+        let up = wait_for_members(&transport, wait, |up| up.len() == total).await;
         let reports = crate::node_agent::query(&*transport, Addr::client(index), &up, wait).await;
         let heard: Vec<Option<Duration>> = (0..total as u32).map(|n| transport.heard_ago(n)).collect();
         deepinfer_actors::net::transport::Transport::close(&*transport);

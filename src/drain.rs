@@ -14,7 +14,7 @@ use deepinfer_actors::net::tls::{self, CLIENT_NAME};
 use deepinfer_actors::net::transport::Transport;
 use deepinfer_actors::wire::{self, Addr, Control, Message};
 
-use crate::cluster::{runtime, start_transport, ClusterPlan};
+use crate::cluster::{runtime, start_transport, wait_for_members, ClusterPlan};
 use crate::node_agent::{query, send};
 
 /// How often the drained instances are polled.
@@ -50,17 +50,11 @@ async fn run(
     let homes: Vec<u32> = affected.iter().map(|&i| topo.home_node(i)).collect::<BTreeSet<_>>().into_iter().collect();
     let wait = 2 * plan.failure_timeout;
     let me = Addr::client(index);
-    let _ = tokio::time::timeout(wait, async {
-        while !transport.nodes_up().contains(&node) {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await;
-    let up = transport.nodes_up();
+    let up = wait_for_members(transport, wait, |up| up.contains(&node)).await;
     ensure!(up.contains(&node), "{node_name} is not up: nothing to drain");
 
     // 1. No new requests: every live router acknowledges.
-    let routers: Vec<u32> = (0..cfg.routers.clamp(1, topo.nodes())).filter(|r| up.contains(r)).collect();
+    let routers: Vec<u32> = (0..cfg.router_nodes()).filter(|r| up.contains(r)).collect();
     let nonce = u64::from(index);
     let mut inbox = transport.bind(me);
     for &r in &routers {
@@ -104,13 +98,8 @@ async fn run(
 
     // 3. The node stops; membership sees it go.
     send(transport, me, Addr::agent(node), Message::Control(Control::Shutdown));
-    let stopped = tokio::time::timeout(timeout, async {
-        while transport.nodes_up().contains(&node) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
-    ensure!(stopped.is_ok(), "{node_name} did not stop within {timeout:?}");
+    let up = wait_for_members(transport, timeout, |up| !up.contains(&node)).await;
+    ensure!(!up.contains(&node), "{node_name} did not stop within {timeout:?}");
     println!("drained {node_name}: stopped; start it again to rejoin");
     Ok(())
 }

@@ -9,28 +9,13 @@ mod cluster_support;
 
 use std::time::{Duration, Instant};
 
-use cluster_support::{run_plain, s, Proc, Site};
-
-fn spawn_node(site: &Site, i: usize) -> Proc {
-    Proc::spawn(&["node", "--topology", site.t(), "--node", &format!("node{i}"), "--exit-with-stdin"], false)
-}
+use cluster_support::{batch_with_reference, run_plain, s, spawn_node, start_nodes, Site};
 
 #[test]
 fn a_killed_node_started_again_rejoins_and_the_tokens_never_change() {
     let site = Site::new("rejoin");
-    let mut nodes: Vec<Proc> = (0..4).map(|i| spawn_node(&site, i)).collect();
-    for n in &nodes {
-        n.wait_for("cluster ready", Duration::from_secs(60));
-    }
-    let lines: Vec<String> = (0..6)
-        .map(|i| serde_json::json!({"id": i, "prompt": format!("Batch request {i}"), "max_tokens": 24}).to_string())
-        .collect();
-    let input = site.dir.join("in.jsonl");
-    std::fs::write(&input, lines.join("\n")).unwrap();
-    let one_out = site.dir.join("one.jsonl");
-    let one = run_plain(&["generate", "--input", s(&input), "--output", s(&one_out)]);
-    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
-    let want = std::fs::read_to_string(&one_out).unwrap();
+    let mut nodes = start_nodes(&site);
+    let (input, want) = batch_with_reference(&site, "Batch request", 6, 24);
     let batch = |name: &str| {
         let out = site.dir.join(format!("{name}.jsonl"));
         let o = run_plain(&["generate", "--topology", site.t(), "--input", s(&input), "--output", s(&out)]);
@@ -101,19 +86,8 @@ fn a_killed_node_started_again_rejoins_and_the_tokens_never_change() {
 #[test]
 fn a_rolling_restart_of_every_node_under_load_fails_no_request() {
     let site = Site::with_instances("rolling", cluster_support::TWO_INSTANCES);
-    let mut nodes: Vec<Proc> = (0..4).map(|i| spawn_node(&site, i)).collect();
-    for n in &nodes {
-        n.wait_for("cluster ready", Duration::from_secs(60));
-    }
-    let lines: Vec<String> = (0..12)
-        .map(|i| serde_json::json!({"id": i, "prompt": format!("Rolling request {i}"), "max_tokens": 16}).to_string())
-        .collect();
-    let input = site.dir.join("in.jsonl");
-    std::fs::write(&input, lines.join("\n")).unwrap();
-    let one_out = site.dir.join("one.jsonl");
-    let one = run_plain(&["generate", "--input", s(&input), "--output", s(&one_out)]);
-    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
-    let want = std::fs::read_to_string(&one_out).unwrap();
+    let mut nodes = start_nodes(&site);
+    let (input, want) = batch_with_reference(&site, "Rolling request", 12, 16);
 
     // The load: batch after batch until the restarts are done.
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use cluster_support::{Proc, Site};
+use cluster_support::{spawn_node, start_nodes, Proc, Site};
 use serve_support::{sdks_available, Served};
 
 /// Run an SDK script against `base`, with `reference` as the one-process server when it compares.
@@ -54,6 +54,22 @@ fn the_api_on_four_processes_answers_the_sdks_as_one_process_does() {
     run_script("tools_sdk.py", &api, None, 2);
 }
 
+/// A front end of `site`'s running cluster on a free port.
+fn front_end(site: &Site) -> Served {
+    let mut cmd = Command::new(cluster_support::BIN);
+    cmd.args(["serve", "--topology", site.t(), "--listen", "127.0.0.1:0"]);
+    Served::start_command(cmd)
+}
+
+/// Request `i` (not streamed) answered by `front` as by one process.
+async fn assert_same_answer(client: &reqwest::Client, front: &Served, one: &Served, i: u64) {
+    let ask = |base: &Served| client.post(base.url("/v1/chat/completions")).json(&long_request(i, false)).send();
+    let (got, want) = (ask(front).await.unwrap(), ask(one).await.unwrap());
+    assert_eq!(got.status(), 200);
+    let content = |v: serde_json::Value| v["choices"][0]["message"]["content"].clone();
+    assert_eq!(content(got.json().await.unwrap()), content(want.json().await.unwrap()), "request {i}");
+}
+
 /// A request of the front-end test: long, seeded, streamed or not.
 fn long_request(i: u64, stream: bool) -> serde_json::Value {
     serde_json::json!({
@@ -76,20 +92,8 @@ fn long_request(i: u64, stream: bool) -> serde_json::Value {
 async fn a_front_end_killed_mid_stream_ends_its_streams_and_another_serves_them() {
     use futures_util::StreamExt;
     let site = Site::new("front-ends");
-    let nodes: Vec<Proc> = (0..4)
-        .map(|i| {
-            Proc::spawn(&["node", "--topology", site.t(), "--node", &format!("node{i}"), "--exit-with-stdin"], false)
-        })
-        .collect();
-    for n in &nodes {
-        n.wait_for("cluster ready", Duration::from_secs(60));
-    }
-    let front_end = || {
-        let mut cmd = Command::new(cluster_support::BIN);
-        cmd.args(["serve", "--topology", site.t(), "--listen", "127.0.0.1:0"]);
-        Served::start_command(cmd)
-    };
-    let (doomed, other, one) = (front_end(), front_end(), Served::start(&[]));
+    let nodes = start_nodes(&site);
+    let (doomed, other, one) = (front_end(&site), front_end(&site), Served::start(&[]));
     let client = reqwest::Client::new();
     let chat = "/v1/chat/completions";
     let mut streams = Vec::new();
@@ -117,12 +121,7 @@ async fn a_front_end_killed_mid_stream_ends_its_streams_and_another_serves_them(
     }
     // The client retries on the other front end: one process's answers.
     for i in 0..4 {
-        let ask = |base: &Served| client.post(base.url(chat)).json(&long_request(i, false)).send();
-        let (got, want) = (ask(&other).await.unwrap(), ask(&one).await.unwrap());
-        assert_eq!(got.status(), 200);
-        let content = |v: serde_json::Value| v["choices"][0]["message"]["content"].clone();
-        let (got, want) = (content(got.json().await.unwrap()), content(want.json().await.unwrap()));
-        assert_eq!(got, want, "request {i} on the surviving front end");
+        assert_same_answer(&client, &other, &one, i).await;
     }
     drop(nodes);
 }
@@ -134,17 +133,8 @@ async fn a_front_end_killed_mid_stream_ends_its_streams_and_another_serves_them(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_front_end_says_when_no_router_is_left_and_serves_again_when_they_return() {
     let site = Site::with_instances("routers-gone", cluster_support::TWO_INSTANCES);
-    let spawn = |i: usize| {
-        Proc::spawn(&["node", "--topology", site.t(), "--node", &format!("node{i}"), "--exit-with-stdin"], false)
-    };
-    let mut nodes: Vec<Proc> = (0..4).map(spawn).collect();
-    for n in &nodes {
-        n.wait_for("cluster ready", Duration::from_secs(60));
-    }
-    let mut cmd = Command::new(cluster_support::BIN);
-    cmd.args(["serve", "--topology", site.t(), "--listen", "127.0.0.1:0"]);
-    let front = Served::start_command(cmd);
-    let one = Served::start(&[]);
+    let mut nodes = start_nodes(&site);
+    let (front, one) = (front_end(&site), Served::start(&[]));
     let client = reqwest::Client::new();
     let chat = "/v1/chat/completions";
     let health = || async { client.get(front.url("/health")).send().await.unwrap() };
@@ -165,7 +155,7 @@ async fn a_front_end_says_when_no_router_is_left_and_serves_again_when_they_retu
     let refused = client.post(front.url(chat)).json(&long_request(1, false)).send().await.unwrap();
     assert!(refused.status().is_server_error(), "{}", refused.status());
     for i in [0, 1] {
-        nodes[i] = spawn(i);
+        nodes[i] = spawn_node(&site, i);
     }
     let back = std::time::Instant::now();
     while health().await.status() != 200 {
@@ -173,11 +163,7 @@ async fn a_front_end_says_when_no_router_is_left_and_serves_again_when_they_retu
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     for i in 0..2 {
-        let ask = |base: &Served| client.post(base.url(chat)).json(&long_request(i, false)).send();
-        let (got, want) = (ask(&front).await.unwrap(), ask(&one).await.unwrap());
-        assert_eq!(got.status(), 200);
-        let content = |v: serde_json::Value| v["choices"][0]["message"]["content"].clone();
-        assert_eq!(content(got.json().await.unwrap()), content(want.json().await.unwrap()), "request {i}");
+        assert_same_answer(&client, &front, &one, i).await;
     }
     drop(nodes);
 }

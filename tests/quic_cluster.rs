@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use cluster_support::{run, run_plain, s, Proc, Site, FAILURE_TIMEOUT_MS, TWO_INSTANCES};
+use cluster_support::{run, run_plain, s, start_nodes, Proc, Site, FAILURE_TIMEOUT_MS, TWO_INSTANCES};
 use serde_json::Value;
 
 #[test]
@@ -103,14 +103,7 @@ fn completed_possible(site: &Site, victim: usize) -> bool {
 fn kill_mid_batch(site: &Site, victim: usize) -> usize {
     let survivors: Vec<usize> = (0..4).filter(|&i| i != victim).collect();
     let down = format!("node node{victim} down");
-    let mut nodes: Vec<Proc> = (0..4)
-        .map(|i| {
-            Proc::spawn(&["node", "--topology", site.t(), "--node", &format!("node{i}"), "--exit-with-stdin"], false)
-        })
-        .collect();
-    for n in &nodes {
-        n.wait_for("cluster ready", Duration::from_secs(60));
-    }
+    let mut nodes = start_nodes(site);
     let lines: Vec<String> = (0..8)
         .map(|i| {
             serde_json::json!({"id": i, "prompt": format!("Request number {i} says"), "max_tokens": 400, "ignore_eos": true})

@@ -160,3 +160,31 @@ impl Drop for Site {
 pub fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
+
+/// Start `deepinfer node` for node `i` of `site`'s topology; it stops when its stdin closes.
+pub fn spawn_node(site: &Site, i: usize) -> Proc {
+    Proc::spawn(&["node", "--topology", site.t(), "--node", &format!("node{i}"), "--exit-with-stdin"], false)
+}
+
+/// Start the four nodes of `site` and wait until each sees the whole cluster.
+pub fn start_nodes(site: &Site) -> Vec<Proc> {
+    let nodes: Vec<Proc> = (0..4).map(|i| spawn_node(site, i)).collect();
+    for n in &nodes {
+        n.wait_for("cluster ready", Duration::from_secs(60));
+    }
+    nodes
+}
+
+/// A batch input of `n` requests of `max_tokens` (prompts start with
+/// `label`) in `site`'s directory, and what one process outputs for it.
+pub fn batch_with_reference(site: &Site, label: &str, n: usize, max_tokens: usize) -> (PathBuf, String) {
+    let lines: Vec<String> = (0..n)
+        .map(|i| serde_json::json!({"id": i, "prompt": format!("{label} {i}"), "max_tokens": max_tokens}).to_string())
+        .collect();
+    let input = site.dir.join("in.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let one_out = site.dir.join("one.jsonl");
+    let one = run_plain(&["generate", "--input", s(&input), "--output", s(&one_out)]);
+    assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
+    (input, std::fs::read_to_string(&one_out).unwrap())
+}

@@ -358,23 +358,28 @@ impl Cluster {
         }
     }
 
+    /// Whether what was declared of `node` makes it dead to this client: its
+    /// own membership (or an in-process client's node) says so, or most nodes do.
+    fn holds_dead(&self, node: u32) -> bool {
+        let Some(witnesses) = self.declared.get(&node) else { return false };
+        let own = witnesses.contains(&None) || self.attached.is_some_and(|n| witnesses.contains(&Some(n)));
+        own || witnesses.len() * 2 > self.ctx.topology.nodes() as usize
+    }
+
     /// A membership declared a node dead. The client holds it dead when its
     /// own membership says so, or most of the nodes do (a node cut off alone
     /// declares every other one dead). If it ran the router in
     /// use, the next router node's takes over (with every request submitted
     /// again); with none left, the cluster is down for this client.
     fn on_node_news(&mut self, news: NodeNews) {
+        assert!(news.node < self.ctx.topology.nodes(), "membership names a node of the cluster");
         let node = news.node;
         if news.alive {
             // Back: usable again if its router is needed (the one in use stays).
             if let Some(w) = self.declared.get_mut(&node) {
                 w.remove(&news.seen_from);
             }
-            let still = self
-                .declared
-                .get(&node)
-                .is_some_and(|w| w.contains(&None) || w.len() * 2 > self.ctx.topology.nodes() as usize);
-            if !still {
+            if !self.holds_dead(node) {
                 self.down_nodes.remove(&node);
                 if self.routers_lost && node < self.ctx.routers {
                     // Every router was gone; this one is back: serve again through it.
@@ -387,12 +392,8 @@ impl Cluster {
             }
             return;
         }
-        let witnesses = self.declared.entry(node).or_default();
-        witnesses.insert(news.seen_from);
-        let nodes = self.ctx.topology.nodes() as usize;
-        let own = witnesses.contains(&None) || self.attached.is_some_and(|n| witnesses.contains(&Some(n)));
-        let held = own || witnesses.len() * 2 > nodes;
-        if !held || !self.down_nodes.insert(node) || node != self.router {
+        self.declared.entry(node).or_default().insert(news.seen_from);
+        if !self.holds_dead(node) || !self.down_nodes.insert(node) || node != self.router {
             return;
         }
         match (0..self.ctx.routers).find(|n| !self.down_nodes.contains(n)) {

@@ -179,6 +179,11 @@ impl ClusterConfig {
         self.topology().nodes()
     }
 
+    /// The nodes that run a router: `routers`, at least one and at most every node.
+    pub fn router_nodes(&self) -> u32 {
+        self.routers.clamp(1, self.nodes())
+    }
+
     /// Which node an address lives on.
     pub fn node_of(&self) -> NodeOf {
         let topo = self.topology();
@@ -446,7 +451,7 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         root: OnceLock::new(),
         durable: Durable::new(placements, topo.nodes(), topo.devices, cfg.incarnation_base),
         constraints: cfg.constraints.as_ref().map(|c| Arc::clone(&c.0)),
-        routers: cfg.routers.clamp(1, topo.nodes()),
+        routers: cfg.router_nodes(),
         node_news: OnceLock::new(),
     });
     for instance in 0..topo.instances {
