@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use deepinfer_actors::{ClusterConfig, LocalCluster, Update};
 use deepinfer_engine::engine::{Engine, EngineConfig};
-use deepinfer_engine::model::Model;
+use deepinfer_engine::model::{Model, RoutedExperts};
 use deepinfer_engine::prefix_cache::PrefixMode;
 use deepinfer_engine::presets::{build, Preset};
 pub use deepinfer_engine::request::FinishReason;
@@ -33,6 +33,17 @@ pub struct LoadedModel {
 /// The tokenizer is `tokenizer_path` if given, else the directory's
 /// `tokenizer.json`, else the built-in one.
 pub fn load_model(spec: &str, seed: u64, tokenizer_path: Option<&Path>) -> anyhow::Result<LoadedModel> {
+    load_model_with(spec, seed, tokenizer_path, RoutedExperts::Resident)
+}
+
+/// [`load_model`] with a directory's routed experts where `routed` says (a
+/// built-in model is built whole in memory either way).
+pub fn load_model_with(
+    spec: &str,
+    seed: u64,
+    tokenizer_path: Option<&Path>,
+    routed: RoutedExperts,
+) -> anyhow::Result<LoadedModel> {
     let mut own_tokenizer = None;
     let (name, model, dir_tokenizer) = match spec.strip_prefix("builtin:") {
         Some(preset_name) => match crate::trained::load(preset_name) {
@@ -56,7 +67,7 @@ pub fn load_model(spec: &str, seed: u64, tokenizer_path: Option<&Path>) -> anyho
         },
         None => {
             let dir = PathBuf::from(spec);
-            let model = load_dir(&dir, tokenizer_path)?;
+            let model = load_dir(&dir, tokenizer_path, routed)?;
             for notice in &model.weights.notices {
                 eprintln!("note: {}: {notice}", dir.display());
             }
@@ -79,17 +90,16 @@ pub fn load_model(spec: &str, seed: u64, tokenizer_path: Option<&Path>) -> anyho
 /// A model directory; a DeepSeek-V4.1 Engram model without `engram_token_map.json`
 /// derives its compressed vocabulary from the tokenizer (`tokenizer_path` or the
 /// directory's `tokenizer.json`).
-fn load_dir(dir: &Path, tokenizer_path: Option<&Path>) -> anyhow::Result<Model> {
+fn load_dir(dir: &Path, tokenizer_path: Option<&Path>, routed: RoutedExperts) -> anyhow::Result<Model> {
     let context = || format!("loading model from {}", dir.display());
+    let mut token_map = None;
     if ModelV41::needs_token_map(dir) {
         let tokenizer = tokenizer_path.map(Path::to_path_buf).unwrap_or_else(|| dir.join("tokenizer.json"));
         if tokenizer.is_file() {
-            let (map, _) = crate::engram_vocab::token_map_of_file(&tokenizer)?;
-            let model = ModelV41::load_with_token_map(dir, Some(map)).with_context(context)?;
-            return Ok(Model::from_v41(model));
+            token_map = Some(crate::engram_vocab::token_map_of_file(&tokenizer)?.0);
         }
     }
-    Model::load(dir).with_context(context)
+    Model::load_with(dir, routed, token_map).with_context(context)
 }
 
 #[derive(Clone, Debug)]

@@ -48,6 +48,8 @@ struct TensorEntry {
 struct Shard {
     path: PathBuf,
     bytes: Bytes,
+    /// The open file, for reads that copy a tensor out instead of borrowing the mapping.
+    file: Option<File>,
 }
 
 /// All tensors of a checkpoint directory (one or more `*.safetensors` shards),
@@ -58,6 +60,10 @@ pub struct Checkpoint {
     tensors: BTreeMap<String, TensorEntry>,
     /// Published names the loader has asked for, so that leftovers can be reported.
     used: Mutex<BTreeSet<String>>,
+    /// Tensors are read from the files into memory of their own instead of
+    /// borrowing the mapping: what is dropped is then freed, and the pages of
+    /// tensors never read never count against the process.
+    owned_reads: bool,
 }
 
 /// A borrowed tensor: dtype, shape and raw little-endian bytes.
@@ -74,6 +80,16 @@ impl Checkpoint {
     /// Map the weight shards of `dir`: those `model.safetensors.index.json` lists, or
     /// else every `model*.safetensors` file (sorted by name).
     pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
+        Self::open_with(dir, false)
+    }
+
+    /// [`Checkpoint::open`] for loading parts on demand: each tensor asked for is
+    /// read into memory of its own (only the headers are touched through the mapping).
+    pub fn open_for_reads(dir: &Path) -> Result<Self, CheckpointError> {
+        Self::open_with(dir, true)
+    }
+
+    fn open_with(dir: &Path, owned_reads: bool) -> Result<Self, CheckpointError> {
         let file_err = |problem: String| CheckpointError::File { file: dir.display().to_string(), problem };
         let index_path = dir.join(SHARD_INDEX);
         let (paths, weight_map) = if index_path.exists() {
@@ -97,12 +113,13 @@ impl Checkpoint {
             return Err(file_err("no model*.safetensors files".into()));
         }
         let mut checkpoint = Self::empty(dir.to_path_buf());
+        checkpoint.owned_reads = owned_reads;
         for path in paths {
             let err = |problem: String| CheckpointError::File { file: path.display().to_string(), problem };
             let file = File::open(&path).map_err(|e| err(format!("cannot open: {e}")))?;
             // SAFETY: the mapping is read-only; a checkpoint modified while mapped is outside what we support.
             let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| err(format!("cannot map: {e}")))?;
-            checkpoint.add_shard(path, Bytes::from_owner(map))?;
+            checkpoint.add_shard(path, Bytes::from_owner(map), Some(file))?;
         }
         if let Some(map) = weight_map {
             checkpoint.check_weight_map(&index_path, &map)?;
@@ -113,15 +130,21 @@ impl Checkpoint {
     /// A checkpoint held in memory (one serialised safetensors buffer); `label` names it in errors.
     pub fn from_bytes(label: &str, bytes: Bytes) -> Result<Self, CheckpointError> {
         let mut checkpoint = Self::empty(PathBuf::from(label));
-        checkpoint.add_shard(PathBuf::from(label), bytes)?;
+        checkpoint.add_shard(PathBuf::from(label), bytes, None)?;
         Ok(checkpoint)
     }
 
     fn empty(dir: PathBuf) -> Self {
-        Self { dir, shards: Vec::new(), tensors: BTreeMap::new(), used: Mutex::new(BTreeSet::new()) }
+        Self {
+            dir,
+            shards: Vec::new(),
+            tensors: BTreeMap::new(),
+            used: Mutex::new(BTreeSet::new()),
+            owned_reads: false,
+        }
     }
 
-    fn add_shard(&mut self, path: PathBuf, bytes: Bytes) -> Result<(), CheckpointError> {
+    fn add_shard(&mut self, path: PathBuf, bytes: Bytes, file: Option<File>) -> Result<(), CheckpointError> {
         let err = |problem: String| CheckpointError::File { file: path.display().to_string(), problem };
         let (header_len, metadata) =
             SafeTensors::read_metadata(&bytes).map_err(|e| err(format!("not a safetensors file: {e}")))?;
@@ -148,7 +171,7 @@ impl Checkpoint {
                 return Err(err(problem));
             }
         }
-        self.shards.push(Shard { path, bytes });
+        self.shards.push(Shard { path, bytes, file });
         Ok(())
     }
 
@@ -210,13 +233,17 @@ impl Checkpoint {
         })?;
         self.used.lock().expect("checkpoint use set").insert(name.to_string());
         let shard = &self.shards[e.shard];
-        Ok(RawTensor {
-            name: &e.stored,
-            dtype: e.dtype,
-            shape: &e.shape,
-            bytes: shard.bytes.slice(e.start..e.end),
-            file: &shard.path,
-        })
+        let bytes = match &shard.file {
+            Some(file) if self.owned_reads => {
+                read_range(file, e.start, e.end).map_err(|err| CheckpointError::Tensor {
+                    file: shard.path.display().to_string(),
+                    tensor: e.stored.clone(),
+                    problem: format!("cannot read bytes {}..{}: {err}", e.start, e.end),
+                })?
+            }
+            _ => shard.bytes.slice(e.start..e.end),
+        };
+        Ok(RawTensor { name: &e.stored, dtype: e.dtype, shape: &e.shape, bytes, file: &shard.path })
     }
 
     /// A float tensor of exactly `shape`, decoded to f32 (F32, BF16, F16 accepted).
@@ -308,6 +335,21 @@ impl Checkpoint {
             _ => s.to_f32(),
         }
     }
+}
+
+/// Bytes `start..end` of `file`, read into memory of their own.
+fn read_range(file: &File, start: usize, end: usize) -> std::io::Result<Bytes> {
+    let mut buffer = vec![0u8; end - start];
+    #[cfg(unix)]
+    std::os::unix::fs::FileExt::read_exact_at(file, &mut buffer, start as u64)?;
+    #[cfg(not(unix))]
+    {
+        use std::io::{Read, Seek};
+        let mut file = file;
+        file.seek(std::io::SeekFrom::Start(start as u64))?;
+        file.read_exact(&mut buffer)?;
+    }
+    Ok(Bytes::from(buffer))
 }
 
 /// The shard files of an index and its tensor → file map.

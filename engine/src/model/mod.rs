@@ -4,6 +4,7 @@ mod attention;
 mod forward;
 mod hyper;
 pub mod moe;
+mod routed;
 pub mod state;
 pub mod weights;
 
@@ -17,7 +18,9 @@ use crate::v41::{ModelV41, V41Config};
 pub(crate) use attention::draft_window_mark;
 pub use forward::{Chunk, ChunkOutput, LogitsWanted, MtpChunk, Pass};
 pub use moe::{Dispatch, ExpertOutputs, Route};
+pub use routed::RoutedExpert;
 pub use state::SequenceState;
+pub use weights::RoutedExperts;
 use weights::Weights;
 
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +41,9 @@ pub struct Model {
     rope_main: Rope,
     rope_compress: Rope,
     pub v41: Option<Box<ModelV41>>,
+    /// Where the main layers' routed experts are read from when they are not
+    /// in `weights` ([`RoutedExperts::Elsewhere`]).
+    expert_source: Option<std::sync::Arc<Checkpoint>>,
 }
 
 impl Model {
@@ -62,7 +68,7 @@ impl Model {
             attention_factor: y.attention_factor,
         });
         let rope_compress = Rope::new(config.rope_dim, config.compress_rope_theta, yarn);
-        Self { config, weights, rope_main, rope_compress, v41: None }
+        Self { config, weights, rope_main, rope_compress, v41: None, expert_source: None }
     }
 
     /// Wrap a DeepSeek-V4.1 model.
@@ -75,6 +81,7 @@ impl Model {
             rope_main: rope.clone(),
             rope_compress: rope,
             v41: Some(Box::new(model)),
+            expert_source: None,
         }
     }
 

@@ -153,6 +153,7 @@ pub fn expert_forward(moe: &Moe, cfg: &ModelConfig, expert: usize, x_rows: &[f32
 
 /// Run every routed expert locally.
 pub fn run_all_experts(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch) -> ExpertOutputs {
+    assert!(!moe.experts.is_empty(), "the routed experts of this model live on expert shards");
     let mut outputs = ExpertOutputs::new(dispatch, cfg.experts_per_token);
     for e in dispatch.experts_hit() {
         let pairs = dispatch.rows_for(e);

@@ -1,6 +1,8 @@
 //! The weights of a DeepSeek-V4 model, loaded under the tensor names of
 //! DeepSeek's published checkpoints.
 
+use std::sync::Arc;
+
 use deepinfer_kernels::{Linear, WeightFormat};
 
 use crate::checkpoint::{Checkpoint, CheckpointError};
@@ -82,7 +84,8 @@ pub struct Moe {
     pub bias: Option<Vec<f32>>,
     /// `[vocab, experts_per_token]` expert ids (hash layers).
     pub tid2eid: Option<Vec<u32>>,
-    pub experts: Vec<Mlp>,
+    /// The routed experts; empty when they live elsewhere ([`RoutedExperts::Elsewhere`]).
+    pub experts: Vec<Arc<Mlp>>,
     pub shared: Option<Mlp>,
 }
 
@@ -118,9 +121,27 @@ pub struct Weights {
     pub notices: Vec<String>,
 }
 
-struct Loader<'a> {
-    ck: &'a Checkpoint,
-    cfg: &'a ModelConfig,
+/// Where a load puts the routed experts of the main layers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum RoutedExperts {
+    /// In the model, with everything else.
+    #[default]
+    Resident,
+    /// Left in the checkpoint: expert shards load the ones placed on them
+    /// (`Model::routed_expert`). MTP blocks keep theirs.
+    Elsewhere,
+}
+
+/// Whether `name` is a routed expert's tensor of a main layer (`layers.N.ffn.experts.*`).
+pub fn is_main_routed_expert(name: &str) -> bool {
+    name.strip_prefix("layers.")
+        .and_then(|rest| rest.split_once('.'))
+        .is_some_and(|(layer, rest)| layer.parse::<usize>().is_ok() && rest.starts_with("ffn.experts."))
+}
+
+pub(crate) struct Loader<'a> {
+    pub(crate) ck: &'a Checkpoint,
+    pub(crate) cfg: &'a ModelConfig,
 }
 
 impl Loader<'_> {
@@ -220,7 +241,8 @@ impl Loader<'_> {
 
     /// Routed experts stored as transformers holds them: `gate_up_proj` `[E, 2I, D]`
     /// (w1 rows, then w3 rows) and `down_proj` `[E, D, I]`, unquantised.
-    fn fused_experts(&self, p: &str) -> Result<Vec<Mlp>, CheckpointError> {
+    /// `only`: that expert alone, copied out of the tensors (which are then dropped).
+    fn fused_experts(&self, p: &str, only: Option<usize>) -> Result<Vec<Mlp>, CheckpointError> {
         let c = self.cfg;
         let (e, inter, d) = (c.n_routed_experts, c.moe_intermediate_size, c.hidden_size);
         let gate_up = self.ck.get(&format!("{p}.gate_up_proj"))?;
@@ -233,7 +255,10 @@ impl Loader<'_> {
                 safetensors::Dtype::BF16 => 2,
                 other => return Err(t.error(format!("fused experts must be F32 or BF16, found {other:?}"))),
             };
-            let bytes = t.bytes.slice(first_row * cols * size..(first_row + rows) * cols * size);
+            let mut bytes = t.bytes.slice(first_row * cols * size..(first_row + rows) * cols * size);
+            if only.is_some() {
+                bytes = bytes::Bytes::copy_from_slice(&bytes);
+            }
             let format = if size == 4 {
                 WeightFormat::F32(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect())
             } else {
@@ -241,7 +266,11 @@ impl Loader<'_> {
             };
             Ok(Linear { rows, cols, format })
         };
-        (0..e)
+        let range = match only {
+            Some(i) => i..i + 1,
+            None => 0..e,
+        };
+        range
             .map(|i| {
                 Ok(Mlp {
                     w1: matrix(&gate_up, i * 2 * inter, inter, d)?,
@@ -252,7 +281,16 @@ impl Loader<'_> {
             .collect()
     }
 
-    fn moe(&self, p: &str, routing: RoutingKind) -> Result<Moe, CheckpointError> {
+    /// Routed expert `expert` of the MoE at `p` (`layers.N.ffn`).
+    pub(crate) fn routed_expert(&self, p: &str, expert: usize) -> Result<Mlp, CheckpointError> {
+        if self.ck.contains(&format!("{p}.experts.gate_up_proj")) {
+            let mut one = self.fused_experts(&format!("{p}.experts"), Some(expert))?;
+            return Ok(one.pop().expect("one expert"));
+        }
+        self.mlp(&format!("{p}.experts.{expert}"), self.cfg.moe_intermediate_size)
+    }
+
+    fn moe(&self, p: &str, routing: RoutingKind, routed: RoutedExperts) -> Result<Moe, CheckpointError> {
         let c = self.cfg;
         let e = c.n_routed_experts;
         let (bias, tid2eid) = match routing {
@@ -274,11 +312,14 @@ impl Loader<'_> {
                 (None, Some(table))
             }
         };
-        let experts = if self.ck.contains(&format!("{p}.experts.gate_up_proj")) {
-            self.fused_experts(&format!("{p}.experts"))?
+        let experts: Vec<Mlp> = if routed == RoutedExperts::Elsewhere {
+            Vec::new()
+        } else if self.ck.contains(&format!("{p}.experts.gate_up_proj")) {
+            self.fused_experts(&format!("{p}.experts"), None)?
         } else {
             (0..e).map(|i| self.mlp(&format!("{p}.experts.{i}"), c.moe_intermediate_size)).collect::<Result<_, _>>()?
         };
+        let experts = experts.into_iter().map(Arc::new).collect();
         let shared = if c.n_shared_experts > 0 {
             Some(self.mlp(&format!("{p}.shared_experts"), c.moe_intermediate_size * c.n_shared_experts)?)
         } else {
@@ -287,7 +328,13 @@ impl Loader<'_> {
         Ok(Moe { routing, gate: self.linear(&format!("{p}.gate"), e, c.hidden_size)?, bias, tid2eid, experts, shared })
     }
 
-    fn block(&self, p: &str, kind: AttentionKind, routing: RoutingKind) -> Result<Block, CheckpointError> {
+    fn block(
+        &self,
+        p: &str,
+        kind: AttentionKind,
+        routing: RoutingKind,
+        routed: RoutedExperts,
+    ) -> Result<Block, CheckpointError> {
         let d = self.cfg.hidden_size;
         Ok(Block {
             attn_norm: self.vector(&format!("{p}.attn_norm.weight"), d)?,
@@ -295,7 +342,7 @@ impl Loader<'_> {
             hc_attn: self.hyper(&format!("{p}.hc_attn"))?,
             hc_ffn: self.hyper(&format!("{p}.hc_ffn"))?,
             attn: self.attention(&format!("{p}.attn"), kind)?,
-            moe: self.moe(&format!("{p}.ffn"), routing)?,
+            moe: self.moe(&format!("{p}.ffn"), routing, routed)?,
         })
     }
 }
@@ -317,10 +364,15 @@ impl Weights {
 
     /// Load every tensor the forward pass needs; MTP blocks only if present.
     pub fn load(ck: &Checkpoint, cfg: &ModelConfig) -> Result<Self, CheckpointError> {
+        Self::load_with(ck, cfg, RoutedExperts::Resident)
+    }
+
+    /// [`Weights::load`], with the main layers' routed experts where `routed` says.
+    pub fn load_with(ck: &Checkpoint, cfg: &ModelConfig, routed: RoutedExperts) -> Result<Self, CheckpointError> {
         let l = Loader { ck, cfg };
         let d = cfg.hidden_size;
         let blocks = (0..cfg.num_layers)
-            .map(|i| l.block(&format!("layers.{i}"), cfg.attention[i], cfg.routing[i]))
+            .map(|i| l.block(&format!("layers.{i}"), cfg.attention[i], cfg.routing[i], routed))
             .collect::<Result<Vec<_>, _>>()?;
         let mut mtp = Vec::new();
         let mut notices = Vec::new();
@@ -339,7 +391,7 @@ impl Weights {
                 hnorm: l.vector(&format!("{p}.hnorm.weight"), d)?,
                 e_proj: l.linear(&format!("{p}.e_proj"), d, d)?,
                 h_proj: l.linear(&format!("{p}.h_proj"), d, d)?,
-                block: l.block(&p, AttentionKind::Window, RoutingKind::TopK)?,
+                block: l.block(&p, AttentionKind::Window, RoutingKind::TopK, RoutedExperts::Resident)?,
                 hc_head: l.hyper_head(&format!("{p}."))?,
                 norm: l.vector(&format!("{p}.norm.weight"), d)?,
             });
@@ -360,7 +412,8 @@ impl Weights {
                 .and_then(|k| k.parse::<usize>().ok())
                 .is_some_and(|k| k >= cfg.num_mtp_layers)
         };
-        ck.check_all_used(beyond_config)?;
+        let left_in_checkpoint = |name: &str| routed == RoutedExperts::Elsewhere && is_main_routed_expert(name);
+        ck.check_all_used(|name| beyond_config(name) || left_in_checkpoint(name))?;
         Ok(weights)
     }
 
@@ -372,7 +425,7 @@ impl Weights {
             let mut n =
                 a.wq_a.storage_bytes() + a.wq_b.storage_bytes() + a.wkv.storage_bytes() + a.wo_b.storage_bytes();
             n += a.wo_a.iter().map(Linear::storage_bytes).sum::<usize>();
-            n += b.moe.gate.storage_bytes() + b.moe.experts.iter().map(mlp).sum::<usize>();
+            n += b.moe.gate.storage_bytes() + b.moe.experts.iter().map(|m| mlp(m)).sum::<usize>();
             n + b.moe.shared.as_ref().map_or(0, mlp)
         };
         self.embed.storage_bytes()

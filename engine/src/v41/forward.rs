@@ -194,6 +194,7 @@ impl ModelV41 {
     /// Run every routed expert of a dispatch here.
     pub fn run_experts(&self, layer: usize, dispatch: &Dispatch) -> ExpertOutputs {
         let moe = &self.weights.blocks[layer].moe;
+        assert!(!moe.experts.is_empty(), "the routed experts of this model live on expert shards");
         let mut outputs = ExpertOutputs::new(dispatch, moe.n_activated);
         for e in dispatch.experts_hit() {
             let pairs = dispatch.rows_for(e);

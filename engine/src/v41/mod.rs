@@ -49,9 +49,18 @@ impl ModelV41 {
     /// Load a directory with the Engram compressed id of every token id (derived
     /// from the tokenizer by the caller), else from `engram_token_map.json`.
     pub fn load_with_token_map(dir: &Path, token_map: Option<Vec<u32>>) -> Result<Self, LoadError> {
+        Self::load_routed(dir, token_map, crate::model::RoutedExperts::Resident)
+    }
+
+    /// [`ModelV41::load_with_token_map`] with the main layers' routed experts where `routed` says.
+    pub fn load_routed(
+        dir: &Path,
+        token_map: Option<Vec<u32>>,
+        routed: crate::model::RoutedExperts,
+    ) -> Result<Self, LoadError> {
         let config = V41Config::from_file(&dir.join("config.json"))?;
         let checkpoint = Checkpoint::open(dir)?;
-        let weights = Weights::load(&checkpoint, &config)?;
+        let weights = Weights::load_with(&checkpoint, &config, routed)?;
         let token_map = match (&config.engram, token_map) {
             (Some(_), Some(map)) => Some(map),
             (Some(_), None) => Some(read_token_map(&dir.join(ENGRAM_TOKEN_MAP))?),

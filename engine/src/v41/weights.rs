@@ -3,12 +3,15 @@
 //! `mtp.K.*`). Quantised tensors stay as stored; the Engram tables are read in
 //! place from the memory-mapped shards.
 
+use std::sync::Arc;
+
 use deepinfer_kernels::act_quant::round_bf16_all;
 use deepinfer_kernels::{Linear, WeightFormat};
 
 use super::config::{LayerPlan, V41Config};
 use super::engram::EngramTable;
 use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::model::weights::{is_main_routed_expert, RoutedExperts};
 
 /// FP8 weights share one UE8M0 scale per 32 × 32 block.
 pub const FP8_BLOCK: (usize, usize) = (32, 32);
@@ -51,7 +54,8 @@ pub struct Moe {
     /// Router weight `[experts, dim]`, bf16 values.
     pub gate: Linear,
     pub bias: Vec<f32>,
-    pub experts: Vec<Expert>,
+    /// The routed experts; empty when they live elsewhere ([`RoutedExperts::Elsewhere`]).
+    pub experts: Vec<Arc<Expert>>,
     pub shared: Expert,
     pub n_activated: usize,
 }
@@ -108,9 +112,9 @@ pub struct Weights {
     pub dspark: Vec<DsparkLayer>,
 }
 
-struct Loader<'a> {
-    ck: &'a Checkpoint,
-    cfg: &'a V41Config,
+pub(crate) struct Loader<'a> {
+    pub(crate) ck: &'a Checkpoint,
+    pub(crate) cfg: &'a V41Config,
 }
 
 impl Loader<'_> {
@@ -145,7 +149,7 @@ impl Loader<'_> {
         })
     }
 
-    fn expert(&self, prefix: &str) -> Result<Expert, CheckpointError> {
+    pub(crate) fn expert(&self, prefix: &str) -> Result<Expert, CheckpointError> {
         let (d, inter) = (self.cfg.dim, self.cfg.moe_inter_dim);
         Ok(Expert {
             w1: self.linear(&format!("{prefix}.w1"), inter, d)?,
@@ -154,7 +158,7 @@ impl Loader<'_> {
         })
     }
 
-    fn moe(&self, prefix: &str, layer: usize) -> Result<Moe, CheckpointError> {
+    fn moe(&self, prefix: &str, layer: usize, routed: RoutedExperts) -> Result<Moe, CheckpointError> {
         let (e, k) = self.cfg.moe_config(layer);
         let gate = self.linear(&format!("{prefix}.gate"), e, self.cfg.dim)?;
         if matches!(gate.format, WeightFormat::Fp8 { .. } | WeightFormat::Fp4 { .. }) {
@@ -163,7 +167,12 @@ impl Loader<'_> {
         Ok(Moe {
             gate,
             bias: self.vector(&format!("{prefix}.gate.bias"), e)?,
-            experts: (0..e).map(|i| self.expert(&format!("{prefix}.experts.{i}"))).collect::<Result<_, _>>()?,
+            experts: match routed {
+                RoutedExperts::Resident => (0..e)
+                    .map(|i| self.expert(&format!("{prefix}.experts.{i}")).map(Arc::new))
+                    .collect::<Result<_, _>>()?,
+                RoutedExperts::Elsewhere => Vec::new(),
+            },
             shared: self.expert(&format!("{prefix}.shared_experts"))?,
             n_activated: k,
         })
@@ -242,7 +251,13 @@ impl Loader<'_> {
         })
     }
 
-    fn block(&self, prefix: &str, layer: usize, plan: Option<&LayerPlan>) -> Result<Block, CheckpointError> {
+    fn block(
+        &self,
+        prefix: &str,
+        layer: usize,
+        plan: Option<&LayerPlan>,
+        routed: RoutedExperts,
+    ) -> Result<Block, CheckpointError> {
         let d = self.cfg.dim;
         let engram = match plan.and_then(|p| p.engram) {
             Some(slot) => Some(self.engram(&format!("{prefix}.engram"), slot)?),
@@ -254,7 +269,7 @@ impl Loader<'_> {
             hc_attn: self.hyper(&format!("{prefix}.hc_attn"))?,
             hc_ffn: self.hyper(&format!("{prefix}.hc_ffn"))?,
             attn: self.attention(&format!("{prefix}.attn"), layer, plan)?,
-            moe: self.moe(&format!("{prefix}.ffn"), layer)?,
+            moe: self.moe(&format!("{prefix}.ffn"), layer, routed)?,
             engram,
         })
     }
@@ -262,16 +277,22 @@ impl Loader<'_> {
 
 impl Weights {
     pub fn load(ck: &Checkpoint, cfg: &V41Config) -> Result<Self, CheckpointError> {
+        Self::load_with(ck, cfg, RoutedExperts::Resident)
+    }
+
+    /// [`Weights::load`], with the main layers' routed experts where `routed` says
+    /// (the DSpark layers keep theirs).
+    pub fn load_with(ck: &Checkpoint, cfg: &V41Config, routed: RoutedExperts) -> Result<Self, CheckpointError> {
         let l = Loader { ck, cfg };
         let (v, d) = (cfg.vocab_size, cfg.dim);
         let blocks = (0..cfg.n_layers)
-            .map(|i| l.block(&format!("layers.{i}"), i, Some(&cfg.layers[i])))
+            .map(|i| l.block(&format!("layers.{i}"), i, Some(&cfg.layers[i]), routed))
             .collect::<Result<Vec<_>, _>>()?;
         let mut dspark = Vec::new();
         if let Some(ds) = &cfg.dspark {
             for k in 0..cfg.n_mtp_layers {
                 let p = format!("mtp.{k}");
-                let block = l.block(&p, cfg.n_layers + k, None)?;
+                let block = l.block(&p, cfg.n_layers + k, None, RoutedExperts::Resident)?;
                 let main = if k == 0 {
                     Some((
                         l.linear(&format!("{p}.main_proj"), d, d * ds.target_layer_ids.len())?,
@@ -306,6 +327,7 @@ impl Weights {
                 || name.starts_with("aligner.")
                 || name.starts_with("image_")
                 || name.ends_with(".gate.bias_vl")
+                || (routed == RoutedExperts::Elsewhere && is_main_routed_expert(name))
         })?;
         Ok(weights)
     }
