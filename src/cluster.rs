@@ -305,7 +305,9 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
     let name = opts.node.clone();
     let identity = tls::load_identity(&plan.certs_dir(opts.certs.as_deref())?, &name)
         .with_context(|| format!("certificates of node `{name}`"))?;
-    let loaded = crate::generation::load_model(&plan.model_spec(), 0, None)?;
+    // Workers need the dense weights; each shard reads the routed experts placed on it.
+    let routed = deepinfer_engine::model::RoutedExperts::Elsewhere;
+    let loaded = crate::generation::load_model_with(&plan.model_spec(), 0, None, routed)?;
     let mut cfg = plan.cluster_config(&loaded.model)?;
     // A node process started again must outrank its previous life's actors.
     let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();

@@ -21,7 +21,12 @@ pub fn node_status(ctx: &Ctx, node: u32, started: SystemTime) -> NodeStatus {
         .filter(|&d| topo.node_of_device(d) == node)
         .map(|device| {
             let instance = (0..topo.instances).find(|&i| topo.devices_of(i).contains(&device)).unwrap_or(0);
-            DeviceStatus { device, instance, experts: ctx.durable.experts_held(device) }
+            DeviceStatus {
+                device,
+                instance,
+                experts: ctx.durable.experts_held(device),
+                expert_bytes: ctx.durable.expert_bytes_held(device),
+            }
         })
         .collect();
     let gauges = ctx.durable.gauges();
@@ -54,7 +59,19 @@ pub fn node_status(ctx: &Ctx, node: u32, started: SystemTime) -> NodeStatus {
         instances,
         passes: m.passes,
         dispatches_answered: m.dispatches_answered,
+        rss_bytes: resident_bytes(),
+        expert_bytes_read: m.expert_bytes_read,
+        expert_bytes_freed: m.expert_bytes_freed,
     }
+}
+
+/// Resident memory of this process (`VmRSS`); 0 where the system does not say.
+pub fn resident_bytes() -> u64 {
+    let Ok(text) = std::fs::read_to_string("/proc/self/status") else { return 0 };
+    text.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
 }
 
 /// Answer status queries sent to `agent<node>` until the transport closes;
@@ -113,6 +130,8 @@ pub async fn query(transport: &dyn Transport, me: Addr, nodes: &[u32], wait: Dur
 /// One line per node: what a user checks first.
 pub fn status_line(name: &str, status: &NodeStatus, heard_ago: Option<Duration>) -> String {
     let experts: u32 = status.devices.iter().map(|d| d.experts).sum();
+    let mib = |bytes: u64| bytes as f64 / (1 << 20) as f64;
+    let expert_mib = mib(status.devices.iter().map(|d| d.expert_bytes).sum());
     let (running, waiting): (u64, u64) =
         status.instances.iter().fold((0, 0), |(r, w), i| (r + i.running, w + i.waiting));
     let (used, budget): (u64, u64) =
@@ -122,10 +141,11 @@ pub fn status_line(name: &str, status: &NodeStatus, heard_ago: Option<Duration>)
     let down =
         if status.nodes_down.is_empty() { String::new() } else { format!("  sees down: {:?}", status.nodes_down) };
     format!(
-        "{name:<10} up {:>6} s (incarnation {})  devices {:?}  experts {experts:>4}  running {running:>3}  \
-         waiting {waiting:>3}  KV {kv:>6}  heard {heard}{down}",
+        "{name:<10} up {:>6} s (incarnation {})  devices {:?}  experts {experts:>4} ({expert_mib:.1} MiB)  \
+         RSS {:.0} MiB  running {running:>3}  waiting {waiting:>3}  KV {kv:>6}  heard {heard}{down}",
         status.uptime_ms / 1000,
         status.started_unix_ms,
         status.devices.iter().map(|d| d.device).collect::<Vec<_>>(),
+        mib(status.rss_bytes),
     )
 }

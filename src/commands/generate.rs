@@ -10,7 +10,8 @@ use deepinfer_engine::sampling::SamplingParams;
 
 use crate::backend::{Backend, ClusterBackend, EngineBackend};
 use crate::cli::GenerateArgs;
-use crate::generation::{encode_prompt, generate, load_model, single_engine, start_cluster, LoadedModel};
+use crate::generation::{encode_prompt, generate, load_model_with, single_engine, start_cluster, LoadedModel};
+use deepinfer_engine::model::RoutedExperts;
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     check_devices(args)?;
@@ -18,7 +19,9 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     if speculative.max_drafts() > 0 && (args.topology.is_some() || args.devices > 1) {
         anyhow::bail!("--speculative runs on one device: the cluster does not draft yet (use --speculative off)");
     }
-    let loaded = load_model(&model_spec(args)?, args.source.model_seed, args.source.tokenizer.as_deref())?;
+    // A client of a running cluster computes nothing: the shards hold the routed experts.
+    let routed = if args.topology.is_some() { RoutedExperts::Elsewhere } else { RoutedExperts::Resident };
+    let loaded = load_model_with(&model_spec(args)?, args.source.model_seed, args.source.tokenizer.as_deref(), routed)?;
     let text = args.prompt.as_deref().unwrap_or_default();
     let prompt = encode_prompt(&loaded.tokenizer, &loaded.model, text)?;
     let params = SamplingParams {

@@ -12,10 +12,11 @@ use deepinfer_engine::engine::EngineConfig;
 use crate::api::{ClusterRunner, Runner, ServeConfig, Server};
 use crate::cli::{EngineArgs, ModelArgs};
 use crate::cluster::ClusterPlan;
-use crate::generation::load_model;
+use crate::generation::load_model_with;
 use crate::kv_disk::{system_clock, weights_identity, CacheSetup, DiskConfig};
 use deepinfer_engine::engine::TierConfig;
 use deepinfer_engine::kv_tiers::PersistRule;
+use deepinfer_engine::model::RoutedExperts;
 use deepinfer_engine::request::MAX_CACHE_TTL_MS;
 
 #[derive(Args, Debug, Clone)]
@@ -124,7 +125,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             (plan.model_spec(), listen, (plan.devices() > 1).then_some(plan))
         }
     };
-    let loaded = load_model(&model_spec, args.source.model_seed, args.source.tokenizer.as_deref())?;
+    // A front end of a cluster computes nothing: the shards hold the routed experts.
+    let routed = if plan.is_some() { RoutedExperts::Elsewhere } else { RoutedExperts::Resident };
+    let loaded = load_model_with(&model_spec, args.source.model_seed, args.source.tokenizer.as_deref(), routed)?;
     let context = loaded.model.config.max_position_embeddings;
     let config = serve_config(args, &loaded.name, context, (&model_spec, args.source.model_seed))?;
     let model = Arc::new(loaded.model);

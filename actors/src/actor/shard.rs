@@ -1,6 +1,8 @@
 //! The ExpertShard's shell: feeds [`ShardMachine`] every frame and carries
 //! out what it leaves in order, sleeping on the cluster's clock while the
-//! device is busy.
+//! device is busy. Experts staged for a coming table are read on a blocking
+//! thread while the actor goes on serving (inline on a virtual clock, so a
+//! simulation stays a function of its seed).
 
 use std::sync::Arc;
 
@@ -8,7 +10,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use crate::cluster::ctx::Ctx;
 use crate::net::transport::{pump, Delivery};
-use crate::proto::shard::{ShardEffect, ShardMachine};
+use crate::proto::shard::{read_experts, ShardEffect, ShardMachine, Staged};
 
 pub struct ExpertShard;
 
@@ -20,6 +22,7 @@ pub struct ShardArgs {
 
 pub enum ShardMsg {
     Net(Delivery),
+    Staged(Staged),
 }
 
 pub struct ShardShell {
@@ -41,18 +44,46 @@ impl Actor for ExpertShard {
 
     async fn handle(
         &self,
-        _me: ActorRef<ShardMsg>,
+        me: ActorRef<ShardMsg>,
         msg: ShardMsg,
         shell: &mut ShardShell,
     ) -> Result<(), ActorProcessingErr> {
-        let ShardMsg::Net(d) = msg;
-        let result = shell.machine.handle(d);
-        let from = shell.machine.addr();
-        for effect in shell.machine.take_effects() {
-            match effect {
-                ShardEffect::Busy(t) => shell.ctx.clock.sleep(t).await,
-                ShardEffect::Send(o) => shell.ctx.send_frame(from, o.to, o.frame),
+        let result = match msg {
+            ShardMsg::Net(d) => shell.machine.handle(d),
+            ShardMsg::Staged(s) => {
+                shell.machine.on_staged(s);
+                Ok(())
             }
+        };
+        let from = shell.machine.addr();
+        let mut effects = shell.machine.take_effects();
+        while !effects.is_empty() {
+            for effect in effects {
+                match effect {
+                    ShardEffect::Busy(t) => shell.ctx.clock.sleep(t).await,
+                    ShardEffect::Send(o) => shell.ctx.send_frame(from, o.to, o.frame),
+                    ShardEffect::Read { epoch, experts, reply_to } => {
+                        let model = Arc::clone(&shell.ctx.model);
+                        // Wall time only off a virtual clock: a simulation's frames stay a function of its seed.
+                        let timed = !shell.ctx.clock.is_virtual();
+                        let read = move || {
+                            let started = std::time::Instant::now();
+                            let (experts, errors) = read_experts(&model, &experts);
+                            let load_us = if timed { started.elapsed().as_micros() as u64 } else { 0 };
+                            Staged { epoch, experts, errors, load_us, reply_to }
+                        };
+                        if shell.ctx.clock.is_virtual() {
+                            shell.machine.on_staged(read());
+                        } else {
+                            let me = me.clone();
+                            tokio::task::spawn_blocking(move || {
+                                let _ = me.send_message(ShardMsg::Staged(read()));
+                            });
+                        }
+                    }
+                }
+            }
+            effects = shell.machine.take_effects();
         }
         result.map_err(|crash| crash.0.into())
     }

@@ -44,8 +44,8 @@ pub struct Durable {
     lost_devices: Vec<RwLock<BTreeSet<u32>>>,
     /// Per node: the nodes its membership declared dead.
     down_nodes: Vec<RwLock<BTreeSet<u32>>>,
-    /// Per device: the routed experts its shard holds (written by the shard).
-    experts_held: Vec<AtomicU64>,
+    /// Per device: the routed experts its shard holds and their weight bytes (written by the shard).
+    experts_held: Vec<(AtomicU64, AtomicU64)>,
 }
 
 impl Durable {
@@ -62,7 +62,7 @@ impl Durable {
             up: AtomicBool::new(false),
             lost_devices: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
             down_nodes: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
-            experts_held: (0..devices).map(|_| AtomicU64::new(0)).collect(),
+            experts_held: (0..devices).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect(),
         }
     }
 
@@ -133,15 +133,21 @@ impl Durable {
         true
     }
 
-    pub fn set_experts_held(&self, device: u32, experts: u32) {
-        if let Some(h) = self.experts_held.get(device as usize) {
-            h.store(u64::from(experts), Ordering::Relaxed);
+    pub fn set_experts_held(&self, device: u32, experts: u32, bytes: u64) {
+        if let Some((count, held_bytes)) = self.experts_held.get(device as usize) {
+            count.store(u64::from(experts), Ordering::Relaxed);
+            held_bytes.store(bytes, Ordering::Relaxed);
         }
     }
 
     /// The routed experts `device`'s shard holds.
     pub fn experts_held(&self, device: u32) -> u32 {
-        self.experts_held.get(device as usize).map_or(0, |h| h.load(Ordering::Relaxed) as u32)
+        self.experts_held.get(device as usize).map_or(0, |(h, _)| h.load(Ordering::Relaxed) as u32)
+    }
+
+    /// Bytes of the weights of the routed experts `device`'s shard holds.
+    pub fn expert_bytes_held(&self, device: u32) -> u64 {
+        self.experts_held.get(device as usize).map_or(0, |(_, b)| b.load(Ordering::Relaxed))
     }
 
     /// Whether node `seen_from` holds `node` dead.

@@ -104,6 +104,11 @@ pub struct Metrics {
     pub step_resends: AtomicU64,
     pub sequences_rebuilt: AtomicU64,
     pub expert_loads: AtomicU64,
+    /// Expert weight bytes shards read from the checkpoint, and freed.
+    pub expert_bytes_read: AtomicU64,
+    pub expert_bytes_freed: AtomicU64,
+    /// Placement switches whose new experts were loaded ahead, while the old table served.
+    pub placements_prepared: AtomicU64,
     pub passes: AtomicU64,
     /// Expert dispatches a shard computed and answered.
     pub dispatches_answered: AtomicU64,
@@ -141,6 +146,9 @@ pub struct MetricsSnapshot {
     pub step_resends: u64,
     pub sequences_rebuilt: u64,
     pub expert_loads: u64,
+    pub expert_bytes_read: u64,
+    pub expert_bytes_freed: u64,
+    pub placements_prepared: u64,
     pub passes: u64,
     pub dispatches_answered: u64,
     pub layers: u64,
@@ -193,6 +201,9 @@ impl Metrics {
             step_resends: g(&self.step_resends),
             sequences_rebuilt: g(&self.sequences_rebuilt),
             expert_loads: g(&self.expert_loads),
+            expert_bytes_read: g(&self.expert_bytes_read),
+            expert_bytes_freed: g(&self.expert_bytes_freed),
+            placements_prepared: g(&self.placements_prepared),
             passes: g(&self.passes),
             dispatches_answered: g(&self.dispatches_answered),
             layers: g(&self.layers),

@@ -26,7 +26,7 @@ use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// Version of the envelope layout; bumped on any change to the archived types.
-pub const WIRE_VERSION: u16 = 6;
+pub const WIRE_VERSION: u16 = 7;
 pub use crate::limits::MAX_FRAME_BYTES;
 /// "dINF" little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"dINF");
@@ -404,6 +404,21 @@ pub enum Control {
         epoch: u64,
         device: u32,
     },
+    /// Load the weights of these experts for placement `epoch` while the
+    /// current table serves: the switch (`LoadExperts` of the same epoch)
+    /// then costs no loading.
+    PrepareExperts {
+        epoch: u64,
+        experts: Vec<u32>,
+    },
+    /// The experts of `epoch` are in memory: `bytes_read` newly read from the
+    /// checkpoint in `load_us` microseconds.
+    Prepared {
+        epoch: u64,
+        device: u32,
+        bytes_read: u64,
+        load_us: u64,
+    },
     Ping {
         nonce: u64,
     },
@@ -457,6 +472,11 @@ pub struct NodeStatus {
     /// Forward passes its workers ran and expert dispatches its shards answered.
     pub passes: u64,
     pub dispatches_answered: u64,
+    /// Resident memory of the node process (0 where the system does not say).
+    pub rss_bytes: u64,
+    /// Expert weight bytes its shards read from the checkpoint, and freed, since it started.
+    pub expert_bytes_read: u64,
+    pub expert_bytes_freed: u64,
 }
 
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -464,8 +484,10 @@ pub struct NodeStatus {
 pub struct DeviceStatus {
     pub device: u32,
     pub instance: u32,
-    /// Routed experts the current table places on it.
+    /// Routed experts its shard holds.
     pub experts: u32,
+    /// Bytes of their weights.
+    pub expert_bytes: u64,
 }
 
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]

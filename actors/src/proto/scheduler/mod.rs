@@ -231,6 +231,20 @@ enum Phase {
     Running(StepRun),
 }
 
+/// A table being prepared: sent to the shards as `PrepareExperts`, installed
+/// at the first step after every shard answered `Prepared`.
+pub(super) struct Preparing {
+    pub(super) placement: crate::cluster::placement::Placement,
+    /// The epoch it replaces; another change installed meanwhile makes it stale.
+    pub(super) base_epoch: u64,
+    pub(super) waiting: BTreeSet<u32>,
+    pub(super) deadline: Duration,
+    pub(super) round: u32,
+    pub(super) bytes_read: u64,
+    pub(super) load_us_max: u64,
+    pub(super) why: &'static str,
+}
+
 pub struct SchedulerMachine {
     instance: u32,
     /// The node it lives on (whose view of lost devices it shares).
@@ -269,6 +283,8 @@ pub struct SchedulerMachine {
     cache: Addr,
     /// Measured expert loads (EPLB at run time).
     eplb: Option<ExpertLoadTracker>,
+    /// A new table whose experts the shards are reading while the current one serves.
+    preparing: Option<Preparing>,
     /// Prefilled requests on their way to a decode instance.
     handoffs: BTreeMap<u64, Handoff>,
     /// Modelled cache tiers below the device pool.
@@ -400,6 +416,7 @@ impl SchedulerMachine {
             owners: BTreeMap::new(),
             last_router: ctx.active_router(ctx.topology.home_node(instance)).index,
             rejoined: false,
+            preparing: None,
             cache,
             eplb,
             handoffs: BTreeMap::new(),
@@ -475,6 +492,9 @@ impl SchedulerMachine {
             (Role::Worker, Message::StepResult(r)) if mine(from) => return self.on_result(from, r, m.body),
             (Role::Worker, Message::Heartbeat(h)) if mine(from) && h.restarted => {
                 self.on_worker_restarted(from.index, h.incarnation)
+            }
+            (Role::Shard, Message::Control(Control::Prepared { epoch, device, bytes_read, load_us })) if mine(from) => {
+                self.on_prepared(epoch, device, bytes_read, load_us)
             }
             (Role::Shard, Message::Control(Control::Loaded { epoch, device })) if mine(from) => {
                 return self.on_loaded(epoch, device)

@@ -22,6 +22,103 @@ impl SchedulerMachine {
         }
     }
 
+    /// Send `p` (the next epoch) to the live shards to read its experts while the current table serves.
+    pub(super) fn prepare(&mut self, p: crate::cluster::placement::Placement, why: &'static str) {
+        let current = self.ctx.durable.placement(self.instance).epoch();
+        let placement = p.with_epoch(current + 1);
+        let waiting: BTreeSet<u32> =
+            self.ctx.topology.devices_of(self.instance).filter(|d| !self.ctx.durable.is_lost(self.home, *d)).collect();
+        let deadline = self.now() + self.ctx.timeouts.control;
+        self.ctx.events.record(format_args!("{} {why}: preparing epoch {}", self.addr, current + 1));
+        self.preparing = Some(Preparing {
+            placement,
+            base_epoch: current,
+            waiting,
+            deadline,
+            round: 0,
+            bytes_read: 0,
+            load_us_max: 0,
+            why,
+        });
+        self.send_prepare();
+    }
+
+    fn send_prepare(&mut self) {
+        let Some(p) = &self.preparing else { return };
+        let base = self.ctx.topology.devices_of(self.instance).start;
+        let msgs: Vec<(u32, Control)> = p
+            .waiting
+            .iter()
+            .map(|&d| {
+                (d, Control::PrepareExperts { epoch: p.placement.epoch(), experts: p.placement.experts_on(d - base) })
+            })
+            .collect();
+        for (d, msg) in msgs {
+            self.send(Addr::shard(d), Message::Control(msg), &[]);
+        }
+    }
+
+    pub(super) fn on_prepared(&mut self, epoch: u64, device: u32, bytes_read: u64, load_us: u64) {
+        let Some(p) = self.preparing.as_mut().filter(|p| p.placement.epoch() == epoch) else { return };
+        if p.waiting.remove(&device) {
+            p.bytes_read += bytes_read;
+            p.load_us_max = p.load_us_max.max(load_us);
+        }
+        // Idle with work waiting: the switch need not wait for the next step's trigger.
+        if p.waiting.is_empty() && matches!(self.phase, Phase::Idle) {
+            self.tick();
+        }
+    }
+
+    /// The prepared table when every shard has read its experts; a stale or
+    /// unanswered one is dropped (the current table keeps serving).
+    pub(super) fn prepared_change(&mut self) -> Option<crate::cluster::placement::Placement> {
+        let current = self.ctx.durable.placement(self.instance).epoch();
+        let now = self.now();
+        let p = self.preparing.as_mut()?;
+        if p.base_epoch != current {
+            self.ctx.events.record(format_args!(
+                "{} {}: epoch {} dropped: the table changed",
+                self.addr,
+                p.why,
+                p.placement.epoch()
+            ));
+            self.preparing = None;
+            return None;
+        }
+        if !p.waiting.is_empty() {
+            if now >= p.deadline {
+                p.round += 1;
+                if p.round >= self.ctx.timeouts.control_attempts {
+                    let why = format!(
+                        "{} {}: epoch {} dropped: shards {:?} did not prepare",
+                        self.addr,
+                        p.why,
+                        p.placement.epoch(),
+                        p.waiting
+                    );
+                    self.ctx.events.record(format_args!("{why}"));
+                    self.preparing = None;
+                    return None;
+                }
+                p.deadline = now + self.ctx.timeouts.control;
+                self.send_prepare();
+            }
+            return None;
+        }
+        let p = self.preparing.take().expect("checked");
+        self.ctx.metrics.placements_prepared.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.ctx.events.record(format_args!(
+            "{} {}: epoch {} prepared ({} bytes read, slowest shard {} us)",
+            self.addr,
+            p.why,
+            p.placement.epoch(),
+            p.bytes_read,
+            p.load_us_max
+        ));
+        Some(p.placement)
+    }
+
     /// Send the instance's current table to its shards and wait for every acknowledgement.
     pub(super) fn load_placement(&mut self, step: Option<u64>) {
         let p = self.ctx.durable.placement(self.instance);

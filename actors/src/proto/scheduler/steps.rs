@@ -20,12 +20,18 @@ impl SchedulerMachine {
             };
             self.effects.push(Effect::Kill(path));
         }
+        // Configured changes switch at their step; a rejoin or EPLB table is
+        // prepared first (its experts read while the current table serves).
         let mut change = self.ctx.placement_changes.iter().find(|(s, _)| *s == step).map(|(_, p)| p.clone());
         if change.is_none() {
-            change = self.rejoin_change();
+            change = self.prepared_change();
         }
-        if change.is_none() {
-            change = self.eplb_change();
+        if change.is_none() && self.preparing.is_none() {
+            if let Some(p) = self.rejoin_change() {
+                self.prepare(p, "rejoin");
+            } else if let Some(p) = self.eplb_change() {
+                self.prepare(p, "eplb");
+            }
         }
         if let Some(p) = change {
             let epoch = self.ctx.durable.placement(self.instance).epoch() + 1;

@@ -3,13 +3,19 @@
 //! answers each dispatch (some experts' gathered rows for one layer) with
 //! their outputs, after the device time they take.
 //!
-//! Gap: every device shares the whole model through `Arc<Model>`; "loading"
-//! an expert records that the shard holds it and is checked on every
-//! dispatch, where a deployment would read only those experts' weights.
+//! An expert's weights are its own ([`RoutedExpert`]): read from the
+//! checkpoint when the model was loaded without its routed experts (a node
+//! process), shared with the model when it holds them all (one process). A
+//! new table is prepared ahead (`PrepareExperts`: the shell reads the
+//! missing experts off the actor while the current ones serve) and switched
+//! to between steps (`LoadExperts`), which frees what the new table leaves out.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
+
+use deepinfer_engine::model::{Model, RoutedExpert};
 
 use super::{Crash, Outgoing};
 use crate::cluster::ctx::Ctx;
@@ -25,24 +31,125 @@ pub enum ShardEffect {
     /// time of the rows) before what follows.
     Busy(Duration),
     Send(Outgoing),
+    /// Read these experts' weights away from the actor ([`read_experts`]) and
+    /// hand them back through [`ShardMachine::on_staged`].
+    Read {
+        epoch: u64,
+        experts: Vec<u32>,
+        reply_to: Addr,
+    },
+}
+
+/// Experts read for a placement epoch ahead of its switch.
+pub struct Staged {
+    pub epoch: u64,
+    pub experts: Vec<Arc<RoutedExpert>>,
+    /// Experts that could not be read, with why.
+    pub errors: Vec<(u32, String)>,
+    pub load_us: u64,
+    pub reply_to: Addr,
+}
+
+/// Read `experts` from `model` (what the shell runs off the actor).
+pub fn read_experts(model: &Model, experts: &[u32]) -> (Vec<Arc<RoutedExpert>>, Vec<(u32, String)>) {
+    let mut read = Vec::with_capacity(experts.len());
+    let mut errors = Vec::new();
+    for &e in experts {
+        match model.routed_expert(e) {
+            Ok(x) => read.push(Arc::new(x)),
+            Err(err) => errors.push((e, err.to_string())),
+        }
+    }
+    (read, errors)
 }
 
 pub struct ShardMachine {
     device: u32,
     addr: Addr,
     epoch: u64,
-    held: BTreeSet<u32>,
+    held: BTreeMap<u32, Arc<RoutedExpert>>,
+    /// Experts read for a coming epoch, not yet served.
+    staged: Option<(u64, BTreeMap<u32, Arc<RoutedExpert>>)>,
     effects: Vec<ShardEffect>,
     ctx: Arc<Ctx>,
 }
 
+/// Bytes of the experts this shard read (a resident model's shared ones cost nothing here).
+fn bytes_read<'a>(experts: impl Iterator<Item = &'a Arc<RoutedExpert>>) -> u64 {
+    experts.filter(|x| x.read).map(|x| x.bytes).sum()
+}
+
 impl ShardMachine {
+    /// Hold exactly `experts` from `epoch` on: staged copies first, then the
+    /// ones held, then read now; what is left out is freed.
     fn load(&mut self, epoch: u64, experts: impl IntoIterator<Item = u32>) {
-        self.held = experts.into_iter().collect();
+        let staged = self.staged.take().filter(|(e, _)| *e == epoch).map(|(_, s)| s).unwrap_or_default();
+        let mut next = BTreeMap::new();
+        let mut missing = Vec::new();
+        for e in experts {
+            match staged.get(&e).or_else(|| self.held.get(&e)) {
+                Some(x) => {
+                    next.insert(e, Arc::clone(x));
+                }
+                None => missing.push(e),
+            }
+        }
+        let (read, errors) = read_experts(&self.ctx.model, &missing);
+        self.record_errors(&errors);
+        let metrics = &self.ctx.metrics;
+        metrics.expert_bytes_read.fetch_add(bytes_read(read.iter()), Ordering::Relaxed);
+        next.extend(read.into_iter().map(|x| (x.id, x)));
+        let freed = bytes_read(self.held.iter().filter(|(e, _)| !next.contains_key(e)).map(|(_, x)| x));
+        metrics.expert_bytes_freed.fetch_add(freed, Ordering::Relaxed);
+        metrics.expert_loads.fetch_add(missing.len() as u64, Ordering::Relaxed);
+        self.held = next;
         self.epoch = epoch;
-        self.ctx.metrics.expert_loads.fetch_add(self.held.len() as u64, std::sync::atomic::Ordering::Relaxed);
-        self.ctx.durable.set_experts_held(self.device, self.held.len() as u32);
-        self.ctx.events.record(format_args!("{} holds {:?} (epoch {epoch})", self.addr, self.held));
+        let bytes: u64 = self.held.values().map(|x| x.bytes).sum();
+        self.ctx.durable.set_experts_held(self.device, self.held.len() as u32, bytes);
+        let ids: Vec<u32> = self.held.keys().copied().collect();
+        self.ctx.events.record(format_args!("{} holds {ids:?} (epoch {epoch})", self.addr));
+    }
+
+    fn record_errors(&self, errors: &[(u32, String)]) {
+        for (e, why) in errors {
+            self.ctx.events.record(format_args!("{} cannot read expert {e}: {why}", self.addr));
+            eprintln!("{}: cannot read expert {e}: {why}", self.addr);
+        }
+    }
+
+    /// The shell read what a `Read` effect asked for.
+    pub fn on_staged(&mut self, s: Staged) {
+        self.record_errors(&s.errors);
+        let bytes = bytes_read(s.experts.iter());
+        self.ctx.metrics.expert_bytes_read.fetch_add(bytes, Ordering::Relaxed);
+        if s.epoch <= self.epoch {
+            return;
+        }
+        let entry = match &mut self.staged {
+            Some((epoch, map)) if *epoch == s.epoch => map,
+            _ => &mut self.staged.insert((s.epoch, BTreeMap::new())).1,
+        };
+        entry.extend(s.experts.into_iter().map(|x| (x.id, x)));
+        if s.errors.is_empty() {
+            let ack = Control::Prepared { epoch: s.epoch, device: self.device, bytes_read: bytes, load_us: s.load_us };
+            self.send(s.reply_to, Message::Control(ack), &[]);
+        }
+    }
+
+    /// Stage what `experts` of `epoch` needs beyond what is held.
+    fn prepare(&mut self, from: Addr, epoch: u64, experts: Vec<u32>) {
+        if epoch <= self.epoch {
+            return;
+        }
+        let staged = self.staged.as_ref().filter(|(e, _)| *e == epoch).map(|(_, s)| s);
+        let missing: Vec<u32> = experts
+            .into_iter()
+            .filter(|e| !self.held.contains_key(e) && !staged.is_some_and(|s| s.contains_key(e)))
+            .collect();
+        if self.staged.as_ref().is_some_and(|(e, _)| *e != epoch) {
+            self.staged = None;
+        }
+        self.effects.push(ShardEffect::Read { epoch, experts: missing, reply_to: from });
     }
 
     /// Sizes and indices of a dispatch, checked before any engine call (which would assert).
@@ -56,7 +163,7 @@ impl ShardMachine {
             if x.expert as usize >= cfg.n_routed_experts {
                 return Err(ResultStatus::Invalid(format!("expert {} of {}", x.expert, cfg.n_routed_experts)));
             }
-            if !self.held.contains(&x.expert) {
+            if !self.held.contains_key(&x.expert) {
                 return Err(ResultStatus::NotHeld(x.expert));
             }
             rows += x.rows as u64;
@@ -80,15 +187,12 @@ impl ShardMachine {
         let mut at = 0;
         for x in &h.experts {
             let rows = x.rows as usize;
-            let (layer, expert) = (h.layer as usize, x.expert as usize);
+            let (layer, expert) = (h.layer as usize, x.expert);
             if rows > 0 {
                 let input = &body[at..at + rows * d];
-                if model.experts_take_weights() {
-                    let weights = &body[at + rows * d..at + rows * (d + 1)];
-                    out.extend(model.expert_forward_weighted(layer, expert, input, weights));
-                } else {
-                    out.extend(model.expert_forward(layer, expert, input));
-                }
+                let weights =
+                    if model.experts_take_weights() { &body[at + rows * d..at + rows * (d + 1)] } else { &[] };
+                out.extend(model.routed_forward(&self.held[&expert], layer, input, weights));
             }
             at += rows * self.row_width();
         }
@@ -103,7 +207,8 @@ impl ShardMachine {
         let serving = topo.instance_of(device);
         let placement = ctx.durable.placement(serving);
         let local = device - topo.devices_of(serving).start;
-        let mut machine = ShardMachine { device, addr, epoch: 0, held: BTreeSet::new(), effects: Vec::new(), ctx };
+        let mut machine =
+            ShardMachine { device, addr, epoch: 0, held: BTreeMap::new(), staged: None, effects: Vec::new(), ctx };
         machine.load(placement.epoch(), placement.experts_on(local));
         machine.ctx.events.record(format_args!("{addr} up (incarnation {incarnation})"));
         machine
@@ -135,6 +240,7 @@ impl ShardMachine {
                 let ack = Control::Loaded { epoch, device: self.device };
                 self.send(from, Message::Control(ack), &[]);
             }
+            Message::Control(Control::PrepareExperts { epoch, experts }) => self.prepare(from, epoch, experts),
             Message::Control(Control::Ping { nonce }) => {
                 self.send(from, Message::Control(Control::Pong { nonce }), &[]);
             }

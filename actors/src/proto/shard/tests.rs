@@ -25,7 +25,7 @@ fn answers(m: &mut ShardMachine) -> Vec<(Message, Vec<f32>)> {
                 let d = wire::decode(&frame).expect("valid frames");
                 Some((d.envelope.msg, d.body))
             }
-            ShardEffect::Busy(_) => None,
+            ShardEffect::Busy(_) | ShardEffect::Read { .. } => None,
         })
         .collect()
 }
