@@ -75,6 +75,10 @@ pub struct InitArgs {
     /// (its vocabulary must fit the preset's).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Change one key of the preset's config.json, as KEY=JSON (repeatable):
+    /// `--set n_routed_experts=128 --set moe_intermediate_size=512`.
+    #[arg(long = "set", value_name = "KEY=JSON")]
+    pub overrides: Vec<String>,
 }
 
 /// The engine's batching and cache limits, shared by batch generation and `serve`.

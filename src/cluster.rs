@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use deepinfer_actors::cluster::ctx::NodeNews;
-use deepinfer_actors::cluster::disagg::InstanceKind;
+use deepinfer_actors::cluster::disagg::{EplbConfig, InstanceKind};
 use deepinfer_actors::cluster::placement::Placement;
 use deepinfer_actors::cluster::Constraints;
 use deepinfer_actors::net::quic::{Member, MemberEvent, NodeAddr, QuicConfig, QuicTransport};
@@ -183,6 +183,11 @@ impl ClusterPlan {
             cfg.instance_kinds = self.kinds.clone();
         }
         cfg.engine = EngineConfig::default();
+        cfg.eplb = self.topology.cluster.eplb.as_ref().map(|e| EplbConfig {
+            every_steps: *e.every_steps.get_ref(),
+            decay: *e.decay.get_ref(),
+            redundant: e.redundant_experts,
+        });
         cfg
     }
 

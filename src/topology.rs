@@ -42,6 +42,27 @@ pub struct Cluster {
     /// Directory of the cluster CA and node certificates (relative to the file).
     #[serde(default)]
     pub certs_dir: Option<String>,
+    /// Expert load balancing at run time; absent: the table changes only when devices are lost.
+    #[serde(default)]
+    pub eplb: Option<Eplb>,
+}
+
+/// `[cluster.eplb]`: every instance re-places its experts from the loads it measures.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Eplb {
+    /// Steps of an instance between placements.
+    pub every_steps: Spanned<u64>,
+    /// Weight of the newest step in the moving average of loads (0 < decay ≤ 1).
+    #[serde(default = "default_eplb_decay")]
+    pub decay: Spanned<f64>,
+    /// Expert copies beyond one per expert, spread over the instance's devices.
+    #[serde(default)]
+    pub redundant_experts: u32,
+}
+
+fn default_eplb_decay() -> Spanned<f64> {
+    Spanned::new(0..0, 0.2)
 }
 
 fn default_heartbeat_ms() -> Spanned<u64> {
@@ -116,6 +137,15 @@ impl Topology {
                 t.cluster.failure_timeout_ms.span(),
                 format!("must exceed heartbeat_ms ({})", t.cluster.heartbeat_ms.get_ref()),
             ));
+        }
+        if let Some(e) = &t.cluster.eplb {
+            if *e.every_steps.get_ref() == 0 {
+                return Err(err(e.every_steps.span(), "must be at least 1".into()));
+            }
+            let decay = *e.decay.get_ref();
+            if !(decay > 0.0 && decay <= 1.0) {
+                return Err(err(e.decay.span(), format!("must be in (0, 1], not {decay}")));
+            }
         }
         if t.nodes.is_empty() || t.nodes.len() > MAX_NODES {
             return Err(err(0..0, format!("a topology needs 1 to {MAX_NODES} [[node]] tables")));

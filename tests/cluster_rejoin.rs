@@ -3,7 +3,9 @@
 //! (`deepinfer status` shows it unreachable and seen down); a new node2
 //! process starts, the survivors hear it again, it rejoins its instance
 //! (its experts are put back, it computes again) and every batch, before,
-//! during and after, gives the tokens of one process.
+//! during and after, gives the tokens of one process. The nodes load the
+//! model from a checkpoint directory, so each shard reads only its experts:
+//! the survivors read node2's while it is away, the new node2 reads its own.
 
 mod cluster_support;
 
@@ -13,7 +15,7 @@ use cluster_support::{batch_with_reference, run_plain, s, spawn_node, start_node
 
 #[test]
 fn a_killed_node_started_again_rejoins_and_the_tokens_never_change() {
-    let site = Site::new("rejoin");
+    let site = Site::with_checkpoint("rejoin", cluster_support::ONE_INSTANCE);
     let mut nodes = start_nodes(&site);
     let (input, want) = batch_with_reference(&site, "Batch request", 6, 24);
     let batch = |name: &str| {

@@ -28,7 +28,10 @@ use tokenizers::Tokenizer;
 
 use crate::backend::{Backend, ClusterBackend, EngineBackend};
 use crate::cli::GenerateArgs;
-use crate::generation::{encode_chat, encode_prompt, load_model, new_engine, start_cluster, ChatMessage, LoadedModel};
+use crate::generation::{
+    encode_chat, encode_prompt, load_model_with, new_engine, start_cluster, ChatMessage, LoadedModel,
+};
+use deepinfer_engine::model::RoutedExperts;
 
 /// Longest accepted input line, in bytes.
 const MAX_LINE_BYTES: usize = 16 << 20;
@@ -153,7 +156,9 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let output = args.output.as_deref().context("--output is required with --input")?;
     crate::commands::generate::check_devices(args)?;
     let spec = crate::commands::generate::model_spec(args)?;
-    let loaded = load_model(&spec, args.source.model_seed, args.source.tokenizer.as_deref())?;
+    // A client of a running cluster computes nothing: the shards hold the routed experts.
+    let routed = if args.topology.is_some() { RoutedExperts::Elsewhere } else { RoutedExperts::Resident };
+    let loaded = load_model_with(&spec, args.source.model_seed, args.source.tokenizer.as_deref(), routed)?;
     let name = loaded.name.clone();
     let summary = run_batch(loaded, args, input, output, true)?;
     let secs = summary.elapsed.as_secs_f64().max(1e-9);
@@ -455,7 +460,7 @@ mod tests {
 
     /// Run `lines` on a fresh `builtin:tiny-v4` (the backend takes the model).
     fn run_lines(args: &GenerateArgs, name: &str, lines: &[String]) -> (BatchSummary, Vec<Value>, String) {
-        let loaded = load_model("builtin:tiny-v4", 0, None).unwrap();
+        let loaded = crate::generation::load_model("builtin:tiny-v4", 0, None).unwrap();
         let (input, output) = (temp(&format!("{name}.in.jsonl")), temp(&format!("{name}.out.jsonl")));
         std::fs::write(&input, lines.join("\n")).unwrap();
         let summary = run_batch(loaded, args, &input, &output, false).unwrap();

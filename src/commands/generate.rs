@@ -102,7 +102,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
 /// The model to load: the topology's with `--topology`, else `--model`.
 pub fn model_spec(args: &GenerateArgs) -> anyhow::Result<String> {
     Ok(match &args.topology {
-        Some(path) => crate::topology::Topology::from_file(path)?.cluster.model,
+        // Relative to the topology file, as the nodes read it.
+        Some(path) => crate::cluster::ClusterPlan::load(path)?.model_spec(),
         None => args.source.model.clone(),
     })
 }

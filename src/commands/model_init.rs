@@ -15,6 +15,17 @@ pub fn run(args: &InitArgs) -> anyhow::Result<()> {
         bail!("unknown preset `{}` (known: {})", args.preset, names.join(", "));
     };
     let mut config_json = preset.config_json();
+    for o in &args.overrides {
+        let Some((key, value)) = o.split_once('=') else {
+            bail!("--set {o}: expected KEY=JSON, as in n_routed_experts=64");
+        };
+        if config_json.get(key).is_none() {
+            bail!("--set {o}: the preset's config.json has no key `{key}`");
+        }
+        let value: serde_json::Value =
+            serde_json::from_str(value).with_context(|| format!("--set {o}: `{value}` is not a JSON value"))?;
+        config_json[key] = value;
+    }
     let tokenizer_json = match &args.tokenizer {
         None => builtin_tokenizer_json(),
         Some(path) => {

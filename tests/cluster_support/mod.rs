@@ -122,15 +122,33 @@ impl Site {
     }
 
     pub fn with_instances(name: &str, instances: &str) -> Self {
+        Self::build(name, instances, false)
+    }
+
+    /// Nodes that load the model from a checkpoint directory (the built-in
+    /// tiny-v4 written by `model init`, so one process's reference is the
+    /// same): each shard reads only the experts placed on it.
+    pub fn with_checkpoint(name: &str, instances: &str) -> Self {
+        Self::build(name, instances, true)
+    }
+
+    fn build(name: &str, instances: &str, checkpoint: bool) -> Self {
         let dir = std::env::temp_dir().join(format!("deepinfer-quic-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
+        let model = if checkpoint {
+            let o = run_plain(&["model", "init", "--preset", "tiny-v4", "--seed", "0", "--out", s(&dir.join("model"))]);
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            "model"
+        } else {
+            "builtin:tiny-v4"
+        };
         // Ports that were free a moment ago (held together so they differ).
         let sockets: Vec<UdpSocket> = (0..4).map(|_| UdpSocket::bind("127.0.0.1:0").unwrap()).collect();
         let ports: Vec<u16> = sockets.iter().map(|s| s.local_addr().unwrap().port()).collect();
         drop(sockets);
         let mut text = format!(
-            "[cluster]\nname = \"{name}\"\nmodel = \"builtin:tiny-v4\"\napi_listen = \"127.0.0.1:0\"\n\
+            "[cluster]\nname = \"{name}\"\nmodel = \"{model}\"\napi_listen = \"127.0.0.1:0\"\n\
              heartbeat_ms = 100\nfailure_timeout_ms = {FAILURE_TIMEOUT_MS}\ncerts_dir = \"certs\"\n"
         );
         for (i, port) in ports.iter().enumerate() {
