@@ -187,6 +187,7 @@ impl ClusterPlan {
             every_steps: *e.every_steps.get_ref(),
             decay: *e.decay.get_ref(),
             redundant: e.redundant_experts,
+            min_gain: *e.min_gain.get_ref(),
         });
         cfg
     }

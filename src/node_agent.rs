@@ -140,9 +140,16 @@ pub fn status_line(name: &str, status: &NodeStatus, heard_ago: Option<Duration>)
     let heard = heard_ago.map_or("-".to_string(), |d| format!("{} ms ago", d.as_millis()));
     let down =
         if status.nodes_down.is_empty() { String::new() } else { format!("  sees down: {:?}", status.nodes_down) };
+    let epochs: Vec<String> = status.instances.iter().map(|i| format!("{}", i.placement_epoch)).collect();
+    let epochs = if epochs.is_empty() { String::new() } else { format!("  table epoch {}", epochs.join("/")) };
+    let moved = format!(
+        "  expert weights read {:.1} MiB, freed {:.1} MiB",
+        mib(status.expert_bytes_read),
+        mib(status.expert_bytes_freed)
+    );
     format!(
         "{name:<10} up {:>6} s (incarnation {})  devices {:?}  experts {experts:>4} ({expert_mib:.1} MiB)  \
-         RSS {:.0} MiB  running {running:>3}  waiting {waiting:>3}  KV {kv:>6}  heard {heard}{down}",
+         RSS {:.0} MiB  running {running:>3}  waiting {waiting:>3}  KV {kv:>6}{epochs}{moved}  heard {heard}{down}",
         status.uptime_ms / 1000,
         status.started_unix_ms,
         status.devices.iter().map(|d| d.device).collect::<Vec<_>>(),

@@ -59,10 +59,18 @@ pub struct Eplb {
     /// Expert copies beyond one per expert, spread over the instance's devices.
     #[serde(default)]
     pub redundant_experts: u32,
+    /// Least drop of the heaviest device's load, as a multiple of the mean
+    /// device's, worth moving weights for.
+    #[serde(default = "default_eplb_min_gain")]
+    pub min_gain: Spanned<f64>,
 }
 
 fn default_eplb_decay() -> Spanned<f64> {
     Spanned::new(0..0, 0.2)
+}
+
+fn default_eplb_min_gain() -> Spanned<f64> {
+    Spanned::new(0..0, 0.05)
 }
 
 fn default_heartbeat_ms() -> Spanned<u64> {
@@ -145,6 +153,10 @@ impl Topology {
             let decay = *e.decay.get_ref();
             if !(decay > 0.0 && decay <= 1.0) {
                 return Err(err(e.decay.span(), format!("must be in (0, 1], not {decay}")));
+            }
+            let gain = *e.min_gain.get_ref();
+            if !(0.0..=1.0).contains(&gain) {
+                return Err(err(e.min_gain.span(), format!("must be in [0, 1], not {gain}")));
             }
         }
         if t.nodes.is_empty() || t.nodes.len() > MAX_NODES {

@@ -162,7 +162,7 @@ fn run_time_eplb_moves_experts_and_keeps_the_bits() {
     let want = reference(&m, &reqs);
     let off = run_simulated(m.clone(), cfg.clone(), &reqs).unwrap();
     assert_same(&off.outputs, &want, "EPLB off");
-    cfg.eplb = Some(EplbConfig { every_steps: 2, decay: 0.5, redundant: 4 });
+    cfg.eplb = Some(EplbConfig { every_steps: 2, decay: 0.5, redundant: 4, min_gain: 0.0 });
     let on = run_simulated(m.clone(), cfg.clone(), &reqs).unwrap();
     assert_same(&on.outputs, &want, "EPLB on");
     let changes = count(&on.log, "eplb: new expert table");

@@ -56,7 +56,7 @@ fn a_rebalanced_table_is_read_ahead_moves_weights_and_keeps_the_bits() {
     let mut cfg = ClusterConfig::new(4, 4);
     cfg.return_logits = true;
     cfg.keep_events = 1 << 20;
-    cfg.eplb = Some(EplbConfig { every_steps: 2, decay: 0.5, redundant: 4 });
+    cfg.eplb = Some(EplbConfig { every_steps: 2, decay: 0.5, redundant: 4, min_gain: 0.0 });
     let run = run_simulated(Arc::clone(&sharded), cfg.clone(), &reqs).unwrap();
     assert_same(&run.outputs, &want, "EPLB over sharded weights");
     assert!(run.metrics.placements_prepared > 0, "a table was prepared ahead and switched to");

@@ -13,10 +13,12 @@
 //!
 //! EPLB: each step's answers carry the rows routed per (layer, expert); the
 //! scheduler folds them into the engine's `ExpertLoadTracker` and every
-//! `every_steps` steps installs a new table between steps, as a
-//! `placement_changes` entry would be. Every device shares the whole model
-//! (`Arc<Model>`), so a shard "loads" its new experts by taking the table and
-//! drops the old ones with it; a deployment would copy weights.
+//! `every_steps` steps considers a new table: a few copies moved from the
+//! current one when that balances about as well as the balancer's fresh
+//! table, else the fresh table renumbered to keep weights where they are,
+//! and only when the heaviest device gains at least `min_gain`. The shards
+//! read the new copies while the current table serves; the switch happens
+//! between steps and frees what the new table leaves out.
 
 use deepinfer_engine::eplb::{EplbError, ExpertLoadTracker};
 
@@ -67,11 +69,14 @@ pub struct EplbConfig {
     pub decay: f64,
     /// Expert copies beyond one per expert, spread over the instance's devices.
     pub redundant: u32,
+    /// Least drop of the heaviest device's load (as a multiple of the mean
+    /// device's) that is worth moving weights for; 0: any better table.
+    pub min_gain: f64,
 }
 
 impl Default for EplbConfig {
     fn default() -> Self {
-        Self { every_steps: 32, decay: 0.2, redundant: 0 }
+        Self { every_steps: 32, decay: 0.2, redundant: 0, min_gain: 0.05 }
     }
 }
 

@@ -113,6 +113,98 @@ impl Placement {
         Ok(Self::new(self.devices, replicas)?.with_epoch(self.epoch))
     }
 
+    /// The same table with its devices renumbered so that as many expert
+    /// copies as possible stay where `current` has them (a balancer's bins
+    /// are interchangeable; the weights on a device are not): greedily, the
+    /// (new bin, device) pair sharing the most experts first, lowest numbers
+    /// on ties. Loads per device are unchanged.
+    pub fn keeping(&self, current: &Placement) -> Placement {
+        assert_eq!(self.devices, current.devices, "tables of one instance");
+        let n = self.devices as usize;
+        let held: Vec<Vec<u32>> = (0..self.devices).map(|d| self.experts_on(d)).collect();
+        let had: Vec<std::collections::BTreeSet<u32>> =
+            (0..current.devices).map(|d| current.experts_on(d).into_iter().collect()).collect();
+        let mut pairs: Vec<(usize, usize, usize)> = Vec::with_capacity(n * n);
+        for (bin, experts) in held.iter().enumerate() {
+            for (device, old) in had.iter().enumerate() {
+                pairs.push((experts.iter().filter(|e| old.contains(e)).count(), bin, device));
+            }
+        }
+        pairs.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        let mut to = vec![u32::MAX; n];
+        let mut taken = vec![false; n];
+        for (_, bin, device) in pairs {
+            if to[bin] == u32::MAX && !taken[device] {
+                to[bin] = device as u32;
+                taken[device] = true;
+            }
+        }
+        let replicas = self.replicas.iter().map(|r| r.iter().map(|&d| to[d as usize]).collect()).collect();
+        Placement::new(self.devices, replicas).expect("a renumbering of a valid table").with_epoch(self.epoch)
+    }
+
+    /// Heaviest device's share of `loads` (per expert, each split evenly over
+    /// its copies) over the mean device's: 1 is perfect balance.
+    pub fn imbalance(&self, loads: &[f64]) -> f64 {
+        assert_eq!(loads.len(), self.replicas.len(), "one load per expert");
+        let mut per_device = vec![0.0f64; self.devices as usize];
+        for (r, &load) in self.replicas.iter().zip(loads) {
+            for &d in r {
+                per_device[d as usize] += load / r.len() as f64;
+            }
+        }
+        let total: f64 = per_device.iter().sum();
+        if total <= 0.0 {
+            return 1.0;
+        }
+        per_device.iter().copied().fold(0.0, f64::max) * self.devices as f64 / total
+    }
+
+    /// This table improved by moving at most `moves` expert copies, one at a
+    /// time from the heaviest device to the lightest, each the copy that
+    /// best evens the two; stops when no move lowers the heaviest device.
+    pub fn refined(&self, loads: &[f64], moves: usize) -> Placement {
+        let mut replicas = self.replicas.clone();
+        for _ in 0..moves {
+            let mut per_device = vec![0.0f64; self.devices as usize];
+            for (r, &load) in replicas.iter().zip(loads) {
+                for &d in r {
+                    per_device[d as usize] += load / r.len() as f64;
+                }
+            }
+            let by_load = |a: &(usize, &f64), b: &(usize, &f64)| a.1.total_cmp(b.1).then(b.0.cmp(&a.0));
+            let (heavy, &h) = per_device.iter().enumerate().max_by(by_load).expect("a device");
+            let (light, &l) = per_device.iter().enumerate().min_by(by_load).expect("a device");
+            let (heavy, light) = (heavy as u32, light as u32);
+            // The copy on `heavy` (not already on `light`) whose share brings the two closest.
+            let best = replicas
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.contains(&heavy) && !r.contains(&light))
+                .map(|(e, r)| (e, loads[e] / r.len() as f64))
+                .filter(|&(_, share)| share > 0.0 && (l + share).max(h - share) < h)
+                .min_by(|a, b| {
+                    ((h - a.1) - (l + a.1)).abs().total_cmp(&((h - b.1) - (l + b.1)).abs()).then(a.0.cmp(&b.0))
+                });
+            let Some((e, _)) = best else { break };
+            let r = &mut replicas[e];
+            r.retain(|&d| d != heavy);
+            r.push(light);
+            r.sort_unstable();
+        }
+        Placement::new(self.devices, replicas).expect("moves keep every expert placed").with_epoch(self.epoch)
+    }
+
+    /// Expert copies of `self` that `current` does not have on the same device.
+    pub fn copies_moved_from(&self, current: &Placement) -> usize {
+        (0..self.devices)
+            .map(|d| {
+                let old = current.experts_on(d);
+                self.experts_on(d).iter().filter(|e| old.binary_search(e).is_err()).count()
+            })
+            .sum()
+    }
+
     pub fn with_epoch(mut self, epoch: u64) -> Self {
         self.epoch = epoch;
         self
@@ -165,6 +257,47 @@ impl Placement {
         let p = Self::new(w.devices, w.replicas.clone())?.with_epoch(w.epoch);
         p.check_experts(experts)?;
         Ok(p)
+    }
+}
+
+#[cfg(test)]
+mod keeping_tests {
+    use super::*;
+
+    #[test]
+    fn a_renumbered_table_moves_nothing_and_a_changed_one_moves_only_the_change() {
+        let current = Placement::expert_parallel(8, 4, 4).unwrap();
+        // The same bins under other device numbers.
+        let shuffled: Vec<Vec<u32>> = (0..8u32).map(|e| vec![(current.replicas(e)[0] + 1) % 4]).collect();
+        let shuffled = Placement::new(4, shuffled).unwrap();
+        assert_eq!(shuffled.copies_moved_from(&current), 8);
+        let kept = shuffled.keeping(&current);
+        assert_eq!(kept.copies_moved_from(&current), 0);
+        assert_eq!(kept, current);
+        // One extra copy of expert 0: only that copy moves.
+        let more = shuffled.with_replica(0, 0).unwrap();
+        let kept = more.keeping(&current);
+        assert_eq!(kept.copies_moved_from(&current), 1);
+        let per_device = |p: &Placement| {
+            let mut v: Vec<usize> = (0..4).map(|d| p.experts_on(d).len()).collect();
+            v.sort();
+            v
+        };
+        assert_eq!(per_device(&kept), per_device(&more), "the loads per device are the same");
+    }
+
+    #[test]
+    fn refining_moves_few_copies_and_never_worsens_the_heaviest_device() {
+        let current = Placement::expert_parallel(8, 4, 4).unwrap();
+        // Experts 0 and 1 (both on device 0) are hot.
+        let loads = [10.0, 9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0];
+        let refined = current.refined(&loads, 2);
+        assert!(refined.copies_moved_from(&current) <= 2);
+        assert!(refined.imbalance(&loads) < current.imbalance(&loads));
+        assert!((0..8).all(|e| !refined.replicas(e).is_empty()));
+        // Balanced already: nothing moves.
+        let even = [1.0; 8];
+        assert_eq!(current.refined(&even, 4).copies_moved_from(&current), 0);
     }
 }
 

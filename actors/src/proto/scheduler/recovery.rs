@@ -9,9 +9,32 @@ impl SchedulerMachine {
         let cfg = self.ctx.eplb?;
         let tracker = self.eplb.as_mut().filter(|t| t.should_rebalance())?;
         let current = self.ctx.durable.placement(self.instance);
-        match eplb_table(tracker, current.devices(), cfg.redundant) {
+        let loads = tracker.total_loads();
+        // A few copies moved from the current table when that balances about
+        // as well as a new table; else the new table, renumbered to keep
+        // weights where they are. Either way only the copies that change move.
+        let moves = current.devices() as usize;
+        let table = eplb_table(tracker, current.devices(), cfg.redundant).map(|p| {
+            let fresh = p.keeping(&current);
+            let refined = current.refined(&loads, moves);
+            if refined.imbalance(&loads) <= fresh.imbalance(&loads) + cfg.min_gain {
+                refined
+            } else {
+                fresh
+            }
+        });
+        match table {
             Ok(p) if p.clone().with_epoch(current.epoch()) != current => {
-                self.ctx.events.record(format_args!("{} eplb: new expert table", self.addr));
+                // Moving weights costs reads and memory: only for a real gain in balance.
+                let (was, would) = (current.imbalance(&loads), p.imbalance(&loads));
+                if was - would < cfg.min_gain {
+                    return None;
+                }
+                let moved = p.copies_moved_from(&current);
+                self.ctx.events.record(format_args!(
+                    "{} eplb: new expert table ({moved} copies move; heaviest device {was:.3} -> {would:.3} of the mean)",
+                    self.addr
+                ));
                 Some(p)
             }
             Ok(_) => None,
