@@ -372,6 +372,7 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
                     Some(MemberEvent::Up { node }) => {
                         eprintln!("node {name}: node {} up", plan.nodes[node as usize].name);
                         // Back after being declared dead: its devices take work again.
+                        actors.set_suspects(transport.suspects());
                         actors.node_up(node);
                         let up = transport.nodes_up().len();
                         if !ready && up == total {
@@ -386,6 +387,7 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
                             silent.as_millis(),
                             plan.failure_timeout.as_millis()
                         );
+                        actors.set_suspects(transport.suspects());
                         actors.node_down(node);
                     }
                     None => break "membership stopped".to_string(),

@@ -9,7 +9,11 @@
 //!   and no request is lost or changed;
 //! - a drained node: no new request goes to its instance while the
 //!   requests already there finish; it stops (cut off) and comes back, and
-//!   its instance takes requests again.
+//!   its instance takes requests again;
+//! - a front end lost mid-stream: the routers cancel its requests once it
+//!   is silent, and another front end serves the same batch;
+//! - a node cut off with a minority fences: no table change, no step,
+//!   until the partition heals.
 
 mod common;
 
@@ -135,5 +139,99 @@ fn a_drained_node_gets_no_new_request_stops_and_serves_again_after_it_returns_ov
         );
         let back = (8..12).filter(|&id| routed_to(id).contains(&"scheduler1".to_string())).count();
         assert!(back > 0, "seed {seed}: after it returned, instance 1 serves again");
+    }
+}
+
+/// A front end (a client of another process: it sends keepalives) dies in
+/// the middle of streaming a batch; a user reconnects through another front
+/// end and sends the batch again. Over 20 seeds: every request on the second
+/// front end completes with the fault-free output, the routers cancel the
+/// dead front end's requests once it has been silent for the request
+/// timeouts (nothing keeps running for nobody), and the run reproduces.
+#[test]
+fn a_front_end_lost_mid_stream_leaves_nothing_running_and_another_serves_the_batch_over_20_seeds() {
+    use deepinfer_actors::cluster::ctx::Timeouts;
+    use deepinfer_actors::Update;
+
+    let m = model();
+    let reqs = requests(6, 40);
+    let want = reference(&m, &reqs);
+    for seed in 0..20u64 {
+        let run = |seed: u64| {
+            let mut cfg = config_cut(seed, 0, 3, Duration::MAX, Duration::MAX);
+            cfg.fabric.partitions.clear();
+            // A silent front end is given up after 2 × 300 ms.
+            cfg.timeouts =
+                Some(Timeouts { request: Duration::from_millis(300), request_attempts: 2, ..Timeouts::simulated() });
+            simulate(m.clone(), cfg, async |c: &mut Cluster| {
+                let mut lost = c.front_end(1);
+                for r in &reqs {
+                    lost.submit(r.clone());
+                }
+                // Stream until a few tokens of the batch arrived (a seed-dependent number).
+                let mut tokens = 0;
+                while tokens < 8 + seed as usize {
+                    match lost.next_update().await {
+                        Some(Update::Tokens { tokens: t, .. }) => tokens += t.len(),
+                        Some(_) => {}
+                        None => break,
+                    }
+                }
+                let unfinished = lost.outstanding();
+                drop(lost);
+                let mut other = c.front_end(2);
+                let outputs = other.generate(&reqs).await;
+                // Long enough for the routers to give the silent front end up.
+                c.clock().sleep(Duration::from_secs(2)).await;
+                let running: u64 =
+                    c.gauges().iter().map(|g| g.running.load(std::sync::atomic::Ordering::Relaxed)).sum();
+                (outputs, unfinished, running)
+            })
+            .unwrap()
+        };
+        let ((outputs, unfinished, running), report) = run(seed);
+        assert_same(&outputs, &want, &format!("seed {seed}: the batch on the second front end"));
+        assert!(unfinished > 0, "seed {seed}: the front end died with requests in flight");
+        let cancelled = report.log.iter().find(|l| l.contains("router: client1 is gone; cancelling"));
+        let line = cancelled.unwrap_or_else(|| panic!("seed {seed}: the dead front end's requests were not cancelled"));
+        assert!(line.contains(&format!("its {unfinished} requests")), "seed {seed}: {line}");
+        assert_eq!(running, 0, "seed {seed}: nothing runs for the dead front end");
+        let (_, again) = run(seed);
+        assert_eq!(report.digest, again.digest, "seed {seed}: the same seed, the same run");
+    }
+}
+
+/// A node cut off with a minority of the cluster (node 0 alone against
+/// nodes 1–3) fences: its scheduler changes no table and runs no step, so
+/// no request is served from placements only the minority believes in;
+/// when the partition heals it unfences and serves again. Over 20 seeds,
+/// every request completes with the fault-free output.
+#[test]
+fn a_minority_partition_fences_itself_and_changes_no_table_over_20_seeds() {
+    let m = model();
+    let reqs = requests(6, STEPS);
+    let want = reference(&m, &reqs);
+    for seed in 0..20u64 {
+        let cut = Duration::from_millis(50 + (seed % 5) * 10);
+        for heal in [None, Some(Duration::from_millis(400))] {
+            let until = heal.map_or(Duration::MAX, |h| cut + h);
+            let report = run_simulated(m.clone(), config_cut(seed, 0, 3, cut, until), &reqs).unwrap();
+            let what = format!("seed {seed}, healed after {heal:?}");
+            assert_same(&report.outputs, &want, &what);
+            let lines = |needle: &str| report.log.iter().filter(|l| l.contains(needle)).count();
+            assert!(lines("scheduler0 fenced: node0 is in a minority partition") > 0, "{what}: node 0 fenced");
+            let fenced_at = report.log.iter().position(|l| l.contains("scheduler0 fenced")).unwrap();
+            let unfenced_at = report.log.iter().position(|l| l.contains("scheduler0 unfenced"));
+            // The minority never re-placed the experts of the devices it could not see.
+            let while_fenced = &report.log[fenced_at..unfenced_at.unwrap_or(report.log.len())];
+            let changes = while_fenced
+                .iter()
+                .filter(|l| l.contains("scheduler0 placement epoch") || l.contains("scheduler0: devices"))
+                .count();
+            assert_eq!(changes, 0, "{what}: a table changed while fenced");
+            let before = report.log[..fenced_at].iter().filter(|l| l.contains("scheduler0: devices")).count();
+            assert_eq!(before, 0, "{what}: scheduler0 re-placed experts before it fenced");
+            assert_eq!(unfenced_at.is_some(), heal.is_some(), "{what}: unfenced exactly when the partition healed");
+        }
     }
 }

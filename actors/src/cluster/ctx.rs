@@ -200,7 +200,7 @@ impl Ctx {
     /// Membership declared `dead` down; act on it from node `here`: its
     /// devices get no more work; each scheduler of `here` whose instance has
     /// devices there re-places their experts and restarts its requests on
-    /// the survivors; the router of `here` (if it runs one) stops routing to
+    /// the survivors, unless `here` is now in a minority (then it fences); the router of `here` (if it runs one) stops routing to
     /// instances whose scheduler lived there and, if it is the active one,
     /// moves their requests to the others; a dead active router's place goes
     /// to the next node's.
@@ -216,10 +216,9 @@ impl Ctx {
         if here < self.routers {
             self.send(Addr::node(here), Addr::router(here), msg(), &[]);
         }
+        // Every scheduler here: one whose instance has no device there may still find itself in a minority.
         for i in topo.instances_on(here) {
-            if topo.devices_of(i).any(|d| topo.node_of_device(d) == dead) {
-                self.send(Addr::node(here), Addr::scheduler(i), msg(), &[]);
-            }
+            self.send(Addr::node(here), Addr::scheduler(i), msg(), &[]);
         }
     }
 
@@ -239,10 +238,9 @@ impl Ctx {
         if here < self.routers {
             self.send(Addr::node(here), Addr::router(here), msg(), &[]);
         }
+        // Every scheduler here: a fenced one may be back in the majority.
         for i in topo.instances_on(here) {
-            if topo.devices_of(i).any(|d| topo.node_of_device(d) == node) {
-                self.send(Addr::node(here), Addr::scheduler(i), msg(), &[]);
-            }
+            self.send(Addr::node(here), Addr::scheduler(i), msg(), &[]);
         }
     }
 

@@ -44,6 +44,8 @@ pub struct Durable {
     lost_devices: Vec<RwLock<BTreeSet<u32>>>,
     /// Per node: the nodes its membership declared dead.
     down_nodes: Vec<RwLock<BTreeSet<u32>>>,
+    /// Per node: the nodes its membership is about to declare dead.
+    suspects: Vec<RwLock<BTreeSet<u32>>>,
     /// Per device: the routed experts its shard holds and their weight bytes (written by the shard).
     experts_held: Vec<(AtomicU64, AtomicU64)>,
 }
@@ -62,6 +64,7 @@ impl Durable {
             up: AtomicBool::new(false),
             lost_devices: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
             down_nodes: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
+            suspects: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
             experts_held: (0..devices).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect(),
         }
     }
@@ -162,6 +165,29 @@ impl Durable {
         if let Some(d) = self.down_nodes.get(seen_from as usize) {
             d.write().unwrap_or_else(|e| e.into_inner()).insert(node);
         }
+    }
+
+    /// The nodes `seen_from`'s membership is about to declare dead.
+    pub fn set_suspects(&self, seen_from: u32, suspects: BTreeSet<u32>) {
+        if let Some(s) = self.suspects.get(seen_from as usize) {
+            *s.write().unwrap_or_else(|e| e.into_inner()) = suspects;
+        }
+    }
+
+    /// Whether node `seen_from` is cut off with a minority of the cluster: it
+    /// holds fewer than half of the nodes alive (itself included), or exactly
+    /// half without node 0 (the tie goes to node 0's side); nodes about to be
+    /// declared dead count as dead. A minority serves
+    /// nothing: its view of who holds which expert cannot be trusted.
+    pub fn in_minority(&self, seen_from: u32) -> bool {
+        let Some(down) = self.down_nodes.get(seen_from as usize) else { return false };
+        let mut down = down.read().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(s) = self.suspects.get(seen_from as usize) {
+            down.extend(s.read().unwrap_or_else(|e| e.into_inner()).iter().copied());
+        }
+        let nodes = self.down_nodes.len();
+        let alive = nodes - down.iter().filter(|&&n| n != seen_from && (n as usize) < nodes).count();
+        2 * alive < nodes || (2 * alive == nodes && down.contains(&0))
     }
 
     /// The first of nodes `0..routers` that `seen_from` has not heard is dead

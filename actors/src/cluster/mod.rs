@@ -518,6 +518,12 @@ impl NodeRuntime {
         self.ctx.node_down(self.node, node);
     }
 
+    /// The nodes this node's membership is about to declare dead (counted as
+    /// dead when deciding whether this node is in a minority).
+    pub fn set_suspects(&self, suspects: std::collections::BTreeSet<u32>) {
+        self.ctx.durable.set_suspects(self.node, suspects);
+    }
+
     /// Tell local actors that `node`, declared dead before, answers again.
     pub fn node_up(&self, node: u32) {
         self.ctx.node_up(self.node, node);

@@ -134,6 +134,20 @@ impl Membership {
         out
     }
 
+    /// Nodes up but silent for more than half the failure timeout: about to
+    /// be declared down. A node deciding whether it is in a minority counts
+    /// them, so that peers declared one tick apart do not look like a majority.
+    pub fn suspects(&self, now: Duration) -> std::collections::BTreeSet<u32> {
+        let half = self.config.failure_timeout / 2;
+        (0..self.peers.len() as u32)
+            .filter(|&n| self.me != Member::Node(n))
+            .filter(|&n| {
+                let p = &self.peers[n as usize];
+                p.state == PeerState::Up && p.heard.is_some_and(|h| now.saturating_sub(h) > half)
+            })
+            .collect()
+    }
+
     /// How long ago `node` was last heard from, if ever.
     pub fn heard_ago(&self, now: Duration, node: u32) -> Option<Duration> {
         self.peers.get(node as usize)?.heard.map(|h| now.saturating_sub(h))

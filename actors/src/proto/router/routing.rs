@@ -151,7 +151,8 @@ impl RouterMachine {
     /// it does not do the work asked, `serves` false), else `Up`.
     fn health(&self, i: u32, serves: bool) -> Health {
         let topo = &self.ctx.topology;
-        if self.ctx.durable.is_lost(self.node, topo.devices_of(i).start) {
+        // A router cut off with a minority trusts no instance: clients go to the majority's routers.
+        if self.ctx.durable.is_lost(self.node, topo.devices_of(i).start) || self.ctx.durable.in_minority(self.node) {
             Health::Down
         } else if !serves || topo.devices_of(i).any(|d| self.draining.contains(&topo.node_of_device(d))) {
             Health::Draining

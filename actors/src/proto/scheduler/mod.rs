@@ -285,6 +285,8 @@ pub struct SchedulerMachine {
     eplb: Option<ExpertLoadTracker>,
     /// A new table whose experts the shards are reading while the current one serves.
     preparing: Option<Preparing>,
+    /// Its node is in a minority partition: it runs no step and changes no table.
+    fenced: bool,
     /// Prefilled requests on their way to a decode instance.
     handoffs: BTreeMap<u64, Handoff>,
     /// Modelled cache tiers below the device pool.
@@ -417,6 +419,8 @@ impl SchedulerMachine {
             last_router: ctx.active_router(ctx.topology.home_node(instance)).index,
             rejoined: false,
             preparing: None,
+            // A scheduler (re)started in a minority partition waits for the majority.
+            fenced: ctx.durable.in_minority(ctx.topology.home_node(instance)),
             cache,
             eplb,
             handoffs: BTreeMap::new(),
@@ -518,7 +522,7 @@ impl SchedulerMachine {
             (Role::Node, Message::Control(Control::NodeUp { node }))
                 if from == Addr::node(self.ctx.topology.home_node(self.instance)) =>
             {
-                self.on_node_up(node)
+                return self.on_node_up(node)
             }
             (_, Message::Heartbeat(_)) => {}
             (_, other) => {

@@ -251,8 +251,27 @@ impl SchedulerMachine {
         let topo = &self.ctx.topology;
         let lost: Vec<u32> = topo.devices_of(self.instance).filter(|&d| topo.node_of_device(d) == node).collect();
         self.ctx.durable.mark_lost(self.home, &lost);
+        if self.ctx.durable.in_minority(self.home) {
+            if !self.fenced {
+                self.fenced = true;
+                self.ctx.events.record(format_args!(
+                    "{} fenced: node{} is in a minority partition; no table change, no step until it is not",
+                    self.addr, self.home
+                ));
+            }
+            return Ok(());
+        }
+        if !lost.is_empty() {
+            self.ctx.events.record(format_args!("{}: node{node} is down (devices {lost:?})", self.addr));
+        }
+        self.apply_lost()
+    }
+
+    /// Re-place the experts of this instance's lost devices and restart on the survivors.
+    fn apply_lost(&mut self) -> Result<(), Crash> {
+        let topo = &self.ctx.topology;
         let base = topo.devices_of(self.instance).start;
-        let gone = topo
+        let gone: BTreeSet<u32> = topo
             .devices_of(self.instance)
             .filter(|&d| self.ctx.durable.is_lost(self.home, d))
             .map(|d| d - base)
@@ -263,26 +282,35 @@ impl SchedulerMachine {
             Ok(p) if p == current => return Ok(()),
             Ok(p) => self.ctx.durable.set_placement(self.instance, p.with_epoch(current.epoch() + 1)),
             Err(e) => {
-                let why = format!("node{node} is down and no device of instance {} is left: {e}", self.instance);
+                let why = format!("no device of instance {} is left: {e}", self.instance);
                 let ids: Vec<u64> = self.live.keys().copied().collect();
                 let items = ids.into_iter().filter_map(|id| self.fail(id, &why)).collect();
                 self.send_outputs(items, &[]);
                 return Ok(());
             }
         }
-        Err(format!("{}: node{node} is down (devices {lost:?}); restarting on the survivors", self.addr).into())
+        Err(format!("{}: devices {gone:?} of the instance are lost; restarting on the survivors", self.addr).into())
     }
 
     /// `node`, declared dead before, answers again: if it holds devices of
     /// this instance, the next step puts their experts back (the configured
     /// table without what is still lost), and its workers take new requests.
-    pub(super) fn on_node_up(&mut self, node: u32) {
+    pub(super) fn on_node_up(&mut self, node: u32) -> Result<(), Crash> {
+        if self.fenced && !self.ctx.durable.in_minority(self.home) {
+            self.fenced = false;
+            self.ctx.events.record(format_args!("{} unfenced: node{} is in the majority again", self.addr, self.home));
+            // Devices that stayed lost while fenced are re-placed now; the others' experts come back.
+            self.rejoined = true;
+            self.apply_lost()?;
+            self.tick();
+        }
         let topo = &self.ctx.topology;
         if topo.devices_of(self.instance).any(|d| topo.node_of_device(d) == node) {
             self.ctx.events.record(format_args!("{}: node{node} is back", self.addr));
             self.rejoined = true;
             self.tick();
         }
+        Ok(())
     }
 
     /// The table after a node came back, if it differs from the current one.
