@@ -40,6 +40,7 @@ pub struct ClusterPlan {
     pub kinds: Vec<InstanceKind>,
     pub heartbeat: Duration,
     pub failure_timeout: Duration,
+    pub startup_grace: Duration,
 }
 
 impl ClusterPlan {
@@ -122,6 +123,7 @@ impl ClusterPlan {
             kinds: topology.instances.iter().map(|i| i.role).collect(),
             heartbeat: Duration::from_millis(*topology.cluster.heartbeat_ms.get_ref()),
             failure_timeout: Duration::from_millis(*topology.cluster.failure_timeout_ms.get_ref()),
+            startup_grace: Duration::from_millis(*topology.cluster.startup_grace_ms.get_ref()),
             topology,
         })
     }
@@ -214,6 +216,7 @@ impl ClusterPlan {
         let mut q = QuicConfig::new(me, self.nodes.clone(), cfg.node_of(), identity);
         q.heartbeat = self.heartbeat;
         q.failure_timeout = self.failure_timeout;
+        q.startup_grace = self.startup_grace;
         q
     }
 

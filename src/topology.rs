@@ -39,6 +39,10 @@ pub struct Cluster {
     pub heartbeat_ms: Spanned<u64>,
     #[serde(default = "default_failure_timeout_ms")]
     pub failure_timeout_ms: Spanned<u64>,
+    /// How long a node waits for a peer it has never heard from (one still
+    /// starting, or dead when this node started) before declaring it down.
+    #[serde(default = "default_startup_grace_ms")]
+    pub startup_grace_ms: Spanned<u64>,
     /// Directory of the cluster CA and node certificates (relative to the file).
     #[serde(default)]
     pub certs_dir: Option<String>,
@@ -75,6 +79,10 @@ fn default_eplb_min_gain() -> Spanned<f64> {
 
 fn default_heartbeat_ms() -> Spanned<u64> {
     Spanned::new(0..0, 200)
+}
+
+fn default_startup_grace_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 60_000)
 }
 
 fn default_failure_timeout_ms() -> Spanned<u64> {
@@ -139,6 +147,12 @@ impl Topology {
         parse_addr(&t.cluster.api_listen).map_err(|m| err(t.cluster.api_listen.span(), m))?;
         if *t.cluster.heartbeat_ms.get_ref() == 0 {
             return Err(err(t.cluster.heartbeat_ms.span(), "must be at least 1".into()));
+        }
+        if t.cluster.startup_grace_ms.get_ref() < t.cluster.failure_timeout_ms.get_ref() {
+            return Err(err(
+                t.cluster.startup_grace_ms.span(),
+                format!("must be at least failure_timeout_ms ({})", t.cluster.failure_timeout_ms.get_ref()),
+            ));
         }
         if t.cluster.failure_timeout_ms.get_ref() <= t.cluster.heartbeat_ms.get_ref() {
             return Err(err(

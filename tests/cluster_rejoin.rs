@@ -6,6 +6,8 @@
 //! during and after, gives the tokens of one process. The nodes load the
 //! model from a checkpoint directory, so each shard reads only its experts:
 //! the survivors read node2's while it is away, the new node2 reads its own.
+//! Nodes started while one is dead give up waiting for it after the startup
+//! grace, serve without it, and take it in when it starts.
 
 mod cluster_support;
 
@@ -126,6 +128,48 @@ fn a_rolling_restart_of_every_node_under_load_fails_no_request() {
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     let batches = load.join().expect("every batch under load completed with one process's tokens");
     eprintln!("rolling restart of 4 nodes: {batches} batches of 12 requests under load, 0 failed");
+    for n in &mut nodes {
+        drop(n.child.stdin.take());
+    }
+    for (i, n) in nodes.iter_mut().enumerate() {
+        let code = n.wait_exit(Duration::from_secs(30));
+        assert!(code.success(), "node{i}: {code}\n{}", n.text());
+    }
+}
+
+/// Three nodes started while the fourth is dead: past the startup grace
+/// they declare it down and serve without it (the tokens of one process);
+/// started late, it is heard, rejoins and serves.
+#[test]
+fn nodes_started_while_one_is_dead_serve_without_it_and_take_it_in_when_it_starts() {
+    let site = Site::build_with("late", cluster_support::ONE_INSTANCE, true, "startup_grace_ms = 2000\n");
+    let started = Instant::now();
+    let mut nodes: Vec<_> = (0..3).map(|i| spawn_node(&site, i)).collect();
+    for n in &nodes {
+        n.wait_for_since("node node3 down", Some(started), Duration::from_secs(60));
+    }
+    let (input, want) = batch_with_reference(&site, "Late request", 4, 16);
+    let batch = |name: &str| {
+        let out = site.dir.join(format!("{name}.jsonl"));
+        let o = run_plain(&["generate", "--topology", site.t(), "--input", s(&input), "--output", s(&out)]);
+        assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), want, "{name}: the tokens of one process");
+    };
+    batch("without node3");
+    let o = run_plain(&["status", "--topology", site.t(), "--wait-ms", "3000"]);
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(text.contains("3/4 nodes up") && text.contains("sees down: [3]"), "{text}");
+
+    let late = Instant::now();
+    nodes.push(spawn_node(&site, 3));
+    for n in &nodes[..3] {
+        n.wait_for_since("node node3 up", Some(late), Duration::from_secs(30));
+    }
+    nodes[3].wait_for("cluster ready", Duration::from_secs(30));
+    batch("with node3");
+    let o = run_plain(&["status", "--topology", site.t(), "--wait-ms", "3000"]);
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(o.status.success() && text.contains("4/4 nodes up") && !text.contains("sees down"), "{text}");
     for n in &mut nodes {
         drop(n.child.stdin.take());
     }

@@ -133,6 +133,11 @@ impl Site {
     }
 
     fn build(name: &str, instances: &str, checkpoint: bool) -> Self {
+        Self::build_with(name, instances, checkpoint, "")
+    }
+
+    /// Four nodes with `cluster_keys` added to `[cluster]`.
+    pub fn build_with(name: &str, instances: &str, checkpoint: bool, cluster_keys: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("deepinfer-quic-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -149,7 +154,7 @@ impl Site {
         drop(sockets);
         let mut text = format!(
             "[cluster]\nname = \"{name}\"\nmodel = \"{model}\"\napi_listen = \"127.0.0.1:0\"\n\
-             heartbeat_ms = 100\nfailure_timeout_ms = {FAILURE_TIMEOUT_MS}\ncerts_dir = \"certs\"\n"
+             heartbeat_ms = 100\nfailure_timeout_ms = {FAILURE_TIMEOUT_MS}\ncerts_dir = \"certs\"\n{cluster_keys}"
         );
         for (i, port) in ports.iter().enumerate() {
             text += &format!(

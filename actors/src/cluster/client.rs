@@ -100,18 +100,13 @@ impl Cluster {
         Ok(client)
     }
 
-    /// Another client of this cluster at `Addr::client(index)` that sends
-    /// keepalives as the front end of another process does (so that routers
-    /// cancel its requests once it falls silent); it hears no membership
-    /// news. For simulating front ends that come and go.
+    /// Another client at `Addr::client(index)` that sends keepalives as a front end of another
+    /// process does (routers cancel its requests once it is silent); it hears no membership news.
     pub fn front_end(&self, index: u32) -> Self {
         assert!(index > 0, "client 0 is the cluster's own");
-        let addr = Addr::client(index);
+        let (addr, quiet) = (Addr::client(index), (mpsc::unbounded_channel().1, mpsc::unbounded_channel().1));
         let inbox = self.ctx.transport.bind(addr);
-        let (_, no_down) = mpsc::unbounded_channel();
-        let (_, no_news) = mpsc::unbounded_channel();
-        let mut client =
-            Self::client(Arc::clone(&self.ctx), addr, inbox, None, (no_down, no_news), (index as u64) << 32);
+        let mut client = Self::client(Arc::clone(&self.ctx), addr, inbox, None, quiet, (index as u64) << 32);
         client.keepalive = Some(self.ctx.timeouts.request / 4);
         client.attached = self.attached;
         client

@@ -84,6 +84,8 @@ pub struct QuicConfig {
     pub identity: Identity,
     pub heartbeat: Duration,
     pub failure_timeout: Duration,
+    /// How long a node waits for a peer it never heard from before declaring it down.
+    pub startup_grace: Duration,
     /// Largest frame accepted (and sent).
     pub max_frame: u32,
     /// Where a node listens; `None`: its address in `nodes` (clients bind an ephemeral port).
@@ -99,6 +101,7 @@ impl QuicConfig {
             identity,
             heartbeat: Duration::from_millis(200),
             failure_timeout: Duration::from_secs(1),
+            startup_grace: Duration::from_secs(60),
             max_frame: MAX_FRAME_BYTES,
             listen: None,
         }
@@ -247,7 +250,11 @@ impl QuicTransport {
             clock.now(),
             cfg.me,
             cfg.nodes.len() as u32,
-            MembershipConfig { heartbeat: cfg.heartbeat, failure_timeout: cfg.failure_timeout },
+            MembershipConfig {
+                heartbeat: cfg.heartbeat,
+                failure_timeout: cfg.failure_timeout,
+                startup_grace: cfg.startup_grace,
+            },
         );
         let inner = Arc::new(Inner {
             me: cfg.me,

@@ -7,8 +7,10 @@
 //! heard from is up; a peer that was up and is silent for longer than
 //! `failure_timeout` is down (reported once, with how long it was silent),
 //! and up again when heard from. A client also reports a node it has not
-//! heard from at all within `failure_timeout` of starting (nodes wait for
-//! each other instead: they start in any order).
+//! heard from at all within `failure_timeout` of starting; a node waits
+//! `startup_grace` for such a peer (nodes start in any order, and loading a
+//! model takes a while), so that a node started while another is dead does
+//! not hold the dead one up for ever.
 
 use std::time::Duration;
 
@@ -36,18 +38,29 @@ pub enum MemberEvent {
 pub struct MembershipConfig {
     pub heartbeat: Duration,
     pub failure_timeout: Duration,
+    /// How long a node waits for a peer it has never heard from before
+    /// declaring it down (at least `failure_timeout`).
+    pub startup_grace: Duration,
 }
 
 impl MembershipConfig {
     /// For wall time between machines.
     pub fn real() -> Self {
-        Self { heartbeat: Duration::from_millis(200), failure_timeout: Duration::from_secs(3) }
+        Self {
+            heartbeat: Duration::from_millis(200),
+            failure_timeout: Duration::from_secs(3),
+            startup_grace: Duration::from_secs(60),
+        }
     }
 
     /// For the virtual clock: many heartbeats per failure timeout, and a
     /// timeout well above the simulated links' latency.
     pub fn simulated() -> Self {
-        Self { heartbeat: Duration::from_millis(20), failure_timeout: Duration::from_millis(200) }
+        Self {
+            heartbeat: Duration::from_millis(20),
+            failure_timeout: Duration::from_millis(200),
+            startup_grace: Duration::from_secs(2),
+        }
     }
 }
 
@@ -123,8 +136,15 @@ impl Membership {
                     peer.state = PeerState::Down;
                     out.events.push(MemberEvent::Down { node, silent: now - heard });
                 }
-                // A client needs the cluster now: a node never heard from is down too.
-                (PeerState::Unknown, None) if matches!(self.me, Member::Client(_)) && waited > timeout => {
+                // A client needs the cluster now: a node never heard from is down
+                // too; a node gives its peers the startup grace first.
+                (PeerState::Unknown, None)
+                    if waited
+                        > match self.me {
+                            Member::Client(_) => timeout,
+                            Member::Node(_) => self.config.startup_grace.max(timeout),
+                        } =>
+                {
                     peer.state = PeerState::Down;
                     out.events.push(MemberEvent::Down { node, silent: waited });
                 }
@@ -170,7 +190,7 @@ mod tests {
     }
 
     fn config() -> MembershipConfig {
-        MembershipConfig { heartbeat: ms(10), failure_timeout: ms(50) }
+        MembershipConfig { heartbeat: ms(10), failure_timeout: ms(50), startup_grace: ms(500) }
     }
 
     #[test]
@@ -208,6 +228,13 @@ mod tests {
             client_events,
             vec![MemberEvent::Down { node: 0, silent: ms(60) }, MemberEvent::Down { node: 1, silent: ms(60) }]
         );
+        // Past the startup grace a node gives up on a peer it never heard (and hears it later).
+        let mut events = Vec::new();
+        for k in 21..=60 {
+            events.extend(node.tick(ms(10 * k)).events.into_iter().map(|e| (ms(10 * k), e)));
+        }
+        assert_eq!(events, vec![(ms(510), MemberEvent::Down { node: 1, silent: ms(510) })]);
+        assert_eq!(node.heard(ms(700), 1), Some(MemberEvent::Up { node: 1 }));
     }
 
     #[test]

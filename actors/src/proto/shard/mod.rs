@@ -63,13 +63,16 @@ pub fn read_experts(model: &Model, experts: &[u32]) -> (Vec<Arc<RoutedExpert>>, 
     (read, errors)
 }
 
+/// Experts by id with their weights; `None` on modelled devices, which compute nothing.
+type Experts = BTreeMap<u32, Option<Arc<RoutedExpert>>>;
+
 pub struct ShardMachine {
     device: u32,
     addr: Addr,
     epoch: u64,
-    held: BTreeMap<u32, Arc<RoutedExpert>>,
+    held: Experts,
     /// Experts read for a coming epoch, not yet served.
-    staged: Option<(u64, BTreeMap<u32, Arc<RoutedExpert>>)>,
+    staged: Option<(u64, Experts)>,
     effects: Vec<ShardEffect>,
     ctx: Arc<Ctx>,
 }
@@ -89,22 +92,27 @@ impl ShardMachine {
         for e in experts {
             match staged.get(&e).or_else(|| self.held.get(&e)) {
                 Some(x) => {
-                    next.insert(e, Arc::clone(x));
+                    next.insert(e, x.clone());
                 }
                 None => missing.push(e),
             }
         }
-        let (read, errors) = read_experts(&self.ctx.model, &missing);
+        let (read, errors) = if self.computes() {
+            read_experts(&self.ctx.model, &missing)
+        } else {
+            next.extend(missing.iter().map(|&e| (e, None)));
+            (Vec::new(), Vec::new())
+        };
         self.record_errors(&errors);
         let metrics = &self.ctx.metrics;
         metrics.expert_bytes_read.fetch_add(bytes_read(read.iter()), Ordering::Relaxed);
-        next.extend(read.into_iter().map(|x| (x.id, x)));
-        let freed = bytes_read(self.held.iter().filter(|(e, _)| !next.contains_key(e)).map(|(_, x)| x));
+        next.extend(read.into_iter().map(|x| (x.id, Some(x))));
+        let freed = bytes_read(self.held.iter().filter(|(e, _)| !next.contains_key(e)).filter_map(|(_, x)| x.as_ref()));
         metrics.expert_bytes_freed.fetch_add(freed, Ordering::Relaxed);
         metrics.expert_loads.fetch_add(missing.len() as u64, Ordering::Relaxed);
         self.held = next;
         self.epoch = epoch;
-        let bytes: u64 = self.held.values().map(|x| x.bytes).sum();
+        let bytes: u64 = self.held.values().flatten().map(|x| x.bytes).sum();
         self.ctx.durable.set_experts_held(self.device, self.held.len() as u32, bytes);
         let ids: Vec<u32> = self.held.keys().copied().collect();
         self.ctx.events.record(format_args!("{} holds {ids:?} (epoch {epoch})", self.addr));
@@ -129,7 +137,7 @@ impl ShardMachine {
             Some((epoch, map)) if *epoch == s.epoch => map,
             _ => &mut self.staged.insert((s.epoch, BTreeMap::new())).1,
         };
-        entry.extend(s.experts.into_iter().map(|x| (x.id, x)));
+        entry.extend(s.experts.into_iter().map(|x| (x.id, Some(x))));
         if s.errors.is_empty() {
             let ack = Control::Prepared { epoch: s.epoch, device: self.device, bytes_read: bytes, load_us: s.load_us };
             self.send(s.reply_to, Message::Control(ack), &[]);
@@ -149,7 +157,18 @@ impl ShardMachine {
         if self.staged.as_ref().is_some_and(|(e, _)| *e != epoch) {
             self.staged = None;
         }
+        if !self.computes() {
+            // Modelled weights: nothing to read.
+            let ack = Control::Prepared { epoch, device: self.device, bytes_read: 0, load_us: 0 };
+            self.send(from, Message::Control(ack), &[]);
+            return;
+        }
         self.effects.push(ShardEffect::Read { epoch, experts: missing, reply_to: from });
+    }
+
+    /// Whether this shard computes (and so holds weights); modelled devices only price.
+    fn computes(&self) -> bool {
+        self.ctx.modelled.is_none()
     }
 
     /// Sizes and indices of a dispatch, checked before any engine call (which would assert).
@@ -192,7 +211,8 @@ impl ShardMachine {
                 let input = &body[at..at + rows * d];
                 let weights =
                     if model.experts_take_weights() { &body[at + rows * d..at + rows * (d + 1)] } else { &[] };
-                out.extend(model.routed_forward(&self.held[&expert], layer, input, weights));
+                let weights_of = self.held[&expert].as_ref().expect("a computing shard holds its experts' weights");
+                out.extend(model.routed_forward(weights_of, layer, input, weights));
             }
             at += rows * self.row_width();
         }
