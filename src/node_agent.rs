@@ -127,11 +127,27 @@ pub async fn query(transport: &dyn Transport, me: Addr, nodes: &[u32], wait: Dur
     reports
 }
 
+/// `bytes` in B, KiB, MiB or GiB, whichever reads best.
+pub fn bytes_text(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
 /// One line per node: what a user checks first.
 pub fn status_line(name: &str, status: &NodeStatus, heard_ago: Option<Duration>) -> String {
     let experts: u32 = status.devices.iter().map(|d| d.experts).sum();
     let mib = |bytes: u64| bytes as f64 / (1 << 20) as f64;
-    let expert_mib = mib(status.devices.iter().map(|d| d.expert_bytes).sum());
+    let expert_bytes = bytes_text(status.devices.iter().map(|d| d.expert_bytes).sum());
     let (running, waiting): (u64, u64) =
         status.instances.iter().fold((0, 0), |(r, w), i| (r + i.running, w + i.waiting));
     let (used, budget): (u64, u64) =
@@ -143,16 +159,31 @@ pub fn status_line(name: &str, status: &NodeStatus, heard_ago: Option<Duration>)
     let epochs: Vec<String> = status.instances.iter().map(|i| format!("{}", i.placement_epoch)).collect();
     let epochs = if epochs.is_empty() { String::new() } else { format!("  table epoch {}", epochs.join("/")) };
     let moved = format!(
-        "  expert weights read {:.1} MiB, freed {:.1} MiB",
-        mib(status.expert_bytes_read),
-        mib(status.expert_bytes_freed)
+        "  expert weights read {}, freed {}",
+        bytes_text(status.expert_bytes_read),
+        bytes_text(status.expert_bytes_freed)
     );
     format!(
-        "{name:<10} up {:>6} s (incarnation {})  devices {:?}  experts {experts:>4} ({expert_mib:.1} MiB)  \
+        "{name:<10} up {:>6} s (incarnation {})  devices {:?}  experts {experts:>4} ({expert_bytes})  \
          RSS {:.0} MiB  running {running:>3}  waiting {waiting:>3}  KV {kv:>6}{epochs}{moved}  heard {heard}{down}",
         status.uptime_ms / 1000,
         status.started_unix_ms,
         status.devices.iter().map(|d| d.device).collect::<Vec<_>>(),
         mib(status.rss_bytes),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bytes_text;
+
+    #[test]
+    fn byte_counts_read_in_the_unit_that_fits() {
+        assert_eq!(bytes_text(0), "0 B");
+        assert_eq!(bytes_text(1023), "1023 B");
+        assert_eq!(bytes_text(1536), "1.5 KiB");
+        assert_eq!(bytes_text(120 << 20), "120.0 MiB");
+        assert_eq!(bytes_text(3 << 30), "3.0 GiB");
+        assert_eq!(bytes_text(u64::MAX), "17179869184.0 GiB");
+    }
 }

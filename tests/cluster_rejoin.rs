@@ -178,3 +178,37 @@ fn nodes_started_while_one_is_dead_serve_without_it_and_take_it_in_when_it_start
         assert!(code.success(), "node{i}: {code}\n{}", n.text());
     }
 }
+
+/// Expert load balancing while serving, over processes that read their own
+/// experts: tables change under a batch (the new copies are read while the
+/// old ones serve, the old ones freed), and the tokens are one process's.
+#[test]
+fn rebalancing_experts_between_processes_moves_weights_and_keeps_the_tokens() {
+    let keys = "[cluster.eplb]\nevery_steps = 2\nredundant_experts = 4\nmin_gain = 0.0\n";
+    let site = Site::build_with("eplb", cluster_support::ONE_INSTANCE, true, keys);
+    let mut nodes = cluster_support::start_nodes(&site);
+    let (input, want) = batch_with_reference(&site, "Rebalanced request", 8, 24);
+    let out = site.dir.join("eplb.jsonl");
+    let o = run_plain(&["generate", "--topology", site.t(), "--input", s(&input), "--output", s(&out)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), want, "the tokens of one process");
+    let o = run_plain(&["status", "--topology", site.t(), "--wait-ms", "3000"]);
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    eprintln!("{text}");
+    let node0 = text.lines().find(|l| l.trim_start().starts_with("node0")).unwrap();
+    let epoch: u64 = node0.split("table epoch ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    assert!(epoch > 0, "the table changed under the batch: {node0}");
+    // "read 12.0 KiB, freed 9.0 KiB" on each line: nonzero somewhere.
+    let amount = |after: &str| -> f64 {
+        text.lines().filter_map(|l| l.split(after).nth(1)?.split_whitespace().next()?.parse::<f64>().ok()).sum()
+    };
+    let (read, freed) = (amount("weights read "), amount("freed "));
+    assert!(read > 0.0 && freed > 0.0, "weights moved (read {read}, freed {freed}): {text}");
+    for n in &mut nodes {
+        drop(n.child.stdin.take());
+    }
+    for (i, n) in nodes.iter_mut().enumerate() {
+        let code = n.wait_exit(Duration::from_secs(30));
+        assert!(code.success(), "node{i}: {code}\n{}", n.text());
+    }
+}

@@ -71,6 +71,10 @@ def main():
         launcher.wait(timeout=60)
 
 
+def mib(value, unit):
+    return float(value) * {"B": 1, "KiB": 1024, "MiB": 1 << 20, "GiB": 1 << 30}[unit] / (1 << 20)
+
+
 def status(a, topo):
     out = subprocess.run([a.bin, "status", "--topology", topo, "--wait-ms", "1000"],
                          capture_output=True, text=True).stdout
@@ -80,10 +84,10 @@ def status(a, topo):
         m = re.search(r"table epoch (\d+)", line)
         if m and epoch is None:
             epoch = int(m.group(1))
-        m = re.search(r"read ([\d.]+) MiB, freed ([\d.]+) MiB", line)
+        m = re.search(r"read ([\d.]+) (B|KiB|MiB|GiB), freed ([\d.]+) (B|KiB|MiB|GiB)", line)
         if m:
-            read += float(m.group(1))
-            freed += float(m.group(2))
+            read += mib(m.group(1), m.group(2))
+            freed += mib(m.group(3), m.group(4))
     return epoch, read, freed
 
 
