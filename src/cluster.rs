@@ -369,8 +369,11 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
         };
         tokio::pin!(stdin_closed);
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        // Suspects change between membership events too (a peer that was only late speaks again).
+        let mut quorum = tokio::time::interval(plan.heartbeat);
         let why = loop {
             tokio::select! {
+                _ = quorum.tick() => actors.set_suspects(transport.suspects()),
                 e = members.recv() => match e {
                     Some(MemberEvent::Up { node }) => {
                         eprintln!("node {name}: node {} up", plan.nodes[node as usize].name);

@@ -88,7 +88,7 @@ impl Actor for MemberActor {
         match msg {
             MemberMsg::Tick => {
                 let tick = state.machine.tick(now);
-                state.ctx.durable.set_suspects(state.node, state.machine.suspects(now));
+                state.ctx.set_suspects(state.node, state.machine.suspects(now));
                 let from = Addr::node(state.node);
                 for n in tick.heartbeats {
                     let beat =
@@ -105,7 +105,7 @@ impl Actor for MemberActor {
                 match (m.envelope.from.role, m.envelope.msg) {
                     (Role::Node, Message::Heartbeat(_)) => {
                         if let Some(e) = state.machine.heard(now, m.envelope.from.index) {
-                            state.ctx.durable.set_suspects(state.node, state.machine.suspects(now));
+                            state.ctx.set_suspects(state.node, state.machine.suspects(now));
                             state.act(e);
                         }
                     }

@@ -49,6 +49,14 @@ impl Actor for ExpertShard {
         shell: &mut ShardShell,
     ) -> Result<(), ActorProcessingErr> {
         let result = match msg {
+            // Expert compute and reads block: off the async workers where the runtime allows.
+            ShardMsg::Net(d)
+                if !shell.ctx.clock.is_virtual()
+                    && tokio::runtime::Handle::current().runtime_flavor()
+                        == tokio::runtime::RuntimeFlavor::MultiThread =>
+            {
+                tokio::task::block_in_place(|| shell.machine.handle(d))
+            }
             ShardMsg::Net(d) => shell.machine.handle(d),
             ShardMsg::Staged(s) => {
                 shell.machine.on_staged(s);

@@ -222,6 +222,20 @@ impl Ctx {
         }
     }
 
+    /// Node `here`'s membership is about to declare `suspects` dead; when that
+    /// takes `here` out of a minority, its schedulers hear it (as `NodeUp` of
+    /// `here`) and unfence: a peer that was only suspected never comes back Up.
+    pub fn set_suspects(&self, here: u32, suspects: std::collections::BTreeSet<u32>) {
+        let was = self.durable.in_minority(here);
+        self.durable.set_suspects(here, suspects);
+        if was && !self.durable.in_minority(here) {
+            for i in self.topology.instances_on(here) {
+                let msg = Message::Control(wire::Control::NodeUp { node: here });
+                self.send(Addr::node(here), Addr::scheduler(i), msg, &[]);
+            }
+        }
+    }
+
     /// Membership hears `node` again after declaring it dead; act on it from
     /// node `here`: its devices take work again, and each scheduler of
     /// `here` whose instance has devices there puts their experts back.

@@ -521,7 +521,7 @@ impl NodeRuntime {
     /// The nodes this node's membership is about to declare dead (counted as
     /// dead when deciding whether this node is in a minority).
     pub fn set_suspects(&self, suspects: std::collections::BTreeSet<u32>) {
-        self.ctx.durable.set_suspects(self.node, suspects);
+        self.ctx.set_suspects(self.node, suspects);
     }
 
     /// Tell local actors that `node`, declared dead before, answers again.

@@ -163,7 +163,8 @@ impl Placement {
     /// This table improved by moving at most `moves` expert copies, one at a
     /// time from the heaviest device to the lightest, each the copy that
     /// best evens the two; stops when no move lowers the heaviest device.
-    pub fn refined(&self, loads: &[f64], moves: usize) -> Placement {
+    /// Devices in `excluded` (lost ones) receive nothing.
+    pub fn refined(&self, loads: &[f64], moves: usize, excluded: &std::collections::BTreeSet<u32>) -> Placement {
         let mut replicas = self.replicas.clone();
         for _ in 0..moves {
             let mut per_device = vec![0.0f64; self.devices as usize];
@@ -174,7 +175,11 @@ impl Placement {
             }
             let by_load = |a: &(usize, &f64), b: &(usize, &f64)| a.1.total_cmp(b.1).then(b.0.cmp(&a.0));
             let (heavy, &h) = per_device.iter().enumerate().max_by(by_load).expect("a device");
-            let (light, &l) = per_device.iter().enumerate().min_by(by_load).expect("a device");
+            let Some((light, &l)) =
+                per_device.iter().enumerate().filter(|(d, _)| !excluded.contains(&(*d as u32))).min_by(by_load)
+            else {
+                break;
+            };
             let (heavy, light) = (heavy as u32, light as u32);
             // The copy on `heavy` (not already on `light`) whose share brings the two closest.
             let best = replicas
@@ -291,13 +296,19 @@ mod keeping_tests {
         let current = Placement::expert_parallel(8, 4, 4).unwrap();
         // Experts 0 and 1 (both on device 0) are hot.
         let loads = [10.0, 9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0];
-        let refined = current.refined(&loads, 2);
+        let none = std::collections::BTreeSet::new();
+        let refined = current.refined(&loads, 2, &none);
         assert!(refined.copies_moved_from(&current) <= 2);
         assert!(refined.imbalance(&loads) < current.imbalance(&loads));
         assert!((0..8).all(|e| !refined.replicas(e).is_empty()));
         // Balanced already: nothing moves.
         let even = [1.0; 8];
-        assert_eq!(current.refined(&even, 4).copies_moved_from(&current), 0);
+        assert_eq!(current.refined(&even, 4, &none).copies_moved_from(&current), 0);
+        // A lost device (holding nothing, so the lightest) is never given a copy.
+        let lost: std::collections::BTreeSet<u32> = [3].into();
+        let without = current.without_devices(&lost).unwrap();
+        let refined = without.refined(&loads, 4, &lost);
+        assert!(refined.experts_on(3).is_empty());
     }
 }
 

@@ -312,12 +312,12 @@ impl QuicTransport {
         lock(&self.inner.membership).nodes_up()
     }
 
-    /// How long ago `node` was last heard from, if ever.
     /// Nodes about to be declared down (see `Membership::suspects`).
     pub fn suspects(&self) -> std::collections::BTreeSet<u32> {
         lock(&self.inner.membership).suspects(self.inner.clock.now())
     }
 
+    /// How long ago `node` was last heard from, if ever.
     pub fn heard_ago(&self, node: u32) -> Option<std::time::Duration> {
         lock(&self.inner.membership).heard_ago(self.inner.clock.now(), node)
     }

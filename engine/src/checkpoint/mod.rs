@@ -227,21 +227,42 @@ impl Checkpoint {
 
     /// The tensor of published name `name`, however the file spells it.
     pub fn get(&self, name: &str) -> Result<RawTensor<'_>, CheckpointError> {
+        self.read(name, None)
+    }
+
+    /// Slab `index` along the first dimension of tensor `name`: its bytes
+    /// only (`shape` stays the whole tensor's), read alone with owned reads.
+    pub fn get_slab(&self, name: &str, index: usize) -> Result<RawTensor<'_>, CheckpointError> {
+        self.read(name, Some(index))
+    }
+
+    fn read(&self, name: &str, slab: Option<usize>) -> Result<RawTensor<'_>, CheckpointError> {
         let e = self.tensors.get(name).ok_or_else(|| CheckpointError::MissingTensor {
             dir: self.dir.display().to_string(),
             tensor: name.into(),
         })?;
         self.used.lock().expect("checkpoint use set").insert(name.to_string());
         let shard = &self.shards[e.shard];
-        let bytes = match &shard.file {
-            Some(file) if self.owned_reads => {
-                read_range(file, e.start, e.end).map_err(|err| CheckpointError::Tensor {
-                    file: shard.path.display().to_string(),
-                    tensor: e.stored.clone(),
-                    problem: format!("cannot read bytes {}..{}: {err}", e.start, e.end),
-                })?
+        let tensor_error = |problem: String| CheckpointError::Tensor {
+            file: shard.path.display().to_string(),
+            tensor: e.stored.clone(),
+            problem,
+        };
+        let (start, end) = match slab {
+            None => (e.start, e.end),
+            Some(index) => {
+                let slabs = e.shape.first().copied().unwrap_or(0);
+                if index >= slabs {
+                    return Err(tensor_error(format!("has no slab {index} (shape {:?})", e.shape)));
+                }
+                let size = (e.end - e.start) / slabs;
+                (e.start + index * size, e.start + (index + 1) * size)
             }
-            _ => shard.bytes.slice(e.start..e.end),
+        };
+        let bytes = match &shard.file {
+            Some(file) if self.owned_reads => read_range(file, start, end)
+                .map_err(|err| tensor_error(format!("cannot read bytes {start}..{end}: {err}")))?,
+            _ => shard.bytes.slice(start..end),
         };
         Ok(RawTensor { name: &e.stored, dtype: e.dtype, shape: &e.shape, bytes, file: &shard.path })
     }

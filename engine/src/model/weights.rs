@@ -245,20 +245,22 @@ impl Loader<'_> {
     fn fused_experts(&self, p: &str, only: Option<usize>) -> Result<Vec<Mlp>, CheckpointError> {
         let c = self.cfg;
         let (e, inter, d) = (c.n_routed_experts, c.moe_intermediate_size, c.hidden_size);
-        let gate_up = self.ck.get(&format!("{p}.gate_up_proj"))?;
+        // One expert alone: only its slab of each fused tensor is read.
+        let (gate_up_name, down_name) = (format!("{p}.gate_up_proj"), format!("{p}.down_proj"));
+        let (gate_up, down) = match only {
+            Some(i) => (self.ck.get_slab(&gate_up_name, i)?, self.ck.get_slab(&down_name, i)?),
+            None => (self.ck.get(&gate_up_name)?, self.ck.get(&down_name)?),
+        };
         gate_up.expect_shape(&[e, 2 * inter, d])?;
-        let down = self.ck.get(&format!("{p}.down_proj"))?;
         down.expect_shape(&[e, d, inter])?;
+        let first = only.unwrap_or(0);
         let matrix = |t: &crate::checkpoint::RawTensor, first_row: usize, rows: usize, cols: usize| {
             let size = match t.dtype {
                 safetensors::Dtype::F32 => 4,
                 safetensors::Dtype::BF16 => 2,
                 other => return Err(t.error(format!("fused experts must be F32 or BF16, found {other:?}"))),
             };
-            let mut bytes = t.bytes.slice(first_row * cols * size..(first_row + rows) * cols * size);
-            if only.is_some() {
-                bytes = bytes::Bytes::copy_from_slice(&bytes);
-            }
+            let bytes = t.bytes.slice(first_row * cols * size..(first_row + rows) * cols * size);
             let format = if size == 4 {
                 WeightFormat::F32(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect())
             } else {
@@ -272,10 +274,11 @@ impl Loader<'_> {
         };
         range
             .map(|i| {
+                let j = i - first;
                 Ok(Mlp {
-                    w1: matrix(&gate_up, i * 2 * inter, inter, d)?,
-                    w3: matrix(&gate_up, i * 2 * inter + inter, inter, d)?,
-                    w2: matrix(&down, i * d, d, inter)?,
+                    w1: matrix(&gate_up, j * 2 * inter, inter, d)?,
+                    w3: matrix(&gate_up, j * 2 * inter + inter, inter, d)?,
+                    w2: matrix(&down, j * d, d, inter)?,
                 })
             })
             .collect()

@@ -7,6 +7,8 @@ impl SchedulerMachine {
     /// A new table from the measured loads when one is due and differs from the current one.
     pub(super) fn eplb_change(&mut self) -> Option<crate::cluster::placement::Placement> {
         let cfg = self.ctx.eplb?;
+        // Lost devices get nothing: a fresh table is cut down to the survivors.
+        let gone = self.lost_devices();
         let tracker = self.eplb.as_mut().filter(|t| t.should_rebalance())?;
         let current = self.ctx.durable.placement(self.instance);
         let loads = tracker.total_loads();
@@ -14,20 +16,22 @@ impl SchedulerMachine {
         // as well as a new table; else the new table, renumbered to keep
         // weights where they are. Either way only the copies that change move.
         let moves = current.devices() as usize;
-        let table = eplb_table(tracker, current.devices(), cfg.redundant).map(|p| {
-            let fresh = p.keeping(&current);
-            let refined = current.refined(&loads, moves);
-            if refined.imbalance(&loads) <= fresh.imbalance(&loads) + cfg.min_gain {
-                refined
-            } else {
-                fresh
-            }
-        });
+        let table = eplb_table(tracker, current.devices(), cfg.redundant)
+            .map_err(|e| e.to_string())
+            .and_then(|p| p.keeping(&current).without_devices(&gone).map_err(|e| e.to_string()))
+            .map(|fresh| {
+                let refined = current.refined(&loads, moves, &gone);
+                if refined.imbalance(&loads) <= fresh.imbalance(&loads) + cfg.min_gain {
+                    refined
+                } else {
+                    fresh
+                }
+            });
         match table {
             Ok(p) if p.clone().with_epoch(current.epoch()) != current => {
                 // Moving weights costs reads and memory: only for a real gain in balance.
                 let (was, would) = (current.imbalance(&loads), p.imbalance(&loads));
-                if was - would < cfg.min_gain {
+                if would >= was || was - would < cfg.min_gain {
                     return None;
                 }
                 let moved = p.copies_moved_from(&current);
@@ -43,6 +47,13 @@ impl SchedulerMachine {
                 None
             }
         }
+    }
+
+    /// This instance's devices its node holds lost, numbered within the instance.
+    fn lost_devices(&self) -> BTreeSet<u32> {
+        let topo = &self.ctx.topology;
+        let base = topo.devices_of(self.instance).start;
+        topo.devices_of(self.instance).filter(|&d| self.ctx.durable.is_lost(self.home, d)).map(|d| d - base).collect()
     }
 
     /// Send `p` (the next epoch) to the live shards to read its experts while the current table serves.
@@ -106,6 +117,8 @@ impl SchedulerMachine {
                 p.why,
                 p.placement.epoch()
             ));
+            // A dropped rejoin is tried again at the next step.
+            self.rejoined |= p.why == "rejoin";
             self.preparing = None;
             return None;
         }
@@ -121,6 +134,7 @@ impl SchedulerMachine {
                         p.waiting
                     );
                     self.ctx.events.record(format_args!("{why}"));
+                    self.rejoined |= p.why == "rejoin";
                     self.preparing = None;
                     return None;
                 }
@@ -260,6 +274,10 @@ impl SchedulerMachine {
                 ));
             }
             return Ok(());
+        }
+        if std::mem::take(&mut self.fenced) {
+            self.ctx.events.record(format_args!("{} unfenced: node{} is in the majority again", self.addr, self.home));
+            self.rejoined = true;
         }
         if !lost.is_empty() {
             self.ctx.events.record(format_args!("{}: node{node} is down (devices {lost:?})", self.addr));

@@ -73,6 +73,8 @@ pub struct ShardMachine {
     held: Experts,
     /// Experts read for a coming epoch, not yet served.
     staged: Option<(u64, Experts)>,
+    /// The epoch whose experts the shell is reading now (a resent prepare waits for it).
+    reading: Option<u64>,
     effects: Vec<ShardEffect>,
     ctx: Arc<Ctx>,
 }
@@ -85,7 +87,8 @@ fn bytes_read<'a>(experts: impl Iterator<Item = &'a Arc<RoutedExpert>>) -> u64 {
 impl ShardMachine {
     /// Hold exactly `experts` from `epoch` on: staged copies first, then the
     /// ones held, then read now; what is left out is freed.
-    fn load(&mut self, epoch: u64, experts: impl IntoIterator<Item = u32>) {
+    /// False when an expert could not be read (it is not held).
+    fn load(&mut self, epoch: u64, experts: impl IntoIterator<Item = u32>) -> bool {
         let staged = self.staged.take().filter(|(e, _)| *e == epoch).map(|(_, s)| s).unwrap_or_default();
         let mut next = BTreeMap::new();
         let mut missing = Vec::new();
@@ -116,6 +119,7 @@ impl ShardMachine {
         self.ctx.durable.set_experts_held(self.device, self.held.len() as u32, bytes);
         let ids: Vec<u32> = self.held.keys().copied().collect();
         self.ctx.events.record(format_args!("{} holds {ids:?} (epoch {epoch})", self.addr));
+        errors.is_empty()
     }
 
     fn record_errors(&self, errors: &[(u32, String)]) {
@@ -127,6 +131,9 @@ impl ShardMachine {
 
     /// The shell read what a `Read` effect asked for.
     pub fn on_staged(&mut self, s: Staged) {
+        if self.reading == Some(s.epoch) {
+            self.reading = None;
+        }
         self.record_errors(&s.errors);
         let bytes = bytes_read(s.experts.iter());
         self.ctx.metrics.expert_bytes_read.fetch_add(bytes, Ordering::Relaxed);
@@ -163,6 +170,10 @@ impl ShardMachine {
             self.send(from, Message::Control(ack), &[]);
             return;
         }
+        if self.reading == Some(epoch) {
+            return;
+        }
+        self.reading = Some(epoch);
         self.effects.push(ShardEffect::Read { epoch, experts: missing, reply_to: from });
     }
 
@@ -227,8 +238,16 @@ impl ShardMachine {
         let serving = topo.instance_of(device);
         let placement = ctx.durable.placement(serving);
         let local = device - topo.devices_of(serving).start;
-        let mut machine =
-            ShardMachine { device, addr, epoch: 0, held: BTreeMap::new(), staged: None, effects: Vec::new(), ctx };
+        let mut machine = ShardMachine {
+            device,
+            addr,
+            epoch: 0,
+            held: BTreeMap::new(),
+            staged: None,
+            reading: None,
+            effects: Vec::new(),
+            ctx,
+        };
         machine.load(placement.epoch(), placement.experts_on(local));
         machine.ctx.events.record(format_args!("{addr} up (incarnation {incarnation})"));
         machine
@@ -252,13 +271,22 @@ impl ShardMachine {
         let from = m.envelope.from;
         match m.envelope.msg {
             Message::Dispatch(h) => return self.on_dispatch(from, h, m.body),
+            Message::Control(Control::LoadExperts { epoch, experts } | Control::PrepareExperts { epoch, experts })
+                if experts.iter().any(|&e| e as usize >= self.ctx.config.n_routed_experts) =>
+            {
+                bump(&self.ctx.metrics.frames_rejected);
+                self.ctx.events.record(format_args!(
+                    "{} refuses a table of epoch {epoch} from {from}: expert ids past {}",
+                    self.addr, self.ctx.config.n_routed_experts
+                ));
+            }
             Message::Control(Control::LoadExperts { epoch, experts }) => {
-                // An older table arriving late never replaces a newer one.
-                if epoch >= self.epoch {
-                    self.load(epoch, experts);
+                // An older table arriving late never replaces a newer one; one
+                // whose experts could not all be read is not acknowledged.
+                if epoch < self.epoch || self.load(epoch, experts) {
+                    let ack = Control::Loaded { epoch, device: self.device };
+                    self.send(from, Message::Control(ack), &[]);
                 }
-                let ack = Control::Loaded { epoch, device: self.device };
-                self.send(from, Message::Control(ack), &[]);
             }
             Message::Control(Control::PrepareExperts { epoch, experts }) => self.prepare(from, epoch, experts),
             Message::Control(Control::Ping { nonce }) => {
