@@ -13,19 +13,16 @@ mod cluster_support;
 
 use std::time::{Duration, Instant};
 
-use cluster_support::{batch_with_reference, run_plain, s, spawn_node, start_nodes, Site};
+use cluster_support::{
+    batch_on_cluster, batch_with_reference, cluster_status, run_plain, s, spawn_node, start_nodes, stop_nodes, Site,
+};
 
 #[test]
 fn a_killed_node_started_again_rejoins_and_the_tokens_never_change() {
     let site = Site::with_checkpoint("rejoin", cluster_support::ONE_INSTANCE);
     let mut nodes = start_nodes(&site);
     let (input, want) = batch_with_reference(&site, "Batch request", 6, 24);
-    let batch = |name: &str| {
-        let out = site.dir.join(format!("{name}.jsonl"));
-        let o = run_plain(&["generate", "--topology", site.t(), "--input", s(&input), "--output", s(&out)]);
-        assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
-        assert_eq!(std::fs::read_to_string(&out).unwrap(), want, "{name}: the tokens of one process");
-    };
+    let batch = |name: &str| batch_on_cluster(&site, &input, &want, name);
     batch("before");
 
     nodes[2].child.kill().unwrap();
@@ -35,10 +32,9 @@ fn a_killed_node_started_again_rejoins_and_the_tokens_never_change() {
     }
     batch("without node2");
     let status = |what: &str| {
-        let o = run_plain(&["status", "--topology", site.t(), "--wait-ms", "3000"]);
-        let text = String::from_utf8_lossy(&o.stdout).to_string();
+        let (all_up, text) = cluster_status(&site);
         eprintln!("status {what}:\n{text}");
-        (o.status.success(), text)
+        (all_up, text)
     };
     let (all_up, text) = status("without node2");
     assert!(!all_up && text.contains("3/4 nodes up"), "{text}");
@@ -67,13 +63,7 @@ fn a_killed_node_started_again_rejoins_and_the_tokens_never_change() {
     assert!(!line(&after, "node2").contains("experts    0"), "node2 holds experts again: {after}");
     assert_eq!(incarnation(&line(&after, "node0")), incarnation(&line(&text, "node0")), "node0 never restarted");
 
-    for n in &mut nodes {
-        drop(n.child.stdin.take());
-    }
-    for (i, n) in nodes.iter_mut().enumerate() {
-        let code = n.wait_exit(Duration::from_secs(30));
-        assert!(code.success(), "node{i}: {code}\n{}", n.text());
-    }
+    stop_nodes(&mut nodes);
     // The new node2 did work after it rejoined: its experts were put back.
     let text = nodes[2].text();
     let line = text.lines().find(|l| l.contains("stopped; its workers")).expect("node2's summary");
@@ -128,13 +118,7 @@ fn a_rolling_restart_of_every_node_under_load_fails_no_request() {
     done.store(true, std::sync::atomic::Ordering::Relaxed);
     let batches = load.join().expect("every batch under load completed with one process's tokens");
     eprintln!("rolling restart of 4 nodes: {batches} batches of 12 requests under load, 0 failed");
-    for n in &mut nodes {
-        drop(n.child.stdin.take());
-    }
-    for (i, n) in nodes.iter_mut().enumerate() {
-        let code = n.wait_exit(Duration::from_secs(30));
-        assert!(code.success(), "node{i}: {code}\n{}", n.text());
-    }
+    stop_nodes(&mut nodes);
 }
 
 /// Three nodes started while the fourth is dead: past the startup grace
@@ -149,15 +133,9 @@ fn nodes_started_while_one_is_dead_serve_without_it_and_take_it_in_when_it_start
         n.wait_for_since("node node3 down", Some(started), Duration::from_secs(60));
     }
     let (input, want) = batch_with_reference(&site, "Late request", 4, 16);
-    let batch = |name: &str| {
-        let out = site.dir.join(format!("{name}.jsonl"));
-        let o = run_plain(&["generate", "--topology", site.t(), "--input", s(&input), "--output", s(&out)]);
-        assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
-        assert_eq!(std::fs::read_to_string(&out).unwrap(), want, "{name}: the tokens of one process");
-    };
+    let batch = |name: &str| batch_on_cluster(&site, &input, &want, name);
     batch("without node3");
-    let o = run_plain(&["status", "--topology", site.t(), "--wait-ms", "3000"]);
-    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    let (_, text) = cluster_status(&site);
     assert!(text.contains("3/4 nodes up") && text.contains("sees down: [3]"), "{text}");
 
     let late = Instant::now();
@@ -167,16 +145,9 @@ fn nodes_started_while_one_is_dead_serve_without_it_and_take_it_in_when_it_start
     }
     nodes[3].wait_for("cluster ready", Duration::from_secs(30));
     batch("with node3");
-    let o = run_plain(&["status", "--topology", site.t(), "--wait-ms", "3000"]);
-    let text = String::from_utf8_lossy(&o.stdout).to_string();
-    assert!(o.status.success() && text.contains("4/4 nodes up") && !text.contains("sees down"), "{text}");
-    for n in &mut nodes {
-        drop(n.child.stdin.take());
-    }
-    for (i, n) in nodes.iter_mut().enumerate() {
-        let code = n.wait_exit(Duration::from_secs(30));
-        assert!(code.success(), "node{i}: {code}\n{}", n.text());
-    }
+    let (all_up, text) = cluster_status(&site);
+    assert!(all_up && text.contains("4/4 nodes up") && !text.contains("sees down"), "{text}");
+    stop_nodes(&mut nodes);
 }
 
 /// Expert load balancing while serving, over processes that read their own
@@ -188,12 +159,8 @@ fn rebalancing_experts_between_processes_moves_weights_and_keeps_the_tokens() {
     let site = Site::build_with("eplb", cluster_support::ONE_INSTANCE, true, keys);
     let mut nodes = cluster_support::start_nodes(&site);
     let (input, want) = batch_with_reference(&site, "Rebalanced request", 8, 24);
-    let out = site.dir.join("eplb.jsonl");
-    let o = run_plain(&["generate", "--topology", site.t(), "--input", s(&input), "--output", s(&out)]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    assert_eq!(std::fs::read_to_string(&out).unwrap(), want, "the tokens of one process");
-    let o = run_plain(&["status", "--topology", site.t(), "--wait-ms", "3000"]);
-    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    batch_on_cluster(&site, &input, &want, "eplb");
+    let (_, text) = cluster_status(&site);
     eprintln!("{text}");
     let node0 = text.lines().find(|l| l.trim_start().starts_with("node0")).unwrap();
     let epoch: u64 = node0.split("table epoch ").nth(1).unwrap().split_whitespace().next().unwrap().parse().unwrap();
@@ -204,11 +171,5 @@ fn rebalancing_experts_between_processes_moves_weights_and_keeps_the_tokens() {
     };
     let (read, freed) = (amount("weights read "), amount("freed "));
     assert!(read > 0.0 && freed > 0.0, "weights moved (read {read}, freed {freed}): {text}");
-    for n in &mut nodes {
-        drop(n.child.stdin.take());
-    }
-    for (i, n) in nodes.iter_mut().enumerate() {
-        let code = n.wait_exit(Duration::from_secs(30));
-        assert!(code.success(), "node{i}: {code}\n{}", n.text());
-    }
+    stop_nodes(&mut nodes);
 }

@@ -211,3 +211,28 @@ pub fn batch_with_reference(site: &Site, label: &str, n: usize, max_tokens: usiz
     assert!(one.status.success(), "{}", String::from_utf8_lossy(&one.stderr));
     (input, std::fs::read_to_string(&one_out).unwrap())
 }
+
+/// Close every node's stdin (each stops its actors in order) and check that each exits with success.
+pub fn stop_nodes(nodes: &mut [Proc]) {
+    for n in nodes.iter_mut() {
+        drop(n.child.stdin.take());
+    }
+    for (i, n) in nodes.iter_mut().enumerate() {
+        let code = n.wait_exit(Duration::from_secs(30));
+        assert!(code.success(), "node{i}: {code}\n{}", n.text());
+    }
+}
+
+/// Run the batch `input` on `site`'s cluster as a client (output `<name>.jsonl`) and check it is `want`.
+pub fn batch_on_cluster(site: &Site, input: &Path, want: &str, name: &str) {
+    let out = site.dir.join(format!("{name}.jsonl"));
+    let o = run_plain(&["generate", "--topology", site.t(), "--input", s(input), "--output", s(&out)]);
+    assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read_to_string(&out).unwrap(), want, "{name}: the tokens of one process");
+}
+
+/// `deepinfer status` of `site`: whether every node answered, and what it printed.
+pub fn cluster_status(site: &Site) -> (bool, String) {
+    let o = run_plain(&["status", "--topology", site.t(), "--wait-ms", "3000"]);
+    (o.status.success(), String::from_utf8_lossy(&o.stdout).to_string())
+}

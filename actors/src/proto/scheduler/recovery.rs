@@ -287,13 +287,7 @@ impl SchedulerMachine {
 
     /// Re-place the experts of this instance's lost devices and restart on the survivors.
     fn apply_lost(&mut self) -> Result<(), Crash> {
-        let topo = &self.ctx.topology;
-        let base = topo.devices_of(self.instance).start;
-        let gone: BTreeSet<u32> = topo
-            .devices_of(self.instance)
-            .filter(|&d| self.ctx.durable.is_lost(self.home, d))
-            .map(|d| d - base)
-            .collect();
+        let gone = self.lost_devices();
         let current = self.ctx.durable.placement(self.instance);
         match current.without_devices(&gone) {
             // Already running without them (a repeated report, or a restart after the change).
@@ -336,13 +330,7 @@ impl SchedulerMachine {
         if !std::mem::take(&mut self.rejoined) {
             return None;
         }
-        let topo = &self.ctx.topology;
-        let base = topo.devices_of(self.instance).start;
-        let gone: BTreeSet<u32> = topo
-            .devices_of(self.instance)
-            .filter(|&d| self.ctx.durable.is_lost(self.home, d))
-            .map(|d| d - base)
-            .collect();
+        let gone = self.lost_devices();
         let current = self.ctx.durable.placement(self.instance);
         match self.ctx.durable.initial_placement(self.instance).without_devices(&gone) {
             Ok(p) if p.clone().with_epoch(current.epoch()) != current => Some(p),
