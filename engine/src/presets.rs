@@ -26,6 +26,10 @@ pub enum Preset {
     TinyV4,
     /// Hidden 1024, 8 layers, 32 routed experts (4 active): a benchmark-sized model.
     SmallV4,
+    /// Hidden 2048, 4 layers (window, window, CSA, HCA), 128 routed experts (6 active) of
+    /// width 1024 + 1 shared: V4-Flash's ratios at half its width, 1.9 GiB as FP8/FP4,
+    /// so decode reads its experts from memory as on a server (a CPU benchmark model).
+    MediumV4,
     /// DeepSeek-V4.1, hidden 64, 8 layers (window, a ratio-2 group with a reuse layer and
     /// an index source without keys, a ratio-1 group with the candidate filter) + 1 DSpark
     /// layer, Engram before layers 0 and 2.
@@ -35,12 +39,13 @@ pub enum Preset {
 }
 
 impl Preset {
-    pub const ALL: [Preset; 4] = [Preset::TinyV4, Preset::SmallV4, Preset::TinyV41, Preset::SmallV41];
+    pub const ALL: [Preset; 5] = [Preset::TinyV4, Preset::SmallV4, Preset::MediumV4, Preset::TinyV41, Preset::SmallV41];
 
     pub fn name(self) -> &'static str {
         match self {
             Preset::TinyV4 => "tiny-v4",
             Preset::SmallV4 => "small-v4",
+            Preset::MediumV4 => "medium-v4",
             Preset::TinyV41 => "tiny-v41",
             Preset::SmallV41 => "small-v41",
         }
@@ -63,12 +68,16 @@ impl Preset {
         }
         let (vocab, hidden, layers, heads, head_dim, rope, q_lora, groups, o_lora, window) = match self {
             Preset::TinyV4 => (1024, 64, 7, 4, 64, 16, 32, 2, 32, 8),
+            Preset::MediumV4 => (1024, 2048, 4, 32, 256, 64, 512, 4, 512, 128),
             _ => (1024, 1024, 8, 16, 128, 64, 512, 4, 256, 128),
         };
         let (index_heads, index_dim, topk, experts, active, inter, hash, hca) = match self {
             Preset::TinyV4 => (2, 32, 2, 8, 2, 32, 3, 16),
+            Preset::MediumV4 => (16, 128, 128, 128, 6, 1024, 1, 128),
             _ => (8, 64, 64, 32, 4, 256, 2, 128),
         };
+        // The benchmark model drafts nothing: an MTP block would add 128 more experts.
+        let mtp_layers = if self == Preset::MediumV4 { 0 } else { 1 };
         let layer_types: Vec<&str> = (0..layers)
             .map(|i| match i {
                 0 | 1 => "sliding_attention",
@@ -114,7 +123,7 @@ impl Preset {
             "rope_scaling": {"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
                              "beta_fast": 32.0, "beta_slow": 1.0},
             "max_position_embeddings": 4096,
-            "num_nextn_predict_layers": 1,
+            "num_nextn_predict_layers": mtp_layers,
             "bos_token_id": 0,
             "eos_token_id": 1,
             "tie_word_embeddings": false,

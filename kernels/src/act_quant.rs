@@ -127,7 +127,7 @@ pub fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
     match Isa::detect() {
         // SAFETY: `detect` returns only instruction sets this CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { dot_f64_avx512(a, b) },
+        Isa::Avx512 | Isa::Avx512Vbmi => unsafe { dot_f64_avx512(a, b) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { dot_f64_avx2(a, b) },
         _ => dot_f64_lanes(a, b),
@@ -166,7 +166,7 @@ fn scaled_blocks(q: &Fp8Row, row: &[f32], w_scales: &[f32]) -> f32 {
     match Isa::detect() {
         // SAFETY: `detect` returns only instruction sets this CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { scaled_blocks_avx512(q, row, w_scales) },
+        Isa::Avx512 | Isa::Avx512Vbmi => unsafe { scaled_blocks_avx512(q, row, w_scales) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { scaled_blocks_avx2(q, row, w_scales) },
         _ => scaled_blocks_plain(q, row, w_scales),
@@ -203,7 +203,7 @@ fn axpy_f64(p: &mut [f64], w: f64, a: &[f64]) {
     match Isa::detect() {
         // SAFETY: `detect` returns only instruction sets this CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { axpy_f64_avx512(p, w, a) },
+        Isa::Avx512 | Isa::Avx512Vbmi => unsafe { axpy_f64_avx512(p, w, a) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { axpy_f64_avx2(p, w, a) },
         _ => axpy_f64_plain(p, w, a),

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use crate::dtype::{bf16_to_f32, fp8_e4m3_to_f32, FP4_E2M1_VALUES};
 pub use crate::simd::Isa;
-use crate::simd::{reduce16, Backend, EncodedRows, Encoding, ScaleRow};
+use crate::simd::{prefetch, reduce16, Backend, EncodedRows, Encoding, ScaleRow};
 
 /// Weight rows dequantised together; every input row reuses them.
 const TILE_ROWS: usize = 16;
@@ -203,6 +203,10 @@ impl Linear {
         let cols = self.cols;
         let width = block_width(cols);
         let plan = self.plan(backend, n);
+        let layout = match plan {
+            Plan::Fused(_) => Some(RowLayout::of(self)),
+            _ => None,
+        };
         // One cache line of padding per row keeps the tile's rows in different cache sets.
         let stride = width + 16;
         let mut wbuf = match plan {
@@ -222,15 +226,29 @@ impl Linear {
                 let kc = width.min(cols - k0);
                 xs.clear();
                 xs.extend(x[n * k0..][..n * kc].chunks_exact(kc));
-                if let Plan::Fused(encoding) = plan {
-                    let rows: [(&[u8], ScaleRow); TILE_ROWS] =
-                        std::array::from_fn(|j| self.encoded_span(row(j), k0, kc));
-                    let codes = rows.map(|r| r.0);
-                    let scales = rows.map(|r| r.1);
+                if let (Plan::Fused(encoding), Some(layout)) = (plan, &layout) {
                     let (_, nr) = backend.fused_shape(n).expect("fused plan");
                     for g in (0..tile).step_by(nr) {
-                        let (codes, scales) = (&codes[g..g + nr], &scales[g..g + nr]);
-                        let rows = EncodedRows { encoding, codes, scales, k0 };
+                        let mut codes = [&[][..]; TILE_ROWS];
+                        let mut scales = [ScaleRow::NONE; TILE_ROWS];
+                        for j in 0..nr {
+                            (codes[j], scales[j]) = layout.span(row(g + j), k0, kc);
+                        }
+                        let (codes, scales) = (&codes[..nr], &scales[..nr]);
+                        // The next group's rows are fetched while this one computes:
+                        // a group's rows are short interleaved streams that the
+                        // hardware prefetchers do not run ahead of.
+                        let next = (t0 + g + nr).min(range.end)..(t0 + g + 2 * nr).min(range.end);
+                        let mut ahead = [&[][..]; TILE_ROWS];
+                        for (slot, r) in ahead.iter_mut().zip(next.clone()) {
+                            let (codes, scales) = layout.span(r, k0, kc);
+                            *slot = codes;
+                            if encoding == Encoding::Fp4 {
+                                prefetch(scales.row);
+                            }
+                        }
+                        let ahead = &ahead[..next.len()];
+                        let rows = EncodedRows { encoding, codes, scales, k0, ahead };
                         backend.micro_encoded(&xs, rows, &mut acc[g * 16..], acc_stride);
                     }
                     continue;
@@ -292,10 +310,7 @@ impl Linear {
         let (cols, end) = (self.cols, k0 + len);
         match &self.format {
             WeightFormat::F32(_) => unreachable!("f32 weights are not encoded"),
-            WeightFormat::Bf16(d) => {
-                let none = ScaleRow { row: &[], block: 16, pairs: false };
-                (&d[(r * cols + k0) * 2..(r * cols + end) * 2], none)
-            }
+            WeightFormat::Bf16(d) => (&d[(r * cols + k0) * 2..(r * cols + end) * 2], ScaleRow::NONE),
             WeightFormat::Fp8 { data, scales, block_rows, block_cols } => {
                 let blocks_per_row = cols.div_ceil(*block_cols);
                 let row = &scales[(r / block_rows) * blocks_per_row..][..blocks_per_row];
@@ -325,6 +340,69 @@ impl Linear {
             WeightFormat::Fp8 { .. } => backend.fp8_span(codes, k0, scales, dst),
             _ => backend.fp4_span(codes, k0, scales, dst),
         }
+    }
+}
+
+/// Where each row of a quantised weight keeps its codes and scales, worked out
+/// once per call so that finding a row's span costs no division (a tile asks
+/// for up to 24 spans, and small matrices have many tiles).
+struct RowLayout<'a> {
+    encoding: Encoding,
+    codes: &'a [u8],
+    scales: &'a [f32],
+    /// Code bytes per row.
+    row_bytes: usize,
+    /// Columns per scale, and scales per scale row.
+    scale_block: usize,
+    scales_per_row: usize,
+    /// Weight rows per scale row, as a shift (FP8 blocks are powers of two in
+    /// every published layout) or a divisor.
+    rows_per_scale_row: usize,
+    rows_per_scale_row_shift: Option<u32>,
+}
+
+impl<'a> RowLayout<'a> {
+    fn of(lin: &'a Linear) -> Self {
+        let cols = lin.cols;
+        let (encoding, codes, scales, scale_block, scales_per_row, rows_per_scale_row): (_, &[u8], &[f32], _, _, _) =
+            match &lin.format {
+                WeightFormat::F32(_) => unreachable!("f32 weights are not encoded"),
+                WeightFormat::Bf16(d) => (Encoding::Bf16, d, &[], 16, 0, 1),
+                WeightFormat::Fp8 { data, scales, block_rows, block_cols } => {
+                    (Encoding::Fp8, data, scales, *block_cols, cols.div_ceil(*block_cols), *block_rows)
+                }
+                WeightFormat::Fp4 { data, scales, block_cols } => {
+                    (Encoding::Fp4, data, scales, *block_cols, cols / block_cols, 1)
+                }
+            };
+        let shift = rows_per_scale_row.is_power_of_two().then(|| rows_per_scale_row.trailing_zeros());
+        let row_bytes = encoding.bytes(cols);
+        Self {
+            encoding,
+            codes,
+            scales,
+            row_bytes,
+            scale_block,
+            scales_per_row,
+            rows_per_scale_row,
+            rows_per_scale_row_shift: shift,
+        }
+    }
+
+    /// Columns `k0..k0 + len` of row `r` as stored, with the row's scales
+    /// (the same as [`Linear::encoded_span`]).
+    #[inline(always)]
+    fn span(&self, r: usize, k0: usize, len: usize) -> (&'a [u8], ScaleRow<'a>) {
+        // `k0` is a multiple of 16, so an FP4 span covers whole bytes.
+        let start = r * self.row_bytes + self.encoding.bytes(k0);
+        let codes = &self.codes[start..start + self.encoding.bytes(len)];
+        let scale_row = match self.rows_per_scale_row_shift {
+            Some(shift) => r >> shift,
+            None => r / self.rows_per_scale_row,
+        };
+        let row = &self.scales[scale_row * self.scales_per_row..][..self.scales_per_row];
+        let scales = ScaleRow { row, block: self.scale_block, pairs: self.encoding == Encoding::Fp4 };
+        (codes, scales)
     }
 }
 

@@ -169,3 +169,44 @@ fn empty_shapes() {
     let lin = Linear::from_f32(4, 5, vec![1.0; 20]);
     lin.forward(&[], 0, &mut []);
 }
+
+/// FP8 weights with NaN codes in some rows only, and scales too large to fold
+/// into one multiply: the fused kernels' fast paths must notice both.
+#[test]
+fn fp8_nan_codes_and_huge_scales_keep_the_definition() {
+    use bytes::Bytes;
+    use deepinfer_kernels::WeightFormat;
+    let (rows, cols, block): (usize, usize, usize) = (40, 300, 16);
+    let mut rng = Rng(9);
+    let data: Vec<u8> = (0..rows * cols)
+        .map(|i| {
+            let b = rng.next_u64() as u8;
+            // Rows 8..16 hold NaN codes (0x7f, 0xff); the others none.
+            match (i / cols, b & 0x7f) {
+                (8..16, _) if i % 97 == 0 => 0x7f | (b & 0x80),
+                (_, 0x7f) => b & 0xf0,
+                _ => b,
+            }
+        })
+        .collect();
+    let blocks = rows.div_ceil(block) * cols.div_ceil(block);
+    let scales = (0..blocks).map(|b| 2f32.powi([-127, -9, 0, 7, 100][b % 5])).collect();
+    let lin = Linear {
+        rows,
+        cols,
+        format: WeightFormat::Fp8 { data: Bytes::from(data), scales, block_rows: block, block_cols: block },
+    };
+    let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    for n in 1..=7 {
+        let x: Vec<f32> = rng.vec(n * cols).iter().map(|v| v * 1e-3).collect();
+        let want = reference(&lin, &x, n);
+        assert!(want.iter().any(|v| v.is_nan()) && want.iter().any(|v| v.is_finite()), "both kinds of rows");
+        for isa in available() {
+            let mut out = vec![0.0f32; n * rows];
+            lin.forward_with(isa, &x, n, &mut out);
+            for (k, (g, w)) in out.iter().zip(&want).enumerate() {
+                assert!(same(*g, *w), "{isa:?} n={n} element {k}: {g:e} vs {w:e}");
+            }
+        }
+    }
+}

@@ -1,6 +1,7 @@
 //! The DeepSeek-V4 model: weights, per-sequence state and the forward pass.
 
 mod attention;
+mod footprint;
 mod forward;
 mod hyper;
 pub mod moe;
@@ -16,6 +17,7 @@ use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::{AttentionKind, ConfigError, ModelConfig};
 use crate::v41::{ModelV41, V41Config};
 pub(crate) use attention::draft_window_mark;
+pub use footprint::Footprint;
 pub use forward::{Chunk, ChunkOutput, LogitsWanted, MtpChunk, Pass};
 pub use moe::{Dispatch, ExpertOutputs, Route};
 pub use routed::RoutedExpert;

@@ -105,54 +105,129 @@ pub(super) const FP4: u8 = 2;
 ///
 /// # Safety
 /// The CPU must support AVX-512F; every slice of `xs` has length `len`, every
-/// `codes[j]` holds `len` columns in encoding `ENC`, and for FP8/FP4 every
-/// `scales[j]` covers columns `..k0 + len` in blocks that are multiples of 16 wide
-/// (all the same); `k0 % 16 == 0`; `acc.len() >= (MR - 1) * acc_stride + NR * 16`.
-#[target_feature(enable = "avx512f")]
+/// `codes[j]` and `ahead[j]` holds `len` columns in encoding `ENC`, and for
+/// FP8/FP4 every `scales[j]` covers columns `..k0 + len` in blocks that are
+/// multiples of 16 wide (all the same); `k0 % 16 == 0`;
+/// `acc.len() >= (MR - 1) * acc_stride + NR * 16`.
+#[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn micro_encoded<const ENC: u8, const MR: usize, const NR: usize>(
     xs: &[&[f32]; MR],
     codes: &[&[u8]; NR],
     scales: &[ScaleRow; NR],
     k0: usize,
+    ahead: &[&[u8]],
+    acc: &mut [f32],
+    acc_stride: usize,
+) {
+    micro_encoded_body::<ENC, MR, NR, false>(xs, codes, scales, k0, ahead, acc, acc_stride)
+}
+
+/// [`micro_encoded`] with FP4 nibbles picked by `vpmultishiftqb`.
+///
+/// # Safety
+/// As [`micro_encoded`], and the CPU must support AVX-512 VBMI.
+#[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
+pub(super) unsafe fn micro_encoded_vbmi<const ENC: u8, const MR: usize, const NR: usize>(
+    xs: &[&[f32]; MR],
+    codes: &[&[u8]; NR],
+    scales: &[ScaleRow; NR],
+    k0: usize,
+    ahead: &[&[u8]],
+    acc: &mut [f32],
+    acc_stride: usize,
+) {
+    micro_encoded_body::<ENC, MR, NR, true>(xs, codes, scales, k0, ahead, acc, acc_stride)
+}
+
+/// 2^120: e4m3 magnitude bits under the f32 exponent field read as value · 2^-120.
+const POW2_120: f32 = f32::from_bits((127 + 120) << 23);
+/// Largest scale whose product with 2^120 stays finite with room to spare.
+const FOLDABLE_SCALE_MAX: f32 = f32::from_bits((127 + 6) << 23);
+
+#[inline(always)]
+unsafe fn micro_encoded_body<const ENC: u8, const MR: usize, const NR: usize, const VBMI: bool>(
+    xs: &[&[f32]; MR],
+    codes: &[&[u8]; NR],
+    scales: &[ScaleRow; NR],
+    k0: usize,
+    ahead: &[&[u8]],
     acc: &mut [f32],
     acc_stride: usize,
 ) {
     let len = xs[0].len();
     let pacc = acc.as_mut_ptr();
+    // Bytes of one row's codes per 16-column chunk.
+    let chunk_bytes = match ENC {
+        BF16 => 32,
+        FP8 => 16,
+        _ => 8,
+    };
     let mut a = [[_mm512_setzero_ps(); NR]; MR];
     for (i, ai) in a.iter_mut().enumerate() {
         for (j, aij) in ai.iter_mut().enumerate() {
             *aij = _mm512_loadu_ps(pacc.add(i * acc_stride + j * 16));
         }
     }
+    let fp4_table = _mm512_loadu_ps(FP4_E2M1_VALUES.as_ptr());
+    // FP8 NaN codes are checked once per call rather than per chunk (they do
+    // not occur in trained weights; when they do, every chunk is checked).
+    let nan_free = ENC != FP8 || codes.iter().all(|row| !fp8_has_nan(&row[..len & !15]));
     // Scale block of the current chunk and the columns left in it; blocks are
     // multiples of 16 wide, so a chunk never straddles two.
     let block = if ENC == BF16 { usize::MAX } else { scales[0].block };
     let mut index = k0 / block;
-    let mut left = block - k0 % block;
     let mut c = 0;
     while c + 16 <= len {
-        let mut wv = [_mm512_setzero_ps(); NR];
-        for (j, v) in wv.iter_mut().enumerate() {
-            let p = codes[j].as_ptr();
-            *v = match ENC {
-                BF16 => bf16_decode16(p.add(2 * c)),
-                FP8 => _mm512_mul_ps(fp8_decode16(p.add(c)), _mm512_set1_ps(scales[j].row[index])),
-                _ => _mm512_mul_ps(fp4_decode16(p.add(c / 2)), _mm512_set1_ps(scales[j].row[index])),
+        // Per row of the tile, what turns this block's codes into values: the
+        // FP4 table times the block's scale (a power of two, so every entry is
+        // exact), or the FP8 scale times 2^120 (exact too, and folds the
+        // decode's own power of two into the one multiply).
+        let mut factor = [_mm512_setzero_ps(); NR];
+        let mut folded = true;
+        for (j, f) in factor.iter_mut().enumerate() {
+            let scale = if ENC == BF16 { 1.0 } else { scales[j].row[index] };
+            *f = match ENC {
+                FP8 => {
+                    folded &= scale.abs() < FOLDABLE_SCALE_MAX;
+                    _mm512_set1_ps(scale)
+                }
+                FP4 => _mm512_mul_ps(fp4_table, _mm512_set1_ps(scale)),
+                _ => _mm512_setzero_ps(),
             };
         }
-        for (ai, x) in a.iter_mut().zip(xs) {
-            let xv = _mm512_loadu_ps(x.as_ptr().add(c));
-            for (aij, w) in ai.iter_mut().zip(&wv) {
-                *aij = _mm512_fmadd_ps(xv, *w, *aij);
+        if ENC == FP8 && folded {
+            factor.iter_mut().for_each(|f| *f = _mm512_mul_ps(*f, _mm512_set1_ps(POW2_120)));
+        }
+        let stop = if ENC == BF16 { len & !15 } else { (c + block - (k0 + c) % block).min(len & !15) };
+        while c < stop {
+            let offset = c / 16 * chunk_bytes;
+            if offset % 64 == 0 {
+                for row in ahead {
+                    // In bounds: `ahead` rows are as long as `codes` rows.
+                    _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().add(offset).cast());
+                }
             }
+            let mut wv = [_mm512_setzero_ps(); NR];
+            for (j, v) in wv.iter_mut().enumerate() {
+                let p = codes[j].as_ptr();
+                *v = match ENC {
+                    BF16 => bf16_decode16(p.add(2 * c)),
+                    FP8 if folded && nan_free => _mm512_mul_ps(fp8_bits16_finite(p.add(c)), factor[j]),
+                    FP8 if folded => _mm512_mul_ps(fp8_bits16(p.add(c)), factor[j]),
+                    FP8 => _mm512_mul_ps(fp8_decode16(p.add(c)), factor[j]),
+                    _ if VBMI => fp4_lookup16_vbmi(p.add(c / 2), factor[j]),
+                    _ => fp4_lookup16(p.add(c / 2), factor[j]),
+                };
+            }
+            for (ai, x) in a.iter_mut().zip(xs) {
+                let xv = _mm512_loadu_ps(x.as_ptr().add(c));
+                for (aij, w) in ai.iter_mut().zip(&wv) {
+                    *aij = _mm512_fmadd_ps(xv, *w, *aij);
+                }
+            }
+            c += 16;
         }
-        left -= 16;
-        if left == 0 {
-            index += 1;
-            left = block;
-        }
-        c += 16;
+        index += 1;
     }
     if c < len {
         // Decode the last partial chunk through a zero-padded buffer.
@@ -185,8 +260,7 @@ pub(super) unsafe fn micro_encoded<const ENC: u8, const MR: usize, const NR: usi
 ///
 /// # Safety
 /// The CPU must support AVX-512F and `p` must point at 32 readable bytes.
-#[inline]
-#[target_feature(enable = "avx512f")]
+#[inline(always)]
 unsafe fn bf16_decode16(p: *const u8) -> __m512 {
     let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
@@ -205,46 +279,121 @@ pub(super) unsafe fn bf16_span(src: &[u8], dst: &mut [f32]) {
     super::portable::bf16_span(&src[2 * c..], &mut dst[c..]);
 }
 
+/// FP8 e4m3 codes `p[..16]` as f32 bits worth value · 2^-120 (sign, then the
+/// magnitude under the exponent field; normals and subnormals alike), with the
+/// two NaN codes already NaN.
+///
+/// # Safety
+/// The CPU must support AVX-512F and `p` must point at 16 readable bytes.
+#[inline(always)]
+unsafe fn fp8_bits16(p: *const u8) -> __m512 {
+    let code = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()));
+    let v = fp8_bits16_finite(p);
+    let bits = _mm512_castps_si512(v);
+    // 0x7f and 0xff are NaN; take the table's exact bits for them (a NaN stays
+    // NaN, with its payload, through the scale multiply).
+    let mag = _mm512_set1_epi32(0x07f0_0000);
+    let nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(bits, mag), mag);
+    if nan == 0 {
+        return v;
+    }
+    let positive = _mm512_cmpge_epi32_mask(code, _mm512_setzero_si512());
+    let v = _mm512_mask_mov_ps(v, nan & positive, _mm512_set1_ps(FP8_E4M3_TO_F32[0x7f]));
+    _mm512_mask_mov_ps(v, nan & !positive, _mm512_set1_ps(FP8_E4M3_TO_F32[0xff]))
+}
+
+/// [`fp8_bits16`] for codes known not to be NaN.
+///
+/// # Safety
+/// The CPU must support AVX-512F and `p` must point at 16 readable bytes.
+#[inline(always)]
+unsafe fn fp8_bits16_finite(p: *const u8) -> __m512 {
+    // Sign-extended codes shifted by 20: bits 31..27 all hold the sign, the
+    // magnitude lands on bits 26..20; the mask keeps one sign bit.
+    let code = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()));
+    let bits = _mm512_and_si512(_mm512_slli_epi32::<20>(code), _mm512_set1_epi32(0x87f0_0000u32 as i32));
+    _mm512_castsi512_ps(bits)
+}
+
+/// Whether any of `codes` is an FP8 e4m3 NaN (0x7f or 0xff).
+///
+/// # Safety
+/// The CPU must support AVX-512F and AVX-512BW.
+#[inline(always)]
+unsafe fn fp8_has_nan(codes: &[u8]) -> bool {
+    let (high, ones) = (_mm512_set1_epi8(0x80u8 as i8), _mm512_set1_epi8(-1));
+    let p = codes.as_ptr();
+    let mut found: __mmask64 = 0;
+    let mut c = 0;
+    while c + 64 <= codes.len() {
+        let v = _mm512_loadu_si512(p.add(c).cast());
+        found |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(v, high), ones);
+        c += 64;
+    }
+    if c < codes.len() {
+        // Masked-off bytes read as zero, which is not NaN.
+        let v = _mm512_maskz_loadu_epi8(u64::MAX >> (64 - (codes.len() - c)), p.add(c).cast());
+        found |= _mm512_cmpeq_epi8_mask(_mm512_or_si512(v, high), ones);
+    }
+    found != 0
+}
+
 /// FP8 e4m3 codes `p[..16]` to f32, bit-identical to `FP8_E4M3_TO_F32`.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and `p` must point at 16 readable bytes.
-#[inline]
-#[target_feature(enable = "avx512f")]
+#[inline(always)]
 unsafe fn fp8_decode16(p: *const u8) -> __m512 {
-    let code = _mm512_cvtepu8_epi32(_mm_loadu_si128(p.cast()));
-    let low7 = _mm512_set1_epi32(0x7f);
-    let mag = _mm512_and_si512(code, low7);
-    // e4m3 magnitude bits placed under the f32 exponent/mantissa fields read as
-    // value · 2^-120 for normals and subnormals alike; the power-of-two multiply is exact.
-    let pow2_120 = _mm512_set1_ps(f32::from_bits((127 + 120) << 23));
-    let v = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32::<20>(mag)), pow2_120);
-    let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(code, _mm512_set1_epi32(0x80)));
-    let mut v = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
-    // 0x7f and 0xff are NaN; take the table's exact bits for them.
-    if _mm512_cmpeq_epi32_mask(mag, low7) != 0 {
-        let nan_pos = _mm512_set1_ps(FP8_E4M3_TO_F32[0x7f]);
-        let nan_neg = _mm512_set1_ps(FP8_E4M3_TO_F32[0xff]);
-        v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(code, low7), nan_pos);
-        v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(code, _mm512_set1_epi32(0xff)), nan_neg);
-    }
-    v
+    // The power-of-two multiply is exact, and keeps a NaN a NaN.
+    _mm512_mul_ps(fp8_bits16(p), _mm512_set1_ps(POW2_120))
 }
 
-/// FP4 e2m1 pairs `p[..8]` (columns in nibble order) to 16 f32 values.
+/// FP4 e2m1 pairs `p[..8]` (columns in nibble order) looked up in `table`
+/// (16 entries, one per code).
 ///
 /// # Safety
 /// The CPU must support AVX-512F and `p` must point at 8 readable bytes.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn fp4_decode16(p: *const u8) -> __m512 {
+#[inline(always)]
+unsafe fn fp4_lookup16(p: *const u8, table: __m512) -> __m512 {
     let low4 = _mm_set1_epi8(0x0f);
     let bytes = _mm_loadl_epi64(p.cast());
     // Interleave low and high nibbles into column order.
     let lo = _mm_and_si128(bytes, low4);
     let hi = _mm_and_si128(_mm_srli_epi16::<4>(bytes), low4);
     let idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
-    _mm512_permutexvar_ps(idx, _mm512_loadu_ps(FP4_E2M1_VALUES.as_ptr()))
+    _mm512_permutexvar_ps(idx, table)
+}
+
+/// [`fp4_lookup16`] without unpacking: the 8 bytes broadcast to every
+/// quadword, and `vpmultishiftqb` moves nibble `l` to the low bits of lane
+/// `l` (the table lookup reads only those four bits).
+///
+/// # Safety
+/// The CPU must support AVX-512F and VBMI, and `p` must point at 8 readable bytes.
+#[inline(always)]
+unsafe fn fp4_lookup16_vbmi(p: *const u8, table: __m512) -> __m512 {
+    // Quadword q holds lanes 2q (nibble at bit 8q) and 2q + 1 (bit 8q + 4).
+    let shifts = _mm512_set_epi64(
+        (60 << 32) | 56,
+        (52 << 32) | 48,
+        (44 << 32) | 40,
+        (36 << 32) | 32,
+        (28 << 32) | 24,
+        (20 << 32) | 16,
+        (12 << 32) | 8,
+        4 << 32,
+    );
+    let packed = _mm512_set1_epi64(p.cast::<i64>().read_unaligned());
+    _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(shifts, packed), table)
+}
+
+/// FP4 e2m1 pairs `p[..8]` (columns in nibble order) to 16 f32 values.
+///
+/// # Safety
+/// The CPU must support AVX-512F and `p` must point at 8 readable bytes.
+#[inline(always)]
+unsafe fn fp4_decode16(p: *const u8) -> __m512 {
+    fp4_lookup16(p, _mm512_loadu_ps(FP4_E2M1_VALUES.as_ptr()))
 }
 
 /// # Safety

@@ -19,13 +19,17 @@ pub enum Isa {
     Portable,
     /// x86-64 AVX2 + FMA: two 8-lane registers hold the 16 lanes.
     Avx2,
-    /// x86-64 AVX-512F: one 16-lane register holds the 16 lanes.
+    /// x86-64 AVX-512F and BW (every AVX-512 CPU since Skylake): one 16-lane
+    /// register holds the 16 lanes.
     Avx512,
+    /// AVX-512F with VBMI (Ice Lake, Zen 4 and later): FP4 codes reach their
+    /// lanes with one byte shuffle.
+    Avx512Vbmi,
 }
 
 impl Isa {
     /// Every path, fastest last.
-    pub const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+    pub const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Vbmi];
 
     /// Whether this CPU can run the path.
     pub fn is_available(self) -> bool {
@@ -34,9 +38,15 @@ impl Isa {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => is_x86_feature_detected!("avx512f"),
+            Isa::Avx512 => is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vbmi => {
+                is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vbmi")
+            }
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 | Isa::Avx512 => false,
+            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vbmi => false,
         }
     }
 
@@ -62,6 +72,24 @@ pub(crate) fn reduce16(acc: &[f32]) -> f32 {
     a[0]
 }
 
+/// Ask for every cache line of `data` to be brought closer (a hint; no effect
+/// on results, none on targets without one).
+#[inline]
+pub(crate) fn prefetch<T>(data: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let bytes = std::mem::size_of_val(data);
+        let base = data.as_ptr().cast::<i8>();
+        for offset in (0..bytes).step_by(64) {
+            // SAFETY: SSE is part of x86-64; a prefetch never faults, and the
+            // address stays inside `data`.
+            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(base.add(offset)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = data;
+}
+
 /// An [`Isa`] known to be supported by this CPU: the only way to reach the
 /// `unsafe` SIMD functions, whose sole extra requirement is that support.
 #[derive(Clone, Copy, Debug)]
@@ -85,8 +113,8 @@ impl Backend {
         match self.0 {
             // Up to 24 accumulators + the w and x registers within the 32 zmm
             // registers; 6 × 4 needs the fewest loads per multiply-add.
-            Isa::Avx512 if rows_left <= 3 => (rows_left, 8),
-            Isa::Avx512 => (rows_left.min(6), 4),
+            Isa::Avx512 | Isa::Avx512Vbmi if rows_left <= 3 => (rows_left, 8),
+            Isa::Avx512 | Isa::Avx512Vbmi => (rows_left.min(6), 4),
             // 3 × 2 × 2 accumulators + 2 w + 1 x fit the 16 ymm registers.
             Isa::Avx2 if rows_left >= 3 => (3, 2),
             Isa::Avx2 if rows_left == 2 => (2, 2),
@@ -105,7 +133,7 @@ impl Backend {
             Isa::Avx2 => unsafe { avx2::dot(a, b) },
             // SAFETY: `Backend::new` checked that the CPU has AVX-512F; lengths are equal.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { avx512::dot(a, b) },
+            Isa::Avx512 | Isa::Avx512Vbmi => unsafe { avx512::dot(a, b) },
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!(),
         }
@@ -136,22 +164,34 @@ impl Backend {
             (Isa::Avx2, 3, 2) => unsafe { avx2::micro::<3, 2>(arr(xs), arr(ws), acc, acc_stride) },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, 1, 8) => unsafe { avx512::micro::<1, 8>(arr(xs), arr(ws), acc, acc_stride) },
+            (Isa::Avx512 | Isa::Avx512Vbmi, 1, 8) => unsafe {
+                avx512::micro::<1, 8>(arr(xs), arr(ws), acc, acc_stride)
+            },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, 2, 8) => unsafe { avx512::micro::<2, 8>(arr(xs), arr(ws), acc, acc_stride) },
+            (Isa::Avx512 | Isa::Avx512Vbmi, 2, 8) => unsafe {
+                avx512::micro::<2, 8>(arr(xs), arr(ws), acc, acc_stride)
+            },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, 3, 8) => unsafe { avx512::micro::<3, 8>(arr(xs), arr(ws), acc, acc_stride) },
+            (Isa::Avx512 | Isa::Avx512Vbmi, 3, 8) => unsafe {
+                avx512::micro::<3, 8>(arr(xs), arr(ws), acc, acc_stride)
+            },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, 4, 4) => unsafe { avx512::micro::<4, 4>(arr(xs), arr(ws), acc, acc_stride) },
+            (Isa::Avx512 | Isa::Avx512Vbmi, 4, 4) => unsafe {
+                avx512::micro::<4, 4>(arr(xs), arr(ws), acc, acc_stride)
+            },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, 5, 4) => unsafe { avx512::micro::<5, 4>(arr(xs), arr(ws), acc, acc_stride) },
+            (Isa::Avx512 | Isa::Avx512Vbmi, 5, 4) => unsafe {
+                avx512::micro::<5, 4>(arr(xs), arr(ws), acc, acc_stride)
+            },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, 6, 4) => unsafe { avx512::micro::<6, 4>(arr(xs), arr(ws), acc, acc_stride) },
+            (Isa::Avx512 | Isa::Avx512Vbmi, 6, 4) => unsafe {
+                avx512::micro::<6, 4>(arr(xs), arr(ws), acc, acc_stride)
+            },
             (isa, m, n) => unreachable!("no {m}x{n} tile for {isa:?}"),
         }
     }
@@ -159,16 +199,16 @@ impl Backend {
     /// Whether [`Backend::micro_encoded`] can read `encoding` with scale blocks of
     /// `block` columns (every 16-column chunk must lie inside one block).
     pub(crate) fn fuses(self, encoding: Encoding, block: usize) -> bool {
-        self.0 == Isa::Avx512 && (encoding == Encoding::Bf16 || block.is_multiple_of(16))
+        matches!(self.0, Isa::Avx512 | Isa::Avx512Vbmi) && (encoding == Encoding::Bf16 || block.is_multiple_of(16))
     }
 
     /// Register tile `(x rows, weight rows)` of [`Backend::micro_encoded`] for a
     /// batch of `n` rows, if one tile covers them all.
     pub(crate) fn fused_shape(self, n: usize) -> Option<(usize, usize)> {
         match (self.0, n) {
-            (Isa::Avx512, 1..=3) => Some((n, 8)),
+            (Isa::Avx512 | Isa::Avx512Vbmi, 1..=3) => Some((n, 8)),
             // 6 × 4 accumulators + 4 w + 1 x registers.
-            (Isa::Avx512, 4..=6) => Some((n, 4)),
+            (Isa::Avx512 | Isa::Avx512Vbmi, 4..=6) => Some((n, 4)),
             _ => None,
         }
     }
@@ -177,11 +217,12 @@ impl Backend {
     /// weight is decoded once, in registers, and used for every x row, so no
     /// dequantised copy is written.
     pub(crate) fn micro_encoded(self, xs: &[&[f32]], rows: EncodedRows, acc: &mut [f32], acc_stride: usize) {
-        let EncodedRows { encoding, codes, scales, k0 } = rows;
+        let EncodedRows { encoding, codes, scales, k0, ahead } = rows;
         let len = xs[0].len();
         assert!(self.fuses(encoding, scales[0].block) && k0.is_multiple_of(16), "not fusable");
         assert!(xs.iter().all(|s| s.len() == len), "ragged tile");
-        assert!(codes.iter().all(|c| c.len() == encoding.bytes(len)), "ragged codes");
+        assert!(codes.iter().chain(ahead).all(|c| c.len() == encoding.bytes(len)), "ragged codes");
+        assert!(ahead.len() <= codes.len(), "prefetch rows");
         assert_eq!(scales.len(), codes.len(), "scale rows");
         if encoding != Encoding::Bf16 {
             let block = scales[0].block;
@@ -191,7 +232,7 @@ impl Backend {
         assert!((xs.len() - 1) * acc_stride + codes.len() * 16 <= acc.len(), "accumulators");
         #[cfg(target_arch = "x86_64")]
         {
-            use avx512::{micro_encoded as m, BF16, FP4, FP8};
+            use avx512::{micro_encoded, micro_encoded_vbmi, BF16, FP4, FP8};
             // SAFETY: `fuses` above confirmed the AVX-512F backend, which
             // `Backend::new` checked the CPU supports, and the asserts above are the
             // bounds the loops rely on (every arm of the match below).
@@ -199,8 +240,10 @@ impl Backend {
                 macro_rules! tiles {
                     ($($enc:ident, $e:ident: $(($mr:literal, $nr:literal))*;)*) => {
                         match (encoding, xs.len(), codes.len()) {
-                            $($((Encoding::$enc, $mr, $nr) => {
-                                m::<$e, $mr, $nr>(arr(xs), arr(codes), arr(scales), k0, acc, acc_stride)
+                            $($((Encoding::$enc, $mr, $nr) => if self.0 == Isa::Avx512Vbmi {
+                                micro_encoded_vbmi::<$e, $mr, $nr>(arr(xs), arr(codes), arr(scales), k0, ahead, acc, acc_stride)
+                            } else {
+                                micro_encoded::<$e, $mr, $nr>(arr(xs), arr(codes), arr(scales), k0, ahead, acc, acc_stride)
                             })*)*
                             (_, m, n) => unreachable!("no fused {m}x{n} tile"),
                         }
@@ -223,7 +266,7 @@ impl Backend {
         match self.0 {
             // SAFETY: CPU features checked by `Backend::new`; lengths asserted above.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { avx512::bf16_span(src, dst) },
+            Isa::Avx512 | Isa::Avx512Vbmi => unsafe { avx512::bf16_span(src, dst) },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::bf16_span(src, dst) },
@@ -239,7 +282,7 @@ impl Backend {
         match self.0 {
             // SAFETY: CPU features checked by `Backend::new`; lengths asserted above.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { avx512::fp8_span(src, k0, scales, dst) },
+            Isa::Avx512 | Isa::Avx512Vbmi => unsafe { avx512::fp8_span(src, k0, scales, dst) },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::fp8_span(src, k0, scales, dst) },
@@ -256,7 +299,7 @@ impl Backend {
         match self.0 {
             // SAFETY: CPU features checked by `Backend::new`; lengths asserted above.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => unsafe { avx512::fp4_span(src, k0, scales, dst) },
+            Isa::Avx512 | Isa::Avx512Vbmi => unsafe { avx512::fp4_span(src, k0, scales, dst) },
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::fp4_span(src, k0, scales, dst) },
@@ -276,18 +319,21 @@ pub(crate) struct ScaleRow<'a> {
 }
 
 impl ScaleRow<'_> {
+    /// The placeholder of weights without scales (bf16).
+    pub(crate) const NONE: ScaleRow<'static> = ScaleRow { row: &[], block: 16, pairs: false };
+
     #[inline]
     fn of(&self, c: usize) -> f32 {
         let c = if self.pairs { c & !1 } else { c };
         self.row[c / self.block]
     }
 
-    /// Panics unless columns `..end` have scales.
+    /// Panics unless columns `..end` have scales (without a division: the
+    /// fused kernels check every row of every tile).
+    #[inline]
     fn check(&self, end: usize) {
         assert!(self.block > 0, "scale block");
-        if end > 0 {
-            let _ = self.of(end - 1);
-        }
+        assert!(self.row.len().saturating_mul(self.block) >= end, "scales end before column {end}");
     }
 
     /// The scale of column `c` and how many columns from `c` on share it.
@@ -318,6 +364,9 @@ pub(crate) struct EncodedRows<'a> {
     pub codes: &'a [&'a [u8]],
     pub scales: &'a [ScaleRow<'a>],
     pub k0: usize,
+    /// Codes of the same columns in the rows computed next, to prefetch (at
+    /// most as many rows as `codes`, each as long).
+    pub ahead: &'a [&'a [u8]],
 }
 
 /// A stored weight encoding that [`Backend::micro_encoded`] decodes.

@@ -1,0 +1,203 @@
+//! The CPU engine against this machine's limits, measured in one run:
+//! the memory read bandwidth (a streaming kernel), the matmul ceiling per
+//! weight format (n = 256), and each preset's prefill and decode speed with
+//! the fraction of the bound that applies (active multiply-adds / ceiling for
+//! prefill, active weight bytes / bandwidth for decode).
+//!
+//! `cargo bench --bench cpu_limits [-- PRESET...]`; set `RAYON_NUM_THREADS`
+//! for the thread count. Presets default to tiny-v4, small-v4 and medium-v4.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use deepinfer_engine::model::{Chunk, LogitsWanted, Model, SequenceState};
+use deepinfer_engine::presets::{build, Preset};
+use deepinfer_kernels::quantize::{quantize_fp4_rows, quantize_fp8_blocks};
+use deepinfer_kernels::{Isa, Linear, WeightFormat};
+use rayon::prelude::*;
+
+const CONTEXT_TOKENS: usize = 128;
+/// Buffer of the bandwidth test: far larger than any last-level cache.
+const STREAM_BYTES: usize = 1 << 30;
+
+fn main() {
+    let wanted: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let presets: Vec<Preset> = if wanted.is_empty() {
+        vec![Preset::TinyV4, Preset::SmallV4, Preset::MediumV4]
+    } else {
+        wanted.iter().map(|w| Preset::from_name(w).unwrap_or_else(|| panic!("unknown preset {w}"))).collect()
+    };
+    let threads = rayon::current_num_threads();
+    println!("# CPU limits: {threads} thread(s), kernels on {:?}", Isa::detect());
+
+    let bandwidth = read_bandwidth_gbs();
+    println!("\nmemory read bandwidth: {bandwidth:.1} GB/s (best of 5 passes over 1 GiB)");
+    println!("\n| weights | n | GFLOP/s (4096 × 4096) |\n|---|---:|---:|");
+    let mut ceiling = 0.0f64;
+    for (name, lin) in ceiling_weights() {
+        let gflops = matmul_gflops(&lin, 256);
+        ceiling = ceiling.max(gflops);
+        println!("| {name} | 256 | {gflops:.1} |");
+    }
+
+    println!(
+        "\n| model | phase | tokens/s | GFLOP/s | GB/s of weights | bound | fraction of bound |\n|---|---|---:|---:|---:|---|---:|"
+    );
+    for preset in presets {
+        let started = Instant::now();
+        let model = build(preset, 1).expect("preset builds");
+        let built_s = started.elapsed().as_secs_f64();
+        let f = model.footprint().expect("a V4 preset with its experts");
+        eprintln!(
+            "{}: built in {built_s:.1} s; per token {:.1} MB of {:.1} MB weights, {:.1} M multiply-adds",
+            preset.name(),
+            f.active_bytes as f64 / 1e6,
+            f.total_bytes as f64 / 1e6,
+            f.active_macs as f64 / 1e6
+        );
+        for len in [128usize, 512] {
+            let secs = time_prefill(&model, len);
+            let tps = len as f64 / secs;
+            let gflops = 2.0 * f.active_macs as f64 * tps / 1e9;
+            let name = preset.name();
+            println!(
+                "| {name} | prefill {len} | {tps:.1} | {gflops:.1} | | matmul {ceiling:.0} GFLOP/s | {:.0}% |",
+                100.0 * gflops / ceiling
+            );
+        }
+        for batch in [1usize, 8, 32] {
+            let secs = time_decode(&model, batch);
+            let tps = batch as f64 / secs;
+            let gflops = 2.0 * f.active_macs as f64 * tps / 1e9;
+            // At batch 1 a step reads exactly one token's active weights.
+            let (gbs, fraction) = if batch == 1 {
+                let gbs = f.active_bytes as f64 / secs / 1e9;
+                (format!("{gbs:.1}"), format!("{:.0}%", 100.0 * gbs / bandwidth))
+            } else {
+                (String::new(), String::new())
+            };
+            let bound = if batch == 1 { format!("memory {bandwidth:.0} GB/s") } else { String::new() };
+            println!(
+                "| {} | decode, batch {batch} | {tps:.1} | {gflops:.1} | {gbs} | {bound} | {fraction} |",
+                preset.name()
+            );
+        }
+    }
+}
+
+/// The fastest of a few timed runs of `f` (after one warm-up), in seconds,
+/// running at least `budget` in all.
+fn best_of(budget: Duration, mut setup_and_run: impl FnMut() -> Duration) -> f64 {
+    setup_and_run();
+    let started = Instant::now();
+    let mut best = Duration::MAX;
+    let mut runs = 0;
+    while runs < 3 || (started.elapsed() < budget && runs < 50) {
+        best = best.min(setup_and_run());
+        runs += 1;
+    }
+    best.as_secs_f64()
+}
+
+fn prompt(len: usize, salt: usize) -> Vec<u32> {
+    (0..len).map(|i| 2 + ((i * 7919 + salt * 104729) % 1000) as u32).collect()
+}
+
+fn time_prefill(model: &Model, len: usize) -> f64 {
+    let tokens = prompt(len, 0);
+    best_of(Duration::from_secs(3), || {
+        let mut state = model.new_state();
+        let started = Instant::now();
+        black_box(model.forward(&mut [Chunk::new(&tokens, &mut state)], LogitsWanted::Last, false));
+        started.elapsed()
+    })
+}
+
+fn time_decode(model: &Model, batch: usize) -> f64 {
+    let states: Vec<SequenceState> = (0..batch)
+        .map(|b| {
+            let mut state = model.new_state();
+            model.forward(&mut [Chunk::new(&prompt(CONTEXT_TOKENS, b), &mut state)], LogitsWanted::None, false);
+            state
+        })
+        .collect();
+    let next: Vec<[u32; 1]> = (0..batch).map(|b| [2 + b as u32]).collect();
+    best_of(Duration::from_secs(3), || {
+        let mut states = states.clone();
+        let mut chunks: Vec<Chunk> = states.iter_mut().zip(&next).map(|(s, t)| Chunk::new(&t[..], s)).collect();
+        let started = Instant::now();
+        black_box(model.forward(&mut chunks, LogitsWanted::Last, false));
+        started.elapsed()
+    })
+}
+
+/// One 4096 × 4096 weight per stored format.
+fn ceiling_weights() -> Vec<(&'static str, Linear)> {
+    let (rows, cols) = (4096, 4096);
+    let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 2_654_435_761) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let bf16: Vec<u8> = values.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect();
+    vec![
+        ("f32", Linear::from_f32(rows, cols, values.clone())),
+        ("bf16", Linear { rows, cols, format: WeightFormat::Bf16(Bytes::from(bf16)) }),
+        ("fp8 e4m3, 128 × 128 blocks", quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128)),
+        ("fp4 e2m1, 32-column scales", quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32)),
+    ]
+}
+
+fn matmul_gflops(lin: &Linear, n: usize) -> f64 {
+    let x: Vec<f32> = (0..n * lin.cols).map(|i| (i % 17) as f32 * 0.01).collect();
+    let mut out = vec![0.0f32; n * lin.rows];
+    let secs = best_of(Duration::from_secs(2), || {
+        let started = Instant::now();
+        lin.forward(&x, n, &mut out);
+        black_box(&out);
+        started.elapsed()
+    });
+    2.0 * (n * lin.rows * lin.cols) as f64 / secs / 1e9
+}
+
+/// Bytes read per second by a sum over a buffer far larger than the caches,
+/// split over every thread of the pool.
+fn read_bandwidth_gbs() -> f64 {
+    let words = vec![1u64; STREAM_BYTES / 8];
+    let threads = rayon::current_num_threads();
+    let chunk = words.len().div_ceil(threads);
+    let secs = (0..5)
+        .map(|_| {
+            let started = Instant::now();
+            let sum: u64 = words.par_chunks(chunk).map(sum_words).sum();
+            assert_eq!(black_box(sum), words.len() as u64);
+            started.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min);
+    STREAM_BYTES as f64 / secs / 1e9
+}
+
+fn sum_words(words: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was detected on this CPU just above.
+        return unsafe { sum_words_avx2(words) };
+    }
+    sum_words_portable(words)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sum_words_avx2(words: &[u64]) -> u64 {
+    sum_words_portable(words)
+}
+
+/// Eight independent lanes, so the compiler keeps several loads in flight.
+#[inline(always)]
+fn sum_words_portable(words: &[u64]) -> u64 {
+    let mut lanes = [0u64; 8];
+    let mut blocks = words.chunks_exact(8);
+    for block in &mut blocks {
+        for (lane, w) in lanes.iter_mut().zip(block) {
+            *lane = lane.wrapping_add(*w);
+        }
+    }
+    lanes.iter().chain(blocks.remainder()).fold(0u64, |a, &b| a.wrapping_add(b))
+}
