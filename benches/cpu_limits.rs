@@ -4,8 +4,14 @@
 //! the fraction of the bound that applies (active multiply-adds / ceiling for
 //! prefill, active weight bytes / bandwidth for decode).
 //!
-//! `cargo bench --bench cpu_limits [-- PRESET...]`; set `RAYON_NUM_THREADS`
-//! for the thread count. Presets default to tiny-v4, small-v4 and medium-v4.
+//! `cargo bench --bench cpu_limits [-- MODEL...]`, each MODEL a preset name or
+//! a checkpoint directory (`deepinfer model init --preset medium-v4 --out DIR`
+//! saves building the large preset in memory); set `RAYON_NUM_THREADS` for the
+//! thread count. Models default to tiny-v4, small-v4 and medium-v4.
+//!
+//! The FMA rate (16-lane fused multiply-adds on registers, no memory) bounds
+//! every matmul, batch-invariant or not: the matmul ceiling's share of it is
+//! what the fixed reduction order could at most be costing.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -22,36 +28,46 @@ const CONTEXT_TOKENS: usize = 128;
 const STREAM_BYTES: usize = 1 << 30;
 
 fn main() {
-    let wanted: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
-    let presets: Vec<Preset> = if wanted.is_empty() {
-        vec![Preset::TinyV4, Preset::SmallV4, Preset::MediumV4]
-    } else {
-        wanted.iter().map(|w| Preset::from_name(w).unwrap_or_else(|| panic!("unknown preset {w}"))).collect()
-    };
+    let mut wanted: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    if wanted.is_empty() {
+        wanted = ["tiny-v4", "small-v4", "medium-v4"].map(String::from).to_vec();
+    }
     let threads = rayon::current_num_threads();
     println!("# CPU limits: {threads} thread(s), kernels on {:?}", Isa::detect());
 
     let bandwidth = read_bandwidth_gbs();
     println!("\nmemory read bandwidth: {bandwidth:.1} GB/s (best of 5 passes over 1 GiB)");
-    println!("\n| weights | n | GFLOP/s (4096 × 4096) |\n|---|---:|---:|");
+    let fma_peak = fma_peak_gflops();
+    match fma_peak {
+        Some(peak) => println!("FMA rate on registers: {peak:.1} GFLOP/s"),
+        None => println!("FMA rate on registers: not measured (no AVX-512 here)"),
+    }
+    println!("\n| weights | n | GFLOP/s (4096 × 4096) | of the FMA rate |\n|---|---:|---:|---:|");
     let mut ceiling = 0.0f64;
     for (name, lin) in ceiling_weights() {
         let gflops = matmul_gflops(&lin, 256);
         ceiling = ceiling.max(gflops);
-        println!("| {name} | 256 | {gflops:.1} |");
+        let share = fma_peak.map_or(String::new(), |peak| format!("{:.0}%", 100.0 * gflops / peak));
+        println!("| {name} | 256 | {gflops:.1} | {share} |");
     }
 
     println!(
         "\n| model | phase | tokens/s | GFLOP/s | GB/s of weights | bound | fraction of bound |\n|---|---|---:|---:|---:|---|---:|"
     );
-    for preset in presets {
+    for name in &wanted {
         let started = Instant::now();
-        let model = build(preset, 1).expect("preset builds");
+        let (name, model) = match Preset::from_name(name) {
+            Some(preset) => (preset.name().to_string(), build(preset, 1).expect("preset builds")),
+            None => {
+                let dir = std::path::Path::new(name);
+                let label = dir.file_name().map_or(name.clone(), |f| f.to_string_lossy().into_owned());
+                (label, Model::load(dir).unwrap_or_else(|e| panic!("{name}: {e}")))
+            }
+        };
         let built_s = started.elapsed().as_secs_f64();
-        let f = model.footprint().expect("a V4 preset with its experts");
+        let f = model.footprint().expect("a V4 model with its experts");
         eprintln!(
-            "{}: built in {built_s:.1} s; per token {:.1} MB of {:.1} MB weights, {:.1} M multiply-adds",
-            preset.name(),
+            "{name}: ready in {built_s:.1} s; per token {:.1} MB of {:.1} MB weights, {:.1} M multiply-adds",
             f.active_bytes as f64 / 1e6,
             f.total_bytes as f64 / 1e6,
             f.active_macs as f64 / 1e6
@@ -60,7 +76,6 @@ fn main() {
             let secs = time_prefill(&model, len);
             let tps = len as f64 / secs;
             let gflops = 2.0 * f.active_macs as f64 * tps / 1e9;
-            let name = preset.name();
             println!(
                 "| {name} | prefill {len} | {tps:.1} | {gflops:.1} | | matmul {ceiling:.0} GFLOP/s | {:.0}% |",
                 100.0 * gflops / ceiling
@@ -78,10 +93,7 @@ fn main() {
                 (String::new(), String::new())
             };
             let bound = if batch == 1 { format!("memory {bandwidth:.0} GB/s") } else { String::new() };
-            println!(
-                "| {} | decode, batch {batch} | {tps:.1} | {gflops:.1} | {gbs} | {bound} | {fraction} |",
-                preset.name()
-            );
+            println!("| {name} | decode, batch {batch} | {tps:.1} | {gflops:.1} | {gbs} | {bound} | {fraction} |");
         }
     }
 }
@@ -155,6 +167,43 @@ fn matmul_gflops(lin: &Linear, n: usize) -> f64 {
         started.elapsed()
     });
     2.0 * (n * lin.rows * lin.cols) as f64 / secs / 1e9
+}
+
+/// Fused multiply-adds per second on registers alone (12 independent 16-lane
+/// accumulators per thread, every thread of the pool), in GFLOP/s.
+fn fma_peak_gflops() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx512f") {
+        const ITERS: u64 = 20_000_000;
+        let threads = rayon::current_num_threads() as u64;
+        let secs = (0..5)
+            .map(|_| {
+                let started = Instant::now();
+                // SAFETY: AVX-512F was detected just above.
+                let sum: f32 = (0..threads).into_par_iter().map(|_| unsafe { fma_loop(ITERS) }).sum();
+                black_box(sum);
+                started.elapsed().as_secs_f64()
+            })
+            .fold(f64::MAX, f64::min);
+        return Some((threads * ITERS * 12 * 16 * 2) as f64 / secs / 1e9);
+    }
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_loop(iters: u64) -> f32 {
+    use std::arch::x86_64::*;
+    let (a, b) = (_mm512_set1_ps(black_box(0.999_999)), _mm512_set1_ps(black_box(1e-7)));
+    let mut acc = [_mm512_set1_ps(1.0); 12];
+    for _ in 0..iters {
+        for v in acc.iter_mut() {
+            *v = _mm512_fmadd_ps(*v, a, b);
+        }
+    }
+    let mut lanes = [0.0f32; 16];
+    _mm512_storeu_ps(lanes.as_mut_ptr(), acc.iter().fold(_mm512_setzero_ps(), |s, v| _mm512_add_ps(s, *v)));
+    lanes.iter().sum()
 }
 
 /// Bytes read per second by a sum over a buffer far larger than the caches,

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 
 use crate::dtype::{bf16_to_f32, fp8_e4m3_to_f32, FP4_E2M1_VALUES};
 pub use crate::simd::Isa;
-use crate::simd::{prefetch, reduce16, Backend, EncodedRows, Encoding, ScaleRow};
+use crate::simd::{prefetch, Backend, EncodedRows, Encoding, ScaleRow};
 
 /// Weight rows dequantised together; every input row reuses them.
 const TILE_ROWS: usize = 16;
@@ -276,10 +276,8 @@ impl Linear {
                 }
             }
             for i in 0..n {
-                let dst = &mut out[i * out_stride + (t0 - range.start)..][..tile];
-                for (j, o) in dst.iter_mut().enumerate() {
-                    *o = reduce16(&acc[i * acc_stride + j * 16..][..16]);
-                }
+                let sums = backend.reduce_tile(acc[i * acc_stride..][..TILE_ROWS * 16].try_into().expect("a tile"));
+                out[i * out_stride + (t0 - range.start)..][..tile].copy_from_slice(&sums[..tile]);
             }
         }
     }
@@ -448,6 +446,39 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     Backend::detected().dot(a, b)
 }
 
+/// `out[i * rows + r] = dot(x_i, w_r)` for `n` rows `x_i` and `rows` rows `w_r`,
+/// all `cols` wide: the bits of [`dot`] for every pair, computed in register
+/// tiles (attention scores of many heads against shared keys).
+pub fn dot_rows(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
+    assert!(x.len() == n * cols && w.len() == rows * cols, "dot_rows inputs");
+    assert_eq!(out.len(), n * rows, "dot_rows output");
+    if n == 0 || rows == 0 {
+        return;
+    }
+    let backend = Backend::detected();
+    let xs: Vec<&[f32]> = x.chunks_exact(cols.max(1)).take(n).collect();
+    let acc_stride = TILE_ROWS * 16;
+    let mut acc = vec![0.0f32; n * acc_stride];
+    for t0 in (0..rows).step_by(TILE_ROWS) {
+        let tile = TILE_ROWS.min(rows - t0);
+        // Rows past the tile's end repeat its first row; their sums are discarded.
+        let ws: [&[f32]; TILE_ROWS] = std::array::from_fn(|j| &w[(t0 + if j < tile { j } else { 0 }) * cols..][..cols]);
+        acc.fill(0.0);
+        let mut i0 = 0;
+        while i0 < n {
+            let (mr, nr) = backend.block_shape(n - i0);
+            for g in (0..tile).step_by(nr) {
+                backend.micro(&xs[i0..i0 + mr], &ws[g..g + nr], &mut acc[i0 * acc_stride + g * 16..], acc_stride);
+            }
+            i0 += mr;
+        }
+        for i in 0..n {
+            let sums = backend.reduce_tile(acc[i * acc_stride..][..acc_stride].try_into().expect("a tile"));
+            out[i * rows + t0..][..tile].copy_from_slice(&sums[..tile]);
+        }
+    }
+}
+
 /// [`dot`] on a chosen code path. Panics if this CPU lacks `isa`.
 pub fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     Backend::new(isa).dot(a, b)
@@ -508,6 +539,22 @@ mod tests {
                 };
                 assert_spans_match(&lin);
             }
+        }
+    }
+
+    #[test]
+    fn a_tile_reduces_to_each_row_tree_on_every_path() {
+        // Magnitudes spread over 2^±40, so a sum in another order differs in its bits.
+        let mut state = 7u64;
+        let acc: [f32; 256] = std::array::from_fn(|_| {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            let mantissa = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            mantissa * 2f32.powi((state >> 33) as i32 % 81 - 40)
+        });
+        let want: Vec<u32> = (0..16).map(|j| crate::simd::reduce16(&acc[j * 16..][..16]).to_bits()).collect();
+        for backend in available() {
+            let got: Vec<u32> = backend.reduce_tile(&acc).iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, want, "{backend:?}");
         }
     }
 

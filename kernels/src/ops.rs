@@ -105,6 +105,31 @@ pub fn softmax_with_sink(logits: &mut [f32], sink: f32) {
     logits.iter_mut().for_each(|v| *v *= inv);
 }
 
+/// `out[d] += p * v[d]`, the product rounded before the sum (no fused
+/// multiply-add), so every path gives the bits of the plain loop.
+pub fn add_scaled(out: &mut [f32], p: f32, v: &[f32]) {
+    assert_eq!(out.len(), v.len(), "add_scaled lengths");
+    #[cfg(target_arch = "x86_64")]
+    if matches!(crate::Isa::detect(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
+        // SAFETY: the detected path guarantees AVX-512F.
+        return unsafe { add_scaled_avx512(out, p, v) };
+    }
+    add_scaled_plain(out, p, v);
+}
+
+#[inline(always)]
+fn add_scaled_plain(out: &mut [f32], p: f32, v: &[f32]) {
+    out.iter_mut().zip(v).for_each(|(o, v)| *o += p * v);
+}
+
+/// The plain loop compiled for 16-lane registers (Rust never contracts a
+/// multiply and an add into one instruction, so the bits are the same).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_scaled_avx512(out: &mut [f32], p: f32, v: &[f32]) {
+    add_scaled_plain(out, p, v);
+}
+
 /// Plain softmax in place.
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));

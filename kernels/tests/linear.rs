@@ -210,3 +210,34 @@ fn fp8_nan_codes_and_huge_scales_keep_the_definition() {
         }
     }
 }
+
+#[test]
+fn dot_rows_gives_each_pair_the_bits_of_dot() {
+    let mut rng = Rng(10);
+    for (n, rows, cols) in [(1, 1, 1), (16, 128, 128), (3, 37, 100), (7, 17, 512), (32, 5, 24)] {
+        let (x, w) = (rng.vec(n * cols), rng.vec(rows * cols));
+        let mut out = vec![f32::NAN; n * rows];
+        deepinfer_kernels::linear::dot_rows(&x, n, &w, rows, cols, &mut out);
+        for i in 0..n {
+            for r in 0..rows {
+                let want = dot(&x[i * cols..][..cols], &w[r * cols..][..cols]);
+                assert_eq!(out[i * rows + r].to_bits(), want.to_bits(), "n={n} rows={rows} cols={cols} ({i}, {r})");
+            }
+        }
+    }
+}
+
+#[test]
+fn add_scaled_rounds_the_product_before_the_sum() {
+    let mut rng = Rng(11);
+    for len in [0, 1, 15, 16, 17, 130] {
+        let (v, start) = (rng.vec(len), rng.vec(len));
+        let p = 0.3f32;
+        let mut out = start.clone();
+        deepinfer_kernels::ops::add_scaled(&mut out, p, &v);
+        for k in 0..len {
+            let want = start[k] + p * v[k];
+            assert_eq!(out[k].to_bits(), want.to_bits(), "len {len} element {k}");
+        }
+    }
+}

@@ -3,8 +3,8 @@
 //! lightning indexer's top-k for CSA), a per-head sink, and the grouped
 //! low-rank output projection.
 
-use deepinfer_kernels::linear::dot;
-use deepinfer_kernels::ops::{rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope};
+use deepinfer_kernels::linear::{dot, dot_rows};
+use deepinfer_kernels::ops::{add_scaled, rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope};
 use rayon::prelude::*;
 
 use super::state::{CompressorState, LayerState};
@@ -274,24 +274,25 @@ pub fn forward(
                 _ => Vec::new(),
             };
             let nw = window_keys.len() / hd;
-            let mut logits = vec![0.0f32; nw + selected.len()];
             let e = entries.unwrap_or(&[]);
+            // Every head scores the same keys (one KV head): all heads' scores
+            // at once, each the bits of its own `dot`.
+            let chosen: Vec<f32> = selected.iter().flat_map(|&w| &e[w * hd..(w + 1) * hd]).copied().collect();
+            let nk = nw + selected.len();
+            let heads_q = &q[t * h * hd..(t + 1) * h * hd];
+            let mut window_scores = vec![0.0f32; h * nw];
+            dot_rows(heads_q, h, window_keys, nw, hd, &mut window_scores);
+            let mut chosen_scores = vec![0.0f32; h * selected.len()];
+            dot_rows(heads_q, h, &chosen, selected.len(), hd, &mut chosen_scores);
+            let mut logits = vec![0.0f32; nk];
             for (head, out) in out_row.chunks_exact_mut(hd).enumerate() {
-                let qh = &q[t * h * hd + head * hd..][..hd];
-                for (j, k) in window_keys.chunks_exact(hd).enumerate() {
-                    logits[j] = dot(qh, k) * scale;
-                }
-                for (j, &w) in selected.iter().enumerate() {
-                    logits[nw + j] = dot(qh, &e[w * hd..(w + 1) * hd]) * scale;
-                }
+                let scores = window_scores[head * nw..][..nw]
+                    .iter()
+                    .chain(&chosen_scores[head * selected.len()..][..selected.len()]);
+                logits.iter_mut().zip(scores).for_each(|(l, s)| *l = s * scale);
                 softmax_with_sink(&mut logits, a.sink[head]);
-                for (j, k) in window_keys.chunks_exact(hd).enumerate() {
-                    let p = logits[j];
-                    out.iter_mut().zip(k).for_each(|(o, v)| *o += p * v);
-                }
-                for (j, &w) in selected.iter().enumerate() {
-                    let p = logits[nw + j];
-                    out.iter_mut().zip(&e[w * hd..(w + 1) * hd]).for_each(|(o, v)| *o += p * v);
+                for (&p, v) in logits.iter().zip(window_keys.chunks_exact(hd).chain(chosen.chunks_exact(hd))) {
+                    add_scaled(out, p, v);
                 }
                 angles.apply_inverse(t, out);
             }

@@ -96,6 +96,39 @@ pub(super) unsafe fn micro<const MR: usize, const NR: usize>(
     }
 }
 
+/// `reduce16` of 16 rows at once: each level of the tree adds the lower half
+/// of every row's live lanes to its upper half for two (then four, eight,
+/// sixteen) rows in one register, so every sum is the tree's own.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn reduce_tile(acc: &[f32; 256]) -> [f32; 16] {
+    let p = acc.as_ptr();
+    let row = |j: usize| _mm512_loadu_ps(p.add(16 * j));
+    // Lanes +8: rows 2k and 2k + 1, eight sums each.
+    let b: [__m512; 8] = std::array::from_fn(|k| {
+        let (lo, hi) = (row(2 * k), row(2 * k + 1));
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(lo, hi), _mm512_shuffle_f32x4::<0xee>(lo, hi))
+    });
+    // Lanes +4: 128-bit block r of c[m] is row 4m + r.
+    let c: [__m512; 4] = std::array::from_fn(|m| {
+        let (lo, hi) = (b[2 * m], b[2 * m + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(lo, hi), _mm512_shuffle_f32x4::<0xdd>(lo, hi))
+    });
+    // Lanes +2: block r of d[q] holds rows 8q + r and 8q + 4 + r, two sums each.
+    let d: [__m512; 2] = std::array::from_fn(|q| {
+        let (lo, hi) = (c[2 * q], c[2 * q + 1]);
+        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(lo, hi), _mm512_shuffle_ps::<0xee>(lo, hi))
+    });
+    // Lane +1: lane 4r + q of e is row r + 4q.
+    let e = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(d[0], d[1]), _mm512_shuffle_ps::<0xdd>(d[0], d[1]));
+    let rows_in_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    let mut out = [0.0f32; 16];
+    _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(rows_in_order, e));
+    out
+}
+
 /// Encodings of [`micro_encoded`].
 pub(super) const BF16: u8 = 0;
 pub(super) const FP8: u8 = 1;

@@ -123,6 +123,17 @@ impl Backend {
         }
     }
 
+    /// [`reduce16`] of each of 16 rows of lane accumulators (`acc[j * 16..][..16]`
+    /// for row `j`), with the same bits.
+    pub(crate) fn reduce_tile(self, acc: &[f32; 256]) -> [f32; 16] {
+        match self.0 {
+            // SAFETY: `Backend::new` checked that the CPU has AVX-512F.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Avx512Vbmi => unsafe { avx512::reduce_tile(acc) },
+            _ => std::array::from_fn(|j| reduce16(&acc[j * 16..][..16])),
+        }
+    }
+
     /// [`crate::linear::dot`] on this path. `b` must be at least as long as `a`.
     pub(crate) fn dot(self, a: &[f32], b: &[f32]) -> f32 {
         let b = &b[..a.len()];
