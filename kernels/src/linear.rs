@@ -21,7 +21,7 @@ const TILE_ROWS: usize = 16;
 /// runs; this measured faster than L1-sized blocks.
 const MAX_BLOCK_COLS: usize = 4096;
 /// Below this many multiply-adds a call stays on the calling thread.
-const PARALLEL_MIN_FMAS: usize = 1 << 18;
+const PARALLEL_MIN_FMAS: usize = 1 << 21;
 
 /// How a weight matrix of `rows × cols` (out × in, row-major) is stored.
 #[derive(Clone, Debug)]
