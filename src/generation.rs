@@ -159,10 +159,16 @@ pub fn new_engine<M: std::ops::Deref<Target = Model>>(model: M, config: EngineCo
         && config.speculative.method != DraftMethod::Off;
     let per_sequence = config.speculative.max_drafts() + 1;
     let max_tokens = (config.max_batch_size * per_sequence).min(config.max_batch_tokens);
+    let (config_method, max_batch) = (config.speculative.method, config.max_batch_size);
     let mut engine = Engine::new(model, config)?;
     if adaptive {
         let cost = crate::step_cost::measure(engine.model(), max_tokens, per_sequence);
         engine.set_step_cost(cost);
+        if config_method == DraftMethod::Mtp {
+            if let Some(chain) = crate::step_cost::measure_mtp_chain(engine.model(), max_batch) {
+                engine.set_draft_cost(chain);
+            }
+        }
     }
     Ok(engine)
 }

@@ -1,10 +1,11 @@
 //! The time a verification step takes on this machine, by tokens verified,
+//! and the time of one MTP draft-chain step, by requests drafted for,
 //! measured once at start for the adaptive draft-length policy (the engine
 //! never reads a clock; the measurement is made here and handed to it).
 
 use std::time::Instant;
 
-use deepinfer_engine::model::{Chunk, LogitsWanted, Model};
+use deepinfer_engine::model::{Chunk, LogitsWanted, Model, MtpChunk};
 use deepinfer_engine::speculative::policy::StepCost;
 
 /// Tokens per measured step: decodes with up to a few drafts each, for
@@ -41,4 +42,39 @@ pub fn measure(model: &Model, max_tokens: usize, per_sequence: usize) -> StepCos
         points.push((tokens, best.max(previous).max(1e-9)));
     }
     StepCost::from_points(points).expect("measured points increase")
+}
+
+/// Time one step of an MTP draft chain (the MTP block over one token per
+/// request, with its logits) for each point of requests up to `max_requests`,
+/// or `None` for a model without an MTP block.
+pub fn measure_mtp_chain(model: &Model, max_requests: usize) -> Option<StepCost> {
+    if !model.has_mtp() {
+        return None;
+    }
+    let history: Vec<u32> = (0..HISTORY_TOKENS as u32).map(|i| 2 + (i * 37) % 500).collect();
+    let mut base = model.new_state();
+    let main = model.forward(&mut [Chunk::new(&history, &mut base)], LogitsWanted::None, true);
+    let streams = &main[0].streams;
+    // The MTP block sees the history too, as in a running request.
+    let (past_streams, last_stream) = streams.split_at(streams.len() / HISTORY_TOKENS * (HISTORY_TOKENS - 1));
+    let next = &history[1..];
+    model.mtp_forward(&mut [MtpChunk { streams: past_streams, next_tokens: next, state: &mut base }]);
+    let mut points = Vec::new();
+    for requests in MEASURED_TOKENS.into_iter().filter(|&r| r <= max_requests.max(1)) {
+        let best = (0..REPEATS)
+            .map(|_| {
+                let mut states: Vec<_> = (0..requests).map(|_| base.clone()).collect();
+                let mut chunks: Vec<MtpChunk> = states
+                    .iter_mut()
+                    .map(|state| MtpChunk { streams: last_stream, next_tokens: &[7], state })
+                    .collect();
+                let started = Instant::now();
+                model.mtp_forward_rows(&mut chunks, LogitsWanted::All);
+                started.elapsed().as_secs_f64()
+            })
+            .fold(f64::INFINITY, f64::min);
+        let previous = points.last().map_or(0.0, |&(_, t): &(usize, f64)| t);
+        points.push((requests, best.max(previous).max(1e-9)));
+    }
+    Some(StepCost::from_points(points).expect("measured points increase"))
 }

@@ -36,7 +36,7 @@ use crate::sampling::{adjust_logits, sample};
 pub use crate::scheduler::{EngineConfig, EngineConfigError};
 use crate::scheduler::{Registration, SampledToken, ScheduledItem, Scheduler};
 use crate::speculative::policy::{choose_lengths, DraftPolicy, StepCost, SURVIVAL_WORTH_DRAFTING_MAX};
-use crate::speculative::{draft_next, Chooser, DraftInput, Proposal, SpeculativeStats};
+use crate::speculative::{draft_next, Chooser, DraftInput, DraftMethod, Proposal, SpeculativeStats};
 
 /// A finished request with everything it generated.
 #[derive(Clone, Debug, PartialEq)]
@@ -88,6 +88,9 @@ pub struct Engine<M: Deref<Target = Model> = Arc<Model>> {
     proposals: BTreeMap<RequestId, Proposal>,
     /// What a verification step costs, for the draft-length policy.
     step_cost: StepCost,
+    /// What one step of an MTP draft chain costs by the requests it drafts
+    /// for (none known: drafting is taken as free).
+    draft_cost: Option<StepCost>,
     spec_stats: SpeculativeStats,
 }
 
@@ -104,6 +107,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
             constraints: BTreeMap::new(),
             proposals: BTreeMap::new(),
             step_cost: StepCost::linear(1.0, 1.0 / 64.0),
+            draft_cost: None,
             spec_stats: SpeculativeStats::default(),
         })
     }
@@ -112,6 +116,14 @@ impl<M: Deref<Target = Model>> Engine<M> {
     /// (the adaptive draft-length policy weighs drafts against it).
     pub fn set_step_cost(&mut self, cost: StepCost) {
         self.step_cost = cost;
+    }
+
+    /// The time one step of an MTP draft chain takes by the requests it
+    /// drafts for, measured on this machine: with the adaptive policy a chain
+    /// goes on only while the next draft is expected to pay for drafting it
+    /// as well as for verifying it.
+    pub fn set_draft_cost(&mut self, cost: StepCost) {
+        self.draft_cost = Some(cost);
     }
 
     pub fn speculative_stats(&self) -> &SpeculativeStats {
@@ -396,14 +408,21 @@ impl<M: Deref<Target = Model>> Engine<M> {
     fn propose(&mut self, items: &[ScheduledItem], which: &[usize], hidden: &[Vec<f32>]) {
         let spec = self.scheduler.config().speculative;
         let max = spec.max_drafts();
-        // With the adaptive policy, a draft whose survival is below what one
-        // more verified token costs (relative to the step, at this batch) is
-        // never verified, so a chain stops there.
+        // With the adaptive policy, a chain stops at the first draft whose
+        // survival is below what it costs relative to the step at this batch:
+        // one more verified token, and (MTP) one request's share of a chain
+        // step. Adding a draft with survival S to a step of b tokens pays
+        // exactly when (b + S) / (step + cost) > b / step.
         let min_survival = match spec.policy {
             DraftPolicy::Adaptive { .. } => {
                 let b = self.scheduler.num_running().max(1);
                 let step = self.step_cost.at(b);
-                b as f64 * (self.step_cost.at(b + 1) - step) / step
+                let verify_s = self.step_cost.at(b + 1) - step;
+                let draft_s = match (&self.draft_cost, spec.method) {
+                    (Some(cost), DraftMethod::Mtp) => cost.at(b) / b as f64,
+                    _ => 0.0,
+                };
+                b as f64 * (verify_s + draft_s) / step
             }
             _ => 0.0,
         };

@@ -215,6 +215,32 @@ fn the_adaptive_policy_drafts_only_when_verification_pays() {
 }
 
 #[test]
+fn a_draft_chain_that_costs_more_than_it_yields_is_not_run() {
+    let model = trained();
+    let reqs = requests(2, 16);
+    let run = |chain_cost: Option<StepCost>| {
+        let config = with_drafts(config(PrefixMode::Off), DraftMethod::Mtp, DraftPolicy::Adaptive { max: 4 });
+        let mut engine = Engine::new(&model, config).unwrap();
+        // Verification is cheap: only the chain's own cost can stop it.
+        engine.set_step_cost(StepCost::linear(1.0, 0.001));
+        if let Some(cost) = chain_cost {
+            engine.set_draft_cost(cost);
+        }
+        for r in &reqs {
+            engine.add_request(r.clone()).unwrap();
+        }
+        engine.run_to_completion();
+        engine.speculative_stats().clone()
+    };
+    let free = run(None);
+    assert!(free.verified > free.verifications, "chains longer than one draft when drafting is free: {free:?}");
+    // A chain step costing ten steps never pays, even with verification
+    // almost free: nothing is drafted at all.
+    let costly = run(Some(StepCost::linear(0.0, 10.0)));
+    assert!(costly.proposed == 0 && costly.verified == 0, "{costly:?}");
+}
+
+#[test]
 fn a_model_without_the_draft_head_refuses_the_method() {
     let v41 = build(Preset::TinyV41, 3).unwrap();
     let err = Engine::new(&v41, with_drafts(EngineConfig::default(), DraftMethod::Mtp, DraftPolicy::Fixed(2)))
