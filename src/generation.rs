@@ -164,10 +164,13 @@ pub fn new_engine<M: std::ops::Deref<Target = Model>>(model: M, config: EngineCo
     if adaptive {
         let cost = crate::step_cost::measure(engine.model(), max_tokens, per_sequence);
         engine.set_step_cost(cost);
-        if config_method == DraftMethod::Mtp {
-            if let Some(chain) = crate::step_cost::measure_mtp_chain(engine.model(), max_batch) {
-                engine.set_draft_cost(chain);
-            }
+        let drafting = match config_method {
+            DraftMethod::Mtp => crate::step_cost::measure_mtp_chain(engine.model(), max_batch),
+            DraftMethod::Dspark => crate::step_cost::measure_dspark(engine.model(), max_batch),
+            DraftMethod::Off => None,
+        };
+        if let Some(cost) = drafting {
+            engine.set_draft_cost(cost);
         }
     }
     Ok(engine)

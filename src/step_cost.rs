@@ -1,5 +1,5 @@
 //! The time a verification step takes on this machine, by tokens verified,
-//! and the time of one MTP draft-chain step, by requests drafted for,
+//! and the time of drafting (an MTP chain step, a DSpark block) by requests,
 //! measured once at start for the adaptive draft-length policy (the engine
 //! never reads a clock; the measurement is made here and handed to it).
 
@@ -77,4 +77,24 @@ pub fn measure_mtp_chain(model: &Model, max_requests: usize) -> Option<StepCost>
         points.push((requests, best.max(previous).max(1e-9)));
     }
     Some(StepCost::from_points(points).expect("measured points increase"))
+}
+
+/// Time DSpark's draft block takes for one request (it runs per request), as
+/// a cost by requests drafted for, or `None` for a model without DSpark.
+pub fn measure_dspark(model: &Model, max_requests: usize) -> Option<StepCost> {
+    let v41 = model.v41.as_ref().filter(|m| m.config.dspark.is_some())?;
+    let history: Vec<u32> = (0..HISTORY_TOKENS as u32).map(|i| 2 + (i * 37) % 500).collect();
+    let mut state = model.new_state();
+    model.forward(&mut [Chunk::new(&history, &mut state)], LogitsWanted::None, false);
+    let v41_state = state.v41.as_ref().expect("a V4.1 state");
+    let one_s = (0..REPEATS * 3)
+        .map(|_| {
+            let started = Instant::now();
+            std::hint::black_box(v41.dspark_propose(7, HISTORY_TOKENS - 1, v41_state));
+            started.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+        .max(1e-9);
+    let points = MEASURED_TOKENS.into_iter().filter(|&r| r <= max_requests.max(1)).map(|r| (r, r as f64 * one_s));
+    Some(StepCost::from_points(points.collect()).expect("measured points increase"))
 }

@@ -88,8 +88,8 @@ pub struct Engine<M: Deref<Target = Model> = Arc<Model>> {
     proposals: BTreeMap<RequestId, Proposal>,
     /// What a verification step costs, for the draft-length policy.
     step_cost: StepCost,
-    /// What one step of an MTP draft chain costs by the requests it drafts
-    /// for (none known: drafting is taken as free).
+    /// What drafting costs by the requests drafted for: one step of an MTP
+    /// chain, or DSpark's block (none known: drafting is taken as free).
     draft_cost: Option<StepCost>,
     spec_stats: SpeculativeStats,
 }
@@ -118,10 +118,10 @@ impl<M: Deref<Target = Model>> Engine<M> {
         self.step_cost = cost;
     }
 
-    /// The time one step of an MTP draft chain takes by the requests it
-    /// drafts for, measured on this machine: with the adaptive policy a chain
-    /// goes on only while the next draft is expected to pay for drafting it
-    /// as well as for verifying it.
+    /// The time drafting takes by the requests drafted for (one step of an
+    /// MTP chain, or DSpark's block), measured on this machine: with the
+    /// adaptive policy a draft is made only while it is expected to pay for
+    /// drafting it as well as for verifying it.
     pub fn set_draft_cost(&mut self, cost: StepCost) {
         self.draft_cost = Some(cost);
     }
@@ -419,7 +419,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
                 let step = self.step_cost.at(b);
                 let verify_s = self.step_cost.at(b + 1) - step;
                 let draft_s = match (&self.draft_cost, spec.method) {
-                    (Some(cost), DraftMethod::Mtp) => cost.at(b) / b as f64,
+                    (Some(cost), DraftMethod::Mtp | DraftMethod::Dspark) => cost.at(b) / b as f64,
                     _ => 0.0,
                 };
                 b as f64 * (verify_s + draft_s) / step

@@ -215,29 +215,30 @@ fn the_adaptive_policy_drafts_only_when_verification_pays() {
 }
 
 #[test]
-fn a_draft_chain_that_costs_more_than_it_yields_is_not_run() {
-    let model = trained();
-    let reqs = requests(2, 16);
-    let run = |chain_cost: Option<StepCost>| {
-        let config = with_drafts(config(PrefixMode::Off), DraftMethod::Mtp, DraftPolicy::Adaptive { max: 4 });
-        let mut engine = Engine::new(&model, config).unwrap();
-        // Verification is cheap: only the chain's own cost can stop it.
-        engine.set_step_cost(StepCost::linear(1.0, 0.001));
-        if let Some(cost) = chain_cost {
-            engine.set_draft_cost(cost);
-        }
-        for r in &reqs {
-            engine.add_request(r.clone()).unwrap();
-        }
-        engine.run_to_completion();
-        engine.speculative_stats().clone()
-    };
-    let free = run(None);
-    assert!(free.verified > free.verifications, "chains longer than one draft when drafting is free: {free:?}");
-    // A chain step costing ten steps never pays, even with verification
-    // almost free: nothing is drafted at all.
-    let costly = run(Some(StepCost::linear(0.0, 10.0)));
-    assert!(costly.proposed == 0 && costly.verified == 0, "{costly:?}");
+fn drafting_that_costs_more_than_it_yields_is_not_done() {
+    let (trained, v41) = (trained(), build(Preset::TinyV41, 3).unwrap());
+    for (name, model, method) in [("mtp", &trained, DraftMethod::Mtp), ("dspark", &v41, DraftMethod::Dspark)] {
+        let reqs = requests(2, 16);
+        let run = |draft_cost: Option<StepCost>| {
+            let config = with_drafts(config(PrefixMode::Off), method, DraftPolicy::Adaptive { max: 4 });
+            let mut engine = Engine::new(model, config).unwrap();
+            // Verification is almost free: only drafting's own cost can stop it.
+            engine.set_step_cost(StepCost::linear(1.0, 0.001));
+            if let Some(cost) = draft_cost {
+                engine.set_draft_cost(cost);
+            }
+            for r in &reqs {
+                engine.add_request(r.clone()).unwrap();
+            }
+            engine.run_to_completion();
+            engine.speculative_stats().clone()
+        };
+        let free = run(None);
+        assert!(free.proposed > 0 && free.verified > 0, "{name}: drafts when drafting is free: {free:?}");
+        // Drafting that costs ten steps a request never pays: nothing is drafted.
+        let costly = run(Some(StepCost::linear(0.0, 10.0)));
+        assert!(costly.proposed == 0 && costly.verified == 0, "{name}: {costly:?}");
+    }
 }
 
 #[test]
