@@ -51,6 +51,11 @@ fn main() {
         println!("| {name} | 256 | {gflops:.1} | {share} |");
     }
 
+    println!("\n| weights (256 × 2048, in L2) | n | GB/s of codes decoded |\n|---|---:|---:|");
+    for (name, lin) in decode_weights() {
+        println!("| {name} | 1 | {:.1} |", decode_gbs(&lin));
+    }
+
     println!(
         "\n| model | phase | tokens/s | GFLOP/s | GB/s of weights | bound | fraction of bound |\n|---|---|---:|---:|---:|---|---:|"
     );
@@ -155,6 +160,36 @@ fn ceiling_weights() -> Vec<(&'static str, Linear)> {
         ("fp8 e4m3, 128 × 128 blocks", quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128)),
         ("fp4 e2m1, 32-column scales", quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32)),
     ]
+}
+
+/// Small FP8 and FP4 weights that stay in L2: what the fused decode kernels
+/// can read per second when memory is not the limit.
+fn decode_weights() -> Vec<(&'static str, Linear)> {
+    let (rows, cols) = (256, 2048);
+    let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 2_654_435_761) % 1000) as f32 / 1000.0 - 0.5).collect();
+    vec![
+        ("fp8 e4m3, 128 × 128 blocks", quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128)),
+        ("fp4 e2m1, 32-column scales", quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32)),
+    ]
+}
+
+fn decode_gbs(lin: &Linear) -> f64 {
+    const CALLS: usize = 200;
+    let x: Vec<f32> = (0..lin.cols).map(|i| (i % 17) as f32 * 0.01).collect();
+    let mut out = vec![0.0f32; lin.rows];
+    let secs = best_of(Duration::from_secs(1), || {
+        let started = Instant::now();
+        for _ in 0..CALLS {
+            lin.forward(&x, 1, &mut out);
+        }
+        black_box(&out);
+        started.elapsed()
+    });
+    let codes = match &lin.format {
+        WeightFormat::Fp8 { data, .. } | WeightFormat::Fp4 { data, .. } => data.len(),
+        _ => unreachable!("quantised weights"),
+    };
+    (CALLS * codes) as f64 / secs / 1e9
 }
 
 fn matmul_gflops(lin: &Linear, n: usize) -> f64 {
