@@ -149,10 +149,15 @@ fn time_decode(model: &Model, batch: usize) -> f64 {
     })
 }
 
+/// Deterministic weights in [-0.5, 0.5) without structure the kernels could exploit.
+fn weight_values(len: usize) -> Vec<f32> {
+    (0..len).map(|i| ((i * 2_654_435_761) % 1000) as f32 / 1000.0 - 0.5).collect()
+}
+
 /// One 4096 × 4096 weight per stored format.
 fn ceiling_weights() -> Vec<(&'static str, Linear)> {
     let (rows, cols) = (4096, 4096);
-    let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 2_654_435_761) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let values = weight_values(rows * cols);
     let bf16: Vec<u8> = values.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect();
     vec![
         ("f32", Linear::from_f32(rows, cols, values.clone())),
@@ -166,7 +171,7 @@ fn ceiling_weights() -> Vec<(&'static str, Linear)> {
 /// can read per second when memory is not the limit.
 fn decode_weights() -> Vec<(&'static str, Linear)> {
     let (rows, cols) = (256, 2048);
-    let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 2_654_435_761) % 1000) as f32 / 1000.0 - 0.5).collect();
+    let values = weight_values(rows * cols);
     vec![
         ("fp8 e4m3, 128 × 128 blocks", quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128)),
         ("fp4 e2m1, 32-column scales", quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32)),

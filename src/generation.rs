@@ -166,7 +166,7 @@ pub fn new_engine<M: std::ops::Deref<Target = Model>>(model: M, config: EngineCo
         engine.set_step_cost(cost);
         let drafting = match config_method {
             DraftMethod::Mtp => crate::step_cost::measure_mtp_chain(engine.model(), max_batch),
-            DraftMethod::Dspark => crate::step_cost::measure_dspark(engine.model(), max_batch),
+            DraftMethod::Dspark => crate::step_cost::measure_dspark(engine.model()),
             DraftMethod::Off => None,
         };
         if let Some(cost) = drafting {

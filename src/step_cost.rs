@@ -21,27 +21,19 @@ const HISTORY_TOKENS: usize = 64;
 /// `max_tokens`.
 pub fn measure(model: &Model, max_tokens: usize, per_sequence: usize) -> StepCost {
     assert!(per_sequence >= 1 && max_tokens >= 1, "something to measure");
-    let history: Vec<u32> = (0..HISTORY_TOKENS as u32).map(|i| 2 + (i * 37) % 500).collect();
+    let history = history();
     let mut base = model.new_state();
     model.forward(&mut [Chunk::new(&history, &mut base)], LogitsWanted::None, false);
-    let mut points = Vec::new();
-    for tokens in MEASURED_TOKENS.into_iter().filter(|&t| t <= max_tokens.max(1)) {
+    cost_by_points(max_tokens, |tokens| {
         let sequences = tokens.div_ceil(per_sequence);
-        let best = (0..REPEATS)
-            .map(|_| {
-                let mut states: Vec<_> = (0..sequences).map(|_| base.clone()).collect();
-                let feeds: Vec<Vec<u32>> =
-                    (0..sequences).map(|s| vec![7; per_sequence.min(tokens - s * per_sequence)]).collect();
-                let mut chunks: Vec<Chunk> = states.iter_mut().zip(&feeds).map(|(st, f)| Chunk::new(f, st)).collect();
-                let started = Instant::now();
-                model.forward(&mut chunks, LogitsWanted::Tail(per_sequence), true);
-                started.elapsed().as_secs_f64()
-            })
-            .fold(f64::INFINITY, f64::min);
-        let previous = points.last().map_or(0.0, |&(_, t): &(usize, f64)| t);
-        points.push((tokens, best.max(previous).max(1e-9)));
-    }
-    StepCost::from_points(points).expect("measured points increase")
+        let mut states: Vec<_> = (0..sequences).map(|_| base.clone()).collect();
+        let feeds: Vec<Vec<u32>> =
+            (0..sequences).map(|s| vec![7; per_sequence.min(tokens - s * per_sequence)]).collect();
+        let mut chunks: Vec<Chunk> = states.iter_mut().zip(&feeds).map(|(st, f)| Chunk::new(f, st)).collect();
+        let started = Instant::now();
+        model.forward(&mut chunks, LogitsWanted::Tail(per_sequence), true);
+        started.elapsed().as_secs_f64()
+    })
 }
 
 /// Time one step of an MTP draft chain (the MTP block over one token per
@@ -51,7 +43,7 @@ pub fn measure_mtp_chain(model: &Model, max_requests: usize) -> Option<StepCost>
     if !model.has_mtp() {
         return None;
     }
-    let history: Vec<u32> = (0..HISTORY_TOKENS as u32).map(|i| 2 + (i * 37) % 500).collect();
+    let history = history();
     let mut base = model.new_state();
     let main = model.forward(&mut [Chunk::new(&history, &mut base)], LogitsWanted::None, true);
     let streams = &main[0].streams;
@@ -59,42 +51,50 @@ pub fn measure_mtp_chain(model: &Model, max_requests: usize) -> Option<StepCost>
     let (past_streams, last_stream) = streams.split_at(streams.len() / HISTORY_TOKENS * (HISTORY_TOKENS - 1));
     let next = &history[1..];
     model.mtp_forward(&mut [MtpChunk { streams: past_streams, next_tokens: next, state: &mut base }]);
-    let mut points = Vec::new();
-    for requests in MEASURED_TOKENS.into_iter().filter(|&r| r <= max_requests.max(1)) {
-        let best = (0..REPEATS)
-            .map(|_| {
-                let mut states: Vec<_> = (0..requests).map(|_| base.clone()).collect();
-                let mut chunks: Vec<MtpChunk> = states
-                    .iter_mut()
-                    .map(|state| MtpChunk { streams: last_stream, next_tokens: &[7], state })
-                    .collect();
-                let started = Instant::now();
-                model.mtp_forward_rows(&mut chunks, LogitsWanted::All);
-                started.elapsed().as_secs_f64()
-            })
-            .fold(f64::INFINITY, f64::min);
-        let previous = points.last().map_or(0.0, |&(_, t): &(usize, f64)| t);
-        points.push((requests, best.max(previous).max(1e-9)));
-    }
-    Some(StepCost::from_points(points).expect("measured points increase"))
+    Some(cost_by_points(max_requests, |requests| {
+        let mut states: Vec<_> = (0..requests).map(|_| base.clone()).collect();
+        let mut chunks: Vec<MtpChunk> =
+            states.iter_mut().map(|state| MtpChunk { streams: last_stream, next_tokens: &[7], state }).collect();
+        let started = Instant::now();
+        model.mtp_forward_rows(&mut chunks, LogitsWanted::All);
+        started.elapsed().as_secs_f64()
+    }))
 }
 
 /// Time DSpark's draft block takes for one request (it runs per request), as
 /// a cost by requests drafted for, or `None` for a model without DSpark.
-pub fn measure_dspark(model: &Model, max_requests: usize) -> Option<StepCost> {
+pub fn measure_dspark(model: &Model) -> Option<StepCost> {
     let v41 = model.v41.as_ref().filter(|m| m.config.dspark.is_some())?;
-    let history: Vec<u32> = (0..HISTORY_TOKENS as u32).map(|i| 2 + (i * 37) % 500).collect();
+    let history = history();
     let mut state = model.new_state();
     model.forward(&mut [Chunk::new(&history, &mut state)], LogitsWanted::None, false);
     let v41_state = state.v41.as_ref().expect("a V4.1 state");
-    let one_s = (0..REPEATS * 3)
-        .map(|_| {
-            let started = Instant::now();
-            std::hint::black_box(v41.dspark_propose(7, HISTORY_TOKENS - 1, v41_state));
-            started.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
-        .max(1e-9);
-    let points = MEASURED_TOKENS.into_iter().filter(|&r| r <= max_requests.max(1)).map(|r| (r, r as f64 * one_s));
-    Some(StepCost::from_points(points.collect()).expect("measured points increase"))
+    let one_s = fastest(REPEATS * 3, || {
+        let started = Instant::now();
+        std::hint::black_box(v41.dspark_propose(7, HISTORY_TOKENS - 1, v41_state));
+        started.elapsed().as_secs_f64()
+    });
+    Some(StepCost::linear(0.0, one_s))
+}
+
+/// The tokens every measured sequence already holds.
+fn history() -> Vec<u32> {
+    (0..HISTORY_TOKENS as u32).map(|i| 2 + (i * 37) % 500).collect()
+}
+
+/// The fastest of `runs` timings (the others saw interference), never zero.
+fn fastest(runs: usize, mut time_s: impl FnMut() -> f64) -> f64 {
+    (0..runs).map(|_| time_s()).fold(f64::INFINITY, f64::min).max(1e-9)
+}
+
+/// A cost through the fastest timing of `time_s(k)` at each measured point
+/// `k` up to `max`, made non-decreasing.
+fn cost_by_points(max: usize, mut time_s: impl FnMut(usize) -> f64) -> StepCost {
+    let mut points: Vec<(usize, f64)> = Vec::new();
+    for k in MEASURED_TOKENS.into_iter().filter(|&k| k <= max.max(1)) {
+        let best = fastest(REPEATS, || time_s(k));
+        let previous = points.last().map_or(0.0, |&(_, t)| t);
+        points.push((k, best.max(previous)));
+    }
+    StepCost::from_points(points).expect("measured points increase")
 }

@@ -36,7 +36,7 @@ use crate::sampling::{adjust_logits, sample};
 pub use crate::scheduler::{EngineConfig, EngineConfigError};
 use crate::scheduler::{Registration, SampledToken, ScheduledItem, Scheduler};
 use crate::speculative::policy::{choose_lengths, DraftPolicy, StepCost, SURVIVAL_WORTH_DRAFTING_MAX};
-use crate::speculative::{draft_next, Chooser, DraftInput, DraftMethod, Proposal, SpeculativeStats};
+use crate::speculative::{draft_next, Chooser, DraftInput, Proposal, SpeculativeStats};
 
 /// A finished request with everything it generated.
 #[derive(Clone, Debug, PartialEq)]
@@ -418,10 +418,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
                 let b = self.scheduler.num_running().max(1);
                 let step = self.step_cost.at(b);
                 let verify_s = self.step_cost.at(b + 1) - step;
-                let draft_s = match (&self.draft_cost, spec.method) {
-                    (Some(cost), DraftMethod::Mtp | DraftMethod::Dspark) => cost.at(b) / b as f64,
-                    _ => 0.0,
-                };
+                let draft_s = self.draft_cost.as_ref().map_or(0.0, |cost| cost.at(b) / b as f64);
                 b as f64 * (verify_s + draft_s) / step
             }
             _ => 0.0,

@@ -265,20 +265,9 @@ impl Linear {
                         _ => &wbuf[(row(j) - t0) * stride..][..kc],
                     };
                 }
-                let mut i0 = 0;
-                while i0 < n {
-                    let (mr, nr) = backend.block_shape(n - i0);
-                    for g in (0..tile).step_by(nr) {
-                        let acc = &mut acc[i0 * acc_stride + g * 16..];
-                        backend.micro(&xs[i0..i0 + mr], &ws[g..g + nr], acc, acc_stride);
-                    }
-                    i0 += mr;
-                }
+                multiply_tile(backend, &xs, &ws, tile, &mut acc);
             }
-            for i in 0..n {
-                let sums = backend.reduce_tile(acc[i * acc_stride..][..TILE_ROWS * 16].try_into().expect("a tile"));
-                out[i * out_stride + (t0 - range.start)..][..tile].copy_from_slice(&sums[..tile]);
-            }
+            store_tile_sums(backend, &acc, tile, &mut out[t0 - range.start..], out_stride);
         }
     }
 
@@ -303,28 +292,6 @@ impl Linear {
         }
     }
 
-    /// Columns `k0..k0 + len` of quantised row `r` as stored, with the row's scales.
-    fn encoded_span(&self, r: usize, k0: usize, len: usize) -> (&[u8], ScaleRow<'_>) {
-        let (cols, end) = (self.cols, k0 + len);
-        match &self.format {
-            WeightFormat::F32(_) => unreachable!("f32 weights are not encoded"),
-            WeightFormat::Bf16(d) => (&d[(r * cols + k0) * 2..(r * cols + end) * 2], ScaleRow::NONE),
-            WeightFormat::Fp8 { data, scales, block_rows, block_cols } => {
-                let blocks_per_row = cols.div_ceil(*block_cols);
-                let row = &scales[(r / block_rows) * blocks_per_row..][..blocks_per_row];
-                let scales = ScaleRow { row, block: *block_cols, pairs: false };
-                (&data[r * cols + k0..r * cols + end], scales)
-            }
-            WeightFormat::Fp4 { data, scales, block_cols } => {
-                let blocks_per_row = cols / block_cols;
-                let row = &scales[r * blocks_per_row..][..blocks_per_row];
-                let scales = ScaleRow { row, block: *block_cols, pairs: true };
-                // `k0` is a multiple of 16 and `cols` is even, so the span covers whole bytes.
-                (&data[(r * cols + k0) / 2..(r * cols + end) / 2], scales)
-            }
-        }
-    }
-
     /// Dequantise columns `k0..k0 + dst.len()` of row `r`, with the same values as
     /// [`Linear::dequantize_row`].
     fn dequantize_span(&self, backend: Backend, r: usize, k0: usize, dst: &mut [f32]) {
@@ -332,7 +299,7 @@ impl Linear {
             dst.copy_from_slice(&d[r * self.cols + k0..][..dst.len()]);
             return;
         }
-        let (codes, scales) = self.encoded_span(r, k0, dst.len());
+        let (codes, scales) = RowLayout::of(self).span(r, k0, dst.len());
         match &self.format {
             WeightFormat::Bf16(_) => backend.bf16_span(codes, dst),
             WeightFormat::Fp8 { .. } => backend.fp8_span(codes, k0, scales, dst),
@@ -387,8 +354,8 @@ impl<'a> RowLayout<'a> {
         }
     }
 
-    /// Columns `k0..k0 + len` of row `r` as stored, with the row's scales
-    /// (the same as [`Linear::encoded_span`]).
+    /// Columns `k0..k0 + len` (`k0` a multiple of 16) of row `r` as stored,
+    /// with the row's scales.
     #[inline(always)]
     fn span(&self, r: usize, k0: usize, len: usize) -> (&'a [u8], ScaleRow<'a>) {
         // `k0` is a multiple of 16, so an FP4 span covers whole bytes.
@@ -457,25 +424,39 @@ pub fn dot_rows(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, out: &
     }
     let backend = Backend::detected();
     let xs: Vec<&[f32]> = x.chunks_exact(cols.max(1)).take(n).collect();
-    let acc_stride = TILE_ROWS * 16;
-    let mut acc = vec![0.0f32; n * acc_stride];
+    let mut acc = vec![0.0f32; n * TILE_ROWS * 16];
     for t0 in (0..rows).step_by(TILE_ROWS) {
         let tile = TILE_ROWS.min(rows - t0);
         // Rows past the tile's end repeat its first row; their sums are discarded.
         let ws: [&[f32]; TILE_ROWS] = std::array::from_fn(|j| &w[(t0 + if j < tile { j } else { 0 }) * cols..][..cols]);
         acc.fill(0.0);
-        let mut i0 = 0;
-        while i0 < n {
-            let (mr, nr) = backend.block_shape(n - i0);
-            for g in (0..tile).step_by(nr) {
-                backend.micro(&xs[i0..i0 + mr], &ws[g..g + nr], &mut acc[i0 * acc_stride + g * 16..], acc_stride);
-            }
-            i0 += mr;
+        multiply_tile(backend, &xs, &ws, tile, &mut acc);
+        store_tile_sums(backend, &acc, tile, &mut out[t0..], rows);
+    }
+}
+
+/// Continue the lane accumulators (`acc[i * TILE_ROWS * 16 + j * 16..][..16]`
+/// for input row `i` and tile row `j`) of every input row in `xs` against the
+/// first `tile` rows of `ws`, in register tiles.
+fn multiply_tile(backend: Backend, xs: &[&[f32]], ws: &[&[f32]; TILE_ROWS], tile: usize, acc: &mut [f32]) {
+    let acc_stride = TILE_ROWS * 16;
+    let mut i0 = 0;
+    while i0 < xs.len() {
+        let (mr, nr) = backend.block_shape(xs.len() - i0);
+        for g in (0..tile).step_by(nr) {
+            backend.micro(&xs[i0..i0 + mr], &ws[g..g + nr], &mut acc[i0 * acc_stride + g * 16..], acc_stride);
         }
-        for i in 0..n {
-            let sums = backend.reduce_tile(acc[i * acc_stride..][..acc_stride].try_into().expect("a tile"));
-            out[i * rows + t0..][..tile].copy_from_slice(&sums[..tile]);
-        }
+        i0 += mr;
+    }
+}
+
+/// Reduce each input row's tile of accumulators and write its first `tile`
+/// sums to `out[i * out_stride..]`.
+fn store_tile_sums(backend: Backend, acc: &[f32], tile: usize, out: &mut [f32], out_stride: usize) {
+    let acc_stride = TILE_ROWS * 16;
+    for (i, lanes) in acc.chunks_exact(acc_stride).enumerate() {
+        let sums = backend.reduce_tile(lanes.try_into().expect("a tile"));
+        out[i * out_stride..][..tile].copy_from_slice(&sums[..tile]);
     }
 }
 
