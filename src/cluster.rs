@@ -12,7 +12,8 @@ use anyhow::{bail, Context};
 use deepinfer_actors::cluster::ctx::NodeNews;
 use deepinfer_actors::cluster::disagg::{EplbConfig, InstanceKind};
 use deepinfer_actors::cluster::placement::Placement;
-use deepinfer_actors::cluster::Constraints;
+use deepinfer_actors::cluster::{Constraints, NodeCacheTiers};
+use deepinfer_actors::kv_disk::DiskConfig;
 use deepinfer_actors::net::quic::{Member, MemberEvent, NodeAddr, QuicConfig, QuicTransport};
 use deepinfer_actors::net::tls::{self, CLIENT_NAME};
 use deepinfer_actors::sim::clock::{Clock, RealClock};
@@ -21,11 +22,13 @@ use deepinfer_actors::sim::faults::Faults;
 use deepinfer_actors::wire::Addr;
 use deepinfer_actors::{Cluster, ClusterConfig, Env, LocalCluster, NodeRuntime};
 use deepinfer_engine::model::Model;
+use deepinfer_engine::kv_tiers::PersistRule;
 use deepinfer_engine::scheduler::EngineConfig;
 
 use crate::api::constraint::ConstraintFactory;
 use crate::config_file::{read_text, value_error, FileError};
 use crate::topology::{Backend, Topology};
+use toml::Spanned;
 
 /// A topology checked for what this program can launch.
 pub struct ClusterPlan {
@@ -185,6 +188,7 @@ impl ClusterPlan {
             cfg.instance_kinds = self.kinds.clone();
         }
         cfg.engine = EngineConfig::default();
+        cfg.cache_tiers = self.cache_tiers();
         cfg.eplb = self.topology.cluster.eplb.as_ref().map(|e| EplbConfig {
             every_steps: *e.every_steps.get_ref(),
             decay: *e.decay.get_ref(),
@@ -192,6 +196,29 @@ impl ClusterPlan {
             min_gain: *e.min_gain.get_ref(),
         });
         cfg
+    }
+
+    /// Each node's prompt-cache tiers below its pools, from `[cluster.cache]`.
+    pub fn cache_tiers(&self) -> NodeCacheTiers {
+        let c = self.topology.cluster.cache.clone().unwrap_or(crate::topology::CacheTiers {
+            host_mib: Spanned::new(0..0, 2048),
+            disk_dir: None,
+            disk_gib: Spanned::new(0..0, 64),
+            disk_shared: false,
+            persist_interval_blocks: Spanned::new(0..0, 16),
+        });
+        let base = self.path.parent().unwrap_or(Path::new("."));
+        let disk = c.disk_dir.as_ref().map(|d| DiskConfig {
+            dir: base.join(d.get_ref()),
+            capacity_bytes: c.disk_gib.get_ref().saturating_mul(1 << 30),
+            weights_identity: crate::kv_disk::weights_identity(&self.model_spec(), 0),
+        });
+        NodeCacheTiers {
+            host_bytes: usize::try_from(c.host_mib.get_ref().saturating_mul(1 << 20)).unwrap_or(usize::MAX),
+            disk,
+            disk_shared: c.disk_shared,
+            persist: PersistRule { interval_blocks: *c.persist_interval_blocks.get_ref() as usize },
+        }
     }
 
     /// The actors' configuration every process of the cluster shares.

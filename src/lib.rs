@@ -9,7 +9,7 @@ pub mod config_file;
 pub mod drain;
 pub mod engram_vocab;
 pub mod generation;
-pub mod kv_disk;
+pub use deepinfer_actors::kv_disk;
 pub mod node_agent;
 pub mod scenario;
 pub mod simulate;

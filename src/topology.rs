@@ -49,6 +49,46 @@ pub struct Cluster {
     /// Expert load balancing at run time; absent: the table changes only when devices are lost.
     #[serde(default)]
     pub eplb: Option<Eplb>,
+    /// The prompt cache below each instance's KV pool; absent: the defaults (host memory, no disk).
+    #[serde(default)]
+    pub cache: Option<CacheTiers>,
+}
+
+/// `[cluster.cache]`: each node's host-memory and disk tiers of the prompt cache.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CacheTiers {
+    /// Host memory per node for blocks a KV pool evicts, in MiB (0: none).
+    #[serde(default = "default_host_mib")]
+    pub host_mib: Spanned<u64>,
+    /// Directory of the disk tier (relative to the file); absent: no disk tier.
+    #[serde(default)]
+    pub disk_dir: Option<Spanned<String>>,
+    /// Most GiB of block files each node keeps there.
+    #[serde(default = "default_disk_gib")]
+    pub disk_gib: Spanned<u64>,
+    /// `disk_dir` is one mount every node shares (3FS, NFS, Lustre); otherwise
+    /// each node keeps its own directory under it.
+    #[serde(default)]
+    pub disk_shared: bool,
+    /// Persist long prompts every this many blocks, besides each prompt's and output's end.
+    #[serde(default = "default_persist_interval")]
+    pub persist_interval_blocks: Spanned<u64>,
+}
+
+/// The most host memory a node's cache tier may be given (1 TiB), in MiB.
+pub const MAX_HOST_CACHE_MIB: u64 = 1 << 20;
+
+fn default_host_mib() -> Spanned<u64> {
+    Spanned::new(0..0, 2048)
+}
+
+fn default_disk_gib() -> Spanned<u64> {
+    Spanned::new(0..0, 64)
+}
+
+fn default_persist_interval() -> Spanned<u64> {
+    Spanned::new(0..0, 16)
 }
 
 /// `[cluster.eplb]`: every instance re-places its experts from the loads it measures.
@@ -171,6 +211,20 @@ impl Topology {
             let gain = *e.min_gain.get_ref();
             if !(0.0..=1.0).contains(&gain) {
                 return Err(err(e.min_gain.span(), format!("must be in [0, 1], not {gain}")));
+            }
+        }
+        if let Some(c) = &t.cluster.cache {
+            if *c.host_mib.get_ref() > MAX_HOST_CACHE_MIB {
+                return Err(err(c.host_mib.span(), format!("must be at most {MAX_HOST_CACHE_MIB} (1 TiB)")));
+            }
+            if *c.disk_gib.get_ref() == 0 {
+                return Err(err(c.disk_gib.span(), "must be at least 1".into()));
+            }
+            if c.disk_dir.as_ref().is_some_and(|d| d.get_ref().trim().is_empty()) {
+                return Err(err(c.disk_dir.as_ref().expect("checked").span(), "must name a directory".into()));
+            }
+            if *c.persist_interval_blocks.get_ref() > 1 << 20 {
+                return Err(err(c.persist_interval_blocks.span(), "must be at most 1048576 (0: prompt ends only)".into()));
             }
         }
         if t.nodes.is_empty() || t.nodes.len() > MAX_NODES {

@@ -10,6 +10,7 @@
 
 pub mod actor;
 pub mod cluster;
+pub mod kv_disk;
 pub mod limits;
 pub mod modelled;
 pub mod net;

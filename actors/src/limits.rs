@@ -41,6 +41,15 @@ pub const MAX_PENDING_TRANSFERS: usize = 1024;
 /// up once, as admission may reach past held ones.
 pub const LOOKUP_SCAN: usize = 64;
 
+/// Blocks a cache manager remembers being on its disk tier (for routing); past it the oldest keys are forgotten.
+pub const MAX_DISK_KEYS: usize = 1 << 20;
+/// Values one answer to a promotion carries; blocks past it stay below and are computed.
+pub const MAX_PROMOTE_BYTES: usize = 32 << 20;
+/// Promotions a cache manager has waiting on its disk at once; past it a promotion is answered from memory only.
+pub const MAX_PENDING_PROMOTES: usize = 1024;
+
+// A promotion's answer fits one frame.
+const _: () = assert!(MAX_PROMOTE_BYTES + FRAME_HEADER_BYTES_MAX as usize <= MAX_FRAME_BYTES as usize);
 // An exported state travels in one frame (worker → scheduler → scheduler):
 // the largest export, with its header, fits the frame limit.
 const _: () = assert!(MAX_EXPORT_BYTES + FRAME_HEADER_BYTES_MAX as usize <= MAX_FRAME_BYTES as usize);

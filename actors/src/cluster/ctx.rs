@@ -132,6 +132,8 @@ pub struct Ctx {
     pub node_news: OnceLock<tokio::sync::mpsc::UnboundedSender<NodeNews>>,
     /// Builds structured-output constraints; `None`: such requests are refused.
     pub constraints: Option<Arc<dyn deepinfer_engine::constraint::ConstraintSource>>,
+    /// Host memory and disk below the device pools (real devices only; modelled ones use `modelled.tiers`).
+    pub cache_tiers: crate::cluster::NodeCacheTiers,
 }
 
 impl Ctx {

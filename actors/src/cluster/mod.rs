@@ -123,6 +123,40 @@ pub struct ClusterConfig {
     /// actor from an older one by them, so a restarted node process must
     /// start above anything its previous life gave out (its start time does).
     pub incarnation_base: u64,
+    /// The prompt cache's tiers below the device pools, on every node.
+    pub cache_tiers: NodeCacheTiers,
+}
+
+/// The prompt cache below each instance's device pool, per node: host
+/// memory takes the blocks a pool evicts, a disk tier takes blocks at the
+/// persist points and keeps them across restarts.
+#[derive(Clone, Debug, Default)]
+pub struct NodeCacheTiers {
+    /// Bytes of block values each node keeps in host memory (0: evicted blocks are dropped).
+    pub host_bytes: usize,
+    /// The disk tier; `None`: none.
+    pub disk: Option<crate::kv_disk::DiskConfig>,
+    /// `disk.dir` is one mount every node reads and writes (3FS, NFS,
+    /// Lustre): a block any node wrote serves every instance. Otherwise each
+    /// node keeps its own directory under it (`node<i>`).
+    pub disk_shared: bool,
+    pub persist: deepinfer_engine::kv_tiers::PersistRule,
+}
+
+impl NodeCacheTiers {
+    /// Whether blocks can be found below the device pools at all.
+    pub fn any(&self) -> bool {
+        self.host_bytes > 0 || self.disk.is_some()
+    }
+
+    /// Node `node`'s disk tier.
+    pub fn disk_of(&self, node: u32) -> Option<crate::kv_disk::DiskConfig> {
+        let mut d = self.disk.clone()?;
+        if !self.disk_shared {
+            d.dir = d.dir.join(format!("node{node}"));
+        }
+        Some(d)
+    }
 }
 
 /// The schedulers' [`ConstraintSource`], shared by every instance.
@@ -164,6 +198,7 @@ impl ClusterConfig {
             routers: 2,
             client_node: 0,
             incarnation_base: 0,
+            cache_tiers: NodeCacheTiers::default(),
         }
     }
 
@@ -453,6 +488,7 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         constraints: cfg.constraints.as_ref().map(|c| Arc::clone(&c.0)),
         routers: cfg.router_nodes(),
         node_news: OnceLock::new(),
+        cache_tiers: cfg.cache_tiers.clone(),
     });
     for instance in 0..topo.instances {
         Scheduler::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| ClusterError::Engine(e.to_string()))?;

@@ -58,11 +58,23 @@ pub(crate) fn sampling_params(s: &crate::wire::Sampling) -> deepinfer_engine::sa
 /// devices, `per_node` to a node, in `instances` equal instances.
 #[cfg(test)]
 pub(crate) fn test_ctx(devices: u32, per_node: u32, instances: u32) -> std::sync::Arc<crate::cluster::ctx::Ctx> {
+    test_ctx_with(devices, per_node, instances, Default::default())
+}
+
+/// [`test_ctx`] with the nodes' prompt-cache tiers below the pools.
+#[cfg(test)]
+pub(crate) fn test_ctx_with(
+    devices: u32,
+    per_node: u32,
+    instances: u32,
+    cache_tiers: crate::cluster::NodeCacheTiers,
+) -> std::sync::Arc<crate::cluster::ctx::Ctx> {
     use deepinfer_engine::presets::{build, Preset};
     let model = std::sync::Arc::new(build(Preset::TinyV4, 7).expect("tiny-v4 builds"));
     let mut cfg = crate::cluster::ClusterConfig::new(devices, devices / instances);
     cfg.devices_per_node = per_node;
     cfg.instances = instances;
+    cfg.cache_tiers = cache_tiers;
     crate::cluster::build_ctx(model, &cfg, crate::cluster::in_process_env(&cfg)).expect("a valid test cluster")
 }
 

@@ -125,6 +125,13 @@ pub struct Metrics {
     pub cache_misses: AtomicU64,
     pub blocks_stored: AtomicU64,
     pub lookups: AtomicU64,
+    /// Prompt-cache blocks moved to a node's host memory by a pool's eviction.
+    pub host_blocks_in: AtomicU64,
+    /// Blocks brought back up for a waiting request, from host memory and from disk.
+    pub host_hit_blocks: AtomicU64,
+    pub disk_hit_blocks: AtomicU64,
+    /// Blocks handed to a disk tier's writer.
+    pub blocks_persisted: AtomicU64,
 }
 
 /// A plain copy of [`Metrics`].
@@ -163,6 +170,10 @@ pub struct MetricsSnapshot {
     pub cache_misses: u64,
     pub blocks_stored: u64,
     pub lookups: u64,
+    pub host_blocks_in: u64,
+    pub host_hit_blocks: u64,
+    pub disk_hit_blocks: u64,
+    pub blocks_persisted: u64,
 }
 
 impl MetricsSnapshot {
@@ -218,6 +229,10 @@ impl Metrics {
             cache_misses: g(&self.cache_misses),
             blocks_stored: g(&self.blocks_stored),
             lookups: g(&self.lookups),
+            host_blocks_in: g(&self.host_blocks_in),
+            host_hit_blocks: g(&self.host_hit_blocks),
+            disk_hit_blocks: g(&self.disk_hit_blocks),
+            blocks_persisted: g(&self.blocks_persisted),
         }
     }
 }

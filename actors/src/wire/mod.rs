@@ -26,7 +26,7 @@ use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// Version of the envelope layout; bumped on any change to the archived types.
-pub const WIRE_VERSION: u16 = 7;
+pub const WIRE_VERSION: u16 = 8;
 pub use crate::limits::MAX_FRAME_BYTES;
 /// "dINF" little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"dINF");
@@ -603,6 +603,8 @@ pub struct StoredBlock {
     pub parent: u64,
     pub tokens: Vec<u32>,
     pub lens: Vec<u32>,
+    /// How long the block stays servable after its last use (the storing request's retention).
+    pub ttl_ms: u64,
 }
 
 /// The leading blocks of one sequence, to fetch: keys and their tokens
@@ -629,7 +631,49 @@ pub struct FetchedItem {
 #[rkyv(derive(Debug))]
 pub struct InstanceMatch {
     pub instance: u32,
+    /// Leading blocks the instance's device pool caches.
     pub blocks: u32,
+    /// Blocks after those in the node's host memory, then on its disk.
+    pub host_blocks: u32,
+    pub disk_blocks: u32,
+}
+
+/// Blocks of a waiting request's prefix that its scheduler's pool lacks,
+/// to bring up from host memory or disk: a chain from some block on (its
+/// first block's parent, the keys, their tokens).
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct PromoteItem {
+    pub seq: u64,
+    pub parent: u64,
+    pub hashes: Vec<u64>,
+    pub tokens: Vec<u32>,
+}
+
+/// One block brought up: its lengths (values in the body), how long it
+/// stays servable from now, and the tier it came from.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct PromotedBlock {
+    pub lens: Vec<u32>,
+    pub ttl_ms: u64,
+    pub tier: CacheTier,
+}
+
+/// Where a cached block was found.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[rkyv(derive(Debug))]
+pub enum CacheTier {
+    Host,
+    Disk,
+}
+
+/// The leading run of a [`PromoteItem`]'s blocks that a lower tier held.
+#[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct PromotedItem {
+    pub seq: u64,
+    pub blocks: Vec<PromotedBlock>,
 }
 
 /// The cache manager's protocol: schedulers store, evict and fetch block
@@ -672,6 +716,26 @@ pub enum CacheMsg {
         query: u64,
         node: u32,
         matches: Vec<InstanceMatch>,
+        /// Leading blocks of the prompt the node knows are on its disk tier
+        /// (a shared one serves every node).
+        disk_chain: u32,
+    },
+    /// Write these blocks of the instance (a chain, in order) to the disk
+    /// tier, up to the first one the cache lacks: a persist point.
+    Persist {
+        instance: u32,
+        hashes: Vec<u64>,
+    },
+    /// Bring the blocks of waiting requests up from host memory or disk.
+    Promote {
+        query: u64,
+        instance: u32,
+        items: Vec<PromoteItem>,
+    },
+    /// Body: the values of every promoted block, in order.
+    Promoted {
+        query: u64,
+        items: Vec<PromotedItem>,
     },
 }
 

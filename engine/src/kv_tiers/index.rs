@@ -101,6 +101,21 @@ impl<V> TierIndex<V> {
         self.slots.contains_key(&key)
     }
 
+    /// A block's parent key, tokens and value, live or not, without touching it.
+    pub fn get(&self, key: u64) -> Option<(u64, &[u32], &V)> {
+        self.slots.get(&key).map(|s| (s.parent, &*s.tokens, &s.value))
+    }
+
+    /// A block's value, to update what it records (not its size).
+    pub fn value_mut(&mut self, key: u64) -> Option<&mut V> {
+        self.slots.get_mut(&key).map(|s| &mut s.value)
+    }
+
+    /// Every block's key and parent key, in key order.
+    pub fn keys(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.slots.iter().map(|(k, s)| (*k, s.parent))
+    }
+
     fn next_stamp(&mut self) -> u64 {
         self.stamp += 1;
         self.stamp

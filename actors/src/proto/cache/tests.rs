@@ -29,7 +29,8 @@ fn block(ctx: &Ctx, tokens: &[u32]) -> (StoredBlock, Vec<f32>) {
     let mut state = model.new_state();
     model.forward(&mut [Chunk::new(&tokens[..bt], &mut state)], LogitsWanted::None, false);
     let (lens, values) = BlockValues::capture(model, &state, 0, bt).to_parts();
-    let stored = StoredBlock { hash: block_hash(0, &tokens[..bt]), parent: 0, tokens: tokens[..bt].to_vec(), lens };
+    let stored =
+        StoredBlock { hash: block_hash(0, &tokens[..bt]), parent: 0, tokens: tokens[..bt].to_vec(), lens, ttl_ms: 60_000 };
     (stored, values)
 }
 
@@ -45,7 +46,7 @@ fn replies(m: &mut CacheMachine) -> Vec<(Addr, Message, Vec<f32>)> {
 
 fn matched(m: &mut CacheMachine, tokens: &[u32], bt: usize) -> u32 {
     let lookup = CacheMsg::Lookup { query: 1, hashes: vec![block_hash(0, &tokens[..bt])], tokens: tokens.to_vec() };
-    m.handle(frame(ROUTER, Message::Cache(lookup), &[]));
+    m.handle(Duration::ZERO, frame(ROUTER, Message::Cache(lookup), &[]));
     match &replies(m)[..] {
         [(to, Message::Cache(CacheMsg::Matched { matches, .. }), _)] if *to == ROUTER => matches[0].blocks,
         other => panic!("one Matched reply: {other:?}"),
@@ -67,7 +68,7 @@ fn a_stored_block_is_matched_fetched_and_evicted() {
     let mut m = started(&ctx);
     assert_eq!(matched(&mut m, &tokens, bt), 0);
     let store = CacheMsg::Store { instance: 0, step: 0, blocks: vec![stored.clone()] };
-    m.handle(frame(SCHEDULER, Message::Cache(store), &values));
+    m.handle(Duration::ZERO, frame(SCHEDULER, Message::Cache(store), &values));
     assert_eq!(matched(&mut m, &tokens, bt), 1);
     let fetch = CacheMsg::Fetch {
         query: 9,
@@ -75,7 +76,7 @@ fn a_stored_block_is_matched_fetched_and_evicted() {
         step: 1,
         items: vec![FetchItem { seq: 5, hashes: vec![stored.hash], tokens: tokens.clone() }],
     };
-    m.handle(frame(SCHEDULER, Message::Cache(fetch.clone()), &[]));
+    m.handle(Duration::ZERO, frame(SCHEDULER, Message::Cache(fetch.clone()), &[]));
     match &replies(&mut m)[..] {
         [(to, Message::Cache(CacheMsg::Fetched { query: 9, items }), body)] if *to == SCHEDULER => {
             assert!(items[0].found);
@@ -85,9 +86,9 @@ fn a_stored_block_is_matched_fetched_and_evicted() {
         other => panic!("{other:?}"),
     }
     let evict = CacheMsg::Evict { instance: 0, step: 2, hashes: vec![stored.hash] };
-    m.handle(frame(SCHEDULER, Message::Cache(evict), &[]));
+    m.handle(Duration::ZERO, frame(SCHEDULER, Message::Cache(evict), &[]));
     assert_eq!(matched(&mut m, &tokens, bt), 0);
-    m.handle(frame(SCHEDULER, Message::Cache(fetch), &[]));
+    m.handle(Duration::ZERO, frame(SCHEDULER, Message::Cache(fetch), &[]));
     assert!(
         matches!(&replies(&mut m)[..], [(_, Message::Cache(CacheMsg::Fetched { items, .. }), b)] if !items[0].found && b.is_empty())
     );
@@ -105,28 +106,28 @@ fn bad_stores_are_refused_whole_and_a_colliding_key_is_no_hit() {
     let rejected = || ctx.metrics.frames_rejected.load(Ordering::Relaxed);
     // Too short, too long, values that do not fit the model, wrong block size.
     let before = rejected();
-    m.handle(frame(SCHEDULER, store(vec![stored.clone()]), &values[1..]));
-    m.handle(frame(SCHEDULER, store(vec![stored.clone()]), &[values.clone(), vec![0.0]].concat()));
+    m.handle(Duration::ZERO, frame(SCHEDULER, store(vec![stored.clone()]), &values[1..]));
+    m.handle(Duration::ZERO, frame(SCHEDULER, store(vec![stored.clone()]), &[values.clone(), vec![0.0]].concat()));
     let mut wrong_lens = stored.clone();
     wrong_lens.lens[1] += 1;
-    m.handle(frame(SCHEDULER, store(vec![wrong_lens]), &[values.clone(), vec![0.0]].concat()));
+    m.handle(Duration::ZERO, frame(SCHEDULER, store(vec![wrong_lens]), &[values.clone(), vec![0.0]].concat()));
     let mut short = stored.clone();
     short.tokens.pop();
-    m.handle(frame(SCHEDULER, store(vec![short]), &values));
+    m.handle(Duration::ZERO, frame(SCHEDULER, store(vec![short]), &values));
     assert_eq!(rejected(), before + 4);
     assert_eq!(matched(&mut m, &tokens, bt), 0, "nothing of a refused store is kept");
     // The same key over other tokens (a collision) is a miss, never a wrong hit.
-    m.handle(frame(SCHEDULER, store(vec![stored.clone()]), &values));
+    m.handle(Duration::ZERO, frame(SCHEDULER, store(vec![stored.clone()]), &values));
     let mut other = tokens.clone();
     other[0] += 1;
     let lookup = CacheMsg::Lookup { query: 2, hashes: vec![stored.hash], tokens: other };
-    m.handle(frame(ROUTER, Message::Cache(lookup), &[]));
+    m.handle(Duration::ZERO, frame(ROUTER, Message::Cache(lookup), &[]));
     assert!(
         matches!(&replies(&mut m)[..], [(_, Message::Cache(CacheMsg::Matched { matches, .. }), _)] if matches[0].blocks == 0)
     );
     // An instance this node does not home is not served.
     let foreign = Message::Cache(CacheMsg::Clear { instance: 7 });
-    m.handle(frame(SCHEDULER, foreign, &[]));
+    m.handle(Duration::ZERO, frame(SCHEDULER, foreign, &[]));
     assert_eq!(matched(&mut m, &tokens, bt), 1);
 }
 
@@ -146,7 +147,7 @@ fn the_store_keeps_within_its_capacity_dropping_the_least_recent() {
     m.capacity = blocks[0].2.len() * 2;
     for (_, s, v) in &blocks {
         let store = CacheMsg::Store { instance: 0, step: 0, blocks: vec![s.clone()] };
-        m.handle(frame(SCHEDULER, Message::Cache(store), v));
+        m.handle(Duration::ZERO, frame(SCHEDULER, Message::Cache(store), v));
     }
     let held: Vec<u32> = blocks.iter().map(|(t, _, _)| matched(&mut m, t, bt)).collect();
     assert_eq!(held, vec![0, 1, 1], "the oldest went");
@@ -161,3 +162,6 @@ fn a_restarted_cache_manager_tells_its_schedulers_to_forget() {
     assert_eq!(out.len(), 1, "node 0 homes instance 0 only: {out:?}");
     assert!(matches!(&out[0], (to, Message::Heartbeat(h), _) if *to == SCHEDULER && h.restarted));
 }
+
+#[path = "tier_tests.rs"]
+mod tier_tests;

@@ -72,7 +72,12 @@ struct Routing {
     submit: Submit,
     client: Addr,
     waiting: BTreeSet<u32>,
+    /// Leading blocks each instance's pool caches.
     matched: BTreeMap<u32, u32>,
+    /// Blocks after those in its node's host memory, then on its disk.
+    lower: BTreeMap<u32, (u32, u32)>,
+    /// Most leading blocks any node knows are on its disk tier.
+    disk_chain: u32,
     deadline: Duration,
 }
 
@@ -269,12 +274,14 @@ impl RouterMachine {
                     self.forward(id);
                 }
             }
-            (Role::CacheManager, Message::Cache(CacheMsg::Matched { query, node, matches })) => {
+            (Role::CacheManager, Message::Cache(CacheMsg::Matched { query, node, matches, disk_chain })) => {
                 if let Some(r) = self.routing.get_mut(&query) {
                     r.waiting.remove(&node);
                     for m in matches {
                         r.matched.insert(m.instance, m.blocks);
+                        r.lower.insert(m.instance, (m.host_blocks, m.disk_blocks));
                     }
+                    r.disk_chain = r.disk_chain.max(disk_chain);
                     if r.waiting.is_empty() {
                         self.decide(query);
                     }

@@ -32,6 +32,8 @@ impl RouterMachine {
             client,
             waiting: BTreeSet::new(),
             matched: BTreeMap::new(),
+            lower: BTreeMap::new(),
+            disk_chain: 0,
             deadline: self.now() + self.ctx.timeouts.control,
         };
         if topo.instances > 1 && self.ctx.engine.prefix_mode != PrefixMode::Off && !chain.is_empty() {
@@ -79,6 +81,30 @@ impl RouterMachine {
         }
     }
 
+    /// The nodes' tiers below the pools, as their cache managers answered:
+    /// a prefix continuing in a node's host memory or on its disk is brought
+    /// up while the request waits, so it counts as cached, a little less than
+    /// in the pool. A shared disk serves every instance what any node wrote
+    /// there; a node-local one only its own.
+    fn count_node_tiers(&self, r: &Routing, candidates: &mut [PrefillCandidate]) {
+        let tiers = &self.ctx.cache_tiers;
+        if !tiers.any() || self.ctx.modelled.is_some() {
+            return;
+        }
+        let shared = tiers.disk.is_some() && tiers.disk_shared;
+        for (i, c) in candidates.iter_mut().enumerate() {
+            let i = i as u32;
+            let pool = r.matched.get(&i).copied().unwrap_or(0);
+            let (host, disk) = r.lower.get(&i).copied().unwrap_or((0, 0));
+            let mut worth = 0.98 * host as f64 + 0.95 * disk as f64;
+            let covered = pool + host + disk;
+            if shared && r.disk_chain > covered {
+                worth += 0.9 * (r.disk_chain - covered) as f64;
+            }
+            c.cached_tokens += (worth * self.ctx.block_tokens as f64) as usize;
+        }
+    }
+
     /// The engine's prefill balancer over what the router knows: prompts
     /// that have produced no token yet are the queued prefill work.
     pub(super) fn decide(&mut self, query: u64) {
@@ -107,6 +133,7 @@ impl RouterMachine {
             return;
         }
         self.count_lower_tiers(&r.submit.spec.prompt, &r.matched, &mut candidates);
+        self.count_node_tiers(&r, &mut candidates);
         for f in self.flights.values() {
             let Some(c) = candidates.get_mut(f.instance as usize) else { continue };
             c.requests += 1;

@@ -157,8 +157,18 @@ impl SchedulerMachine {
                 self.by_rid.insert(rid, id);
                 let import = checked.is_ok().then_some((lens, values));
                 self.ctx.events.record(format_args!("{} adopts request {id} at {position} tokens", self.addr));
-                let live =
-                    Live { rid, worker, spec, hashes: Vec::new(), plain: false, decode: None, import, constraint };
+                let persist = self.policy.cache_persist(rid);
+                let live = Live {
+                    rid,
+                    worker,
+                    spec,
+                    hashes: Vec::new(),
+                    plain: false,
+                    decode: None,
+                    import,
+                    constraint,
+                    persist,
+                };
                 self.live.insert(id, live);
                 self.tick();
             }

@@ -57,6 +57,7 @@ use crate::wire::{
 mod drafts;
 use drafts::{Outs, Shape};
 mod handoffs;
+mod promotion;
 mod recovery;
 mod requests;
 mod results;
@@ -127,6 +128,8 @@ struct Live {
     import: Option<(Vec<u32>, Vec<f32>)>,
     /// Its structured-output constraint, advanced over every token it generated.
     constraint: Option<Box<dyn TokenConstraint>>,
+    /// Its blocks may be written to the disk tier.
+    persist: bool,
 }
 
 /// A prefilled request waiting for its decode instance to adopt it.
@@ -291,6 +294,7 @@ pub struct SchedulerMachine {
     handoffs: BTreeMap<u64, Handoff>,
     /// Modelled cache tiers below the device pool.
     tier_glue: TierGlue,
+    promotions: promotion::Promotions,
     ctx: Arc<Ctx>,
 }
 
@@ -425,6 +429,7 @@ impl SchedulerMachine {
             eplb,
             handoffs: BTreeMap::new(),
             tier_glue: TierGlue::default(),
+            promotions: Default::default(),
             ctx,
         };
         machine.send(cache, Message::Cache(CacheMsg::Clear { instance }), &[]);
@@ -505,6 +510,9 @@ impl SchedulerMachine {
             }
             (Role::CacheManager, Message::Heartbeat(h)) if from == self.cache && h.restarted => {
                 self.on_cache_restarted()
+            }
+            (Role::CacheManager, Message::Cache(CacheMsg::Promoted { query, items })) if from == self.cache => {
+                self.on_promoted(query, items, m.body)
             }
             (Role::CacheManager, Message::Cache(CacheMsg::Fetched { query, items })) if from == self.cache => {
                 if matches!(&self.phase, Phase::Fetching { query: q, .. } if *q == query) {

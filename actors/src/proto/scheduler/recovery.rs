@@ -343,6 +343,7 @@ impl SchedulerMachine {
         self.cached.clear();
         self.recent.clear();
         self.tiers_cleared();
+        self.promotions_lost();
         self.ctx.events.record(format_args!("{} cache restarted: prefix index cleared", self.addr));
         if let Phase::Fetching { .. } = self.phase {
             let Phase::Fetching { run, .. } = std::mem::replace(&mut self.phase, Phase::Idle) else { unreachable!() };

@@ -161,11 +161,12 @@ impl SchedulerMachine {
                 let worker = worker.unwrap_or_else(|| self.pick_worker());
                 self.assign(rid, worker, spec.prompt.len());
                 self.by_rid.insert(rid, id);
-                self.live.insert(
-                    id,
-                    Live { rid, worker, spec, hashes: Vec::new(), plain: false, decode, import: None, constraint },
-                );
+                let persist = self.policy.cache_persist(rid);
+                let live =
+                    Live { rid, worker, spec, hashes: Vec::new(), plain: false, decode, import: None, constraint, persist };
+                self.live.insert(id, live);
                 self.tiers_arrived(rid);
+                self.promote_arrived(rid);
                 self.send(self.router_of(id), Message::Ack { ids: vec![id] }, &[]);
                 self.tick();
             }

@@ -106,6 +106,8 @@ impl SchedulerMachine {
         snaps.sort_by_key(|s| (s.wave, s.item, s.block));
         let mut stores = Vec::new();
         let mut store_body = Vec::new();
+        let mut persists = Vec::new();
+        let rule = self.ctx.cache_tiers.persist;
         self.recent.clear();
         for Snap { item: i, block: k, lens, values, .. } in snaps {
             let it = &items[i];
@@ -122,14 +124,23 @@ impl SchedulerMachine {
                     parent,
                     tokens: self.policy.tokens(it.rid)[k * bt..(k + 1) * bt].to_vec(),
                     lens: lens.clone(),
+                    ttl_ms: self.policy.cache_ttl_ms(it.rid),
                 });
                 store_body.extend_from_slice(&values);
                 self.recent.insert(chain[k], (lens, values));
+                // A persist point of the prompt: the chain up to here goes to disk.
+                let prompt_blocks = self.live[&it.id].spec.prompt.len().saturating_sub(1) / bt;
+                if let Some(n) = rule.point(k, prompt_blocks).filter(|_| self.live[&it.id].persist) {
+                    persists.push(chain[..n].to_vec());
+                }
             }
         }
         if !stores.is_empty() {
             let msg = CacheMsg::Store { instance: self.instance, step, blocks: stores };
             self.send(self.cache, Message::Cache(msg), &store_body);
+        }
+        for chain in persists {
+            self.persist_chain(chain);
         }
         // Sampling items, then (modelled decode events) the further decode
         // steps the workers ran as one: each is planned and completed here as
@@ -161,7 +172,10 @@ impl SchedulerMachine {
             }
             for (rid, f) in self.policy.complete(&sampled) {
                 let Some(&id) = self.by_rid.get(&rid) else { continue };
-                self.forget(id);
+                // The end of a model turn: its whole computed chain goes to disk.
+                if let Some(l) = self.forget(id).filter(|l| l.persist) {
+                    self.persist_chain(l.hashes);
+                }
                 outs.finish(id, &f);
             }
             // A constraint that admits nothing more ends its request as a stop, as in the engine.
@@ -261,6 +275,7 @@ impl SchedulerMachine {
                         parent: if k == 0 { 0 } else { chain[k - 1] },
                         tokens: self.policy.tokens(it.id)[k * bt..(k + 1) * bt].to_vec(),
                         lens: Vec::new(),
+                        ttl_ms: self.policy.cache_ttl_ms(it.id),
                     });
                 }
             }

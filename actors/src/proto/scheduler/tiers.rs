@@ -159,7 +159,7 @@ impl SchedulerMachine {
             self.tier_glue.promoted.insert(b, tier);
             self.cached.insert(b, key);
             self.recent.insert(key, (Vec::new(), Vec::new()));
-            stores.push(StoredBlock { hash: key, parent, tokens, lens: Vec::new() });
+            stores.push(StoredBlock { hash: key, parent, tokens, lens: Vec::new(), ttl_ms: ttl });
         }
         if !gone.is_empty() {
             let msg = CacheMsg::Evict { instance: self.instance, step, hashes: gone };

@@ -21,6 +21,9 @@ pub const MAX_QUEUED_FETCHES: usize = 1024;
 
 /// A clock in milliseconds since the Unix epoch (injected, so tests can move it).
 pub type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
+/// Called on the disk thread after each completed fetch, so an owner that
+/// does not poll (an actor) can be told to collect it.
+pub type Wake = Box<dyn Fn() + Send>;
 
 /// What a fetch found for one waiting request.
 #[derive(Debug)]
@@ -44,20 +47,34 @@ pub struct DiskWorker {
     fetched: mpsc::Receiver<Fetched>,
     thread: Option<JoinHandle<()>>,
     pub stats: Arc<DiskStats>,
+    /// Key and parent key of the blocks found when the index was rebuilt.
+    indexed: Vec<(u64, u64)>,
 }
 
 impl DiskWorker {
     /// Open the tier, rebuilding its index before it returns, and start its thread.
-    pub fn start(model: Arc<Model>, block_tokens: usize, config: &DiskConfig, clock: Clock) -> anyhow::Result<Self> {
+    pub fn start(model: Arc<Model>, block_tokens: usize, config: &DiskConfig, clock: Clock) -> std::io::Result<Self> {
+        Self::start_waking(model, block_tokens, config, clock, Box::new(|| ()))
+    }
+
+    /// [`start`](Self::start), calling `wake` after each fetch completes.
+    pub fn start_waking(
+        model: Arc<Model>,
+        block_tokens: usize,
+        config: &DiskConfig,
+        clock: Clock,
+        wake: Wake,
+    ) -> std::io::Result<Self> {
         let stats = Arc::new(DiskStats::default());
         let queues: Arc<(Mutex<Queues>, Condvar)> = Arc::default();
         let (tx, fetched) = mpsc::channel();
         let mut tier = DiskTier::open(model, block_tokens, config, stats.clone(), clock());
+        let indexed = tier.keys();
         let thread_queues = queues.clone();
         let thread = std::thread::Builder::new().name("kv-disk".into()).spawn(move || {
-            serve(&mut tier, &thread_queues, &tx, &clock);
+            serve(&mut tier, &thread_queues, &tx, &clock, &wake);
         })?;
-        Ok(Self { queues, fetched, thread: Some(thread), stats })
+        Ok(Self { queues, fetched, thread: Some(thread), stats, indexed })
     }
 
     /// Queue blocks for writing; those past the bound are dropped.
@@ -86,6 +103,11 @@ impl DiskWorker {
         true
     }
 
+    /// The blocks found on disk at start (once; empty afterwards).
+    pub fn take_indexed(&mut self) -> Vec<(u64, u64)> {
+        std::mem::take(&mut self.indexed)
+    }
+
     pub fn try_fetched(&self) -> Option<Fetched> {
         self.fetched.try_recv().ok()
     }
@@ -112,8 +134,14 @@ enum Work {
     Write(PersistBlock),
 }
 
-fn serve(tier: &mut DiskTier, queues: &(Mutex<Queues>, Condvar), fetched: &mpsc::Sender<Fetched>, clock: &Clock) {
-    let (lock, wake) = queues;
+fn serve(
+    tier: &mut DiskTier,
+    queues: &(Mutex<Queues>, Condvar),
+    fetched: &mpsc::Sender<Fetched>,
+    clock: &Clock,
+    wake: &Wake,
+) {
+    let (lock, signal) = queues;
     loop {
         let work = {
             let mut q = lock.lock().expect("disk queues");
@@ -127,14 +155,16 @@ fn serve(tier: &mut DiskTier, queues: &(Mutex<Queues>, Condvar), fetched: &mpsc:
                 if q.closed {
                     return;
                 }
-                q = wake.wait(q).expect("disk queues");
+                q = signal.wait(q).expect("disk queues");
             }
         };
         match work {
             Work::Fetch(id, wanted, at) => {
                 let blocks = tier.fetch(&wanted, clock());
                 // The engine thread may be gone at shutdown; nothing to tell then.
-                let _ = fetched.send(Fetched { id, blocks, latency: at.elapsed() });
+                if fetched.send(Fetched { id, blocks, latency: at.elapsed() }).is_ok() {
+                    wake();
+                }
             }
             Work::Write(b) => tier.write(&b, clock()),
         }

@@ -147,6 +147,11 @@ impl DiskTier {
         self.index.len()
     }
 
+    /// Key and parent key of every block file indexed.
+    pub fn keys(&self) -> Vec<(u64, u64)> {
+        self.index.keys().collect()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.index.is_empty()
     }
