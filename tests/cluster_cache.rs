@@ -1,0 +1,105 @@
+//! The cluster's prompt cache below the KV pools, with real node processes
+//! over QUIC: a disk tier that outlives every process, and one shared by
+//! every node.
+
+mod cluster_support;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use cluster_support::*;
+use serde_json::Value;
+
+/// A prompt long enough for several cache blocks.
+fn long_prompt(topic: &str) -> String {
+    (0..60).map(|i| format!("{topic} fact {i} is worth keeping. ")).collect()
+}
+
+fn block_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "kvb") {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// One request per prompt in `site`'s directory, and what one process outputs for it.
+fn input_and_reference(site: &Site, prompts: &[String]) -> (PathBuf, Vec<Value>) {
+    let lines: Vec<String> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| serde_json::json!({"id": i, "prompt": p, "max_tokens": 8}).to_string())
+        .collect();
+    let input = site.dir.join("in.jsonl");
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let out = site.dir.join("one.jsonl");
+    let o = run_plain(&["generate", "--input", s(&input), "--output", s(&out)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    (input, rows(&out))
+}
+
+fn rows(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+/// Run `input` on the cluster as a client: each row, and its cached prompt tokens.
+fn on_cluster(site: &Site, input: &Path, name: &str) -> Vec<(Value, u64)> {
+    let out = site.dir.join(format!("{name}.jsonl"));
+    let o = run_plain(&["generate", "--topology", site.t(), "--input", s(input), "--output", s(&out)]);
+    assert!(o.status.success(), "{name}: {}", String::from_utf8_lossy(&o.stderr));
+    rows(&out)
+        .into_iter()
+        .map(|mut r| {
+            let cached = r["usage"]["cached_tokens"].as_u64().expect("usage.cached_tokens");
+            r["usage"]["cached_tokens"] = Value::from(0);
+            (r, cached)
+        })
+        .collect()
+}
+
+#[test]
+fn a_restarted_cluster_serves_a_prompt_from_its_disk_tier_as_one_process_would() {
+    let site = Site::build_with("kv-restart", ONE_INSTANCE, false, "\n[cluster.cache]\ndisk_dir = \"kv\"\n");
+    let (input, one) = input_and_reference(&site, &[long_prompt("alpha")]);
+    let mut nodes = start_nodes(&site);
+    let first = on_cluster(&site, &input, "first");
+    assert_eq!(first[0], (one[0].clone(), 0), "a cold run: one process's tokens, nothing cached");
+    stop_nodes(&mut nodes);
+    // The instance's scheduler lives on node0: its node's own directory holds the blocks.
+    let written = block_files(&site.dir.join("kv").join("node0"));
+    assert!(written.len() >= 4, "the prompt's blocks were written: {written:?}");
+    assert!(block_files(&site.dir.join("kv").join("node1")).is_empty());
+
+    let mut nodes = start_nodes(&site);
+    let second = on_cluster(&site, &input, "second");
+    assert_eq!(second[0].0, one[0], "a disk hit gives one process's tokens");
+    assert!(second[0].1 >= 4 * 64, "served from disk after the restart: {} cached tokens", second[0].1);
+    stop_nodes(&mut nodes);
+}
+
+#[test]
+fn a_shared_disk_serves_an_instance_whose_node_never_computed_the_prompt() {
+    let keys = "\n[cluster.cache]\ndisk_dir = \"kv\"\ndisk_shared = true\nhost_mib = 0\n";
+    let site = Site::build_with("kv-shared", TWO_INSTANCES, false, keys);
+    let (input, one) = input_and_reference(&site, &[long_prompt("beta")]);
+    let mut nodes = start_nodes(&site);
+    let first = on_cluster(&site, &input, "first");
+    assert_eq!(first[0], (one[0].clone(), 0));
+    assert!(block_files(&site.dir.join("kv")).len() >= 4, "written to the shared directory");
+    // Instance `a`'s home node is drained away: `b`, homed on node2, serves.
+    let o = run_plain(&["drain", "node0", "--topology", site.t(), "--timeout-s", "60"]);
+    assert!(o.status.success(), "drain node0: {}", String::from_utf8_lossy(&o.stderr));
+    nodes[0].wait_exit(Duration::from_secs(30));
+    let second = on_cluster(&site, &input, "second");
+    assert_eq!(second[0].0, one[0], "the shared blocks give one process's tokens");
+    assert!(second[0].1 >= 4 * 64, "node2 read what node0 wrote: {} cached tokens", second[0].1);
+    stop_nodes(&mut nodes[1..]);
+}
