@@ -21,8 +21,8 @@ use deepinfer_actors::sim::events::{EventLog, Metrics};
 use deepinfer_actors::sim::faults::Faults;
 use deepinfer_actors::wire::Addr;
 use deepinfer_actors::{Cluster, ClusterConfig, Env, LocalCluster, NodeRuntime};
-use deepinfer_engine::model::Model;
 use deepinfer_engine::kv_tiers::PersistRule;
+use deepinfer_engine::model::Model;
 use deepinfer_engine::scheduler::EngineConfig;
 
 use crate::api::constraint::ConstraintFactory;

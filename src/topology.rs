@@ -224,7 +224,10 @@ impl Topology {
                 return Err(err(c.disk_dir.as_ref().expect("checked").span(), "must name a directory".into()));
             }
             if *c.persist_interval_blocks.get_ref() > 1 << 20 {
-                return Err(err(c.persist_interval_blocks.span(), "must be at most 1048576 (0: prompt ends only)".into()));
+                return Err(err(
+                    c.persist_interval_blocks.span(),
+                    "must be at most 1048576 (0: prompt ends only)".into(),
+                ));
             }
         }
         if t.nodes.is_empty() || t.nodes.len() > MAX_NODES {

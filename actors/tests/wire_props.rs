@@ -2,11 +2,11 @@
 //! oversized frames are rejected with a typed error; valid frames round-trip.
 
 use deepinfer_actors::wire::{
-    decode, decode_with_limit, encode, read_frame, Addr, BlockSnapshot, CacheMsg, Control, DispatchHeader, Envelope,
-    ExpertLoad, ExpertResultHeader, ExpertRows, FetchItem, FinishKind, FinishWire, HandoffMsg, Heartbeat, Message,
-    OutputEnd, OutputItem, Outputs, PlacementWire, RequestSpec, ResultStatus, Role, Sampling, SeqOutput, StateExport,
-    StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, TokenBias, TokenCount, TokenOut, TopLogprob,
-    Verification, WireError, MAX_FRAME_BYTES,
+    decode, decode_with_limit, encode, read_frame, Addr, BlockSnapshot, CacheMsg, CacheTier, Control, DispatchHeader,
+    Envelope, ExpertLoad, ExpertResultHeader, ExpertRows, FetchItem, FinishKind, FinishWire, HandoffMsg, Heartbeat,
+    InstanceMatch, Message, OutputEnd, OutputItem, Outputs, PlacementWire, PromoteItem, PromotedBlock, PromotedItem,
+    RequestSpec, ResultStatus, Role, Sampling, SeqOutput, StateExport, StepItem, StepOutcome, StepRequest, StepResult,
+    StoredBlock, Submit, TokenBias, TokenCount, TokenOut, TopLogprob, Verification, WireError, MAX_FRAME_BYTES,
 };
 use proptest::prelude::*;
 
@@ -151,8 +151,27 @@ fn message() -> impl Strategy<Value = Message> {
         }),
         (any::<u64>(), prop::collection::vec(any::<u64>(), 0..4), prop::collection::vec(any::<u32>(), 0..20)).prop_map(
             |(query, hashes, tokens)| {
-                Message::Cache(match query % 4 {
+                Message::Cache(match query % 8 {
                     0 => CacheMsg::Lookup { query, hashes, tokens },
+                    4 => CacheMsg::Persist { instance: 1, hashes },
+                    5 => CacheMsg::Promote {
+                        query,
+                        instance: 0,
+                        items: vec![PromoteItem { seq: 2, parent: query, hashes, tokens }],
+                    },
+                    6 => CacheMsg::Promoted {
+                        query,
+                        items: vec![PromotedItem {
+                            seq: 2,
+                            blocks: vec![PromotedBlock { lens: tokens, ttl_ms: query, tier: CacheTier::Disk }],
+                        }],
+                    },
+                    7 => CacheMsg::Matched {
+                        query,
+                        node: 1,
+                        matches: vec![InstanceMatch { instance: 0, blocks: 1, host_blocks: 2, disk_blocks: 3 }],
+                        disk_chain: hashes.len() as u32,
+                    },
                     1 => CacheMsg::Fetch {
                         query,
                         instance: 1,
@@ -162,7 +181,7 @@ fn message() -> impl Strategy<Value = Message> {
                     2 => CacheMsg::Store {
                         instance: 0,
                         step: query,
-                        blocks: vec![StoredBlock { hash: 1, parent: 0, tokens, lens: vec![0, 0] }],
+                        blocks: vec![StoredBlock { hash: 1, parent: 0, tokens, lens: vec![0, 0], ttl_ms: 9 }],
                     },
                     _ => CacheMsg::Evict { instance: 2, step: 5, hashes },
                 })

@@ -83,7 +83,8 @@ impl CacheMachine {
         let r = self.host.take(key).expect("peeked");
         let HostValues { lens, values, ttl_ms, persisted } = r.value;
         let expires_at_ms = r.expires_at_ms.max(self.now_ms.saturating_add(ttl_ms));
-        let entry = Entry { parent, tokens: r.tokens.into_vec(), lens, values, stamp: 0, ttl_ms, expires_at_ms, persisted };
+        let entry =
+            Entry { parent, tokens: r.tokens.into_vec(), lens, values, stamp: 0, ttl_ms, expires_at_ms, persisted };
         self.put_entry(instance, key, entry);
         bump(&self.ctx.metrics.host_hit_blocks);
         true
@@ -107,7 +108,9 @@ impl CacheMachine {
         let mut parent = 0;
         for &h in hashes {
             let found = match self.entries.get(&(instance, h)) {
-                Some(e) if e.parent == parent => Some((e.persisted, e.tokens.clone(), e.lens.clone(), &e.values, e.ttl_ms)),
+                Some(e) if e.parent == parent => {
+                    Some((e.persisted, e.tokens.clone(), e.lens.clone(), &e.values, e.ttl_ms))
+                }
                 _ => match self.host.get(h) {
                     Some((p, tokens, v)) if p == parent => {
                         Some((v.persisted, tokens.to_vec(), v.lens.clone(), &v.values, v.ttl_ms))

@@ -29,8 +29,13 @@ fn block(ctx: &Ctx, tokens: &[u32]) -> (StoredBlock, Vec<f32>) {
     let mut state = model.new_state();
     model.forward(&mut [Chunk::new(&tokens[..bt], &mut state)], LogitsWanted::None, false);
     let (lens, values) = BlockValues::capture(model, &state, 0, bt).to_parts();
-    let stored =
-        StoredBlock { hash: block_hash(0, &tokens[..bt]), parent: 0, tokens: tokens[..bt].to_vec(), lens, ttl_ms: 60_000 };
+    let stored = StoredBlock {
+        hash: block_hash(0, &tokens[..bt]),
+        parent: 0,
+        tokens: tokens[..bt].to_vec(),
+        lens,
+        ttl_ms: 60_000,
+    };
     (stored, values)
 }
 

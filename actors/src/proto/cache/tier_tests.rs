@@ -20,6 +20,9 @@ use crate::wire::{CacheMsg, CacheTier, InstanceMatch, Message, PromoteItem, Prom
 
 const TTL_MS: u64 = 10_000;
 
+/// Blocks of a chain with their values.
+type Blocks = Vec<(StoredBlock, Vec<f32>)>;
+
 fn ms(t: u64) -> Duration {
     Duration::from_millis(t)
 }
@@ -38,7 +41,7 @@ fn tiers(host_bytes: usize, disk: bool) -> NodeCacheTiers {
 }
 
 /// The first `n` blocks of `tokens` as the model computes them, chained.
-fn chain(ctx: &Ctx, tokens: &[u32], n: usize) -> Vec<(StoredBlock, Vec<f32>)> {
+fn chain(ctx: &Ctx, tokens: &[u32], n: usize) -> Blocks {
     let (model, bt) = (&ctx.model, ctx.block_tokens);
     let mut state = model.new_state();
     let mut out = Vec::new();
@@ -54,7 +57,7 @@ fn chain(ctx: &Ctx, tokens: &[u32], n: usize) -> Vec<(StoredBlock, Vec<f32>)> {
     out
 }
 
-fn setup(host_bytes: usize, disk: bool) -> (Arc<Ctx>, CacheMachine, Vec<u32>, Vec<(StoredBlock, Vec<f32>)>) {
+fn setup(host_bytes: usize, disk: bool) -> (Arc<Ctx>, CacheMachine, Vec<u32>, Blocks) {
     let ctx = test_ctx_with(1, 8, 1, tiers(host_bytes, disk));
     let bt = ctx.block_tokens;
     let tokens: Vec<u32> = (0..3 * bt as u32).map(|i| 2 + (i * 7) % 91).collect();
@@ -74,7 +77,12 @@ fn evict_all(m: &mut CacheMachine, now: Duration, blocks: &[(StoredBlock, Vec<f3
     m.handle(now, frame(SCHEDULER, Message::Cache(CacheMsg::Evict { instance: 0, step: 1, hashes }), &[]));
 }
 
-fn lookup(m: &mut CacheMachine, now: Duration, tokens: &[u32], blocks: &[(StoredBlock, Vec<f32>)]) -> (InstanceMatch, u32) {
+fn lookup(
+    m: &mut CacheMachine,
+    now: Duration,
+    tokens: &[u32],
+    blocks: &[(StoredBlock, Vec<f32>)],
+) -> (InstanceMatch, u32) {
     let hashes = blocks.iter().map(|(b, _)| b.hash).collect();
     m.handle(now, frame(ROUTER, Message::Cache(CacheMsg::Lookup { query: 1, hashes, tokens: tokens.to_vec() }), &[]));
     match &replies(m)[..] {
@@ -139,7 +147,7 @@ fn host_blocks_expire_on_the_injected_clock_and_are_never_served_after() {
 fn host_memory_keeps_within_its_bytes_dropping_the_least_recent() {
     let ctx = test_ctx_with(1, 8, 1, tiers(0, false));
     let bt = ctx.block_tokens;
-    let singles: Vec<(Vec<u32>, Vec<(StoredBlock, Vec<f32>)>)> = (0..3u32)
+    let singles: Vec<(Vec<u32>, Blocks)> = (0..3u32)
         .map(|k| {
             let tokens: Vec<u32> = (0..bt as u32).map(|i| 2 + (i * (k + 5)) % 89).collect();
             let c = chain(&ctx, &tokens, 1);
@@ -199,10 +207,19 @@ fn a_prefix_on_disk_is_read_and_answered_after_what_memory_held() {
         [DiskOp::Read { id, wanted }] => (*id, wanted.clone()),
         other => panic!("one read: {other:?}"),
     };
-    assert_eq!(wanted.iter().map(|w| (w.key, w.parent)).collect::<Vec<_>>(), vec![(blocks[1].0.hash, blocks[0].0.hash)]);
+    assert_eq!(
+        wanted.iter().map(|w| (w.key, w.parent)).collect::<Vec<_>>(),
+        vec![(blocks[1].0.hash, blocks[0].0.hash)]
+    );
     let (b, v) = &blocks[1];
-    let loaded =
-        LoadedBlock { key: b.hash, parent: b.parent, tokens: b.tokens.clone(), lens: b.lens.clone(), values: v.clone(), ttl_ms: 7 };
+    let loaded = LoadedBlock {
+        key: b.hash,
+        parent: b.parent,
+        tokens: b.tokens.clone(),
+        lens: b.lens.clone(),
+        values: v.clone(),
+        ttl_ms: 7,
+    };
     m.disk_read(ms(3), id, vec![loaded], None);
     let (item, body) = promoted(&mut m);
     assert_eq!(item.blocks.iter().map(|b| b.tier).collect::<Vec<_>>(), vec![CacheTier::Host, CacheTier::Disk]);
