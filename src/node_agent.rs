@@ -12,7 +12,9 @@ use tokio::sync::Notify;
 
 use deepinfer_actors::cluster::ctx::Ctx;
 use deepinfer_actors::net::transport::Transport;
-use deepinfer_actors::wire::{self, Addr, Control, DeviceStatus, Envelope, InstanceStatus, Message, NodeStatus, Role};
+use deepinfer_actors::wire::{
+    self, Addr, Control, DeviceStatus, Envelope, InstanceStatus, Message, NodeCacheStatus, NodeStatus, Role,
+};
 
 /// What a node reports now.
 pub fn node_status(ctx: &Ctx, node: u32, started: SystemTime) -> NodeStatus {
@@ -62,6 +64,13 @@ pub fn node_status(ctx: &Ctx, node: u32, started: SystemTime) -> NodeStatus {
         rss_bytes: resident_bytes(),
         expert_bytes_read: m.expert_bytes_read,
         expert_bytes_freed: m.expert_bytes_freed,
+        cache: NodeCacheStatus {
+            pool_hits: m.cache_hits,
+            host_blocks_in: m.host_blocks_in,
+            host_hit_blocks: m.host_hit_blocks,
+            disk_hit_blocks: m.disk_hit_blocks,
+            blocks_persisted: m.blocks_persisted,
+        },
     }
 }
 
@@ -163,9 +172,14 @@ pub fn status_line(name: &str, status: &NodeStatus, heard_ago: Option<Duration>)
         bytes_text(status.expert_bytes_read),
         bytes_text(status.expert_bytes_freed)
     );
+    let c = &status.cache;
+    let cache = format!(
+        "  cache: {} pool hits, blocks up from host {} / disk {}, to host {}, persisted {}",
+        c.pool_hits, c.host_hit_blocks, c.disk_hit_blocks, c.host_blocks_in, c.blocks_persisted
+    );
     format!(
         "{name:<10} up {:>6} s (incarnation {})  devices {:?}  experts {experts:>4} ({expert_bytes})  \
-         RSS {:.0} MiB  running {running:>3}  waiting {waiting:>3}  KV {kv:>6}{epochs}{moved}  heard {heard}{down}",
+         RSS {:.0} MiB  running {running:>3}  waiting {waiting:>3}  KV {kv:>6}{epochs}{moved}{cache}  heard {heard}{down}",
         status.uptime_ms / 1000,
         status.started_unix_ms,
         status.devices.iter().map(|d| d.device).collect::<Vec<_>>(),

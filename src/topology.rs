@@ -389,4 +389,26 @@ expert_parallel = 4
             assert!(e.to_string().contains(needle), "{from}: {e}");
         }
     }
+
+    #[test]
+    fn the_cache_table_is_read_and_its_bad_values_are_named_with_their_line() {
+        let cache = "api_listen = \"127.0.0.1:8000\"\n\n[cluster.cache]\nhost_mib = 512\ndisk_dir = \"kv\"\n";
+        let text = GOOD.replace("api_listen = \"127.0.0.1:8000\"\n", cache);
+        let t = Topology::parse("t.toml", &text).unwrap();
+        let c = t.cluster.cache.expect("read");
+        assert_eq!(
+            (*c.host_mib.get_ref(), c.disk_dir.map(|d| d.into_inner()), c.disk_shared),
+            (512, Some("kv".into()), false)
+        );
+        for (from, to, line, needle) in [
+            ("host_mib = 512", "host_mib = 2000000", 8, "at most 1048576"),
+            ("disk_dir = \"kv\"", "disk_dir = \" \"", 9, "must name a directory"),
+            ("disk_dir = \"kv\"", "disk_gib = 0", 9, "at least 1"),
+            ("host_mib = 512", "host_gib = 1", 8, "unknown field `host_gib`"),
+        ] {
+            let e = Topology::parse("t.toml", &text.replacen(from, to, 1)).unwrap_err();
+            assert_eq!(e.line, line, "{to}: {e}");
+            assert!(e.to_string().contains(needle), "{to}: {e}");
+        }
+    }
 }

@@ -477,6 +477,23 @@ pub struct NodeStatus {
     /// Expert weight bytes its shards read from the checkpoint, and freed, since it started.
     pub expert_bytes_read: u64,
     pub expert_bytes_freed: u64,
+    /// Its prompt cache since it started.
+    pub cache: NodeCacheStatus,
+}
+
+/// A node's prompt cache counters, in blocks.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct NodeCacheStatus {
+    /// Restores served from the pool store (requests, not blocks).
+    pub pool_hits: u64,
+    /// Blocks moved to host memory by a pool's eviction.
+    pub host_blocks_in: u64,
+    /// Blocks brought back up for a waiting request, from host memory and from disk.
+    pub host_hit_blocks: u64,
+    pub disk_hit_blocks: u64,
+    /// Blocks handed to the disk tier's writer.
+    pub blocks_persisted: u64,
 }
 
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
