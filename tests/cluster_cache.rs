@@ -8,27 +8,12 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use cluster_support::*;
+use deepinfer::kv_disk::block_files;
 use serde_json::Value;
 
 /// A prompt long enough for several cache blocks.
 fn long_prompt(topic: &str) -> String {
     (0..60).map(|i| format!("{topic} fact {i} is worth keeping. ")).collect()
-}
-
-fn block_files(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "kvb") {
-                out.push(p);
-            }
-        }
-    }
-    out
 }
 
 /// One request per prompt in `site`'s directory, and what one process outputs for it.

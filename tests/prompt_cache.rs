@@ -8,6 +8,7 @@ mod serve_support;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use deepinfer::kv_disk::block_files;
 use reqwest::Client;
 use serde_json::{json, Value};
 use serve_support::Served;
@@ -64,23 +65,6 @@ fn essentials(v: &Value) -> Value {
 
 fn by_tier(v: &Value, tier: &str) -> u64 {
     v["usage"]["prompt_cache_tokens_by_tier"][tier].as_u64().expect("a per-tier count")
-}
-
-fn block_files(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else if p.extension().is_some_and(|x| x == "kvb") {
-                out.push(p);
-            }
-        }
-    }
-    out.sort();
-    out
 }
 
 fn with_dir(dir: &Path) -> Vec<String> {

@@ -419,6 +419,24 @@ fn read_up_to(f: &mut fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(n)
 }
 
+/// Every block file under `dir` (any fingerprint), sorted: what a tier there holds.
+pub fn block_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.extension().is_some_and(|x| x == "kvb") {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
 /// The tiers below the device pool as a process sets them up.
 #[derive(Clone)]
 pub struct CacheSetup {

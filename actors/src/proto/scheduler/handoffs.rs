@@ -158,17 +158,7 @@ impl SchedulerMachine {
                 let import = checked.is_ok().then_some((lens, values));
                 self.ctx.events.record(format_args!("{} adopts request {id} at {position} tokens", self.addr));
                 let persist = self.policy.cache_persist(rid);
-                let live = Live {
-                    rid,
-                    worker,
-                    spec,
-                    hashes: Vec::new(),
-                    plain: false,
-                    decode: None,
-                    import,
-                    constraint,
-                    persist,
-                };
+                let live = Live { import, ..Live::new(rid, worker, spec, constraint, persist) };
                 self.live.insert(id, live);
                 self.tick();
             }

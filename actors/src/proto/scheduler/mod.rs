@@ -132,6 +132,19 @@ struct Live {
     persist: bool,
 }
 
+impl Live {
+    /// A request starting on `worker` from nothing computed.
+    fn new(
+        rid: RequestId,
+        worker: u32,
+        spec: RequestSpec,
+        constraint: Option<Box<dyn TokenConstraint>>,
+        persist: bool,
+    ) -> Self {
+        Self { rid, worker, spec, hashes: Vec::new(), plain: false, decode: None, import: None, constraint, persist }
+    }
+}
+
 /// A prefilled request waiting for its decode instance to adopt it.
 struct Handoff {
     spec: RequestSpec,

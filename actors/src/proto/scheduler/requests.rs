@@ -162,17 +162,7 @@ impl SchedulerMachine {
                 self.assign(rid, worker, spec.prompt.len());
                 self.by_rid.insert(rid, id);
                 let persist = self.policy.cache_persist(rid);
-                let live = Live {
-                    rid,
-                    worker,
-                    spec,
-                    hashes: Vec::new(),
-                    plain: false,
-                    decode,
-                    import: None,
-                    constraint,
-                    persist,
-                };
+                let live = Live { decode, ..Live::new(rid, worker, spec, constraint, persist) };
                 self.live.insert(id, live);
                 self.tiers_arrived(rid);
                 self.promote_arrived(rid);
