@@ -3,13 +3,16 @@
 //! every node.
 
 mod cluster_support;
+mod serve_support;
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 use cluster_support::*;
 use deepinfer::kv_disk::block_files;
 use serde_json::Value;
+use serve_support::Served;
 
 /// A prompt long enough for several cache blocks.
 fn long_prompt(topic: &str) -> String {
@@ -87,4 +90,25 @@ fn a_shared_disk_serves_an_instance_whose_node_never_computed_the_prompt() {
     assert_eq!(second[0].0, one[0], "the shared blocks give one process's tokens");
     assert!(second[0].1 >= 4 * 64, "node2 read what node0 wrote: {} cached tokens", second[0].1);
     stop_nodes(&mut nodes[1..]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_that_asks_for_memory_only_retention_leaves_nothing_on_disk() {
+    let site = Site::build_with("kv-in-memory", ONE_INSTANCE, false, "\n[cluster.cache]\ndisk_dir = \"kv\"\n");
+    let mut nodes = start_nodes(&site);
+    let mut cmd = Command::new(BIN);
+    cmd.args(["serve", "--topology", site.t(), "--listen", "127.0.0.1:0"]);
+    let front = Served::start_command(cmd);
+    let body = serde_json::json!({
+        "model": "tiny-v4",
+        "messages": [{"role": "user", "content": long_prompt("gamma")}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "prompt_cache_retention": "in_memory",
+    });
+    let r = reqwest::Client::new().post(front.url("/v1/chat/completions")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    drop(front);
+    stop_nodes(&mut nodes);
+    assert!(block_files(&site.dir.join("kv")).is_empty(), "`in_memory` blocks are never written");
 }

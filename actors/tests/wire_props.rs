@@ -5,8 +5,9 @@ use deepinfer_actors::wire::{
     decode, decode_with_limit, encode, read_frame, Addr, BlockSnapshot, CacheMsg, CacheTier, Control, DispatchHeader,
     Envelope, ExpertLoad, ExpertResultHeader, ExpertRows, FetchItem, FinishKind, FinishWire, HandoffMsg, Heartbeat,
     InstanceMatch, Message, OutputEnd, OutputItem, Outputs, PlacementWire, PromoteItem, PromotedBlock, PromotedItem,
-    RequestSpec, ResultStatus, Role, Sampling, SeqOutput, StateExport, StepItem, StepOutcome, StepRequest, StepResult,
-    StoredBlock, Submit, TokenBias, TokenCount, TokenOut, TopLogprob, Verification, WireError, MAX_FRAME_BYTES,
+    RequestSpec, ResultStatus, RetentionWire, Role, Sampling, SeqOutput, StateExport, StepItem, StepOutcome,
+    StepRequest, StepResult, StoredBlock, Submit, TokenBias, TokenCount, TokenOut, TopLogprob, Verification, WireError,
+    MAX_FRAME_BYTES,
 };
 use proptest::prelude::*;
 
@@ -101,6 +102,7 @@ fn message() -> impl Strategy<Value = Message> {
                     ignore_eos: false,
                     logits: true,
                     constraint: (id % 3 == 0).then(|| format!("{{\"regex\": \"a{{{id}}}\"}}")),
+                    retention: (id % 4 == 1).then_some(RetentionWire { ttl_ms: id, persist: id % 8 == 1 }),
                 };
                 let decode = (id % 2 == 0).then_some(id as u32);
                 Message::Submit(Submit { spec, generated, decode })
@@ -122,6 +124,7 @@ fn message() -> impl Strategy<Value = Message> {
                         ignore_eos: true,
                         logits: false,
                         constraint: None,
+                        retention: None,
                     };
                     HandoffMsg::Transfer {
                         spec: Box::new(spec),

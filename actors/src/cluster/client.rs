@@ -243,6 +243,7 @@ impl Cluster {
             ignore_eos: request.ignore_eos,
             logits: request.return_logits || self.ctx.return_logits,
             constraint,
+            retention: request.retention.map(|r| crate::wire::RetentionWire { ttl_ms: r.ttl_ms, persist: r.persist }),
         };
         let o = Outstanding {
             spec,

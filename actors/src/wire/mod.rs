@@ -535,6 +535,16 @@ pub struct RequestSpec {
     /// What the output must match (structured output, forced tool calls),
     /// as the front end describes it to the cluster's constraint source.
     pub constraint: Option<String>,
+    /// How long its prompt's blocks stay cached, and whether they may go to
+    /// disk (`prompt_cache_retention`, `cache_control.ttl`); `None`: the defaults.
+    pub retention: Option<RetentionWire>,
+}
+
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct RetentionWire {
+    pub ttl_ms: u64,
+    pub persist: bool,
 }
 
 /// "Make sure this request is running, and send me its output from token

@@ -35,6 +35,7 @@ fn spec(id: u64) -> RequestSpec {
         ignore_eos: true,
         logits: false,
         constraint: None,
+        retention: None,
     }
 }
 

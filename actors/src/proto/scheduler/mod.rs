@@ -36,7 +36,7 @@ use deepinfer_engine::engine::step_segments;
 use deepinfer_engine::eplb::ExpertLoadTracker;
 use deepinfer_engine::kv_pool::BlockId;
 use deepinfer_engine::prefix_cache::block_hash;
-use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId};
+use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId, Retention};
 use deepinfer_engine::sampling::token_history;
 use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler, StepPlan};
 use deepinfer_engine::transfer::parts_values;
@@ -335,6 +335,7 @@ pub(crate) fn request_of(spec: &RequestSpec) -> Request {
     r.stop_sequences = spec.stop_sequences.clone();
     r.ignore_eos = spec.ignore_eos;
     r.return_logits = spec.logits;
+    r.retention = spec.retention.map(|w| Retention { ttl_ms: w.ttl_ms, persist: w.persist });
     r
 }
 

@@ -41,6 +41,7 @@ fn submit(id: u64, prompt: Vec<u32>, max_tokens: u32) -> Input {
         ignore_eos: true,
         logits: false,
         constraint: None,
+        retention: None,
     };
     frame(ROUTER, Message::Submit(Submit { spec, generated: Vec::new(), decode: None }), &[])
 }

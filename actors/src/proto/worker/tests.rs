@@ -36,8 +36,9 @@ struct Rig {
     now: Duration,
 }
 
-/// What the worker left, with frames decoded.
+/// What the worker left, with frames decoded (a test's log: size does not matter).
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 enum Seen {
     Sent(Addr, Message, Vec<u8>),
     Armed { pass: u64, layer: u32, round: u32 },
