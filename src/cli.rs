@@ -31,6 +31,10 @@ pub enum Command {
     Serve(commands::serve::ServeArgs),
     /// Simulate a cluster scenario deterministically on this CPU and report what it did.
     Simulate(commands::simulate::SimulateArgs),
+    /// Plan a deployment in simulation: the capacity of each layout of N GPUs
+    /// (prefill:decode split, expert-parallel degrees, redundant experts) for a
+    /// scenario's traffic and SLOs, its cost per million tokens, the frontier.
+    Plan(commands::plan::PlanArgs),
     /// Cluster administration (certificates).
     Cluster {
         #[command(subcommand)]
@@ -222,5 +226,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Status(args) => commands::cluster::status(&args),
         Command::Drain(args) => commands::cluster::drain(&args),
         Command::Simulate(args) => commands::simulate::run_command(&args),
+        Command::Plan(args) => commands::plan::run(&args),
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod cache_report;
 pub mod capacity;
+pub mod plan;
 pub mod plots;
 pub mod report;
 pub mod sessions;

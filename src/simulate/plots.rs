@@ -121,6 +121,36 @@ pub fn line_chart(title: &str, x_label: &str, y_label: &str, lines: &[Line<'_>],
     svg + "</svg>\n"
 }
 
+/// Labelled points `(x, y, label)` on axes from 0, with `line` (sorted by x) drawn through its points.
+pub fn scatter_chart(
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    points: &[(f64, f64, String)],
+    line: &[(f64, f64)],
+) -> String {
+    // The axes of a line chart over the same points (their line drawn in no colour).
+    let all: Vec<(f64, f64)> = points.iter().map(|p| (p.0, p.1)).collect();
+    let axes = line_chart(title, x_label, y_label, &[("", "none", all), ("frontier", "#2b7bba", line.to_vec())], &[]);
+    let x_max = points.iter().map(|p| p.0).fold(0.0f64, f64::max);
+    let y_max = points.iter().map(|p| p.1).fold(0.0f64, f64::max);
+    let (x_max, y_max) = (if x_max > 0.0 { x_max } else { 1.0 }, if y_max > 0.0 { y_max * 1.05 } else { 1.0 });
+    let (pw, ph) = (W - LEFT - RIGHT, H - TOP - BOTTOM);
+    let mut dots = String::new();
+    for (x, y, label) in points {
+        let (px, py) = (LEFT + x / x_max * pw, TOP + ph - y / y_max * ph);
+        let _ = writeln!(
+            dots,
+            "<circle cx=\"{px:.1}\" cy=\"{py:.1}\" r=\"4\" fill=\"#d7301f\"/>\n\
+             <text x=\"{:.1}\" y=\"{:.1}\" font-size=\"9\" text-anchor=\"end\">{}</text>",
+            px - 6.0,
+            py - 6.0,
+            escape(label)
+        );
+    }
+    axes.replacen("</svg>\n", &(dots + "</svg>\n"), 1)
+}
+
 /// A `[row][column]` matrix of non-negative values as shades of blue.
 pub fn heatmap(title: &str, x_label: &str, y_label: &str, m: &[Vec<f64>]) -> String {
     let rows = m.len().max(1);

@@ -1,0 +1,326 @@
+//! Planning a deployment: for one scenario's model, hardware, traffic and
+//! SLOs, every layout of a given number of GPUs within a search space
+//! (prefill:decode split and instance sizes, that is expert-parallel
+//! degrees, for disaggregated serving; instance sizes for colocated
+//! serving; redundant experts) has its capacity searched
+//! ([`find_capacity`]); each gets its cost per million tokens at a GPU-hour
+//! price, and the layouts no other beats on both throughput per GPU and
+//! tokens/s per user form the frontier.
+
+use serde::Serialize;
+
+use super::capacity::{find_capacity, Criteria, Probe};
+use super::plots::scatter_chart;
+use crate::scenario::Scenario;
+use deepinfer_actors::cluster::disagg::InstanceKind;
+
+/// Most layouts one plan simulates (each is a capacity search of several runs).
+pub const MAX_LAYOUTS: usize = 48;
+
+/// What a plan searches over.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PlanSpace {
+    /// GPUs every layout uses, all of them.
+    pub gpus: u32,
+    /// Devices of one prefill, decode or colocated instance (its expert-parallel degree).
+    pub prefill_sizes: Vec<u32>,
+    pub decode_sizes: Vec<u32>,
+    pub colocated_sizes: Vec<u32>,
+    /// Redundant expert slots per instance.
+    pub redundant: Vec<usize>,
+}
+
+/// One deployment of the plan's GPUs.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Layout {
+    /// E.g. `2×P32 + 1×D64, 32 redundant`.
+    pub label: String,
+    pub instances: Vec<(String, u32, u32)>,
+    pub redundant: usize,
+    /// GPUs of the layout, and those that prefill and decode (all of them when colocated).
+    pub gpus: u32,
+    pub prefill_gpus: u32,
+    pub decode_gpus: u32,
+    pub colocated: bool,
+}
+
+/// A layout with its capacity and what it costs.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Candidate {
+    pub layout: Layout,
+    /// The highest load that held (see [`find_capacity`]); `None` if none did.
+    pub capacity: Option<Probe>,
+    /// What broke first above it, or why the layout could not run.
+    pub limit: Option<String>,
+    /// Input plus output tokens per second per GPU at the capacity.
+    pub tok_s_per_gpu: f64,
+    /// Output tokens per second one user sees at the capacity (1000 / TPOT p50).
+    pub tok_s_per_user: f64,
+    /// Dollars per million tokens at the capacity: input on the prefill
+    /// GPUs' hours, output on the decode GPUs' (disaggregated layouts only),
+    /// and both over all GPU hours.
+    pub usd_per_million_input: Option<f64>,
+    pub usd_per_million_output: Option<f64>,
+    pub usd_per_million_tokens: Option<f64>,
+    /// No other layout has both more throughput per GPU and more tokens/s per user.
+    pub on_frontier: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Plan {
+    pub scenario: String,
+    pub hardware: String,
+    pub model: String,
+    pub space: PlanSpace,
+    pub gpu_hour_usd: f64,
+    pub criteria: Criteria,
+    /// In the order of `layouts`.
+    pub candidates: Vec<Candidate>,
+}
+
+fn kind_name(kind: InstanceKind) -> &'static str {
+    match kind {
+        InstanceKind::Prefill => "P",
+        InstanceKind::Decode => "D",
+        InstanceKind::Both => "C",
+    }
+}
+
+fn layout(groups: &[(InstanceKind, u32, u32)], redundant: usize) -> Layout {
+    let label = groups.iter().map(|&(k, n, d)| format!("{n}×{}{d}", kind_name(k))).collect::<Vec<_>>().join(" + ");
+    let gpus = |want: fn(InstanceKind) -> bool| groups.iter().filter(|g| want(g.0)).map(|g| g.1 * g.2).sum();
+    Layout {
+        label: format!("{label}, {redundant} redundant"),
+        instances: groups.iter().map(|&(k, n, d)| (kind_name(k).to_string(), n, d)).collect(),
+        redundant,
+        gpus: groups.iter().map(|g| g.1 * g.2).sum(),
+        prefill_gpus: gpus(InstanceKind::prefills),
+        decode_gpus: gpus(InstanceKind::decodes),
+        colocated: groups.iter().all(|g| g.0 == InstanceKind::Both),
+    }
+}
+
+/// Every layout of `space` for `s`: disaggregated if the file's instances
+/// are, colocated otherwise. Sizes must be multiples of the node.
+/// A layout's instances as a scenario lists them: role and devices of each.
+pub type Instances = Vec<(InstanceKind, u32)>;
+
+/// How each layout's capacity is searched.
+#[derive(Clone, Copy, Debug)]
+pub struct Search {
+    pub seed: Option<u64>,
+    pub criteria: Criteria,
+    /// Bisection steps once the load is bracketed.
+    pub steps: u32,
+    /// Layouts searched at once.
+    pub threads: usize,
+}
+
+pub fn layouts(s: &Scenario, space: &PlanSpace) -> anyhow::Result<Vec<(Layout, Instances)>> {
+    let per_node = s.devices_per_node;
+    anyhow::ensure!(
+        space.gpus > 0 && space.gpus.is_multiple_of(per_node),
+        "--gpus must be a positive multiple of {per_node} (a node)"
+    );
+    let sizes = |v: &[u32], what: &str| -> anyhow::Result<Vec<u32>> {
+        for &d in v {
+            anyhow::ensure!(
+                d > 0 && d.is_multiple_of(per_node),
+                "{what} instance size {d}: a positive multiple of {per_node}"
+            );
+        }
+        Ok(v.to_vec())
+    };
+    let disaggregated = s.instances.iter().any(|(k, _)| *k != InstanceKind::Both);
+    let mut groups: Vec<Vec<(InstanceKind, u32, u32)>> = Vec::new();
+    if disaggregated {
+        for p in sizes(&space.prefill_sizes, "prefill")? {
+            for d in sizes(&space.decode_sizes, "decode")? {
+                let mut np = 1;
+                while np * p < space.gpus {
+                    let rest = space.gpus - np * p;
+                    if rest.is_multiple_of(d) {
+                        groups.push(vec![(InstanceKind::Prefill, np, p), (InstanceKind::Decode, rest / d, d)]);
+                    }
+                    np += 1;
+                }
+            }
+        }
+    } else {
+        for c in sizes(&space.colocated_sizes, "colocated")? {
+            if space.gpus.is_multiple_of(c) {
+                groups.push(vec![(InstanceKind::Both, space.gpus / c, c)]);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for g in &groups {
+        for &r in &space.redundant {
+            let instances = g.iter().flat_map(|&(k, n, d)| std::iter::repeat_n((k, d), n as usize)).collect();
+            out.push((layout(g, r), instances));
+        }
+    }
+    anyhow::ensure!(!out.is_empty(), "no layout of {} GPUs fits the instance sizes asked for", space.gpus);
+    anyhow::ensure!(
+        out.len() <= MAX_LAYOUTS,
+        "{} layouts: at most {MAX_LAYOUTS} (give fewer sizes or redundant counts)",
+        out.len()
+    );
+    Ok(out)
+}
+
+/// `s` deployed as `instances` with `redundant` expert slots each.
+fn deployed(s: &Scenario, instances: &[(InstanceKind, u32)], redundant: usize) -> Scenario {
+    Scenario {
+        instances: instances.to_vec(),
+        redundant_per_instance: vec![None; instances.len()],
+        redundant_experts: redundant,
+        ..s.clone()
+    }
+}
+
+/// Search every layout of `space` (`threads` at a time), price it and mark the frontier.
+pub fn plan(
+    s: &Scenario,
+    space: &PlanSpace,
+    gpu_hour_usd: f64,
+    search: Search,
+    on_done: impl Fn(&Candidate) + Sync,
+) -> anyhow::Result<Plan> {
+    let Search { seed, criteria, steps, threads } = search;
+    anyhow::ensure!(gpu_hour_usd.is_finite() && gpu_hour_usd > 0.0, "the GPU-hour price must be positive");
+    let jobs = layouts(s, space)?;
+    let mut candidates: Vec<Option<Candidate>> = vec![None; jobs.len()];
+    let on_done = &on_done;
+    for chunk in (0..jobs.len()).collect::<Vec<_>>().chunks(threads.max(1)) {
+        let done: Vec<(usize, Candidate)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = chunk
+                .iter()
+                .map(|&i| {
+                    let (layout, instances) = &jobs[i];
+                    let v = deployed(s, instances, layout.redundant);
+                    scope.spawn(move || {
+                        let c = match find_capacity(&v, seed, criteria, steps, |_| ()) {
+                            Ok(c) => priced(layout.clone(), c.capacity, c.limit, gpu_hour_usd),
+                            Err(e) => priced(layout.clone(), None, Some(format!("cannot run: {e}")), gpu_hour_usd),
+                        };
+                        on_done(&c);
+                        (i, c)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("a capacity search does not panic")).collect()
+        });
+        for (i, c) in done {
+            candidates[i] = Some(c);
+        }
+    }
+    let mut candidates: Vec<Candidate> = candidates.into_iter().map(|c| c.expect("every layout ran")).collect();
+    mark_frontier(&mut candidates);
+    Ok(Plan {
+        scenario: s.name.clone(),
+        hardware: s.hardware.name().to_string(),
+        model: s.model.cost().name.to_string(),
+        space: space.clone(),
+        gpu_hour_usd,
+        criteria,
+        candidates,
+    })
+}
+
+fn priced(layout: Layout, capacity: Option<Probe>, limit: Option<String>, gpu_hour_usd: f64) -> Candidate {
+    let all_gpus = f64::from(layout.gpus.max(1));
+    let (mut tok_s_per_gpu, mut tok_s_per_user) = (0.0, 0.0);
+    let (mut input, mut output, mut blended) = (None, None, None);
+    if let Some(p) = &capacity {
+        tok_s_per_gpu = (p.input_tok_s + p.output_tok_s) / all_gpus;
+        tok_s_per_user = if p.tpot_p50_ms > 0.0 { 1000.0 / p.tpot_p50_ms } else { 0.0 };
+        // Dollars an hour of `gpus` GPUs, per million tokens made in that hour.
+        let per_million = |gpus: f64, tok_s: f64| (tok_s > 0.0).then(|| gpus * gpu_hour_usd / (tok_s * 3600.0 / 1e6));
+        blended = per_million(all_gpus, p.input_tok_s + p.output_tok_s);
+        if !layout.colocated {
+            input = per_million(f64::from(layout.prefill_gpus), p.input_tok_s);
+            output = per_million(f64::from(layout.decode_gpus), p.output_tok_s);
+        }
+    }
+    Candidate {
+        layout,
+        capacity,
+        limit,
+        tok_s_per_gpu,
+        tok_s_per_user,
+        usd_per_million_input: input,
+        usd_per_million_output: output,
+        usd_per_million_tokens: blended,
+        on_frontier: false,
+    }
+}
+
+/// A candidate with a capacity is on the frontier when no other is at least
+/// as good on both axes and better on one.
+fn mark_frontier(candidates: &mut [Candidate]) {
+    let points: Vec<Option<(f64, f64)>> =
+        candidates.iter().map(|c| c.capacity.as_ref().map(|_| (c.tok_s_per_user, c.tok_s_per_gpu))).collect();
+    for (i, c) in candidates.iter_mut().enumerate() {
+        let Some((u, g)) = points[i] else { continue };
+        c.on_frontier = !points
+            .iter()
+            .enumerate()
+            .any(|(j, q)| q.is_some_and(|(u2, g2)| j != i && u2 >= u && g2 >= g && (u2 > u || g2 > g)));
+    }
+}
+
+impl Plan {
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a plan serialises") + "\n"
+    }
+
+    pub fn to_markdown(&self) -> String {
+        let money = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.3}"));
+        let mut md = format!(
+            "# Plan: {} on {} {} GPUs\n\n{} layouts, each searched for the highest load that holds with at least \
+             {:.0}% of requests within the scenario's TTFT and TPOT SLOs. Costs at ${:.2} per GPU-hour; input is \
+             charged to the prefill GPUs, output to the decode GPUs. ★: on the frontier (no layout has both more \
+             tokens/s per GPU and more tokens/s per user).\n\n\
+             | layout | tok/s per GPU | tok/s per user | $/M input | $/M output | $/M tokens | limit above capacity |\n\
+             |---|---|---|---|---|---|---|\n",
+            self.model,
+            self.space.gpus,
+            self.hardware,
+            self.candidates.len(),
+            self.criteria.slo_attainment_min * 100.0,
+            self.gpu_hour_usd
+        );
+        let mut order: Vec<&Candidate> = self.candidates.iter().collect();
+        order.sort_by(|a, b| b.tok_s_per_gpu.total_cmp(&a.tok_s_per_gpu));
+        for c in order {
+            md += &format!(
+                "| {}{} | {:.0} | {:.1} | {} | {} | {} | {} |\n",
+                if c.on_frontier { "★ " } else { "" },
+                c.layout.label,
+                c.tok_s_per_gpu,
+                c.tok_s_per_user,
+                money(c.usd_per_million_input),
+                money(c.usd_per_million_output),
+                money(c.usd_per_million_tokens),
+                c.limit.as_deref().unwrap_or("nothing broke up to 64×")
+            );
+        }
+        md
+    }
+
+    /// Throughput per GPU against tokens/s per user, every layout a point, the frontier a line.
+    pub fn plot(&self) -> String {
+        let points: Vec<(f64, f64, String)> = self
+            .candidates
+            .iter()
+            .filter(|c| c.capacity.is_some())
+            .map(|c| (c.tok_s_per_user, c.tok_s_per_gpu, c.layout.label.clone()))
+            .collect();
+        let mut frontier: Vec<(f64, f64)> =
+            self.candidates.iter().filter(|c| c.on_frontier).map(|c| (c.tok_s_per_user, c.tok_s_per_gpu)).collect();
+        frontier.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let title = format!("Plan: {} on {} {}", self.model, self.space.gpus, self.hardware);
+        scatter_chart(&title, "output tok/s per user", "tok/s per GPU", &points, &frontier)
+    }
+}
