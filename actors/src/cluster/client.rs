@@ -40,6 +40,8 @@ pub struct Cluster {
     down: Option<String>,
     next_id: u64,
     outstanding: BTreeMap<u64, Outstanding>,
+    /// Every outstanding request's deadline, earliest first.
+    deadlines: BTreeSet<(Duration, u64)>,
     ready: VecDeque<Update>,
 }
 
@@ -137,6 +139,7 @@ impl Cluster {
             down: None,
             next_id: first_id,
             outstanding: BTreeMap::new(),
+            deadlines: BTreeSet::new(),
             ready: VecDeque::new(),
         }
     }
@@ -221,23 +224,11 @@ impl Cluster {
     pub fn submit_constrained(&mut self, request: Request, constraint: Option<String>) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
-        let p = &request.params;
         let spec = RequestSpec {
             id,
             prompt: request.prompt,
             max_tokens: request.max_tokens.min(u32::MAX as usize) as u32,
-            sampling: Sampling {
-                temperature: p.temperature,
-                top_p: p.top_p,
-                top_k: p.top_k.min(u32::MAX as usize) as u32,
-                seed: p.seed,
-                logprobs: p.logprobs.min(u32::MAX as usize) as u32,
-                min_p: p.min_p,
-                logit_bias: p.logit_bias.iter().map(|&(token, bias)| TokenBias { token, bias }).collect(),
-                frequency_penalty: p.frequency_penalty,
-                presence_penalty: p.presence_penalty,
-                repetition_penalty: p.repetition_penalty,
-            },
+            sampling: crate::proto::sampling_wire(&request.params),
             stop_token_ids: request.stop_token_ids,
             stop_sequences: request.stop_sequences,
             ignore_eos: request.ignore_eos,
@@ -253,6 +244,7 @@ impl Cluster {
             deadline: self.ctx.clock.now() + self.ctx.timeouts.request,
         };
         self.send_submit(&o);
+        self.deadlines.insert((o.deadline, id));
         self.outstanding.insert(id, o);
         id
     }
@@ -277,8 +269,23 @@ impl Cluster {
         }
     }
 
+    /// Move request `id`'s deadline to `at`.
+    fn set_deadline(&mut self, id: u64, at: Duration) {
+        if let Some(o) = self.outstanding.get_mut(&id) {
+            self.deadlines.remove(&(o.deadline, id));
+            o.deadline = at;
+            self.deadlines.insert((at, id));
+        }
+    }
+
+    fn forget(&mut self, id: u64) -> Option<Outstanding> {
+        let o = self.outstanding.remove(&id)?;
+        self.deadlines.remove(&(o.deadline, id));
+        Some(o)
+    }
+
     fn end(&mut self, id: u64, reason: FinishReason) {
-        if let Some(o) = self.outstanding.remove(&id) {
+        if let Some(o) = self.forget(id) {
             let finished = Finished {
                 reason,
                 prompt_tokens: o.spec.prompt.len(),
@@ -311,7 +318,7 @@ impl Cluster {
                 }
                 continue;
             }
-            let mut deadline = self.outstanding.values().map(|o| o.deadline).min().expect("non-empty");
+            let mut deadline = self.deadlines.first().expect("one per outstanding request").0;
             if self.keepalive.is_some() {
                 deadline = deadline.min(self.next_keepalive);
             }
@@ -365,6 +372,7 @@ impl Cluster {
         for o in self.outstanding.values_mut() {
             o.deadline = deadline;
         }
+        self.deadlines = self.outstanding.keys().map(|&id| (deadline, id)).collect();
         for o in self.outstanding.values() {
             bump(&self.ctx.metrics.submits_resent);
             self.send_submit(o);
@@ -442,11 +450,13 @@ impl Cluster {
 
     fn check_deadlines(&mut self) {
         let now = self.ctx.clock.now();
-        let late: Vec<u64> = self.outstanding.iter().filter(|(_, o)| o.deadline <= now).map(|(id, _)| *id).collect();
+        // In id order, as before the deadlines were indexed.
+        let mut late: Vec<u64> = self.deadlines.range(..=(now, u64::MAX)).map(|&(_, id)| id).collect();
+        late.sort_unstable();
         for id in late {
+            self.set_deadline(id, now + self.ctx.timeouts.request);
             let o = self.outstanding.get_mut(&id).expect("listed");
             o.attempts += 1;
-            o.deadline = now + self.ctx.timeouts.request;
             if o.attempts > self.ctx.timeouts.request_attempts {
                 let why = format!(
                     "router{} made no progress on request {id} after {} attempts",
@@ -473,7 +483,7 @@ impl Cluster {
                 for id in ids {
                     if let Some(o) = self.outstanding.get_mut(&id) {
                         o.attempts = 0;
-                        o.deadline = now + timeout;
+                        self.set_deadline(id, now + timeout);
                     }
                 }
             }
@@ -494,10 +504,14 @@ impl Cluster {
                     let logits = &body[at..at + n];
                     at += n;
                     let id = item.id;
-                    let Some(o) = self.outstanding.get_mut(&id) else { continue };
-                    let skip = match fit(o.tokens.len(), item.from as usize, item.tokens.len()) {
+                    let Some(o) = self.outstanding.get(&id) else { continue };
+                    let fits = fit(o.tokens.len(), item.from as usize, item.tokens.len());
+                    if !matches!(fits, Fit::Stale) {
+                        self.set_deadline(id, now + timeout);
+                    }
+                    let o = self.outstanding.get_mut(&id).expect("present");
+                    let skip = match fits {
                         Fit::Gap => {
-                            o.deadline = now + timeout;
                             bump(&self.ctx.metrics.submits_resent);
                             let o = &self.outstanding[&id];
                             self.send_submit(o);
@@ -507,7 +521,6 @@ impl Cluster {
                         Fit::New { skip } => skip,
                     };
                     o.attempts = 0;
-                    o.deadline = now + timeout;
                     let tokens: Vec<TokenOutput> = item.tokens[skip..]
                         .iter()
                         .enumerate()
@@ -526,11 +539,11 @@ impl Cluster {
                     match item.end {
                         None => {}
                         Some(OutputEnd::Refused(reason)) => {
-                            self.outstanding.remove(&id);
+                            self.forget(id);
                             self.ready.push_back(Update::Refused { id, reason });
                         }
                         Some(OutputEnd::Finished(f)) => {
-                            let o = self.outstanding.remove(&id).expect("present");
+                            let o = self.forget(id).expect("present");
                             let finished = Finished {
                                 reason: finish_reason(f.reason),
                                 prompt_tokens: f.prompt_tokens as usize,

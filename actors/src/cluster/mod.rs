@@ -64,7 +64,7 @@ use crate::sim::events::{bump, EventLog, Metrics, MetricsSnapshot};
 use crate::sim::fabric::{FabricConfig, NodeOf, SimFabric};
 use crate::sim::faults::{FaultPlan, Faults};
 use crate::sim::rng::Seed;
-use crate::wire::{Addr, FinishKind, Heartbeat, Message, OutputEnd, RequestSpec, Role, Sampling, Submit, TokenBias};
+use crate::wire::{Addr, FinishKind, Heartbeat, Message, OutputEnd, RequestSpec, Role, Submit};
 
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {

@@ -54,6 +54,22 @@ pub(crate) fn sampling_params(s: &crate::wire::Sampling) -> deepinfer_engine::sa
     }
 }
 
+/// The wire form of a request's sampling parameters (the inverse of [`sampling_params`]).
+pub(crate) fn sampling_wire(p: &deepinfer_engine::sampling::SamplingParams) -> crate::wire::Sampling {
+    crate::wire::Sampling {
+        temperature: p.temperature,
+        top_p: p.top_p,
+        top_k: p.top_k.min(u32::MAX as usize) as u32,
+        seed: p.seed,
+        logprobs: p.logprobs.min(u32::MAX as usize) as u32,
+        min_p: p.min_p,
+        logit_bias: p.logit_bias.iter().map(|&(token, bias)| crate::wire::TokenBias { token, bias }).collect(),
+        frequency_penalty: p.frequency_penalty,
+        presence_penalty: p.presence_penalty,
+        repetition_penalty: p.repetition_penalty,
+    }
+}
+
 /// What every machine test is handed: the tiny V4 model on `devices`
 /// devices, `per_node` to a node, in `instances` equal instances.
 #[cfg(test)]

@@ -9,7 +9,7 @@ impl RouterMachine {
     /// The decode instance took the request over from its prefill instance.
     pub(super) fn on_adopted(&mut self, id: u64, instance: u32) {
         let now = self.now();
-        let Some(f) = self.flights.get_mut(&id) else {
+        let Some(mut f) = self.flights.get_mut(&id) else {
             // Cancelled (or ended) while its state was on the way: stop it there.
             self.send(Addr::scheduler(instance), Message::Cancel { id }, &[]);
             return;
@@ -24,8 +24,10 @@ impl RouterMachine {
         f.decode = None;
         f.attempts = 0;
         f.deadline = now + self.ctx.timeouts.request;
+        let cancelled = f.cancelled;
+        drop(f);
         self.ctx.events.record(format_args!("router: request {id} decodes on scheduler{instance}"));
-        if f.cancelled {
+        if cancelled {
             self.forward(id);
         }
     }
@@ -37,12 +39,13 @@ impl RouterMachine {
             return;
         }
         let target = self.choose_decode(Some(failed)).unwrap_or(failed);
-        let f = self.flights.get_mut(&id).expect("checked");
+        let mut f = self.flights.get_mut(&id).expect("checked");
         f.prefilled_on = Some(from);
         f.instance = target;
         f.decode = None;
         f.attempts = 0;
         f.deadline = now + self.ctx.timeouts.request;
+        drop(f);
         self.ctx.events.record(format_args!("router: request {id} rerouted to scheduler{target}"));
         bump(&self.ctx.metrics.submits_resent);
         self.forward(id);
@@ -67,10 +70,13 @@ impl RouterMachine {
             // Not ours (any more): output of an earlier router's request, or
             // of a request routed again. It is not cancelled: the request may
             // be running there again by now; it ends by itself.
-            let mine = |f: &&mut Flight| {
+            let mine = |f: &Flight| {
                 f.instance == from.index || f.decode == Some(from.index) || f.prefilled_on == Some(from.index)
             };
-            let Some(f) = self.flights.get_mut(&id).filter(mine) else { continue };
+            if !self.flights.get(&id).is_some_and(mine) {
+                continue;
+            }
+            let mut f = self.flights.get_mut(&id).expect("checked");
             let cancelled = matches!(&item.end, Some(OutputEnd::Finished(w)) if w.reason == FinishKind::Cancelled);
             if cancelled && !f.cancelled {
                 // A scheduler's answer to a cancel meant for an earlier life of the request.
@@ -82,6 +88,7 @@ impl RouterMachine {
                     self.ctx.events.record(format_args!("router missed output {have}..{start} of request {id}"));
                     bump(&self.ctx.metrics.submits_resent);
                     f.deadline = now + self.ctx.timeouts.request;
+                    drop(f);
                     self.forward(id);
                     continue;
                 }
@@ -106,8 +113,9 @@ impl RouterMachine {
             if let (Some(OutputEnd::Finished(w)), Some(_)) = (&mut new.end, f.prefilled_on) {
                 w.cached_tokens = w.cached_tokens.max(f.cached_tokens as u32);
             }
+            drop(f);
             if item.end.is_some() {
-                self.flights.remove(&id);
+                self.flights.remove(id);
             }
             if new.tokens.is_empty() && new.end.is_none() {
                 continue;
@@ -136,8 +144,7 @@ impl RouterMachine {
                 self.flights.iter().filter(|(_, f)| f.client == client && !f.cancelled).map(|(id, _)| *id).collect();
             self.ctx.events.record(format_args!("router: {client} is gone; cancelling its {} requests", ids.len()));
             for id in ids {
-                let f = self.flights.get_mut(&id).expect("listed");
-                f.cancelled = true;
+                self.flights.get_mut(&id).expect("listed").cancelled = true;
                 self.forward(id);
             }
         }
@@ -152,11 +159,13 @@ impl RouterMachine {
         }
         let late: Vec<u64> = self.flights.iter().filter(|(_, f)| f.deadline <= now).map(|(id, _)| *id).collect();
         for id in late {
-            let f = self.flights.get_mut(&id).expect("listed");
+            let mut f = self.flights.get_mut(&id).expect("listed");
             f.attempts += 1;
             f.deadline = now + self.ctx.timeouts.request;
-            if f.attempts > self.ctx.timeouts.request_attempts || (f.cancelled && f.attempts > 1) {
-                let f = self.flights.remove(&id).expect("listed");
+            let give_up = f.attempts > self.ctx.timeouts.request_attempts || (f.cancelled && f.attempts > 1);
+            drop(f);
+            if give_up {
+                let f = self.flights.remove(id).expect("listed");
                 if f.cancelled {
                     let item = end_item(id, f.tokens.len(), f.spec.prompt.len(), FinishKind::Cancelled);
                     self.send_to_client(f.client, vec![item], &[]);
@@ -196,7 +205,7 @@ impl RouterMachine {
             .collect();
         let none_left = dead.iter().all(|&d| d);
         for id in moved {
-            let f = self.flights.remove(&id).expect("listed");
+            let f = self.flights.remove(id).expect("listed");
             let (from, prompt) = (f.tokens.len(), f.spec.prompt.len());
             if f.cancelled || none_left {
                 let why = format!("node{node} is down and no serving instance is left");
@@ -212,8 +221,8 @@ impl RouterMachine {
     }
 
     pub(super) fn on_cancel(&mut self, client: Addr, id: u64) {
-        if let Some(f) = self.flights.get_mut(&id) {
-            f.cancelled = true;
+        if self.flights.contains_key(&id) {
+            self.flights.get_mut(&id).expect("present").cancelled = true;
             self.forward(id);
             return;
         }

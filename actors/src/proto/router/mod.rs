@@ -21,15 +21,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deepinfer_engine::balance::{
-    choose_decode, choose_prefill, prefill_cost, DecodeCandidate, DecodePolicy, Health, PrefillCandidate,
-    PrefillPolicy, RoundRobin,
+    choose_decode, choose_prefill, DecodeCandidate, DecodePolicy, Health, PrefillCandidate, PrefillPolicy, RoundRobin,
 };
-use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::prefix_cache::{block_hash, PrefixMode};
 use deepinfer_engine::scheduler::Scheduler;
 
+use self::flight_table::FlightTable;
 use super::Outgoing;
 
+mod flight_table;
 mod flights;
 mod routing;
 use crate::cluster::ctx::Ctx;
@@ -90,7 +90,7 @@ pub struct RouterMachine {
     /// Clients that send keepalives, with when they were last heard: the
     /// requests of one silent for too long are cancelled (it is gone).
     watched: BTreeMap<Addr, Duration>,
-    flights: BTreeMap<u64, Flight>,
+    flights: FlightTable,
     routing: BTreeMap<u64, Routing>,
     next_query: u64,
     /// The time of the input being handled.
@@ -98,7 +98,6 @@ pub struct RouterMachine {
     /// Frames to send, oldest first.
     out: Vec<Outgoing>,
     /// KV sizes, for the decode balancer's view of each instance's use.
-    layout: Option<KvLayout>,
     round_robin: RoundRobin,
     ctx: Arc<Ctx>,
 }
@@ -183,17 +182,17 @@ impl RouterMachine {
             restarted: ctx.durable.is_up(),
             time_ns: now.as_nanos() as u64,
         };
+        let layout = Scheduler::new(&ctx.config, ctx.engine_for(0)).ok().map(|p| p.layout().clone());
         let mut machine = RouterMachine {
             addr,
             node,
             draining: BTreeSet::new(),
             watched: BTreeMap::new(),
-            flights: BTreeMap::new(),
+            flights: FlightTable::new(layout, PrefillPolicy::default().attention_tokens),
             routing: BTreeMap::new(),
             next_query: 0,
             now,
             out: Vec::new(),
-            layout: Scheduler::new(&ctx.config, ctx.engine_for(0)).ok().map(|p| p.layout().clone()),
             round_robin: RoundRobin::default(),
             ctx,
         };
@@ -227,12 +226,17 @@ impl RouterMachine {
     pub fn handle(&mut self, now: Duration, input: RouterInput) {
         assert!(now >= self.now, "time went backwards: {now:?} after {:?}", self.now);
         self.now = now;
+        let tick = matches!(input, RouterInput::Tick);
         match input {
             RouterInput::Tick => self.on_tick(),
             RouterInput::Net(d) => self.on_frame(d),
         }
         // A request is either being routed or in flight, never both.
         debug_assert!(self.routing.values().all(|r| !self.flights.contains_key(&r.submit.spec.id)));
+        // The balancers' sums against a recount, once a tick (a walk over every flight).
+        if cfg!(debug_assertions) && tick {
+            self.flights.check();
+        }
     }
 
     fn on_frame(&mut self, d: Delivery) {
@@ -250,9 +254,11 @@ impl RouterMachine {
             }
             (Role::Scheduler, Message::Ack { ids }) => {
                 for id in ids {
-                    if let Some(f) = self.flights.get_mut(&id).filter(|f| f.instance == from.index) {
-                        f.attempts = 0;
-                        f.deadline = now + self.ctx.timeouts.request;
+                    if let Some(mut f) = self.flights.get_mut(&id) {
+                        if f.instance == from.index {
+                            f.attempts = 0;
+                            f.deadline = now + self.ctx.timeouts.request;
+                        }
                     }
                 }
             }
@@ -269,8 +275,7 @@ impl RouterMachine {
                 self.ctx.events.record(format_args!("router resubmits {} requests to {from}", ids.len()));
                 for id in ids {
                     bump(&self.ctx.metrics.submits_resent);
-                    let f = self.flights.get_mut(&id).expect("listed");
-                    f.deadline = now + self.ctx.timeouts.request;
+                    self.flights.get_mut(&id).expect("listed").deadline = now + self.ctx.timeouts.request;
                     self.forward(id);
                 }
             }

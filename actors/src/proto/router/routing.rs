@@ -9,13 +9,15 @@ impl RouterMachine {
         let id = submit.spec.id;
         self.send(client, Message::Ack { ids: vec![id] }, &[]);
         let deadline = self.now() + self.ctx.timeouts.request;
-        if let Some(f) = self.flights.get_mut(&id) {
+        if self.flights.contains_key(&id) {
+            let mut f = self.flights.get_mut(&id).expect("present");
             // The client's tokens are authoritative: fewer means an output was lost on the way to it.
             if !f.cancelled {
                 f.tokens = submit.generated;
             }
             f.client = client;
             f.deadline = deadline;
+            drop(f);
             self.forward(id);
             return;
         }
@@ -134,14 +136,9 @@ impl RouterMachine {
         }
         self.count_lower_tiers(&r.submit.spec.prompt, &r.matched, &mut candidates);
         self.count_node_tiers(&r, &mut candidates);
-        for f in self.flights.values() {
-            let Some(c) = candidates.get_mut(f.instance as usize) else { continue };
-            c.requests += 1;
-            if f.tokens.is_empty() {
-                let prompt = f.spec.prompt.len();
-                let cached = f.cached_tokens.min(prompt.saturating_sub(1));
-                c.queued_cost += prefill_cost(prompt - cached, cached, policy.attention_tokens);
-            }
+        for (i, c) in candidates.iter_mut().enumerate() {
+            c.requests += self.flights.routed_to(i as u32) as u32;
+            c.queued_cost += self.flights.queued_cost(i as u32);
         }
         let instance = match self.ctx.prefill_routing {
             PrefillRouting::CacheAffinity => choose_prefill(&policy, &candidates, r.submit.spec.prompt.len()),
@@ -205,11 +202,10 @@ impl RouterMachine {
                 requests: 0,
             })
             .collect();
-        for f in self.flights.values() {
-            let Some(c) = candidates.get_mut(f.decode.unwrap_or(f.instance) as usize) else { continue };
-            c.requests += 1;
-            let tokens = f.spec.prompt.len() + f.tokens.len();
-            c.kv_used += self.layout.as_ref().map_or(0, |l| l.sequence_bytes(tokens)) as u64;
+        for (i, c) in candidates.iter_mut().enumerate() {
+            let load = self.flights.decode_load(i as u32);
+            c.requests += load.requests as u32;
+            c.kv_used += load.kv_bytes;
         }
         let pick = |c: &[DecodeCandidate]| choose_decode(&policy, c, 0).map(|i| i as u32);
         let fallback = pick(&candidates);
