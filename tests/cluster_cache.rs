@@ -112,3 +112,54 @@ async fn a_request_that_asks_for_memory_only_retention_leaves_nothing_on_disk() 
     stop_nodes(&mut nodes);
     assert!(block_files(&site.dir.join("kv")).is_empty(), "`in_memory` blocks are never written");
 }
+
+/// Ask `front` one chat request about `topic`: the answer's content and usage.
+async fn chat(front: &Served, topic: &str) -> (Value, Value) {
+    let body = serde_json::json!({
+        "model": "tiny-v4",
+        "messages": [{"role": "user", "content": long_prompt(topic)}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "seed": 5,
+    });
+    let r = reqwest::Client::new().post(front.url("/v1/chat/completions")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    (v["choices"].clone(), v["usage"].clone())
+}
+
+fn front_end(site: &Site) -> Served {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["serve", "--topology", site.t(), "--listen", "127.0.0.1:0"]);
+    Served::start_command(cmd)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_disk_hit_on_a_restarted_cluster_is_reported_by_tier() {
+    let site = Site::build_with("kv-tiers", ONE_INSTANCE, false, "\n[cluster.cache]\ndisk_dir = \"kv\"\n");
+    let mut nodes = start_nodes(&site);
+    let front = front_end(&site);
+    let (cold, usage) = chat(&front, "delta").await;
+    assert_eq!(usage["prompt_cache_tokens_by_tier"], serde_json::json!({"device": 0, "host": 0, "disk": 0}));
+    // Asked again: a hit in the instance's pool.
+    let (again, usage) = chat(&front, "delta").await;
+    assert_eq!(again, cold);
+    let cached = usage["prompt_tokens_details"]["cached_tokens"].clone();
+    assert_eq!(usage["prompt_cache_tokens_by_tier"], serde_json::json!({"device": cached, "host": 0, "disk": 0}));
+    drop(front);
+    stop_nodes(&mut nodes);
+
+    let mut nodes = start_nodes(&site);
+    let front = front_end(&site);
+    let (warm, usage) = chat(&front, "delta").await;
+    assert_eq!(warm, cold, "a disk hit gives the cold run's answer");
+    let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let tiers = &usage["prompt_cache_tokens_by_tier"];
+    assert!(tiers["disk"].as_u64().unwrap() >= 4 * 64, "{usage}");
+    assert_eq!(
+        tiers["device"].as_u64().unwrap() + tiers["host"].as_u64().unwrap() + tiers["disk"].as_u64().unwrap(),
+        cached
+    );
+    drop(front);
+    stop_nodes(&mut nodes);
+}

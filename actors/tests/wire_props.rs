@@ -145,7 +145,9 @@ fn message() -> impl Strategy<Value = Message> {
                     reason: FinishKind::Error(why),
                     prompt_tokens: 3,
                     completion_tokens: from,
-                    cached_tokens: 0,
+                    cached_tokens: 7,
+                    cached_host_tokens: 2,
+                    cached_disk_tokens: 3,
                     preemptions: 1,
                 })),
             };

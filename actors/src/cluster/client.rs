@@ -549,7 +549,12 @@ impl Cluster {
                                 prompt_tokens: f.prompt_tokens as usize,
                                 completion_tokens: o.tokens.len(),
                                 cached_tokens: f.cached_tokens as usize,
-                                cached_tokens_by_tier: [f.cached_tokens as usize, 0, 0],
+                                cached_tokens_by_tier: [
+                                    f.cached_tokens.saturating_sub(f.cached_host_tokens + f.cached_disk_tokens)
+                                        as usize,
+                                    f.cached_host_tokens as usize,
+                                    f.cached_disk_tokens as usize,
+                                ],
                                 preemptions: f.preemptions,
                             };
                             self.ready.push_back(Update::Finished { id, finished });

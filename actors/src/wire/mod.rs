@@ -579,6 +579,9 @@ pub struct FinishWire {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub cached_tokens: u32,
+    /// Of those, brought up from host memory and from disk for this request.
+    pub cached_host_tokens: u32,
+    pub cached_disk_tokens: u32,
     pub preemptions: u32,
 }
 

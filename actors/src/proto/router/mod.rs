@@ -122,6 +122,8 @@ pub(crate) fn end_item(id: u64, from: usize, prompt: usize, reason: FinishKind) 
         prompt_tokens: prompt as u32,
         completion_tokens: from as u32,
         cached_tokens: 0,
+        cached_host_tokens: 0,
+        cached_disk_tokens: 0,
         preemptions: 0,
     };
     OutputItem {

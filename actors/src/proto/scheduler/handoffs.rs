@@ -9,6 +9,8 @@ impl SchedulerMachine {
     pub(super) fn hand_off(&mut self, id: u64, state: Option<(Vec<u32>, Vec<f32>)>) {
         let Some(target) = self.live.get(&id).and_then(|l| l.decode) else { return };
         let Some(l) = self.forget(id) else { return };
+        // Its last output comes from the decode instance, which knows nothing of these hits.
+        self.forget_tier_hits(id);
         let generated = self.policy.tokens(l.rid)[l.spec.prompt.len()..].to_vec();
         let _ = self.policy.cancel(l.rid);
         match state {

@@ -323,6 +323,8 @@ fn finish_wire(f: &Finished) -> FinishWire {
         prompt_tokens: f.prompt_tokens as u32,
         completion_tokens: f.completion_tokens as u32,
         cached_tokens: f.cached_tokens as u32,
+        cached_host_tokens: 0,
+        cached_disk_tokens: 0,
         preemptions: f.preemptions,
     }
 }
@@ -379,11 +381,12 @@ impl SchedulerMachine {
         let vocab = self.ctx.config.vocab_size;
         let mut by_router: BTreeMap<Addr, (Vec<OutputItem>, Vec<f32>)> = BTreeMap::new();
         let mut at = 0;
-        for item in items {
+        for mut item in items {
             let rows = if item.logits { item.tokens.len() * vocab } else { 0 };
             let router = self.router_of(item.id);
             if item.end.is_some() {
                 self.owners.remove(&item.id);
+                self.tier_hits_into(&mut item);
             }
             let (mine, values) = by_router.entry(router).or_default();
             values.extend_from_slice(&body[at..at + rows]);

@@ -13,7 +13,7 @@ use deepinfer_engine::request::RequestId;
 use super::SchedulerMachine;
 use crate::cluster::disagg::InstanceKind;
 use crate::proto::cache::parts_len;
-use crate::wire::{CacheMsg, Message, PromoteItem, PromotedItem};
+use crate::wire::{CacheMsg, CacheTier, Message, OutputEnd, OutputItem, PromoteItem, PromotedItem};
 
 /// A request held while its prefix comes up: the keys asked for, from `first`.
 struct Held {
@@ -22,10 +22,15 @@ struct Held {
     keys: Vec<(u64, u64, Vec<u32>)>,
 }
 
-/// Promotions in flight, by query.
+/// Promotions in flight, by query; the pool blocks they brought up, until
+/// a request hits them; what each request's hits came from.
 #[derive(Default)]
 pub(super) struct Promotions {
     held: BTreeMap<u64, Held>,
+    /// Pool blocks (by key) brought up and not hit yet, with the tier they came from.
+    promoted: BTreeMap<u64, CacheTier>,
+    /// Per request: tokens its hits took from host memory and from disk.
+    hits: BTreeMap<u64, [u32; 2]>,
 }
 
 impl SchedulerMachine {
@@ -94,6 +99,7 @@ impl SchedulerMachine {
                 match adoption.block {
                     Some(block) => {
                         self.cached.insert(block, *key);
+                        self.promotions.promoted.insert(*key, b.tier);
                         adopted += 1;
                     }
                     None => down.push(*key),
@@ -111,8 +117,41 @@ impl SchedulerMachine {
         self.tick();
     }
 
+    /// Request `id` starts from the pool blocks `keys`: those brought up
+    /// from a lower tier count there (once: the block is a pool hit after).
+    pub(super) fn count_tier_hits(&mut self, id: u64, keys: &[u64]) {
+        let bt = self.ctx.block_tokens as u32;
+        for key in keys {
+            if let Some(tier) = self.promotions.promoted.remove(key) {
+                let hits = self.promotions.hits.entry(id).or_default();
+                hits[if tier == CacheTier::Host { 0 } else { 1 }] += bt;
+            }
+        }
+    }
+
+    /// A request's last output: the share of its cached tokens that came from below the pool.
+    pub(super) fn tier_hits_into(&mut self, item: &mut OutputItem) {
+        let Some([host, disk]) = self.promotions.hits.remove(&item.id) else { return };
+        if let Some(OutputEnd::Finished(w)) = &mut item.end {
+            w.cached_host_tokens = host.min(w.cached_tokens);
+            w.cached_disk_tokens = disk.min(w.cached_tokens - w.cached_host_tokens);
+        }
+    }
+
+    pub(super) fn forget_tier_hits(&mut self, id: u64) {
+        self.promotions.hits.remove(&id);
+    }
+
+    /// Pool blocks that left the pool are no longer anyone's lower-tier hit.
+    pub(super) fn promoted_evicted(&mut self, keys: &[u64]) {
+        for key in keys {
+            self.promotions.promoted.remove(key);
+        }
+    }
+
     /// The cache manager restarted: nothing it was asked will come; let the held requests in.
     pub(super) fn promotions_lost(&mut self) {
+        self.promotions.promoted.clear();
         for held in std::mem::take(&mut self.promotions.held).into_values() {
             self.policy.hold(held.rid, false);
         }

@@ -244,6 +244,7 @@ impl SchedulerMachine {
         }
         self.tiers_evicted(&plan.evicted);
         let evicted: Vec<u64> = plan.evicted.iter().filter_map(|e| self.cached.remove(&e.blocks.compressed)).collect();
+        self.promoted_evicted(&evicted);
         if !evicted.is_empty() {
             let msg = CacheMsg::Evict { instance: self.instance, step, hashes: evicted };
             self.send(self.cache, Message::Cache(msg), &[]);

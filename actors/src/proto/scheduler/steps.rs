@@ -104,6 +104,10 @@ impl SchedulerMachine {
                 snapshots: it.snapshots,
                 drafts: it.drafts,
             });
+            let pushed = items.last().expect("pushed");
+            if !pushed.rebuild {
+                self.count_tier_hits(id, &pushed.restore);
+            }
         }
         let mut run = StepRun {
             step,
