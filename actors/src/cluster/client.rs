@@ -5,6 +5,9 @@
 
 use super::*;
 
+#[path = "client_outputs.rs"]
+mod outputs;
+
 struct Outstanding {
     spec: RequestSpec,
     tokens: Vec<u32>,
@@ -469,100 +472,6 @@ impl Cluster {
             bump(&self.ctx.metrics.submits_resent);
             let o = &self.outstanding[&id];
             self.send_submit(o);
-        }
-    }
-
-    fn on_message(&mut self, from: crate::wire::Addr, msg: Message, body: Vec<f32>) {
-        if from.role != Role::Router {
-            return;
-        }
-        let now = self.ctx.clock.now();
-        let timeout = self.ctx.timeouts.request;
-        match msg {
-            Message::Ack { ids } => {
-                for id in ids {
-                    if let Some(o) = self.outstanding.get_mut(&id) {
-                        o.attempts = 0;
-                        self.set_deadline(id, now + timeout);
-                    }
-                }
-            }
-            Message::Heartbeat(h) if h.restarted && from == Addr::router(self.router) => {
-                // A new router knows nothing: tell it everything again.
-                self.resubmit_all();
-            }
-            Message::Outputs(out) => {
-                let vocab = self.ctx.config.vocab_size;
-                let rows: usize = out.items.iter().filter(|i| i.logits).map(|i| i.tokens.len()).sum();
-                if rows * vocab != body.len() {
-                    bump(&self.ctx.metrics.frames_rejected);
-                    return;
-                }
-                let mut at = 0;
-                for item in out.items {
-                    let n = if item.logits { item.tokens.len() * vocab } else { 0 };
-                    let logits = &body[at..at + n];
-                    at += n;
-                    let id = item.id;
-                    let Some(o) = self.outstanding.get(&id) else { continue };
-                    let fits = fit(o.tokens.len(), item.from as usize, item.tokens.len());
-                    if !matches!(fits, Fit::Stale) {
-                        self.set_deadline(id, now + timeout);
-                    }
-                    let o = self.outstanding.get_mut(&id).expect("present");
-                    let skip = match fits {
-                        Fit::Gap => {
-                            bump(&self.ctx.metrics.submits_resent);
-                            let o = &self.outstanding[&id];
-                            self.send_submit(o);
-                            continue;
-                        }
-                        Fit::Stale => continue,
-                        Fit::New { skip } => skip,
-                    };
-                    o.attempts = 0;
-                    let tokens: Vec<TokenOutput> = item.tokens[skip..]
-                        .iter()
-                        .enumerate()
-                        .map(|(j, t)| TokenOutput {
-                            token: t.token,
-                            logprob: t.logprob,
-                            top: t.top.iter().map(|x| (x.token, x.logprob)).collect(),
-                            logits: item.logits.then(|| logits[(skip + j) * vocab..(skip + j + 1) * vocab].to_vec()),
-                        })
-                        .collect();
-                    o.tokens.extend(tokens.iter().map(|t| t.token));
-                    if !tokens.is_empty() && !o.cancelled {
-                        let cached_tokens = item.cached as usize;
-                        self.ready.push_back(Update::Tokens { id, tokens, cached_tokens });
-                    }
-                    match item.end {
-                        None => {}
-                        Some(OutputEnd::Refused(reason)) => {
-                            self.forget(id);
-                            self.ready.push_back(Update::Refused { id, reason });
-                        }
-                        Some(OutputEnd::Finished(f)) => {
-                            let o = self.forget(id).expect("present");
-                            let finished = Finished {
-                                reason: finish_reason(f.reason),
-                                prompt_tokens: f.prompt_tokens as usize,
-                                completion_tokens: o.tokens.len(),
-                                cached_tokens: f.cached_tokens as usize,
-                                cached_tokens_by_tier: [
-                                    f.cached_tokens.saturating_sub(f.cached_host_tokens + f.cached_disk_tokens)
-                                        as usize,
-                                    f.cached_host_tokens as usize,
-                                    f.cached_disk_tokens as usize,
-                                ],
-                                preemptions: f.preemptions,
-                            };
-                            self.ready.push_back(Update::Finished { id, finished });
-                        }
-                    }
-                }
-            }
-            _ => {}
         }
     }
 
