@@ -70,6 +70,23 @@ pub(crate) fn sampling_wire(p: &deepinfer_engine::sampling::SamplingParams) -> c
     }
 }
 
+/// A greedy request of the machine tests: `prompt`, up to `max_tokens`, EOS ignored.
+#[cfg(test)]
+pub(crate) fn test_spec(id: u64, prompt: Vec<u32>, max_tokens: u32) -> crate::wire::RequestSpec {
+    crate::wire::RequestSpec {
+        id,
+        prompt,
+        max_tokens,
+        sampling: crate::wire::Sampling::greedy(),
+        stop_token_ids: Vec::new(),
+        stop_sequences: Vec::new(),
+        ignore_eos: true,
+        logits: false,
+        constraint: None,
+        retention: None,
+    }
+}
+
 /// What every machine test is handed: the tiny V4 model on `devices`
 /// devices, `per_node` to a node, in `instances` equal instances.
 #[cfg(test)]

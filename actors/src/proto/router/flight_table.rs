@@ -226,23 +226,12 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::wire::{Addr, RequestSpec, Sampling};
+    use crate::proto::test_spec;
+    use crate::wire::Addr;
 
     fn flight(prompt: usize, instance: u32) -> Flight {
-        let spec = RequestSpec {
-            id: 0,
-            prompt: vec![3; prompt],
-            max_tokens: 8,
-            sampling: Sampling::greedy(),
-            stop_token_ids: Vec::new(),
-            stop_sequences: Vec::new(),
-            ignore_eos: true,
-            logits: false,
-            constraint: None,
-            retention: None,
-        };
         Flight {
-            spec,
+            spec: test_spec(0, vec![3; prompt], 8),
             instance,
             cached_tokens: prompt / 3,
             decode: None,

@@ -9,7 +9,7 @@ use crate::cluster::ctx::Ctx;
 use crate::net::transport::Delivery;
 use crate::proto::test_ctx;
 use crate::wire::{
-    self, Addr, Envelope, FinishKind, Heartbeat, Message, OutputItem, Outputs, RequestSpec, Sampling, Submit, TokenOut,
+    self, Addr, Envelope, FinishKind, Heartbeat, Message, OutputItem, Outputs, RequestSpec, Submit, TokenOut,
 };
 
 const CLIENT: Addr = Addr::client(0);
@@ -25,18 +25,7 @@ fn frame(from: Addr, msg: Message) -> RouterInput {
 }
 
 fn spec(id: u64) -> RequestSpec {
-    RequestSpec {
-        id,
-        prompt: (2..12).collect(),
-        max_tokens: 8,
-        sampling: Sampling::greedy(),
-        stop_token_ids: Vec::new(),
-        stop_sequences: Vec::new(),
-        ignore_eos: true,
-        logits: false,
-        constraint: None,
-        retention: None,
-    }
+    crate::proto::test_spec(id, (2..12).collect(), 8)
 }
 
 fn submit(id: u64, generated: Vec<u32>) -> RouterInput {

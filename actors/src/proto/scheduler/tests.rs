@@ -8,8 +8,8 @@ use super::{Effect, Input, SchedulerMachine};
 use crate::cluster::ctx::Ctx;
 use crate::net::transport::Delivery;
 use crate::wire::{
-    self, Addr, Envelope, FinishKind, Heartbeat, Message, OutputEnd, RequestSpec, Sampling, SeqOutput, StepOutcome,
-    StepRequest, StepResult, Submit,
+    self, Addr, Envelope, FinishKind, Heartbeat, Message, OutputEnd, SeqOutput, StepOutcome, StepRequest, StepResult,
+    Submit,
 };
 
 const ROUTER: Addr = Addr::router(0);
@@ -30,19 +30,7 @@ fn frame(from: Addr, msg: Message, body: &[f32]) -> Input {
 }
 
 fn submit(id: u64, prompt: Vec<u32>, max_tokens: u32) -> Input {
-    let sampling = Sampling::greedy();
-    let spec = RequestSpec {
-        id,
-        prompt,
-        max_tokens,
-        sampling,
-        stop_token_ids: Vec::new(),
-        stop_sequences: Vec::new(),
-        ignore_eos: true,
-        logits: false,
-        constraint: None,
-        retention: None,
-    };
+    let spec = crate::proto::test_spec(id, prompt, max_tokens);
     frame(ROUTER, Message::Submit(Submit { spec, generated: Vec::new(), decode: None }), &[])
 }
 
