@@ -28,7 +28,6 @@ use deepinfer_engine::scheduler::EngineConfig;
 use crate::api::constraint::ConstraintFactory;
 use crate::config_file::{read_text, value_error, FileError};
 use crate::topology::{Backend, Topology};
-use toml::Spanned;
 
 /// A topology checked for what this program can launch.
 pub struct ClusterPlan {
@@ -200,13 +199,7 @@ impl ClusterPlan {
 
     /// Each node's prompt-cache tiers below its pools, from `[cluster.cache]`.
     pub fn cache_tiers(&self) -> NodeCacheTiers {
-        let c = self.topology.cluster.cache.clone().unwrap_or(crate::topology::CacheTiers {
-            host_mib: Spanned::new(0..0, 2048),
-            disk_dir: None,
-            disk_gib: Spanned::new(0..0, 64),
-            disk_shared: false,
-            persist_interval_blocks: Spanned::new(0..0, 16),
-        });
+        let c = self.topology.cluster.cache.clone().unwrap_or_default();
         let base = self.path.parent().unwrap_or(Path::new("."));
         let disk = c.disk_dir.as_ref().map(|d| DiskConfig {
             dir: base.join(d.get_ref()),

@@ -79,6 +79,18 @@ pub struct CacheTiers {
 /// The most host memory a node's cache tier may be given (1 TiB), in MiB.
 pub const MAX_HOST_CACHE_MIB: u64 = 1 << 20;
 
+impl Default for CacheTiers {
+    fn default() -> Self {
+        Self {
+            host_mib: default_host_mib(),
+            disk_dir: None,
+            disk_gib: default_disk_gib(),
+            disk_shared: false,
+            persist_interval_blocks: default_persist_interval(),
+        }
+    }
+}
+
 fn default_host_mib() -> Spanned<u64> {
     Spanned::new(0..0, 2048)
 }

@@ -3,7 +3,6 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::Context;
 use clap::Args;
 use deepinfer_actors::cluster::disagg::InstanceKind;
 
@@ -84,10 +83,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     .map_err(|e| anyhow::anyhow!("{}: {e}", s.file))?;
     let markdown = p.to_markdown();
     if let Some(dir) = &args.out {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-        std::fs::write(dir.join("plan.json"), p.to_json())?;
-        std::fs::write(dir.join("plan.md"), &markdown)?;
-        std::fs::write(dir.join("plan.svg"), p.plot())?;
+        super::simulate::write_files(dir, "plan", &p.to_json(), &markdown, &p.plot())?;
     }
     print!("{markdown}");
     eprintln!("{} layouts in {:.1} s of wall time", p.candidates.len(), started.elapsed().as_secs_f64());

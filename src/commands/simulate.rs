@@ -109,6 +109,16 @@ pub fn run_command(args: &SimulateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `NAME.json`, `NAME.md` and `NAME.svg` into `dir` (created if missing).
+pub fn write_files(dir: &std::path::Path, name: &str, json: &str, markdown: &str, svg: &str) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    for (ext, text) in [("json", json), ("md", markdown), ("svg", svg)] {
+        let path = dir.join(format!("{name}.{ext}"));
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
 fn capacity_command(scenario: &Scenario, args: &SimulateArgs, started: Instant) -> anyhow::Result<()> {
     let criteria = Criteria { slo_attainment_min: args.slo_attainment };
     let verbose = !args.quiet;
@@ -121,10 +131,7 @@ fn capacity_command(scenario: &Scenario, args: &SimulateArgs, started: Instant) 
     .map_err(|e| anyhow::anyhow!("{}: {e}", scenario.file))?;
     let markdown = capacity.to_markdown();
     if let Some(dir) = &args.out {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-        std::fs::write(dir.join("capacity.json"), capacity.to_json())?;
-        std::fs::write(dir.join("capacity.md"), &markdown)?;
-        std::fs::write(dir.join("capacity.svg"), capacity.plot())?;
+        write_files(dir, "capacity", &capacity.to_json(), &markdown, &capacity.plot())?;
     }
     print!("{markdown}");
     eprintln!("{} runs in {:.1} s of wall time", capacity.probes.len(), started.elapsed().as_secs_f64());

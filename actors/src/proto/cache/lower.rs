@@ -107,20 +107,19 @@ impl CacheMachine {
         let mut batch = Vec::new();
         let mut parent = 0;
         for &h in hashes {
+            // (persisted, tokens, lens, values, TTL) of the block, in its pool store or host memory.
             let found = match self.entries.get(&(instance, h)) {
-                Some(e) if e.parent == parent => {
-                    Some((e.persisted, e.tokens.clone(), e.lens.clone(), &e.values, e.ttl_ms))
-                }
+                Some(e) if e.parent == parent => Some((e.persisted, &e.tokens[..], &e.lens, &e.values, e.ttl_ms)),
                 _ => match self.host.get(h) {
-                    Some((p, tokens, v)) if p == parent => {
-                        Some((v.persisted, tokens.to_vec(), v.lens.clone(), &v.values, v.ttl_ms))
-                    }
+                    Some((p, tokens, v)) if p == parent => Some((v.persisted, tokens, &v.lens, &v.values, v.ttl_ms)),
                     _ => None,
                 },
             };
             let Some((persisted, tokens, lens, values, ttl_ms)) = found else { break };
             if !persisted {
-                let Ok(block) = BlockValues::from_parts(&self.ctx.model, bt, &lens, values) else { break };
+                // Copied only for a block not yet on disk: a hit's chain is offered again on every hit.
+                let Ok(block) = BlockValues::from_parts(&self.ctx.model, bt, lens, values) else { break };
+                let tokens = tokens.to_vec();
                 batch.push(PersistBlock { key: h, parent, tokens, values: Arc::new(block), ttl_ms });
                 if let Some(e) = self.entries.get_mut(&(instance, h)) {
                     e.persisted = true;

@@ -4,6 +4,13 @@
 
 use super::*;
 
+/// What a cached block is worth to routing, as a share of a pool hit, by
+/// where it waits: host memory, a node's own disk, a disk every node shares
+/// (brought up while the request waits, a little slower each).
+const HOST_WORTH: f64 = 0.98;
+const DISK_WORTH: f64 = 0.95;
+const SHARED_DISK_WORTH: f64 = 0.9;
+
 impl RouterMachine {
     pub(super) fn on_submit(&mut self, client: Addr, submit: Submit) {
         let id = submit.spec.id;
@@ -74,9 +81,9 @@ impl RouterMachine {
                 let parent = if k == 0 { 0 } else { chain[k - 1] };
                 let Some(tier) = tiers.locate(i as u32, now_ms, chain[k], parent) else { break };
                 worth += match tier {
-                    SimTier::Device | SimTier::Host => 0.98,
-                    SimTier::Disk => 0.95,
-                    SimTier::Shared => 0.9,
+                    SimTier::Device | SimTier::Host => HOST_WORTH,
+                    SimTier::Disk => DISK_WORTH,
+                    SimTier::Shared => SHARED_DISK_WORTH,
                 };
             }
             c.cached_tokens += (worth * self.ctx.block_tokens as f64) as usize;
@@ -98,10 +105,10 @@ impl RouterMachine {
             let i = i as u32;
             let pool = r.matched.get(&i).copied().unwrap_or(0);
             let (host, disk) = r.lower.get(&i).copied().unwrap_or((0, 0));
-            let mut worth = 0.98 * host as f64 + 0.95 * disk as f64;
+            let mut worth = HOST_WORTH * host as f64 + DISK_WORTH * disk as f64;
             let covered = pool + host + disk;
             if shared && r.disk_chain > covered {
-                worth += 0.9 * (r.disk_chain - covered) as f64;
+                worth += SHARED_DISK_WORTH * (r.disk_chain - covered) as f64;
             }
             c.cached_tokens += (worth * self.ctx.block_tokens as f64) as usize;
         }
