@@ -90,7 +90,7 @@ impl DeviceCost {
         let moe = m.moe_layers().max(1) as f64;
         let layers = moe / self.layers as f64;
         let compute_s =
-            rows as f64 * m.expert_flops_per_token() * layers / hw.flops_for_bits(m.expert_bits) / eff.compute;
+            rows as f64 * m.expert_flops_per_token() * layers / (hw.flops_for_bits(m.expert_bits) * eff.expert_gemm);
         let memory_s =
             experts as f64 * m.expert_weight_bytes_all_layers() / moe * layers / hw.hbm_bytes_per_s() / eff.memory;
         compute_s.max(memory_s) * 1e6

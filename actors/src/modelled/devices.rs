@@ -265,16 +265,20 @@ impl Modelled {
             expert_parallel,
             devices_per_node: self.devices_per_node,
         };
-        let mut cost = step_cost(&self.hardware, &self.model, &step, self.spec.efficiency);
+        let eff = self.spec.efficiency;
+        let mut cost = step_cost(&self.hardware, &self.model, &step, eff);
         // The all-to-all waits for its busiest receiver: skewed experts
         // concentrate the dispatched rows on the devices holding hot ones.
         cost.network_us *= shares.imbalance().max(1.0);
-        cost.total_us = cost.compute_us.max(cost.memory_us).max(cost.network_us) + cost.overhead_us;
         if imported_tokens > 0 {
+            // Imported KV streams over the scale-out links while the kernels
+            // run (what the all-to-all leaves idle): only what does not fit beside the kernels lengthens the step.
             let bytes = self.model.kv_bytes_per_sequence(imported_tokens);
-            cost.network_us += bytes / self.hardware.scale_out_bytes_per_s() / self.spec.efficiency.network * 1e6;
-            cost.total_us = cost.compute_us.max(cost.memory_us).max(cost.network_us) + cost.overhead_us;
+            let import_us = bytes / self.hardware.scale_out_bytes_per_s() / eff.network * 1e6;
+            let idle_us = (cost.compute_us + cost.memory_us) * (1.0 - eff.overlap.clamp(0.0, 1.0));
+            cost.network_us += (import_us - idle_us).max(0.0);
         }
+        cost.total_us = eff.total_us(cost.compute_us + cost.memory_us, cost.network_us, cost.overhead_us);
         cost
     }
 }

@@ -18,6 +18,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use deepinfer_engine::cost::Efficiency;
 use deepinfer_engine::speculative::policy::{choose_lengths, DraftPolicy, StepCost, MAX_DRAFT_TOKENS};
 use deepinfer_engine::speculative::SpeculativeConfig;
 
@@ -342,24 +343,24 @@ pub fn min_survival(cost: &StepCost, requests: usize) -> f64 {
 }
 
 /// A step cost for the policy from two priced points, the batch without
-/// drafts and with `per_lane` drafts for each of `lanes`: each resource of
-/// the roofline grows linearly with the tokens, the step takes the slowest
-/// plus the fixed overhead. Tokens count as the policy counts them, one per
+/// drafts and with `per_lane` drafts for each of `lanes`: kernel time and
+/// all-to-all time grow linearly with the tokens and combine as the cost
+/// model combines them. Tokens count as the policy counts them, one per
 /// lane plus its drafts; times in seconds.
 pub fn step_cost_between(
     lanes: usize,
     per_lane: usize,
     base: &deepinfer_engine::cost::StepCost,
     full: &deepinfer_engine::cost::StepCost,
+    eff: &Efficiency,
 ) -> StepCost {
     let span = lanes * per_lane;
     let at = |d: usize| {
         let f = if span == 0 { 0.0 } else { d as f64 / span as f64 };
         let lerp = |a: f64, b: f64| a + (b - a) * f;
-        let busiest = lerp(base.compute_us, full.compute_us)
-            .max(lerp(base.memory_us, full.memory_us))
-            .max(lerp(base.network_us, full.network_us));
-        ((busiest + base.overhead_us) * 1e-6).max(1e-9)
+        let kernels = lerp(base.compute_us + base.memory_us, full.compute_us + full.memory_us);
+        let network = lerp(base.network_us, full.network_us);
+        (eff.total_us(kernels, network, base.overhead_us) * 1e-6).max(1e-9)
     };
     let stride = span.div_ceil(64).max(1);
     let mut points: Vec<(usize, f64)> = Vec::new();
@@ -484,19 +485,24 @@ mod tests {
     }
 
     #[test]
-    fn a_step_cost_between_two_points_follows_the_slowest_resource() {
-        let c = |compute_us: f64, memory_us: f64| deepinfer_engine::cost::StepCost {
-            compute_us,
-            memory_us,
-            network_us: 0.0,
+    fn a_step_cost_between_two_points_combines_kernels_and_all_to_all_as_the_cost_model_does() {
+        let c = |kernels_us: f64, network_us: f64| deepinfer_engine::cost::StepCost {
+            compute_us: kernels_us,
+            memory_us: 0.0,
+            network_us,
             overhead_us: 100.0,
-            total_us: compute_us.max(memory_us) + 100.0,
+            total_us: 0.0,
         };
-        // Memory-bound until the compute line crosses it halfway.
-        let cost = step_cost_between(10, 4, &c(100.0, 300.0), &c(500.0, 300.0));
+        let hidden = Efficiency { overlap: 1.0, ..Efficiency::default() };
+        // Network-bound until the kernel line crosses it halfway.
+        let cost = step_cost_between(10, 4, &c(100.0, 300.0), &c(500.0, 300.0), &hidden);
         assert!((cost.at(10) - 400e-6).abs() < 1e-12);
         assert!((cost.at(30) - 400e-6).abs() < 1e-12);
         assert!((cost.at(50) - 600e-6).abs() < 1e-12);
-        assert_eq!(step_cost_between(3, 0, &c(1.0, 1.0), &c(1.0, 1.0)).at(3), 101e-6);
+        // Nothing hidden: the two add up.
+        let serial = Efficiency { overlap: 0.0, ..Efficiency::default() };
+        let cost = step_cost_between(10, 4, &c(100.0, 300.0), &c(500.0, 300.0), &serial);
+        assert!((cost.at(30) - 700e-6).abs() < 1e-12);
+        assert_eq!(step_cost_between(3, 0, &c(1.0, 1.0), &c(1.0, 1.0), &serial).at(3), 102e-6);
     }
 }

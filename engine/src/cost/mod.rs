@@ -1,12 +1,12 @@
 //! The device cost model of the simulator: how long one step of a batch takes
 //! on a given accelerator, for a given model, without doing the maths.
 //!
-//! A step is a roofline over three resources that DeepSeek's serving overlaps
-//! (two micro-batches hide communication behind compute): tensor-core time,
-//! HBM time (weights, KV, compressed entries read once per step) and network
-//! time (expert-parallel dispatch and combine), plus a fixed per-layer
-//! overhead. Every figure is per device.
+//! A step is its kernels, each bound by tensor-core time or HBM time (weights,
+//! KV, compressed entries read once per step), plus the expert-parallel
+//! dispatch and combine, which two micro-batches partly hide behind the
+//! kernels, plus a fixed per-layer overhead. Every figure is per device.
 
+pub mod calibration;
 pub mod draft;
 pub mod experts;
 pub mod hardware;
@@ -50,58 +50,137 @@ pub struct StepCost {
     pub total_us: f64,
 }
 
-/// Achievable fractions of the peak figures.
+/// Achieved fractions of the peak figures, per kernel class, and how the
+/// expert all-to-all overlaps the kernels. The defaults come from DeepSeek's
+/// own published kernel and serving figures on H800 (see `simulations/README.md`,
+/// "How a step is priced"); only `overlap` is fitted, on DeepSeek's V3/R1
+/// decode operating point.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Efficiency {
-    pub compute: f64,
+    /// Dense FP8 GEMMs (attention projections, shared experts, dense FFNs,
+    /// output head): DeepGEMM's normal GEMMs reach about 1,500 of 1,979 TFLOPS.
+    pub dense_gemm: f64,
+    /// The routed experts' grouped GEMMs: DeepGEMM's grouped contiguous
+    /// layout reaches about 1,250 of 1,979 TFLOPS.
+    pub expert_gemm: f64,
+    /// The attention core in BF16: FlashMLA's 660 of 989 TFLOPS when compute-bound.
+    pub attention: f64,
+    /// HBM streaming (weights, KV, tables): FlashMLA's 3,000 of 3,350 GB/s
+    /// when memory-bound; weight streaming in grouped GEMMs is lower.
     pub memory: f64,
+    /// Prefill's all-to-all (DeepEP's normal kernels, one copy per remote node,
+    /// NVLink forwarding): 43–58 GB/s of RDMA on 50 GB/s links at EP16–64.
     pub network: f64,
-    /// Kernel launches, synchronisation, per layer.
+    /// Decode's all-to-all (DeepEP's low-latency kernels, one message per
+    /// token and expert): 39–49 GB/s of pair bytes at EP32–256 with 128
+    /// tokens per rank, of which the remote share crosses the 50 GB/s link.
+    pub network_low_latency: f64,
+    /// Share of the SMs the normal kernels take from compute (24 of 132).
+    pub comm_sm_share: f64,
+    /// Share of the shorter of kernel time and all-to-all time that the two
+    /// micro-batches hide behind the longer (0: none, 1: perfect overlap).
+    pub overlap: f64,
+    /// Kernel launches, norms, synchronisation, per layer.
     pub layer_overhead_us: f64,
 }
 
 impl Default for Efficiency {
     fn default() -> Self {
-        Self { compute: 0.55, memory: 0.8, network: 0.7, layer_overhead_us: 15.0 }
+        Self {
+            dense_gemm: 0.75,
+            expert_gemm: 0.63,
+            attention: 0.67,
+            memory: 0.85,
+            network: 0.95,
+            network_low_latency: 0.78,
+            comm_sm_share: 24.0 / 132.0,
+            overlap: 0.0,
+            layer_overhead_us: 15.0,
+        }
+    }
+}
+
+impl Efficiency {
+    /// Step time from its kernel time, all-to-all time and fixed overhead.
+    pub fn total_us(&self, kernels_us: f64, network_us: f64, overhead_us: f64) -> f64 {
+        let hidden = kernels_us.min(network_us) * self.overlap.clamp(0.0, 1.0);
+        kernels_us + network_us - hidden + overhead_us
+    }
+}
+
+/// Most tokens a sequence computes in a step that DeepEP's low-latency
+/// kernels carry (one plus the most drafts a request verifies); longer
+/// chunks are prefill, carried by the normal kernels.
+pub const DECODE_TOKENS_MAX: usize = 17;
+
+/// Whether a step with these sequences is a decode step (low-latency all-to-all).
+pub fn is_decode(sequences: &[SeqWork]) -> bool {
+    sequences.iter().all(|s| s.new_tokens <= DECODE_TOKENS_MAX)
+}
+
+/// One kernel class's roofline: its FLOPs at its achieved rate against its
+/// bytes at the achieved HBM bandwidth; the slower bound counts, in seconds,
+/// as (compute-bound, memory-bound).
+fn roofline(flops: f64, flops_per_s: f64, bytes: f64, bytes_per_s: f64) -> (f64, f64) {
+    let (compute, memory) = (flops / flops_per_s, bytes / bytes_per_s);
+    if compute >= memory {
+        (compute, 0.0)
+    } else {
+        (0.0, memory)
     }
 }
 
 /// Cost of one step of `step` on `hw` for `model`.
+///
+/// The kernels of a step run one after another: dense GEMMs, the routed
+/// experts' grouped GEMMs and the attention core, each bound by its FLOPs or
+/// its HBM bytes (its own roofline), then tables read by row. The expert
+/// all-to-all runs beside them, and two micro-batches hide `eff.overlap` of
+/// the shorter of the two behind the longer.
 pub fn step_cost(hw: &Hardware, model: &ModelCost, step: &DeviceStep, eff: Efficiency) -> StepCost {
     let tokens: usize = step.sequences.iter().map(|s| s.new_tokens).sum();
     if tokens == 0 && step.expert_tokens == 0 {
         return StepCost { compute_us: 0.0, memory_us: 0.0, network_us: 0.0, overhead_us: 0.0, total_us: 0.0 };
     }
-    // Tensor-core work: dense projections and attention in BF16/FP8, experts at their storage precision.
-    let attention_flops: f64 = step.sequences.iter().map(|s| model.attention_flops(s.new_tokens, s.context)).sum();
-    let dense_flops = tokens as f64 * model.dense_flops_per_token();
-    let expert_flops = step.expert_tokens as f64 * model.expert_flops_per_token() * model.moe_layers() as f64;
-    let compute_s = (attention_flops / hw.bf16_flops()
-        + dense_flops / hw.fp8_flops()
-        + expert_flops / hw.flops_for_bits(model.expert_bits))
-        / eff.compute;
+    let hbm = hw.hbm_bytes_per_s() * eff.memory;
+    // Dense projections, shared experts and the head: weights read once per step.
+    let dense = roofline(
+        tokens as f64 * model.dense_flops_per_token(),
+        hw.fp8_flops() * eff.dense_gemm,
+        if tokens > 0 { model.dense_weight_bytes() } else { 0.0 },
+        hbm,
+    );
+    // Routed experts at their storage precision: the hit experts' weights.
+    let experts = roofline(
+        step.expert_tokens as f64 * model.expert_flops_per_token() * model.moe_layers() as f64,
+        hw.flops_for_bits(model.expert_bits) * eff.expert_gemm,
+        step.experts_hit as f64 * model.expert_weight_bytes_all_layers(),
+        hbm,
+    );
+    // The attention core: scores and values against the KV each sequence reads.
+    let attention = roofline(
+        step.sequences.iter().map(|s| model.attention_flops(s.new_tokens, s.context)).sum(),
+        hw.bf16_flops() * eff.attention,
+        step.sequences.iter().map(|s| model.kv_read_bytes(s.new_tokens, s.context)).sum(),
+        hbm,
+    );
+    let tables_s = tokens as f64 * model.table_read_bytes_per_token() / hbm;
+    let mut compute_s = dense.0 + experts.0 + attention.0;
+    let mut memory_s = dense.1 + experts.1 + attention.1 + tables_s;
 
-    // HBM: dense weights once per step, the hit experts' weights, the KV state each sequence reads.
-    let kv_bytes: f64 = step.sequences.iter().map(|s| model.kv_read_bytes(s.new_tokens, s.context)).sum();
-    let weight_bytes = model.dense_weight_bytes() + step.experts_hit as f64 * model.expert_weight_bytes_all_layers();
-    let table_bytes = tokens as f64 * model.table_read_bytes_per_token();
-    let memory_s = (weight_bytes + kv_bytes + table_bytes) / hw.hbm_bytes_per_s() / eff.memory;
-
-    // Network: each token goes to `k` experts and comes back, per MoE layer. As
-    // DeepEP does, a token crosses to each remote node once and fans out to that
-    // node's experts over the scale-up links.
-    let ep = step.expert_parallel.max(1) as f64;
-    let per_node = step.devices_per_node.clamp(1, step.expert_parallel.max(1)) as f64;
-    let nodes = (ep / per_node).ceil();
-    let k = model.experts_per_token as f64;
-    let pair_bytes = model.dispatch_bytes_per_token() + model.combine_bytes_per_token();
-    let per_token_layers = tokens as f64 * pair_bytes * model.moe_layers() as f64;
-    let nodes_reached = nodes * (1.0 - (1.0 - 1.0 / nodes).powf(k));
-    let off_node = nodes_reached * (nodes - 1.0) / nodes;
-    let on_node = if ep > 1.0 { k * (1.0 - 1.0 / per_node) } else { 0.0 };
-    let network_s = (per_token_layers * on_node / hw.scale_up_bytes_per_s()
-        + per_token_layers * off_node / hw.scale_out_bytes_per_s())
-        / eff.network;
+    let ep = step.expert_parallel.max(1);
+    let decode = is_decode(&step.sequences);
+    let network_s = if ep == 1 {
+        0.0
+    } else if decode {
+        low_latency_all_to_all_s(hw, model, tokens, ep, step.devices_per_node, eff)
+    } else {
+        // The normal kernels run on SMs taken from compute.
+        let slowdown = 1.0 / (1.0 - eff.comm_sm_share.clamp(0.0, 0.9));
+        compute_s *= slowdown;
+        memory_s *= slowdown;
+        normal_all_to_all_s(hw, model, tokens, ep, step.devices_per_node, eff)
+    };
 
     let overhead_us = model.layers as f64 * eff.layer_overhead_us;
     let (compute_us, memory_us, network_us) = (compute_s * 1e6, memory_s * 1e6, network_s * 1e6);
@@ -110,8 +189,51 @@ pub fn step_cost(hw: &Hardware, model: &ModelCost, step: &DeviceStep, eff: Effic
         memory_us,
         network_us,
         overhead_us,
-        total_us: compute_us.max(memory_us).max(network_us) + overhead_us,
+        total_us: eff.total_us(compute_us + memory_us, network_us, overhead_us),
     }
+}
+
+/// DeepEP's normal kernels (prefill): a token crosses to each remote node
+/// that holds one of its `k` experts once and fans out there over the
+/// scale-up links, which run beside the slower scale-out transfer.
+fn normal_all_to_all_s(
+    hw: &Hardware,
+    model: &ModelCost,
+    tokens: usize,
+    ep: usize,
+    per_node: usize,
+    eff: Efficiency,
+) -> f64 {
+    let ep = ep as f64;
+    let per_node = per_node.clamp(1, ep as usize) as f64;
+    let nodes = (ep / per_node).ceil();
+    let k = model.experts_per_token as f64;
+    let bytes = tokens as f64 * model.pair_bytes() * model.moe_layers() as f64;
+    let nodes_reached = nodes * (1.0 - (1.0 - 1.0 / nodes).powf(k));
+    let off_node = nodes_reached * (nodes - 1.0) / nodes;
+    let on_node = k * (1.0 - 1.0 / per_node);
+    let scale_out = bytes * off_node / hw.scale_out_bytes_per_s();
+    let scale_up = bytes * on_node / hw.scale_up_bytes_per_s();
+    scale_out.max(scale_up) / eff.network
+}
+
+/// DeepEP's low-latency kernels (decode): one message per token and expert,
+/// remote experts over the scale-out links, the node's own over scale-up.
+pub(crate) fn low_latency_all_to_all_s(
+    hw: &Hardware,
+    model: &ModelCost,
+    tokens: usize,
+    ep: usize,
+    per_node: usize,
+    eff: Efficiency,
+) -> f64 {
+    let per_node = per_node.clamp(1, ep);
+    let pairs = tokens as f64 * model.experts_per_token as f64 * model.moe_layers() as f64;
+    let bytes = pairs * model.pair_bytes();
+    let off_node = (ep - per_node) as f64 / ep as f64;
+    let on_node = (per_node - 1) as f64 / ep as f64;
+    (bytes * off_node / hw.scale_out_bytes_per_s() + bytes * on_node / hw.scale_up_bytes_per_s())
+        / eff.network_low_latency
 }
 
 #[cfg(test)]

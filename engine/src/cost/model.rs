@@ -380,12 +380,10 @@ impl ModelCost {
         }
     }
 
-    /// Bytes one token sends to one expert (FP8 activations) and receives back (BF16).
-    pub fn dispatch_bytes_per_token(&self) -> f64 {
-        self.hidden as f64
-    }
-
-    pub fn combine_bytes_per_token(&self) -> f64 {
-        2.0 * self.hidden as f64
+    /// Bytes one token sends to one expert (FP8 activations with an f32
+    /// scale per 128) and receives back (BF16), per MoE layer.
+    pub fn pair_bytes(&self) -> f64 {
+        let hidden = self.hidden as f64;
+        hidden + hidden / 32.0 + 2.0 * hidden
     }
 }

@@ -45,21 +45,6 @@ fn decode_step(batch: usize, context: usize, ep: usize) -> DeviceStep {
     }
 }
 
-/// DeepSeek's published V3/R1 decode deployment (H800, EP144): 20–22 tokens/s
-/// per user and about 14.8k output tokens/s per 8-GPU node. The roofline should
-/// land within a factor of two of that with a plausible batch.
-#[test]
-fn v3_decode_on_h800_is_near_the_published_operating_point() {
-    let hw = HardwareKind::H800.spec();
-    let v3 = ModelKind::DeepSeekV3.cost();
-    let batch = 96;
-    let cost = step_cost(&hw, &v3, &decode_step(batch, 4096, 144), Efficiency::default());
-    let per_user = 1e6 / cost.total_us;
-    let per_node = 8.0 * batch as f64 * per_user;
-    assert!((10.0..45.0).contains(&per_user), "{per_user:.1} tok/s per user, {cost:?}");
-    assert!((7_000.0..30_000.0).contains(&per_node), "{per_node:.0} tok/s per node, {cost:?}");
-}
-
 #[test]
 fn cost_grows_with_work_and_faster_hardware_is_faster() {
     let v4 = ModelKind::V4Flash.cost();
@@ -86,4 +71,63 @@ fn names_round_trip() {
     for m in ModelKind::ALL {
         assert_eq!(ModelKind::from_name(m.cost().name), Some(m));
     }
+}
+
+#[test]
+fn published_operating_points_are_within_their_bounds() {
+    use calibration::{points, Role};
+    for p in points(Efficiency::default()) {
+        // DeepEP's kernels within 12%; DeepSeek's decode, whose context is
+        // assumed, within 20%; the deployments not fitted on within 10%.
+        let bound = match (p.role, p.source) {
+            (Role::Calibration, s) if s.starts_with("DeepEP") => 0.12,
+            (Role::Calibration, _) => 0.2,
+            (Role::Check, _) => 0.1,
+        };
+        assert!(p.error().abs() <= bound, "{} {}: {:.0} against {:.0}", p.source, p.what, p.modelled, p.published);
+    }
+}
+
+/// The one fitted constant: of the overlaps in [0, 1], the default is the
+/// one closest to DeepSeek's decode operating point.
+#[test]
+fn the_default_overlap_is_the_fit_on_deepseeks_decode() {
+    let error = |overlap: f64| {
+        let eff = Efficiency { overlap, ..Efficiency::default() };
+        calibration::points(eff)[0].error().abs()
+    };
+    let best = (0..=20).map(|i| i as f64 / 20.0).min_by(|a, b| error(*a).total_cmp(&error(*b))).unwrap();
+    assert_eq!(best, Efficiency::default().overlap);
+}
+
+/// Causal attention: each prompt token attends to the ones before it, so a
+/// longer prompt costs more per token, on every model (less on the
+/// compressed-attention ones, whose per-token work is bounded).
+#[test]
+fn prefill_cost_per_token_grows_with_input_length() {
+    let e = Efficiency::default();
+    for (model, hw, ep) in [
+        (ModelKind::DeepSeekV3, HardwareKind::H800, 32),
+        (ModelKind::V4Flash, HardwareKind::H200, 16),
+        (ModelKind::V41Flash, HardwareKind::B200, 64),
+    ] {
+        let m = model.cost();
+        let per_token_us = |length: usize| {
+            let seqs = (16_384 / length).max(1);
+            let step = DeviceStep {
+                sequences: vec![SeqWork { new_tokens: length, context: 0 }; seqs],
+                expert_tokens: seqs * length * m.experts_per_token,
+                experts_hit: (m.experts + 32).div_ceil(ep),
+                expert_parallel: ep,
+                devices_per_node: 8,
+            };
+            step_cost(&hw.spec(), &m, &step, e).total_us / (seqs * length) as f64
+        };
+        let costs: Vec<f64> = [1024, 2048, 4096, 16_384].into_iter().map(per_token_us).collect();
+        assert!(costs.windows(2).all(|w| w[1] > w[0]), "{model:?}: {costs:?}");
+    }
+    // V3's MLA grows the way SGLang measured it: 4K prompts at 0.87 of 1K's rate.
+    let ratio = calibration::prefill_per_node(HardwareKind::H100, 32, 4096, e)
+        / calibration::prefill_per_node(HardwareKind::H100, 32, 1024, e);
+    assert!((0.85..0.95).contains(&ratio), "{ratio}");
 }

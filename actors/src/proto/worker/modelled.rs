@@ -197,7 +197,7 @@ impl Event<'_> {
                 full[i].new_tokens += most;
             }
             let all = price(&full, fed + lanes.len() * most, self.imported);
-            step_cost_between(lanes.len(), most, &base, &all)
+            step_cost_between(lanes.len(), most, &base, &all, &m.spec.efficiency)
         } else {
             StepCost::linear(1.0, 0.0)
         };
