@@ -49,6 +49,13 @@ const DEEPEP_LOW_LATENCY_US: [(usize, f64); 5] =
 const SGLANG_PREFILL_PER_NODE: [(usize, f64); 3] = [(1024, 57_674.0), (2048, 54_543.0), (4096, 50_302.0)];
 const SGLANG_DECODE_PER_NODE: f64 = 22_282.0;
 
+/// DeepSeek's V4.1-Flash production figures: 14,000 output tokens/s per
+/// decode GPU at 230 tokens/s per user, about 61 sequences per GPU. The
+/// hardware and the context are not published: B200 in EP64 and 32K tokens
+/// (mostly cached agentic prompts) are taken, without drafts.
+const V41_DECODE_SEQS: usize = 61;
+const V41_DECODE_CONTEXT: usize = 32_768;
+
 /// Prefill tokens per GPU in one step (DeepSeek's profile: 16K).
 const PREFILL_TOKENS_PER_GPU: usize = 16_384;
 
@@ -124,6 +131,25 @@ pub fn points(eff: Efficiency) -> Vec<Point> {
         unit: "tok/s",
         published: SGLANG_DECODE_PER_NODE,
         modelled: 8.0 * 256.0 * 1e6 / cost.total_us,
+    });
+    let v41 = ModelKind::V41Flash.cost();
+    let step = DeviceStep {
+        sequences: vec![SeqWork { new_tokens: 1, context: V41_DECODE_CONTEXT }; V41_DECODE_SEQS],
+        expert_tokens: V41_DECODE_SEQS * v41.experts_per_token,
+        experts_hit: (v41.experts + 64).div_ceil(64),
+        expert_parallel: 64,
+        devices_per_node: 8,
+    };
+    let cost = step_cost(&HardwareKind::B200.spec(), &v41, &step, eff);
+    out.push(Point {
+        role: Role::Check,
+        source: "DeepSeek V4.1-Flash production",
+        what: format!(
+            "decode EP64 B200 (assumed), {V41_DECODE_SEQS} seqs/GPU × {V41_DECODE_CONTEXT} ctx, no drafts: tokens/s per user"
+        ),
+        unit: "tok/s",
+        published: 230.0,
+        modelled: 1e6 / cost.total_us,
     });
     out
 }

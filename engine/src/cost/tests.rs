@@ -78,11 +78,13 @@ fn published_operating_points_are_within_their_bounds() {
     use calibration::{points, Role};
     for p in points(Efficiency::default()) {
         // DeepEP's kernels within 12%; DeepSeek's decode, whose context is
-        // assumed, within 20%; the deployments not fitted on within 10%.
+        // assumed, within 20%; SGLang's deployments, not fitted on, within
+        // 10%; V4.1's production figure, whose hardware is assumed, 20%.
         let bound = match (p.role, p.source) {
             (Role::Calibration, s) if s.starts_with("DeepEP") => 0.12,
             (Role::Calibration, _) => 0.2,
-            (Role::Check, _) => 0.1,
+            (Role::Check, s) if s.starts_with("SGLang") => 0.1,
+            (Role::Check, _) => 0.2,
         };
         assert!(p.error().abs() <= bound, "{} {}: {:.0} against {:.0}", p.source, p.what, p.modelled, p.published);
     }
