@@ -8,7 +8,7 @@ use std::process::Command;
 
 use deepinfer::scenario::Scenario;
 use deepinfer::simulate::capacity::Criteria;
-use deepinfer::simulate::plan::{layouts, plan, Plan, PlanSpace, Search};
+use deepinfer::simulate::plan::{deployed, layouts, plan, CacheTiers, Plan, PlanSpace, Search};
 
 /// V4-Flash on H200, one prefill and one decode node, short runs near its capacity.
 const SMALL: &str = r#"
@@ -56,6 +56,7 @@ fn space() -> PlanSpace {
         decode_sizes: vec![8, 16],
         colocated_sizes: vec![],
         redundant: vec![0],
+        cache_tiers: vec![],
     }
 }
 
@@ -129,4 +130,35 @@ fn the_command_writes_its_files_and_refuses_what_cannot_be_laid_out() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("--gpus must be a positive multiple of 8"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Cache tiers are a dimension of the search: each layout once per choice,
+/// each deployed with the tiers it keeps of those the file configures.
+#[test]
+fn cache_tiers_are_searched_as_layouts_keep_them() {
+    let with_cache = format!("{SMALL}\n[cache]\nhost_gib = 64\ndisk_gib = 500\nshared_gib = 1000\n");
+    let s = Scenario::parse("plan.toml", &with_cache, Path::new(".")).unwrap_or_else(|e| panic!("{e}"));
+    let choices = vec![CacheTiers::Device, CacheTiers::Host, CacheTiers::All];
+    let space = PlanSpace { gpus: 16, decode_sizes: vec![8], cache_tiers: choices, ..space() };
+    let found = layouts(&s, &space).unwrap();
+    let labels: Vec<&str> = found.iter().map(|(l, _)| l.label.as_str()).collect();
+    assert_eq!(
+        labels,
+        [
+            "1×P8 + 1×D8, 0 redundant, cache: device",
+            "1×P8 + 1×D8, 0 redundant, cache: device+host",
+            "1×P8 + 1×D8, 0 redundant, cache: all tiers"
+        ]
+    );
+    let tiers = |i: usize| {
+        let (layout, instances) = &found[i];
+        let c = deployed(&s, instances, layout).cache.expect("the file's cache stays");
+        (c.tiers.host_bytes > 0.0, c.tiers.disk_bytes > 0.0, c.tiers.shared_bytes > 0.0)
+    };
+    assert_eq!(tiers(0), (false, false, false));
+    assert_eq!(tiers(1), (true, false, false));
+    assert_eq!(tiers(2), (true, true, true));
+    // Without a [cache] table there is nothing to choose from.
+    let err = layouts(&small(), &space).unwrap_err().to_string();
+    assert!(err.contains("no [cache]"), "{err}");
 }

@@ -1,4 +1,4 @@
-//! `deepinfer plan FILE [--gpus N] [--gpu-hour-usd P] [--prefill-sizes ..] [--decode-sizes ..] [--colocated-sizes ..] [--redundant ..] [--out DIR]`.
+//! `deepinfer plan FILE [--gpus N] [--gpu-hour-usd P] [--prefill-sizes ..] [--decode-sizes ..] [--colocated-sizes ..] [--redundant ..] [--cache-tiers ..] [--out DIR]`.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -8,7 +8,7 @@ use deepinfer_actors::cluster::disagg::InstanceKind;
 
 use crate::scenario::Scenario;
 use crate::simulate::capacity::Criteria;
-use crate::simulate::plan::{plan, PlanSpace, Search};
+use crate::simulate::plan::{plan, CacheTiers, PlanSpace, Search};
 
 /// DeepSeek's own assumption for its V3/R1 cost analysis: an H800 leased at $2 an hour.
 pub const GPU_HOUR_USD_DEFAULT: f64 = 2.0;
@@ -36,6 +36,10 @@ pub struct PlanArgs {
     /// Redundant expert slots per instance to try (default: the file's).
     #[arg(long, value_delimiter = ',')]
     pub redundant: Vec<usize>,
+    /// Prompt-cache tiers to try, of those the file's `[cache]` configures:
+    /// `device` (the device's prefix cache only), `host`, `all` (default: the file's as they are).
+    #[arg(long, value_delimiter = ',')]
+    pub cache_tiers: Vec<CacheTiers>,
     /// Seed instead of the scenario's own.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -66,6 +70,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
         decode_sizes: or_file(&args.decode_sizes, InstanceKind::Decode),
         colocated_sizes: or_file(&args.colocated_sizes, InstanceKind::Both),
         redundant: if args.redundant.is_empty() { vec![s.redundant_experts] } else { args.redundant.clone() },
+        cache_tiers: args.cache_tiers.clone(),
     };
     let criteria = Criteria { slo_attainment_min: args.slo_attainment };
     anyhow::ensure!(

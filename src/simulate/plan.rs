@@ -2,7 +2,7 @@
 //! SLOs, every layout of a given number of GPUs within a search space
 //! (prefill:decode split and instance sizes, that is expert-parallel
 //! degrees, for disaggregated serving; instance sizes for colocated
-//! serving; redundant experts) has its capacity searched
+//! serving; redundant experts; the prompt-cache tiers kept) has its capacity searched
 //! ([`find_capacity`]); each gets its cost per million tokens at a GPU-hour
 //! price, and the layouts no other beats on both throughput per GPU and
 //! tokens/s per user form the frontier.
@@ -28,6 +28,30 @@ pub struct PlanSpace {
     pub colocated_sizes: Vec<u32>,
     /// Redundant expert slots per instance.
     pub redundant: Vec<usize>,
+    /// Prompt-cache tiers to try, of those the file configures (empty: the file's as they are).
+    pub cache_tiers: Vec<CacheTiers>,
+}
+
+/// Which of the file's prompt-cache tiers a layout keeps below the device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheTiers {
+    /// The device's prefix cache only.
+    Device,
+    /// The device and host memory.
+    Host,
+    /// Every tier the file configures (host, local disk, shared store).
+    All,
+}
+
+impl CacheTiers {
+    pub fn name(self) -> &'static str {
+        match self {
+            CacheTiers::Device => "device",
+            CacheTiers::Host => "device+host",
+            CacheTiers::All => "all tiers",
+        }
+    }
 }
 
 /// One deployment of the plan's GPUs.
@@ -37,6 +61,8 @@ pub struct Layout {
     pub label: String,
     pub instances: Vec<(String, u32, u32)>,
     pub redundant: usize,
+    /// The cache tiers it keeps (`None`: the file's).
+    pub cache_tiers: Option<CacheTiers>,
     /// GPUs of the layout, and those that prefill and decode (all of them when colocated).
     pub gpus: u32,
     pub prefill_gpus: u32,
@@ -86,13 +112,15 @@ fn kind_name(kind: InstanceKind) -> &'static str {
     }
 }
 
-fn layout(groups: &[(InstanceKind, u32, u32)], redundant: usize) -> Layout {
+fn layout(groups: &[(InstanceKind, u32, u32)], redundant: usize, cache_tiers: Option<CacheTiers>) -> Layout {
     let label = groups.iter().map(|&(k, n, d)| format!("{n}×{}{d}", kind_name(k))).collect::<Vec<_>>().join(" + ");
     let gpus = |want: fn(InstanceKind) -> bool| groups.iter().filter(|g| want(g.0)).map(|g| g.1 * g.2).sum();
+    let cache = cache_tiers.map_or(String::new(), |t| format!(", cache: {}", t.name()));
     Layout {
-        label: format!("{label}, {redundant} redundant"),
+        label: format!("{label}, {redundant} redundant{cache}"),
         instances: groups.iter().map(|&(k, n, d)| (kind_name(k).to_string(), n, d)).collect(),
         redundant,
+        cache_tiers,
         gpus: groups.iter().map(|g| g.1 * g.2).sum(),
         prefill_gpus: gpus(InstanceKind::prefills),
         decode_gpus: gpus(InstanceKind::decodes),
@@ -153,28 +181,48 @@ pub fn layouts(s: &Scenario, space: &PlanSpace) -> anyhow::Result<Vec<(Layout, I
             }
         }
     }
+    let tiers: Vec<Option<CacheTiers>> = if space.cache_tiers.is_empty() {
+        vec![None]
+    } else {
+        anyhow::ensure!(s.cache.is_some(), "--cache-tiers: the file configures no [cache] tiers to choose from");
+        space.cache_tiers.iter().copied().map(Some).collect()
+    };
     let mut out = Vec::new();
     for g in &groups {
         for &r in &space.redundant {
-            let instances = g.iter().flat_map(|&(k, n, d)| std::iter::repeat_n((k, d), n as usize)).collect();
-            out.push((layout(g, r), instances));
+            for &t in &tiers {
+                let instances = g.iter().flat_map(|&(k, n, d)| std::iter::repeat_n((k, d), n as usize)).collect();
+                out.push((layout(g, r, t), instances));
+            }
         }
     }
     anyhow::ensure!(!out.is_empty(), "no layout of {} GPUs fits the instance sizes asked for", space.gpus);
     anyhow::ensure!(
         out.len() <= MAX_LAYOUTS,
-        "{} layouts: at most {MAX_LAYOUTS} (give fewer sizes or redundant counts)",
+        "{} layouts: at most {MAX_LAYOUTS} (give fewer sizes, redundant counts or cache tiers)",
         out.len()
     );
     Ok(out)
 }
 
-/// `s` deployed as `instances` with `redundant` expert slots each.
-fn deployed(s: &Scenario, instances: &[(InstanceKind, u32)], redundant: usize) -> Scenario {
+/// `s` deployed as `layout` says: its `instances`, redundant expert slots
+/// and the cache tiers it keeps.
+pub fn deployed(s: &Scenario, instances: &[(InstanceKind, u32)], layout: &Layout) -> Scenario {
+    let mut cache = s.cache.clone();
+    if let (Some(c), Some(keep)) = (cache.as_mut(), layout.cache_tiers) {
+        if keep < CacheTiers::All {
+            c.tiers.disk_bytes = 0.0;
+            c.tiers.shared_bytes = 0.0;
+        }
+        if keep < CacheTiers::Host {
+            c.tiers.host_bytes = 0.0;
+        }
+    }
     Scenario {
         instances: instances.to_vec(),
         redundant_per_instance: vec![None; instances.len()],
-        redundant_experts: redundant,
+        redundant_experts: layout.redundant,
+        cache,
         ..s.clone()
     }
 }
@@ -198,7 +246,7 @@ pub fn plan(
                 .iter()
                 .map(|&i| {
                     let (layout, instances) = &jobs[i];
-                    let v = deployed(s, instances, layout.redundant);
+                    let v = deployed(s, instances, layout);
                     scope.spawn(move || {
                         let c = match find_capacity(&v, seed, criteria, steps, |_| ()) {
                             Ok(c) => priced(layout.clone(), c.capacity, c.limit, gpu_hour_usd),
