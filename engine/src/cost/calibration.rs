@@ -3,7 +3,7 @@
 //! which the efficiencies come, and other teams' published deployments, kept
 //! as checks the model was not tuned on.
 
-use super::{low_latency_all_to_all_s, step_cost, DeviceStep, Efficiency, HardwareKind, ModelKind, SeqWork};
+use super::{low_latency_all_to_all_s, step_cost, DeviceStep, Efficiency, HardwareKind, ModelCost, ModelKind, SeqWork};
 
 /// Whether a point set the model's constants or only checks them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,19 +70,25 @@ fn decode_step(ep: usize, redundant: usize, batch: usize, context: usize) -> Dev
     }
 }
 
+/// One GPU's prefill step on EP`ep` (8 GPUs a node, 32 redundant expert
+/// slots): as many prompts of `length` as fill `PREFILL_TOKENS_PER_GPU`.
+pub fn prefill_step(model: &ModelCost, ep: usize, length: usize) -> DeviceStep {
+    let seqs = (PREFILL_TOKENS_PER_GPU / length.max(1)).max(1);
+    DeviceStep {
+        sequences: vec![SeqWork { new_tokens: length, context: 0 }; seqs],
+        expert_tokens: seqs * length * model.experts_per_token,
+        experts_hit: (model.experts + 32).div_ceil(ep),
+        expert_parallel: ep,
+        devices_per_node: 8,
+    }
+}
+
 /// Input tokens/s per 8-GPU node for prompts of `length` on EP`ep`.
 pub fn prefill_per_node(hw: HardwareKind, ep: usize, length: usize, eff: Efficiency) -> f64 {
     let v3 = ModelKind::DeepSeekV3.cost();
-    let seqs = (PREFILL_TOKENS_PER_GPU / length).max(1);
-    let step = DeviceStep {
-        sequences: vec![SeqWork { new_tokens: length, context: 0 }; seqs],
-        expert_tokens: seqs * length * v3.experts_per_token,
-        experts_hit: (v3.experts + 32).div_ceil(ep),
-        expert_parallel: ep,
-        devices_per_node: 8,
-    };
-    let cost = step_cost(&hw.spec(), &v3, &step, eff);
-    8.0 * (seqs * length) as f64 * 1e6 / cost.total_us
+    let step = prefill_step(&v3, ep, length);
+    let tokens: usize = step.sequences.iter().map(|s| s.new_tokens).sum();
+    8.0 * tokens as f64 * 1e6 / step_cost(&hw.spec(), &v3, &step, eff).total_us
 }
 
 /// Every published point with the model's figure under `eff`.

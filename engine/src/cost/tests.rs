@@ -115,15 +115,9 @@ fn prefill_cost_per_token_grows_with_input_length() {
     ] {
         let m = model.cost();
         let per_token_us = |length: usize| {
-            let seqs = (16_384 / length).max(1);
-            let step = DeviceStep {
-                sequences: vec![SeqWork { new_tokens: length, context: 0 }; seqs],
-                expert_tokens: seqs * length * m.experts_per_token,
-                experts_hit: (m.experts + 32).div_ceil(ep),
-                expert_parallel: ep,
-                devices_per_node: 8,
-            };
-            step_cost(&hw.spec(), &m, &step, e).total_us / (seqs * length) as f64
+            let step = calibration::prefill_step(&m, ep, length);
+            let tokens: usize = step.sequences.iter().map(|s| s.new_tokens).sum();
+            step_cost(&hw.spec(), &m, &step, e).total_us / tokens as f64
         };
         let costs: Vec<f64> = [1024, 2048, 4096, 16_384].into_iter().map(per_token_us).collect();
         assert!(costs.windows(2).all(|w| w[1] > w[0]), "{model:?}: {costs:?}");
