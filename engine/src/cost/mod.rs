@@ -111,7 +111,7 @@ impl Efficiency {
 /// Most tokens a sequence computes in a step that DeepEP's low-latency
 /// kernels carry (one plus the most drafts a request verifies); longer
 /// chunks are prefill, carried by the normal kernels.
-pub const DECODE_TOKENS_MAX: usize = 17;
+pub const DECODE_TOKENS_MAX: usize = 1 + crate::speculative::policy::MAX_DRAFT_TOKENS;
 
 /// Whether a step with these sequences is a decode step (low-latency all-to-all).
 pub fn is_decode(sequences: &[SeqWork]) -> bool {

@@ -4,12 +4,13 @@
 //! accepted tokens one by one and keeps the drafts of a fully accepted run,
 //! as `Engine::verify` does, within the allowance its own plan reserved.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 
 use deepinfer_engine::request::{Finished, RequestId};
 use deepinfer_engine::scheduler::SampledToken;
 use deepinfer_engine::speculative::policy::MAX_DRAFT_TOKENS;
 
+use super::by_seq::{BySeq, SeqSlots};
 use super::{finish_wire, Item, SampledRow, SchedulerMachine};
 use crate::modelled::devices::Modelled;
 use crate::wire::{BlockSnapshot, OutputEnd, OutputItem, SeqOutput, StateExport, TokenOut, Verification};
@@ -26,26 +27,25 @@ pub(super) struct Shape<'a> {
 #[derive(Default)]
 pub(super) struct Outs {
     pub items: Vec<(OutputItem, Option<Vec<f32>>)>,
-    slot: BTreeMap<u64, usize>,
+    slot: SeqSlots,
 }
 
 impl Outs {
     /// Request `id`'s next token; `from`: its tokens before this one.
     pub fn push(&mut self, id: u64, from: usize, cached: usize, o: SeqOutput, row: Option<Vec<f32>>) {
         let token = TokenOut { token: o.token, logprob: o.logprob, top: o.top };
-        match self.slot.get(&id) {
-            Some(&k) => self.items[k].0.tokens.push(token),
-            None => {
-                self.slot.insert(id, self.items.len());
-                let (tokens, logits, cached) = (vec![token], row.is_some(), cached as u32);
-                let item = OutputItem { id, from: from as u32, tokens, logits, end: None, cached };
-                self.items.push((item, row));
-            }
+        let (k, new) = self.slot.get_or_insert(id, self.items.len());
+        if new {
+            let (tokens, logits, cached) = (vec![token], row.is_some(), cached as u32);
+            let item = OutputItem { id, from: from as u32, tokens, logits, end: None, cached };
+            self.items.push((item, row));
+        } else {
+            self.items[k].0.tokens.push(token);
         }
     }
 
     pub fn finish(&mut self, id: u64, f: &Finished) {
-        if let Some(&k) = self.slot.get(&id) {
+        if let Some(k) = self.slot.get(id) {
             self.items[k].0.end = Some(OutputEnd::Finished(finish_wire(f)));
         }
     }
@@ -95,14 +95,14 @@ impl SchedulerMachine {
         &mut self,
         m: &Modelled,
         current: &[(u64, RequestId, usize)],
-        rows: &mut BTreeMap<u64, VecDeque<SampledRow>>,
-        verified: &mut BTreeMap<u64, VecDeque<Verification>>,
+        rows: &mut BySeq<SampledRow>,
+        verified: &mut BySeq<Verification>,
         outs: &mut Outs,
     ) {
         let most = m.drafting().map_or(0, |d| d.max_drafts());
         for &(id, rid, allowance) in current {
-            let Some(v) = verified.get_mut(&id).and_then(VecDeque::pop_front) else { continue };
-            let Some(queue) = rows.get_mut(&id) else { continue };
+            let Some(v) = verified.pop(id) else { continue };
+            let Some(queue) = rows.queue(id) else { continue };
             let n = (1 + v.accepted as usize).min(queue.len());
             // The worker cannot see `max_tokens`: where the plan allowed fewer
             // drafts, the ones past the allowance were never verified.

@@ -27,7 +27,7 @@
 //! its requests again with the tokens they had produced, which are
 //! recomputed (bit-identical) and generation resumes.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,6 +54,8 @@ use crate::wire::{
     StateExport, StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, TokenCount, Verification,
 };
 
+mod by_seq;
+use by_seq::{BySeq, SeqSlots};
 mod drafts;
 use drafts::{Outs, Shape};
 mod handoffs;

@@ -62,16 +62,19 @@ impl SchedulerMachine {
         let StepRun { step, items, answers, mut ended, repeat, .. } = run;
         self.record_loads(&answers);
         // A sequence appears once per step.
-        let index: BTreeMap<u64, usize> = items.iter().enumerate().map(|(i, it)| (it.id, i)).collect();
-        let of = |seq: u64, worker: u32| index.get(&seq).copied().filter(|&i| items[i].worker == worker);
+        let mut index = SeqSlots::with_capacity(items.len());
+        for (i, it) in items.iter().enumerate() {
+            index.get_or_insert(it.id, i);
+        }
+        let of = |seq: u64, worker: u32| index.get(seq).filter(|&i| items[i].worker == worker);
         let mut exported: BTreeMap<u64, (Vec<u32>, Vec<f32>)> = BTreeMap::new();
         // Per worker: outputs by sequence, with their logits rows; snapshots with their values.
-        let mut sampled_rows: BTreeMap<u64, VecDeque<SampledRow>> = BTreeMap::new();
-        let mut verified: BTreeMap<u64, VecDeque<Verification>> = BTreeMap::new();
+        let mut sampled_rows: BySeq<SampledRow> = BySeq::default();
+        let mut verified: BySeq<Verification> = BySeq::default();
         let mut snaps: Vec<Snap> = Vec::new();
         for (worker, a) in answers {
             for v in a.verifications {
-                verified.entry(v.seq).or_default().push_back(v);
+                verified.push(v.seq, v);
             }
             let mut at = 0;
             for o in a.outputs {
@@ -80,7 +83,7 @@ impl SchedulerMachine {
                     at += vocab;
                     a.body[at - vocab..at].to_vec()
                 });
-                sampled_rows.entry(o.seq).or_default().push_back((o, row));
+                sampled_rows.push(o.seq, (o, row));
             }
             for s in a.snapshots {
                 let n = parts_len(&s.lens);
@@ -160,7 +163,7 @@ impl SchedulerMachine {
             let mut sampled = Vec::with_capacity(current.len());
             let mut satisfied = Vec::new();
             for &(id, rid, _) in &current {
-                let Some((o, row)) = sampled_rows.get_mut(&id).and_then(VecDeque::pop_front) else { continue };
+                let Some((o, row)) = sampled_rows.pop(id) else { continue };
                 sampled.push(SampledToken { id: rid, token: o.token, ok: o.logprob.is_finite() });
                 if let Some(c) = self.live.get_mut(&id).and_then(|l| l.constraint.as_deref_mut()) {
                     c.accept(o.token);
