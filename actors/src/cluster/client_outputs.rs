@@ -27,16 +27,11 @@ impl Cluster {
             }
             Message::Outputs(out) => {
                 let vocab = self.ctx.config.vocab_size;
-                let rows: usize = out.items.iter().filter(|i| i.logits).map(|i| i.tokens.len()).sum();
-                if rows * vocab != body.len() {
+                let Some(items) = out.with_logits(&body, vocab) else {
                     bump(&self.ctx.metrics.frames_rejected);
                     return;
-                }
-                let mut at = 0;
-                for item in out.items {
-                    let n = if item.logits { item.tokens.len() * vocab } else { 0 };
-                    let logits = &body[at..at + n];
-                    at += n;
+                };
+                for (item, logits) in items {
                     let id = item.id;
                     let Some(o) = self.outstanding.get(&id) else { continue };
                     let fits = fit(o.tokens.len(), item.from as usize, item.tokens.len());

@@ -624,6 +624,25 @@ pub struct Outputs {
     pub items: Vec<OutputItem>,
 }
 
+impl Outputs {
+    /// Each item with its logits rows from `body` (`vocab` values for each
+    /// token of an item that asked for them, in item order); `None` when the
+    /// body does not add up.
+    pub fn with_logits(self, body: &[f32], vocab: usize) -> Option<impl Iterator<Item = (OutputItem, &[f32])>> {
+        let rows: usize = self.items.iter().filter(|i| i.logits).map(|i| i.tokens.len()).sum();
+        if rows.checked_mul(vocab)? != body.len() {
+            return None;
+        }
+        let mut at = 0;
+        Some(self.items.into_iter().map(move |item| {
+            let n = if item.logits { item.tokens.len() * vocab } else { 0 };
+            let logits = &body[at..at + n];
+            at += n;
+            (item, logits)
+        }))
+    }
+}
+
 /// One cached block's identity and content, stored with its values.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
 #[rkyv(derive(Debug))]

@@ -59,12 +59,12 @@ const V41_DECODE_CONTEXT: usize = 32_768;
 /// Prefill tokens per GPU in one step (DeepSeek's profile: 16K).
 const PREFILL_TOKENS_PER_GPU: usize = 16_384;
 
-fn decode_step(ep: usize, redundant: usize, batch: usize, context: usize) -> DeviceStep {
-    let v3 = ModelKind::DeepSeekV3.cost();
+/// One GPU's decode step of `model` on EP`ep` (8 GPUs a node): `batch` sequences of `context`.
+fn decode_step(model: &ModelCost, ep: usize, redundant: usize, batch: usize, context: usize) -> DeviceStep {
     DeviceStep {
         sequences: vec![SeqWork { new_tokens: 1, context }; batch],
-        expert_tokens: batch * v3.experts_per_token,
-        experts_hit: (v3.experts + redundant).div_ceil(ep),
+        expert_tokens: batch * model.experts_per_token,
+        experts_hit: (model.experts + redundant).div_ceil(ep),
         expert_parallel: ep,
         devices_per_node: 8,
     }
@@ -96,7 +96,7 @@ pub fn points(eff: Efficiency) -> Vec<Point> {
     let v3 = ModelKind::DeepSeekV3.cost();
     let h800 = HardwareKind::H800.spec();
     let mut out = Vec::new();
-    let step = decode_step(144, 32, DEEPSEEK_DECODE_SEQS, DEEPSEEK_DECODE_CONTEXT);
+    let step = decode_step(&v3, 144, 32, DEEPSEEK_DECODE_SEQS, DEEPSEEK_DECODE_CONTEXT);
     out.push(Point {
         role: Role::Calibration,
         source: "DeepSeek V3/R1 inference overview",
@@ -128,7 +128,7 @@ pub fn points(eff: Efficiency) -> Vec<Point> {
             modelled: prefill_per_node(HardwareKind::H100, 32, length, eff),
         });
     }
-    let step = decode_step(72, 0, 256, 2000);
+    let step = decode_step(&v3, 72, 0, 256, 2000);
     let cost = step_cost(&HardwareKind::H100.spec(), &v3, &step, eff);
     out.push(Point {
         role: Role::Check,
@@ -139,13 +139,7 @@ pub fn points(eff: Efficiency) -> Vec<Point> {
         modelled: 8.0 * 256.0 * 1e6 / cost.total_us,
     });
     let v41 = ModelKind::V41Flash.cost();
-    let step = DeviceStep {
-        sequences: vec![SeqWork { new_tokens: 1, context: V41_DECODE_CONTEXT }; V41_DECODE_SEQS],
-        expert_tokens: V41_DECODE_SEQS * v41.experts_per_token,
-        experts_hit: (v41.experts + 64).div_ceil(64),
-        expert_parallel: 64,
-        devices_per_node: 8,
-    };
+    let step = decode_step(&v41, 64, 64, V41_DECODE_SEQS, V41_DECODE_CONTEXT);
     let cost = step_cost(&HardwareKind::B200.spec(), &v41, &step, eff);
     out.push(Point {
         role: Role::Check,

@@ -53,19 +53,14 @@ impl RouterMachine {
 
     pub(super) fn on_outputs(&mut self, from: Addr, out: Outputs, body: Vec<f32>) {
         let vocab = self.ctx.config.vocab_size;
-        let rows: usize = out.items.iter().filter(|i| i.logits).map(|i| i.tokens.len()).sum();
-        if rows * vocab != body.len() {
+        let Some(items) = out.with_logits(&body, vocab) else {
             bump(&self.ctx.metrics.frames_rejected);
             self.ctx.events.record(format_args!("router rejects outputs of {from}: body does not match"));
             return;
-        }
+        };
         let now = self.now();
         let mut by_client: BTreeMap<Addr, (Vec<OutputItem>, Vec<f32>)> = BTreeMap::new();
-        let mut at = 0;
-        for item in out.items {
-            let n = if item.logits { item.tokens.len() * vocab } else { 0 };
-            let logits = &body[at..at + n];
-            at += n;
+        for (item, logits) in items {
             let id = item.id;
             // Not ours (any more): output of an earlier router's request, or
             // of a request routed again. It is not cancelled: the request may
