@@ -45,7 +45,8 @@ pub struct RunStats {
     /// Requests preempted and recomputed. A cluster reports them only per
     /// request, in each [`Update::Finished`].
     pub preemptions: Option<u64>,
-    /// Drafts proposed, verified and accepted; a cluster does not draft.
+    /// Drafts proposed, verified and accepted (an in-process cluster's
+    /// workers count them; a running cluster's are in its own processes).
     pub speculative: Option<SpeculativeStats>,
 }
 
@@ -130,6 +131,8 @@ pub struct ClusterBackend {
     cluster: LocalCluster,
     /// Most requests kept submitted and unfinished.
     depth: usize,
+    /// The workers draft in this process (their counters are here).
+    drafting: bool,
 }
 
 impl ClusterBackend {
@@ -137,7 +140,7 @@ impl ClusterBackend {
     /// stay below what one scheduler queues without refusing.
     pub fn new(cluster: LocalCluster, config: &EngineConfig) -> Self {
         let depth = config.max_batch_size + config.max_batch_size.min(config.max_waiting.saturating_sub(1));
-        Self { cluster, depth }
+        Self { cluster, depth, drafting: config.speculative.max_drafts() > 0 }
     }
 }
 
@@ -159,7 +162,17 @@ impl Backend for ClusterBackend {
     }
 
     fn stats(&self) -> RunStats {
-        RunStats::default()
+        let m = self.cluster.metrics();
+        let speculative = self.drafting.then(|| SpeculativeStats {
+            proposed: m.drafts_proposed,
+            verified: m.drafts_verified,
+            accepted: m.drafts_accepted,
+            all_accepted: m.verifications_all_accepted,
+            verifications: m.verifications,
+            // Each verification yields the accepted drafts and the target's own token.
+            verification_tokens: m.verifications + m.drafts_accepted,
+        });
+        RunStats { speculative, ..RunStats::default() }
     }
 
     fn shutdown(self: Box<Self>) {

@@ -187,6 +187,11 @@ impl ClusterPlan {
             cfg.instance_kinds = self.kinds.clone();
         }
         cfg.engine = EngineConfig::default();
+        // Checked when the file was read. The workers of a multi-process
+        // cluster hold no routed experts to time a step with, so the adaptive
+        // policy weighs drafts against the default cost shape.
+        let speculative = self.topology.cluster.speculative.as_ref().and_then(|s| s.config().ok());
+        cfg.engine.speculative = speculative.unwrap_or_default();
         cfg.cache_tiers = self.cache_tiers();
         cfg.eplb = self.topology.cluster.eplb.as_ref().map(|e| EplbConfig {
             every_steps: *e.every_steps.get_ref(),

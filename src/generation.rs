@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
+use deepinfer_actors::cluster::DraftCosts;
 use deepinfer_actors::{ClusterConfig, LocalCluster, Update};
 use deepinfer_engine::engine::{Engine, EngineConfig};
 use deepinfer_engine::model::{Model, RoutedExperts};
@@ -155,25 +156,35 @@ pub fn generate(
 /// An engine for `config`; with the adaptive draft-length policy, the step
 /// time it weighs drafts against is measured on this machine first.
 pub fn new_engine<M: std::ops::Deref<Target = Model>>(model: M, config: EngineConfig) -> anyhow::Result<Engine<M>> {
-    let adaptive = matches!(config.speculative.policy, DraftPolicy::Adaptive { .. })
-        && config.speculative.method != DraftMethod::Off;
-    let per_sequence = config.speculative.max_drafts() + 1;
-    let max_tokens = (config.max_batch_size * per_sequence).min(config.max_batch_tokens);
-    let (config_method, max_batch) = (config.speculative.method, config.max_batch_size);
+    let costs = measured_draft_costs(&model, &config);
     let mut engine = Engine::new(model, config)?;
-    if adaptive {
-        let cost = crate::step_cost::measure(engine.model(), max_tokens, per_sequence);
-        engine.set_step_cost(cost);
-        let drafting = match config_method {
-            DraftMethod::Mtp => crate::step_cost::measure_mtp_chain(engine.model(), max_batch),
-            DraftMethod::Dspark => crate::step_cost::measure_dspark(engine.model()),
-            DraftMethod::Off => None,
-        };
-        if let Some(cost) = drafting {
+    if let Some(costs) = costs {
+        engine.set_step_cost(costs.step);
+        if let Some(cost) = costs.draft {
             engine.set_draft_cost(cost);
         }
     }
     Ok(engine)
+}
+
+/// With the adaptive draft-length policy: a step's time by tokens verified
+/// and drafting's time by requests, measured on this machine now (the
+/// engine and a cluster's computing workers weigh drafts against them);
+/// `None` for any other policy.
+pub fn measured_draft_costs(model: &Model, config: &EngineConfig) -> Option<DraftCosts> {
+    let spec = config.speculative;
+    if !matches!(spec.policy, DraftPolicy::Adaptive { .. }) || spec.method == DraftMethod::Off {
+        return None;
+    }
+    let per_sequence = spec.max_drafts() + 1;
+    let max_tokens = (config.max_batch_size * per_sequence).min(config.max_batch_tokens);
+    let step = crate::step_cost::measure(model, max_tokens, per_sequence);
+    let draft = match spec.method {
+        DraftMethod::Mtp => crate::step_cost::measure_mtp_chain(model, config.max_batch_size),
+        DraftMethod::Dspark => crate::step_cost::measure_dspark(model),
+        DraftMethod::Off => None,
+    };
+    Some(DraftCosts { step, draft })
 }
 
 /// Start the in-process cluster of `--devices N --expert-parallel E` (E
@@ -185,11 +196,11 @@ pub fn start_cluster(
     expert_parallel: Option<u32>,
     engine: EngineConfig,
 ) -> anyhow::Result<LocalCluster> {
-    if engine.speculative.max_drafts() > 0 {
-        bail!("--speculative runs on one device: the actor cluster does not draft yet (use --speculative off)");
-    }
     let ep = expert_parallel.unwrap_or(devices);
     let mut cfg = ClusterConfig::new(devices, ep);
+    if let Some(costs) = measured_draft_costs(&model, &engine) {
+        cfg.draft_costs = costs;
+    }
     cfg.engine = engine;
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(devices as usize);
     LocalCluster::start(Arc::new(model), cfg, threads)

@@ -71,6 +71,8 @@ pub fn node_status(ctx: &Ctx, node: u32, started: SystemTime) -> NodeStatus {
             disk_hit_blocks: m.disk_hit_blocks,
             blocks_persisted: m.blocks_persisted,
         },
+        drafts_verified: m.drafts_verified,
+        drafts_accepted: m.drafts_accepted,
     }
 }
 
@@ -177,9 +179,14 @@ pub fn status_line(name: &str, status: &NodeStatus, heard_ago: Option<Duration>)
         "  cache: {} pool hits, blocks up from host {} / disk {}, to host {}, persisted {}",
         c.pool_hits, c.host_hit_blocks, c.disk_hit_blocks, c.host_blocks_in, c.blocks_persisted
     );
+    let drafts = if status.drafts_verified == 0 {
+        String::new()
+    } else {
+        format!("  drafts accepted {} of {}", status.drafts_accepted, status.drafts_verified)
+    };
     format!(
         "{name:<10} up {:>6} s (incarnation {})  devices {:?}  experts {experts:>4} ({expert_bytes})  \
-         RSS {:.0} MiB  running {running:>3}  waiting {waiting:>3}  KV {kv:>6}{epochs}{moved}{cache}  heard {heard}{down}",
+         RSS {:.0} MiB  running {running:>3}  waiting {waiting:>3}  KV {kv:>6}{epochs}{moved}{cache}{drafts}  heard {heard}{down}",
         status.uptime_ms / 1000,
         status.started_unix_ms,
         status.devices.iter().map(|d| d.device).collect::<Vec<_>>(),

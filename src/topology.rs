@@ -6,6 +6,8 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::Path;
 
+use deepinfer_engine::speculative::policy::{DraftPolicy, MAX_DRAFT_TOKENS};
+use deepinfer_engine::speculative::{DraftMethod, SpeculativeConfig};
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -52,6 +54,53 @@ pub struct Cluster {
     /// The prompt cache below each instance's KV pool; absent: the defaults (host memory, no disk).
     #[serde(default)]
     pub cache: Option<CacheTiers>,
+    /// Speculative decoding on the decoding workers; absent: off.
+    #[serde(default)]
+    pub speculative: Option<Speculative>,
+}
+
+/// `[cluster.speculative]`: every worker drafts with the model's own draft
+/// head and verifies the drafts with the next step (the same tokens as
+/// without drafts).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Speculative {
+    /// `mtp` (DeepSeek-V4's MTP block), `dspark` (DeepSeek-V4.1's DSpark layers) or `off`.
+    pub method: Spanned<String>,
+    /// Most drafts a request verifies per step (1 to 16).
+    #[serde(default = "default_num_draft_tokens")]
+    pub num_draft_tokens: Spanned<u32>,
+    /// `adaptive` (as many as pay for themselves at the worker's batch) or `fixed`.
+    #[serde(default = "default_draft_length")]
+    pub draft_length: Spanned<String>,
+}
+
+fn default_num_draft_tokens() -> Spanned<u32> {
+    Spanned::new(0..0, 3)
+}
+
+fn default_draft_length() -> Spanned<String> {
+    Spanned::new(0..0, "adaptive".into())
+}
+
+impl Speculative {
+    /// The engine's configuration, or what is wrong with which field.
+    pub fn config(&self) -> Result<SpeculativeConfig, (std::ops::Range<usize>, String)> {
+        let method: DraftMethod = self.method.get_ref().parse().map_err(|e| (self.method.span(), e))?;
+        let k = *self.num_draft_tokens.get_ref() as usize;
+        if !(1..=MAX_DRAFT_TOKENS).contains(&k) {
+            return Err((self.num_draft_tokens.span(), format!("must be 1 to {MAX_DRAFT_TOKENS}, not {k}")));
+        }
+        let policy = match (method, self.draft_length.get_ref().as_str()) {
+            (DraftMethod::Off, _) => DraftPolicy::Off,
+            (_, "fixed") => DraftPolicy::Fixed(k),
+            (_, "adaptive") => DraftPolicy::Adaptive { max: k },
+            (_, other) => {
+                return Err((self.draft_length.span(), format!("unknown draft length {other:?}: adaptive or fixed")))
+            }
+        };
+        Ok(SpeculativeConfig { method, policy })
+    }
 }
 
 /// `[cluster.cache]`: each node's host-memory and disk tiers of the prompt cache.
@@ -224,6 +273,9 @@ impl Topology {
             if !(0.0..=1.0).contains(&gain) {
                 return Err(err(e.min_gain.span(), format!("must be in [0, 1], not {gain}")));
             }
+        }
+        if let Some(spec) = &t.cluster.speculative {
+            spec.config().map_err(|(span, m)| err(span, m))?;
         }
         if let Some(c) = &t.cluster.cache {
             if *c.host_mib.get_ref() > MAX_HOST_CACHE_MIB {
@@ -417,6 +469,25 @@ expert_parallel = 4
             ("disk_dir = \"kv\"", "disk_dir = \" \"", 9, "must name a directory"),
             ("disk_dir = \"kv\"", "disk_gib = 0", 9, "at least 1"),
             ("host_mib = 512", "host_gib = 1", 8, "unknown field `host_gib`"),
+        ] {
+            let e = Topology::parse("t.toml", &text.replacen(from, to, 1)).unwrap_err();
+            assert_eq!(e.line, line, "{to}: {e}");
+            assert!(e.to_string().contains(needle), "{to}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_speculative_table_is_read_and_its_bad_values_are_named_with_their_line() {
+        let spec = "api_listen = \"127.0.0.1:8000\"\n\n[cluster.speculative]\nmethod = \"mtp\"\nnum_draft_tokens = 4\n";
+        let text = GOOD.replace("api_listen = \"127.0.0.1:8000\"\n", spec);
+        let t = Topology::parse("t.toml", &text).unwrap();
+        let config = t.cluster.speculative.expect("read").config().unwrap();
+        assert_eq!(config, SpeculativeConfig { method: DraftMethod::Mtp, policy: DraftPolicy::Adaptive { max: 4 } });
+        for (from, to, line, needle) in [
+            ("method = \"mtp\"", "method = \"eagle\"", 8, "unknown speculative method"),
+            ("num_draft_tokens = 4", "num_draft_tokens = 17", 9, "must be 1 to 16"),
+            ("num_draft_tokens = 4", "draft_length = \"long\"", 9, "adaptive or fixed"),
+            ("num_draft_tokens = 4", "drafts = 2", 9, "unknown field `drafts`"),
         ] {
             let e = Topology::parse("t.toml", &text.replacen(from, to, 1)).unwrap_err();
             assert_eq!(e.line, line, "{to}: {e}");

@@ -40,6 +40,37 @@ fn one_prompt_on_eight_devices_prints_the_same_bytes_as_one() {
     }
 }
 
+/// The workers of an in-process cluster draft with the trained model's MTP
+/// block: the bytes are those of one device without drafts; with a fixed
+/// length they verify and accept exactly the drafts one device does, and
+/// with adaptive lengths (against the step time measured at start) drafts
+/// are accepted too.
+#[test]
+fn drafting_devices_print_the_same_bytes_as_one_without_drafts() {
+    let base = ["generate", "--model", "builtin:tiny-v4-trained", "--prompt", "impl<T> Iterator for"];
+    let base = [&base[..], &["--max-tokens", "48", "--show-tokens"]].concat();
+    let one = stdout(&deepinfer(&[&base[..], &["--speculative", "off"]].concat()));
+    let drafts_line = |o: &Output| {
+        let err = String::from_utf8_lossy(&o.stderr).to_string();
+        err.lines()
+            .find(|l| l.starts_with("speculative mtp: "))
+            .unwrap_or_else(|| panic!("no drafts: {err}"))
+            .to_string()
+    };
+    let fixed = ["--speculative", "mtp", "--draft-length", "fixed", "--num-draft-tokens", "2"];
+    let single = deepinfer(&[&base[..], &fixed].concat());
+    assert_eq!(stdout(&single), one);
+    let cluster = deepinfer(&[&base[..], &fixed, &["--devices", "4", "--expert-parallel", "2"]].concat());
+    assert_eq!(stdout(&cluster), one, "fixed");
+    assert_eq!(drafts_line(&cluster), drafts_line(&single), "the drafts of one device");
+    let adaptive = ["--speculative", "mtp", "--draft-length", "adaptive", "--devices", "4"];
+    let o = deepinfer(&[&base[..], &adaptive].concat());
+    assert_eq!(stdout(&o), one, "adaptive");
+    let line = drafts_line(&o);
+    let accepted: u64 = line.split(" accepted").next().and_then(|t| t.rsplit(' ').next()?.parse().ok()).unwrap();
+    assert!(accepted > 0, "{line}");
+}
+
 #[test]
 fn a_batch_on_eight_devices_writes_the_same_bytes_as_one() {
     // A free run to find a stop string that really occurs.

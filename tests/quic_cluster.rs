@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use cluster_support::{run, run_plain, s, start_nodes, Proc, Site, FAILURE_TIMEOUT_MS, TWO_INSTANCES};
+use cluster_support::{cluster_status, run, run_plain, s, start_nodes, Proc, Site, FAILURE_TIMEOUT_MS, TWO_INSTANCES};
 use serde_json::Value;
 
 #[test]
@@ -90,6 +90,36 @@ const DISAGGREGATED: &str = "\n[[instance]]\nname = \"p\"\nrole = \"prefill\"\nn
 fn prefill_and_decode_in_separate_processes_survive_a_decode_node_dying() {
     let completed = kill_mid_batch(&Site::with_instances("disagg", DISAGGREGATED), 2);
     assert_eq!(completed, 8, "a request handed to the dead decode instance was lost or failed");
+}
+
+/// The decode processes of a disaggregated cluster draft with the trained
+/// model's MTP block and verify the drafts: the tokens are those of one
+/// process decoding without drafts, and `status` shows drafts accepted.
+#[test]
+fn decode_processes_draft_and_verify_with_the_tokens_of_one_process() {
+    let keys = "\n[cluster.speculative]\nmethod = \"mtp\"\nnum_draft_tokens = 2\ndraft_length = \"fixed\"\n";
+    let site = Site::build_model("drafting", DISAGGREGATED, Some("builtin:tiny-v4-trained"), keys);
+    let mut nodes = start_nodes(&site);
+    for prompt in ["impl<T> Iterator for", "/// Returns the number of"] {
+        let base = ["generate", "--prompt", prompt, "--max-tokens", "40", "--show-tokens"];
+        let one = run_plain(&[&base[..], &["--model", "builtin:tiny-v4-trained"]].concat());
+        let four = run_plain(&[&base[..], &["--topology", site.t()]].concat());
+        assert!(one.status.success() && four.status.success(), "{}", String::from_utf8_lossy(&four.stderr));
+        assert_eq!(four.stdout, one.stdout, "{prompt}");
+    }
+    let (ok, text) = cluster_status(&site);
+    assert!(ok, "{text}");
+    let accepted: u64 = text
+        .lines()
+        .filter_map(|l| l.split("drafts accepted ").nth(1))
+        .filter_map(|rest| rest.split(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert!(accepted > 10, "drafts accepted on the decode nodes: {text}");
+    // `--speculative` on a client of a running cluster would be ignored: it is refused.
+    let refused = run_plain(&["generate", "--topology", site.t(), "--prompt", "x", "--speculative", "mtp"]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("[cluster.speculative]"));
+    cluster_support::stop_nodes(&mut nodes);
 }
 
 /// Kill node `victim` in the middle of an 8-request batch; check detection,

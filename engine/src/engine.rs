@@ -35,7 +35,7 @@ use crate::request::{FinishReason, Finished, Request, RequestError, RequestId, R
 use crate::sampling::{adjust_logits, sample};
 pub use crate::scheduler::{EngineConfig, EngineConfigError};
 use crate::scheduler::{Registration, SampledToken, ScheduledItem, Scheduler};
-use crate::speculative::policy::{choose_lengths, DraftPolicy, StepCost, SURVIVAL_WORTH_DRAFTING_MAX};
+use crate::speculative::policy::{choose_lengths, min_survival, StepCost, SURVIVAL_WORTH_DRAFTING_MAX};
 use crate::speculative::{draft_next, Chooser, DraftInput, Proposal, SpeculativeStats};
 
 /// A finished request with everything it generated.
@@ -408,21 +408,8 @@ impl<M: Deref<Target = Model>> Engine<M> {
     fn propose(&mut self, items: &[ScheduledItem], which: &[usize], hidden: &[Vec<f32>]) {
         let spec = self.scheduler.config().speculative;
         let max = spec.max_drafts();
-        // With the adaptive policy, a chain stops at the first draft whose
-        // survival is below what it costs relative to the step at this batch:
-        // one more verified token, and (MTP) one request's share of a chain
-        // step. Adding a draft with survival S to a step of b tokens pays
-        // exactly when (b + S) / (step + cost) > b / step.
-        let min_survival = match spec.policy {
-            DraftPolicy::Adaptive { .. } => {
-                let b = self.scheduler.num_running().max(1);
-                let step = self.step_cost.at(b);
-                let verify_s = self.step_cost.at(b + 1) - step;
-                let draft_s = self.draft_cost.as_ref().map_or(0.0, |cost| cost.at(b) / b as f64);
-                b as f64 * (verify_s + draft_s) / step
-            }
-            _ => 0.0,
-        };
+        let running = self.scheduler.num_running();
+        let min_survival = min_survival(spec.policy, running, &self.step_cost, self.draft_cost.as_ref());
         if min_survival >= SURVIVAL_WORTH_DRAFTING_MAX {
             // At this batch no draft can pay for its verification: drafting
             // would only cost (the MTP window catches up when it resumes).
@@ -441,19 +428,17 @@ impl<M: Deref<Target = Model>> Engine<M> {
             let tokens = self.scheduler.tokens(it.id);
             let generated = tokens.len() - request.prompt.len();
             let (prompt, output) = tokens.split_at(request.prompt.len());
+            let mut chooser = Chooser::new(&request.params, prompt, output);
+            chooser.constraint = self.constraints.get(&it.id).and_then(|c| c.fork());
             inputs.push(DraftInput {
                 state,
                 rows: &hidden[i],
                 rows_from: it.from,
                 tokens,
+                tokens_from: 0,
                 count: max.min(request.max_tokens.saturating_sub(generated + 1)),
                 min_survival,
-                chooser: Chooser {
-                    params: &request.params,
-                    prompt,
-                    output: output.to_vec(),
-                    constraint: self.constraints.get(&it.id).and_then(|c| c.fork()),
-                },
+                chooser,
             });
         }
         let proposals = draft_next(&self.model, &mut inputs);

@@ -16,8 +16,10 @@ use deepinfer_engine::model::RoutedExperts;
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     check_devices(args)?;
     let speculative = args.engine.speculative()?;
-    if speculative.max_drafts() > 0 && (args.topology.is_some() || args.devices > 1) {
-        anyhow::bail!("--speculative runs on one device: the cluster does not draft yet (use --speculative off)");
+    if speculative.max_drafts() > 0 && args.topology.is_some() {
+        anyhow::bail!(
+            "--speculative with --topology: a running cluster drafts as its topology's [cluster.speculative] says"
+        );
     }
     // A client of a running cluster computes nothing: the shards hold the routed experts.
     let routed = if args.topology.is_some() { RoutedExperts::Elsewhere } else { RoutedExperts::Resident };
@@ -33,14 +35,15 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     };
     let LoadedModel { name, model, tokenizer } = loaded;
     let one_request = EngineConfig { max_batch_size: 1, prefix_mode: PrefixMode::Off, ..EngineConfig::default() };
+    let drafting = EngineConfig { speculative, ..one_request.clone() };
     let mut backend: Box<dyn Backend + '_> = match (&args.topology, args.devices) {
         (Some(path), _) => {
             Box::new(ClusterBackend::new(crate::cluster::connect(path, args.certs.as_deref(), model)?, &one_request))
         }
         (None, 1) => Box::new(EngineBackend::new(single_engine(&model, speculative)?)),
         (None, n) => {
-            let cluster = start_cluster(model, n, args.expert_parallel, one_request.clone())?;
-            Box::new(ClusterBackend::new(cluster, &one_request))
+            let cluster = start_cluster(model, n, args.expert_parallel, drafting.clone())?;
+            Box::new(ClusterBackend::new(cluster, &drafting))
         }
     };
     let started = Instant::now();

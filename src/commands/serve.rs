@@ -120,6 +120,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let (model_spec, listen, plan) = match &args.topology {
         None => (args.source.model.clone(), args.listen.unwrap_or_else(default_listen), None),
         Some(path) => {
+            if args.engine.speculative != "off" {
+                bail!("--speculative with --topology: the cluster drafts as its topology's [cluster.speculative] says");
+            }
             let plan = ClusterPlan::load(path)?;
             let listen = args.listen.unwrap_or_else(|| plan.api_listen());
             (plan.model_spec(), listen, (plan.devices() > 1).then_some(plan))

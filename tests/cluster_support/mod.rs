@@ -138,16 +138,21 @@ impl Site {
 
     /// Four nodes with `cluster_keys` added to `[cluster]`.
     pub fn build_with(name: &str, instances: &str, checkpoint: bool, cluster_keys: &str) -> Self {
+        let model = if checkpoint { None } else { Some("builtin:tiny-v4") };
+        Self::build_model(name, instances, model, cluster_keys)
+    }
+
+    /// Four nodes serving `model` (`None`: a checkpoint directory of the
+    /// built-in tiny-v4), with `cluster_keys` added after `[cluster]`.
+    pub fn build_model(name: &str, instances: &str, model: Option<&str>, cluster_keys: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("deepinfer-quic-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let model = if checkpoint {
+        let model = model.unwrap_or_else(|| {
             let o = run_plain(&["model", "init", "--preset", "tiny-v4", "--seed", "0", "--out", s(&dir.join("model"))]);
             assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
             "model"
-        } else {
-            "builtin:tiny-v4"
-        };
+        });
         // Ports that were free a moment ago (held together so they differ).
         let sockets: Vec<UdpSocket> = (0..4).map(|_| UdpSocket::bind("127.0.0.1:0").unwrap()).collect();
         let ports: Vec<u16> = sockets.iter().map(|s| s.local_addr().unwrap().port()).collect();

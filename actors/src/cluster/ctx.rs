@@ -9,6 +9,7 @@ use deepinfer_engine::config::ModelConfig;
 use deepinfer_engine::kv_pool::KvLayout;
 use deepinfer_engine::model::Model;
 use deepinfer_engine::scheduler::EngineConfig;
+use deepinfer_engine::speculative::policy::StepCost;
 use ractor::ActorCell;
 
 use crate::cluster::placement::Placement;
@@ -134,6 +135,25 @@ pub struct Ctx {
     pub constraints: Option<Arc<dyn deepinfer_engine::constraint::ConstraintSource>>,
     /// Host memory and disk below the device pools (real devices only; modelled ones use `modelled.tiers`).
     pub cache_tiers: crate::cluster::NodeCacheTiers,
+    /// A computing worker's step and drafting costs (adaptive draft lengths).
+    pub draft_costs: DraftCosts,
+}
+
+/// The time a computing worker's verification step takes by the tokens it
+/// verifies, and drafting's time by the requests drafted for, as the
+/// adaptive draft-length policy weighs them (`Engine::set_step_cost`,
+/// `Engine::set_draft_cost`).
+#[derive(Clone, Debug)]
+pub struct DraftCosts {
+    pub step: StepCost,
+    pub draft: Option<StepCost>,
+}
+
+impl Default for DraftCosts {
+    /// The engine's own default: a step costs one unit plus 1/64 a token; drafting is free.
+    fn default() -> Self {
+        Self { step: StepCost::linear(1.0, 1.0 / 64.0), draft: None }
+    }
 }
 
 impl Ctx {

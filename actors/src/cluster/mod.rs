@@ -20,6 +20,7 @@
 
 mod client;
 pub mod ctx;
+pub use ctx::DraftCosts;
 pub mod disagg;
 pub mod durable;
 pub mod placement;
@@ -125,6 +126,9 @@ pub struct ClusterConfig {
     pub incarnation_base: u64,
     /// The prompt cache's tiers below the device pools, on every node.
     pub cache_tiers: NodeCacheTiers,
+    /// What a computing worker's step and its drafting cost, for the
+    /// adaptive draft-length policy (`engine.speculative`).
+    pub draft_costs: DraftCosts,
 }
 
 /// The prompt cache below each instance's device pool, per node: host
@@ -199,6 +203,7 @@ impl ClusterConfig {
             client_node: 0,
             incarnation_base: 0,
             cache_tiers: NodeCacheTiers::default(),
+            draft_costs: DraftCosts::default(),
         }
     }
 
@@ -412,15 +417,17 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         Some(_) => return Err(ClusterError::Engine("modelled devices need a virtual clock".into())),
         None => None,
     };
-    // The workers that compute do not draft yet; modelled ones draft as their acceptance model says.
+    // Computing workers draft with the model's own head; modelled ones as their acceptance model says.
     let drafting = |c: &SpeculativeConfig| (c.max_drafts() > 0).then_some(*c);
-    let modelled_drafts = cfg.modelled.as_ref().and_then(|m| m.drafting.as_ref()).and_then(|d| drafting(&d.config));
-    if drafting(&cfg.engine.speculative) != modelled_drafts {
-        return Err(ClusterError::Engine(if cfg.modelled.is_none() {
-            "speculative decoding runs on one device or on modelled devices; the cluster's workers do not draft".into()
-        } else {
-            "engine.speculative and the modelled devices' drafting must be the same".into()
-        }));
+    match &cfg.modelled {
+        None => cfg.engine.speculative.check(&model).map_err(ClusterError::Engine)?,
+        Some(m) => {
+            if drafting(&cfg.engine.speculative) != m.drafting.as_ref().and_then(|d| drafting(&d.config)) {
+                return Err(ClusterError::Engine(
+                    "engine.speculative and the modelled devices' drafting must be the same".into(),
+                ));
+            }
+        }
     }
     let config = match &modelled {
         Some(m) => m.shape_config(&model.config),
@@ -489,6 +496,7 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         routers: cfg.router_nodes(),
         node_news: OnceLock::new(),
         cache_tiers: cfg.cache_tiers.clone(),
+        draft_costs: cfg.draft_costs.clone(),
     });
     for instance in 0..topo.instances {
         Scheduler::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| ClusterError::Engine(e.to_string()))?;

@@ -132,6 +132,15 @@ pub struct Metrics {
     pub disk_hit_blocks: AtomicU64,
     /// Blocks handed to a disk tier's writer.
     pub blocks_persisted: AtomicU64,
+    /// Computing workers' speculative decoding: drafts proposed, verified
+    /// (sent through the target with a step) and accepted; verifications are
+    /// the sampling items that verified at least one draft.
+    pub drafts_proposed: AtomicU64,
+    pub drafts_verified: AtomicU64,
+    pub drafts_accepted: AtomicU64,
+    pub verifications: AtomicU64,
+    /// Verifications whose every draft was accepted.
+    pub verifications_all_accepted: AtomicU64,
 }
 
 /// A plain copy of [`Metrics`].
@@ -174,6 +183,11 @@ pub struct MetricsSnapshot {
     pub host_hit_blocks: u64,
     pub disk_hit_blocks: u64,
     pub blocks_persisted: u64,
+    pub drafts_proposed: u64,
+    pub drafts_verified: u64,
+    pub drafts_accepted: u64,
+    pub verifications: u64,
+    pub verifications_all_accepted: u64,
 }
 
 impl MetricsSnapshot {
@@ -190,6 +204,10 @@ impl MetricsSnapshot {
 
 pub(crate) fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
+}
+
+pub(crate) fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
 }
 
 impl Metrics {
@@ -233,6 +251,11 @@ impl Metrics {
             host_hit_blocks: g(&self.host_hit_blocks),
             disk_hit_blocks: g(&self.disk_hit_blocks),
             blocks_persisted: g(&self.blocks_persisted),
+            drafts_proposed: g(&self.drafts_proposed),
+            drafts_verified: g(&self.drafts_verified),
+            drafts_accepted: g(&self.drafts_accepted),
+            verifications: g(&self.verifications),
+            verifications_all_accepted: g(&self.verifications_all_accepted),
         }
     }
 }

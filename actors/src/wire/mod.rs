@@ -26,7 +26,7 @@ use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// Version of the envelope layout; bumped on any change to the archived types.
-pub const WIRE_VERSION: u16 = 8;
+pub const WIRE_VERSION: u16 = 9;
 pub use crate::limits::MAX_FRAME_BYTES;
 /// "dINF" little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"dINF");
@@ -479,6 +479,9 @@ pub struct NodeStatus {
     pub expert_bytes_freed: u64,
     /// Its prompt cache since it started.
     pub cache: NodeCacheStatus,
+    /// Drafts its workers verified and the target accepted (speculative decoding).
+    pub drafts_verified: u64,
+    pub drafts_accepted: u64,
 }
 
 /// A node's prompt cache counters, in blocks.
@@ -1199,8 +1202,9 @@ mod tests {
     #[test]
     fn version_and_kind_are_checked_before_the_archive() {
         let mut frame = encode(&dispatch(), &[]).unwrap();
-        frame[8] = 9;
-        assert_eq!(decode(&frame), Err(WireError::UnsupportedVersion { got: 9 }));
+        let other = WIRE_VERSION as u8 + 1;
+        frame[8] = other;
+        assert_eq!(decode(&frame), Err(WireError::UnsupportedVersion { got: u16::from(other) }));
         let mut frame = encode(&dispatch(), &[]).unwrap();
         frame[10] = MsgKind::Control as u8;
         assert!(matches!(decode(&frame), Err(WireError::KindMismatch { .. })));

@@ -14,25 +14,32 @@ use super::Proposal;
 use crate::constraint::TokenConstraint;
 use crate::model::state::LayerState;
 use crate::model::{LogitsWanted, Model, MtpChunk, SequenceState};
-use crate::sampling::{adjust_logits, sample, SamplingParams};
+use crate::sampling::{adjust_logits_from_history, sample, token_history, SamplingParams};
 
 /// How one request picks its drafts: exactly as it will pick the target's
 /// token at that position (adjustments, constraint, greedy or its own
 /// uniform), so that a draft is accepted when the target agrees.
-pub(crate) struct Chooser<'a> {
+pub struct Chooser<'a> {
     pub params: &'a SamplingParams,
-    pub prompt: &'a [u32],
-    /// The output so far, then the drafts chosen.
-    pub output: Vec<u32>,
+    /// The penalties' view of the sequence ([`token_history`]: every distinct
+    /// prompt token, ascending, with its count in the output), then the
+    /// drafts chosen; empty when the request adjusts no logits.
+    pub history: Vec<(u32, u32)>,
     /// A copy of the request's constraint, advanced over the drafts.
     pub constraint: Option<Box<dyn TokenConstraint>>,
 }
 
-impl Chooser<'_> {
+impl<'a> Chooser<'a> {
+    /// A chooser for a request whose prompt and output so far are these.
+    pub fn new(params: &'a SamplingParams, prompt: &[u32], output: &[u32]) -> Self {
+        let history = if params.adjusts_logits() { token_history(prompt, output) } else { Vec::new() };
+        Self { params, history, constraint: None }
+    }
+
     /// The draft for `position` from its logits row, and its probability.
     fn choose(&mut self, position: usize, row: &mut [f32]) -> (u32, f64) {
         if self.params.adjusts_logits() {
-            adjust_logits(row, self.params, self.prompt, &self.output);
+            adjust_logits_from_history(row, self.params, &self.history);
         }
         if let Some(c) = &mut self.constraint {
             c.allowed(row);
@@ -41,22 +48,33 @@ impl Chooser<'_> {
         if let Some(c) = &mut self.constraint {
             c.accept(s.token);
         }
-        self.output.push(s.token);
+        if self.params.adjusts_logits() {
+            count_output_token(&mut self.history, s.token);
+        }
         let p = f64::from(s.logprob).exp();
         (s.token, if p.is_finite() { p } else { 0.0 })
     }
 }
 
+/// Add one output occurrence of `token` to a [`token_history`].
+pub fn count_output_token(history: &mut Vec<(u32, u32)>, token: u32) {
+    match history.binary_search_by_key(&token, |&(t, _)| t) {
+        Ok(i) => history[i].1 += 1,
+        Err(i) => history.insert(i, (token, 1)),
+    }
+}
+
 /// One request to draft for.
-pub(crate) struct DraftInput<'a> {
+pub struct DraftInput<'a> {
     pub state: &'a mut SequenceState,
     /// Hidden rows of the step's chunk (MTP: final streams; DSpark: its
     /// target layers' means), for positions `rows_from..`.
     pub rows: &'a [f32],
     pub rows_from: usize,
-    /// The sequence so far; its last token (at `tokens.len() − 1`) is the
-    /// target's newest, not yet fed.
+    /// The sequence from position `tokens_from` (at or before `rows_from`);
+    /// its last token is the target's newest, not yet fed.
     pub tokens: &'a [u32],
+    pub tokens_from: usize,
     /// Most drafts wanted.
     pub count: usize,
     /// A chain of drafts stops once the chance that all of them are accepted
@@ -65,8 +83,16 @@ pub(crate) struct DraftInput<'a> {
     pub chooser: Chooser<'a>,
 }
 
+impl DraftInput<'_> {
+    /// The position of the target's newest token.
+    fn end(&self) -> usize {
+        assert!(self.tokens_from <= self.rows_from, "the tokens cover the rows");
+        self.tokens_from + self.tokens.len() - 1
+    }
+}
+
 /// Propose drafts for every input; one proposal per input, in order.
-pub(crate) fn draft_next(model: &Model, inputs: &mut [DraftInput]) -> Vec<Proposal> {
+pub fn draft_next(model: &Model, inputs: &mut [DraftInput]) -> Vec<Proposal> {
     if model.is_v41() {
         inputs.iter_mut().map(|input| dspark(model, input)).collect()
     } else {
@@ -76,7 +102,7 @@ pub(crate) fn draft_next(model: &Model, inputs: &mut [DraftInput]) -> Vec<Propos
 
 fn dspark(model: &Model, input: &mut DraftInput) -> Proposal {
     let m = model.v41.as_ref().expect("a V4.1 model");
-    let end = input.tokens.len() - 1;
+    let end = input.end();
     let state = input.state.v41.as_ref().expect("a V4.1 state");
     let at = end + 1;
     if input.count == 0 {
@@ -97,7 +123,7 @@ fn dspark(model: &Model, input: &mut DraftInput) -> Proposal {
         &copy
     };
     let chooser = &mut input.chooser;
-    let drafts = m.dspark_propose_with(input.tokens[end], end - 1, windows, &mut |i, row| {
+    let drafts = m.dspark_propose_with(input.tokens[end - input.tokens_from], end - 1, windows, &mut |i, row| {
         if i < input.count {
             chooser.choose(at + i, row).0
         } else {
@@ -123,13 +149,13 @@ fn mtp(model: &Model, inputs: &mut [DraftInput]) -> Vec<Proposal> {
     let width = cfg.hc_mult * cfg.hidden_size;
     let window = cfg.sliding_window;
     let mut proposals: Vec<Proposal> =
-        inputs.iter().map(|i| Proposal { at: i.tokens.len(), tokens: Vec::new(), acceptance: Vec::new() }).collect();
+        inputs.iter().map(|i| Proposal { at: i.end() + 1, tokens: Vec::new(), acceptance: Vec::new() }).collect();
 
     // Catch up on the real positions this step computed; the last one's
     // logits give the first draft.
     let mut spans = Vec::with_capacity(inputs.len());
     for input in inputs.iter_mut() {
-        let end = input.tokens.len() - 1;
+        let end = input.end();
         let st = &mut *input.state;
         if st.mtp_position < input.rows_from || st.mtp_position >= end {
             // Its history is not in this step's rows (a new, restored or moved
@@ -144,7 +170,7 @@ fn mtp(model: &Model, inputs: &mut [DraftInput]) -> Vec<Proposal> {
         .zip(&spans)
         .map(|(input, &(start, end))| MtpChunk {
             streams: &input.rows[(start - input.rows_from) * width..(end - input.rows_from) * width],
-            next_tokens: &input.tokens[start + 1..=end],
+            next_tokens: &input.tokens[start + 1 - input.tokens_from..=end - input.tokens_from],
             state: &mut *input.state,
         })
         .collect();

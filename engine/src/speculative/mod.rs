@@ -26,7 +26,7 @@ pub mod rejection;
 use std::fmt;
 use std::str::FromStr;
 
-pub(crate) use drafter::{draft_next, Chooser, DraftInput};
+pub use drafter::{count_output_token, draft_next, Chooser, DraftInput};
 use policy::{DraftPolicy, MAX_DRAFT_TOKENS};
 
 /// Which draft head proposes tokens.

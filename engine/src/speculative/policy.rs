@@ -183,6 +183,26 @@ fn best_rate_lengths(acceptance: &[Vec<f64>], caps: &[usize], cost: &StepCost) -
     lengths
 }
 
+/// The survival a draft needs to be worth making at a batch of `running`
+/// requests: with the adaptive policy, a chain stops at the first draft
+/// whose survival is below what it costs relative to the step, that is one
+/// more verified token and (MTP) one request's share of a chain step. Adding
+/// a draft with survival S to a step of b tokens pays exactly when
+/// (b + S) / (step + cost) > b / step. Other policies draft whatever the
+/// survival (0).
+pub fn min_survival(policy: DraftPolicy, running: usize, step_cost: &StepCost, draft_cost: Option<&StepCost>) -> f64 {
+    match policy {
+        DraftPolicy::Adaptive { .. } => {
+            let b = running.max(1);
+            let step = step_cost.at(b);
+            let verify_s = step_cost.at(b + 1) - step;
+            let draft_s = draft_cost.map_or(0.0, |cost| cost.at(b) / b as f64);
+            b as f64 * (verify_s + draft_s) / step
+        }
+        _ => 0.0,
+    }
+}
+
 /// A probability as the policy reads it: clamped to [0, 1], NaN (and -0) as 0.
 fn clamp_probability(p: f64) -> f64 {
     if p > 0.0 {

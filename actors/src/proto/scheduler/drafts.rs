@@ -1,12 +1,14 @@
-//! The scheduler's side of speculative decoding on modelled devices: a
-//! worker reports, per sampling item and decode step, how many drafts it
-//! verified and how many the target accepted; the scheduler completes the
-//! accepted tokens one by one and keeps the drafts of a fully accepted run,
-//! as `Engine::verify` does, within the allowance its own plan reserved.
+//! The scheduler's side of speculative decoding: a worker reports, per
+//! sampling item and decode step, how many drafts it verified and how many
+//! the target accepted; the scheduler completes the accepted tokens one by
+//! one and keeps the drafts of a fully accepted run, as `Engine::verify`
+//! does, within the allowance its own plan reserved. Computing workers draft
+//! with the model's own head (`proto/worker/drafting.rs`); modelled ones as
+//! their acceptance model says.
 
 use std::collections::BTreeMap;
 
-use deepinfer_engine::request::{Finished, RequestId};
+use deepinfer_engine::request::{FinishReason, Finished, RequestId};
 use deepinfer_engine::scheduler::SampledToken;
 use deepinfer_engine::speculative::policy::MAX_DRAFT_TOKENS;
 
@@ -23,7 +25,8 @@ pub(super) struct Shape<'a> {
     pub verifications: &'a [Verification],
 }
 
-/// A step's outputs per request, in the order they first produced one.
+/// A step's outputs per request, in the order they first produced one,
+/// with their logits rows when the request returns them.
 #[derive(Default)]
 pub(super) struct Outs {
     pub items: Vec<(OutputItem, Option<Vec<f32>>)>,
@@ -40,7 +43,12 @@ impl Outs {
             let item = OutputItem { id, from: from as u32, tokens, logits, end: None, cached };
             self.items.push((item, row));
         } else {
-            self.items[k].0.tokens.push(token);
+            let (item, rows) = &mut self.items[k];
+            item.tokens.push(token);
+            // One logits row per token, in order.
+            if let (Some(rows), Some(row)) = (rows.as_mut(), row) {
+                rows.extend_from_slice(&row);
+            }
         }
     }
 
@@ -61,8 +69,7 @@ impl SchedulerMachine {
         repeat: u64,
         verifications: &[Verification],
     ) -> Option<Option<BTreeMap<u64, u64>>> {
-        let drafting = self.ctx.modelled.as_ref().is_some_and(|m| m.drafting().is_some());
-        if !drafting {
+        if !self.drafting() {
             return verifications.is_empty().then_some(None);
         }
         let mut steps: BTreeMap<u64, u64> = BTreeMap::new();
@@ -85,6 +92,76 @@ impl SchedulerMachine {
             return None;
         }
         Some(Some(tokens))
+    }
+
+    /// Whether this instance's workers verify drafts.
+    pub(super) fn drafting(&self) -> bool {
+        match &self.ctx.modelled {
+            Some(m) => m.drafting().is_some(),
+            None => self.ctx.engine.speculative.max_drafts() > 0,
+        }
+    }
+
+    /// The drafts an item may verify: what the plan reserved, except that on
+    /// computing devices a constrained item (only its first row's mask
+    /// travels) and one whose state moves on (a prefill instance's last step)
+    /// draft nothing.
+    pub(super) fn draft_allowance(&self, reserved: usize, constrained: bool, export: bool) -> usize {
+        if self.ctx.modelled.is_none() && (constrained || export) {
+            0
+        } else {
+            reserved
+        }
+    }
+
+    /// Complete a computing step's sampling items with drafts: each takes its
+    /// verification and its `1 + accepted` tokens, one by one, until one ends
+    /// it (a stop, a length, or a constraint that admits nothing more).
+    pub(super) fn complete_drafted(
+        &mut self,
+        current: &[(u64, RequestId, usize)],
+        rows: &mut BySeq<SampledRow>,
+        verified: &mut BySeq<Verification>,
+        outs: &mut Outs,
+    ) {
+        for &(id, rid, allowance) in current {
+            let Some(v) = verified.pop(id) else { continue };
+            let Some(queue) = rows.queue(id) else { continue };
+            let drafts = (v.drafts as usize).min(allowance);
+            let accepted = (v.accepted as usize).min(drafts);
+            let mut answered: Vec<SampledRow> = queue.drain(..(1 + accepted).min(queue.len())).collect();
+            let (mut produced, mut finished, mut satisfied) = (0usize, None, false);
+            for (o, row) in answered.drain(..) {
+                let sampled = SampledToken { id: rid, token: o.token, ok: o.logprob.is_finite() };
+                if let Some(c) = self.live.get_mut(&id).and_then(|l| l.constraint.as_deref_mut()) {
+                    c.accept(o.token);
+                    satisfied = c.is_done();
+                }
+                outs.push(id, self.generated(rid), self.policy.cached_tokens(rid).unwrap_or(0), o, row);
+                produced += 1;
+                finished = self.policy.complete(&[sampled]).pop().map(|(_, f)| f);
+                if finished.is_some() || satisfied {
+                    break;
+                }
+            }
+            if let Some(f) = finished {
+                // The end of a model turn: its whole computed chain goes to disk.
+                if let Some(l) = self.forget(id).filter(|l| l.persist) {
+                    self.persist_chain(l.hashes);
+                }
+                outs.finish(id, &f);
+            } else if satisfied {
+                // A constraint that admits nothing more ends its request as a stop, as in the engine.
+                if let Some(l) = self.forget(id) {
+                    if let Ok(mut f) = self.policy.cancel(l.rid) {
+                        f.reason = FinishReason::Stop;
+                        outs.finish(id, &f);
+                    }
+                }
+            } else if drafts > 0 && accepted == drafts && produced == 1 + accepted {
+                self.policy.accept_drafts(rid, drafts);
+            }
+        }
     }
 
     /// Complete one decode step of an event with drafts: each request in

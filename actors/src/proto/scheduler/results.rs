@@ -160,6 +160,10 @@ impl SchedulerMachine {
                 self.complete_verified(m, &current, &mut sampled_rows, &mut verified, &mut outs);
                 continue;
             }
+            if self.drafting() {
+                self.complete_drafted(&current, &mut sampled_rows, &mut verified, &mut outs);
+                continue;
+            }
             let mut sampled = Vec::with_capacity(current.len());
             let mut satisfied = Vec::new();
             for &(id, rid, _) in &current {

@@ -84,6 +84,7 @@ impl SchedulerMachine {
             }
             let s = &l.spec.sampling;
             let export = it.sample && l.decode.is_some();
+            let drafts = self.draft_allowance(it.drafts, !allowed.is_empty(), export);
             items.push(Item {
                 import,
                 export,
@@ -102,7 +103,7 @@ impl SchedulerMachine {
                 restore: restore.unwrap_or_default(),
                 values: None,
                 snapshots: it.snapshots,
-                drafts: it.drafts,
+                drafts,
             });
             let pushed = items.last().expect("pushed");
             if !pushed.rebuild {

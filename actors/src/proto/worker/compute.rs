@@ -9,7 +9,7 @@ use std::time::Duration;
 use deepinfer_engine::cost::SeqWork;
 use deepinfer_engine::engine::{check_restore, restore_state, step_segments, BlockValues};
 use deepinfer_engine::model::{Chunk, ExpertOutputs, LogitsWanted, Pass, SequenceState};
-use deepinfer_engine::sampling::{adjust_logits_from_history, sample, SamplingParams};
+use deepinfer_engine::sampling::SamplingParams;
 use deepinfer_engine::transfer::{parts_values, state_to_parts};
 
 use super::validate::{check_request, Device};
@@ -21,8 +21,8 @@ use crate::proto::{sampling_params, Crash, Outgoing};
 use crate::sim::events::bump;
 use crate::sim::faults::Target;
 use crate::wire::{
-    Addr, BlockSnapshot, DispatchHeader, ExpertLoad, ExpertResultHeader, ExpertRows, Message, ResultStatus, SeqOutput,
-    StateExport, StepItem, StepOutcome, StepRequest, TopLogprob,
+    Addr, BlockSnapshot, DispatchHeader, ExpertLoad, ExpertResultHeader, ExpertRows, Message, ResultStatus,
+    StateExport, StepItem, StepOutcome, StepRequest, Verification,
 };
 
 /// Rows of one dispatch part: experts (ascending) and their `(row, slot)` pairs.
@@ -33,24 +33,46 @@ struct Part {
 }
 
 /// One sequence's share of a step.
-struct ItemRun {
-    seq: u64,
+pub(super) struct ItemRun {
+    pub(super) seq: u64,
     /// Position of the first of `tokens`.
-    from: usize,
-    tokens: Vec<u32>,
-    state: SequenceState,
-    params: SamplingParams,
-    sample: bool,
+    pub(super) from: usize,
+    /// The step's tokens, then the drafts it verifies.
+    pub(super) tokens: Vec<u32>,
+    /// How many of `tokens` are drafts (after the last real one).
+    pub(super) drafts: usize,
+    pub(super) state: SequenceState,
+    pub(super) params: SamplingParams,
+    pub(super) sample: bool,
     /// The structured-output mask of the sampled token (empty: any).
-    allowed: Vec<u32>,
+    pub(super) allowed: Vec<u32>,
     /// The token history its penalties look at (empty without penalties).
-    history: Vec<(u32, u32)>,
-    logits: bool,
+    pub(super) history: Vec<(u32, u32)>,
+    pub(super) logits: bool,
     /// `(start, end, replay)` per wave, absolute positions.
     segments: Vec<(usize, usize, bool)>,
     snapshots: Vec<usize>,
-    row: Option<Vec<f32>>,
-    export: bool,
+    /// The logits rows to sample from: the last real token's, then one per draft.
+    pub(super) row: Option<Vec<f32>>,
+    /// Hidden rows of every position the step fed (drafting reads them).
+    pub(super) hidden: Vec<f32>,
+    pub(super) export: bool,
+}
+
+impl ItemRun {
+    /// The position after the step's real tokens.
+    pub(super) fn to(&self) -> usize {
+        self.from + self.tokens.len() - self.drafts
+    }
+
+    /// Drafts fed with segment `(a, b)`: the item's drafts after its last real token.
+    fn drafts_after(&self, b: usize) -> usize {
+        if b == self.to() {
+            self.drafts
+        } else {
+            0
+        }
+    }
 }
 
 /// The chunks of wave `wave`: every item that has a segment there.
@@ -59,7 +81,9 @@ fn wave_chunks(items: &mut [ItemRun], wave: usize) -> Vec<Chunk<'_>> {
         .iter_mut()
         .filter_map(|it| {
             let &(a, b, replay) = it.segments.get(wave)?;
-            Some(Chunk { tokens: &it.tokens[a - it.from..b - it.from], state: &mut it.state, replay, drafts: 0 })
+            let drafts = it.drafts_after(b);
+            let tokens = &it.tokens[a - it.from..b + drafts - it.from];
+            Some(Chunk { tokens, state: &mut it.state, replay, drafts })
         })
         .collect()
 }
@@ -114,7 +138,8 @@ impl WorkerMachine {
         };
         let seqs = &self.seqs;
         let held = |seq| seqs.get(&seq).map(|s: &SequenceState| s.position);
-        let missing = match check_request(&req, cfg, self.ctx.block_tokens, Device::Computing, held) {
+        let device = Device::Computing { drafts_max: self.drafts_max() };
+        let missing = match check_request(&req, cfg, self.ctx.block_tokens, device, held) {
             Ok(missing) => missing,
             Err(why) => return self.refuse(from, &req, why),
         };
@@ -126,6 +151,7 @@ impl WorkerMachine {
             return self.needs_history(from, &req, missing);
         }
         let mut items = Vec::with_capacity(req.items.len());
+        let allowances: Vec<usize> = req.items.iter().map(|it| it.drafts as usize).collect();
         for (it, inbound) in std::mem::take(&mut req.items).into_iter().zip(inbound) {
             let state = match self.starting_state(&it, inbound) {
                 Ok(state) => state,
@@ -152,9 +178,12 @@ impl WorkerMachine {
                 segments,
                 snapshots,
                 row: None,
+                hidden: Vec::new(),
                 export: it.export,
+                drafts: 0,
             });
         }
+        self.attach_drafts(&mut items, &allowances);
         let waves = items.iter().map(|it| it.segments.len()).max().unwrap_or(0);
         self.ctx.events.record(format_args!(
             "{} step {} attempt {}: {} sequences, {} tokens, {waves} waves",
@@ -257,7 +286,7 @@ impl WorkerMachine {
         let mut row_keys = Vec::new();
         for it in &run.items {
             if let Some(&(a, b, _)) = it.segments.get(wave) {
-                row_keys.extend((a..b).map(|p| row_key(it.seq, p as u64)));
+                row_keys.extend((a..b + it.drafts_after(b)).map(|p| row_key(it.seq, p as u64)));
             }
         }
         let chunks = wave_chunks(&mut run.items, wave);
@@ -369,8 +398,8 @@ impl WorkerMachine {
         let wave: Vec<SeqWork> = run
             .items
             .iter()
-            .filter_map(|it| it.segments.get(run.wave))
-            .map(|&(a, b, _)| SeqWork { new_tokens: b - a, context: a })
+            .filter_map(|it| Some((it, it.segments.get(run.wave)?)))
+            .map(|(it, &(a, b, _))| SeqWork { new_tokens: b + it.drafts_after(b) - a, context: a })
             .collect();
         cost.attention_time(&wave)
     }
@@ -378,23 +407,37 @@ impl WorkerMachine {
     /// After the last layer of a wave: keep the logits rows to sample from and
     /// copy the blocks that end here.
     fn finish_wave(&mut self) {
+        let drafts_max = self.drafts_max();
         let Some(run) = self.running.as_mut() else { return };
         let (wave, bt) = (run.wave, self.ctx.block_tokens);
-        let wants = run.items.iter().any(|it| it.sample && it.segments.len() == wave + 1);
-        let wanted = if wants { LogitsWanted::Last } else { LogitsWanted::None };
+        let vocab = self.ctx.config.vocab_size;
+        let ends_here = |it: &ItemRun| it.sample && it.segments.len() == wave + 1;
+        let tail = run.items.iter().filter(|it| ends_here(it)).map(|it| it.drafts + 1).max();
+        let wanted = match tail {
+            None => LogitsWanted::None,
+            Some(1) => LogitsWanted::Last,
+            Some(n) => LogitsWanted::Tail(n),
+        };
+        // Drafting reads the hidden rows of every item that samples.
+        let keep_hidden = drafts_max > 0 && run.items.iter().any(|it| it.sample);
         let pass = std::mem::replace(&mut run.pass, self.ctx.model.begin_pass(&[]));
         let outs = {
             let mut chunks = wave_chunks(&mut run.items, wave);
-            self.ctx.model.finish_pass(pass, &mut chunks, wanted, false)
+            self.ctx.model.finish_pass(pass, &mut chunks, wanted, keep_hidden)
         };
         let members = run.items.iter().enumerate().filter(|(_, it)| it.segments.len() > wave).map(|(i, _)| i);
         for (i, out) in members.collect::<Vec<_>>().into_iter().zip(outs) {
             let it = &mut run.items[i];
             let (_, end, _) = it.segments[wave];
+            if keep_hidden && it.sample {
+                it.hidden.extend_from_slice(&out.streams);
+            }
             if it.sample && wave + 1 == it.segments.len() {
-                it.row = Some(out.logits);
+                let keep = (it.drafts + 1) * vocab;
+                it.row = Some(out.logits[out.logits.len() - keep..].to_vec());
             }
             if end % bt == 0 && it.snapshots.contains(&(end / bt - 1)) {
+                assert!(end < it.to() || it.drafts == 0, "no drafts follow a block end");
                 let k = end / bt - 1;
                 run.snaps.push((i, k, BlockValues::capture(&self.ctx.model, &it.state, k, bt)));
             }
@@ -407,19 +450,16 @@ impl WorkerMachine {
         self.effects.push(Effect::Disarm);
         let mut outputs = Vec::new();
         let mut body = Vec::new();
+        let mut verifications = Vec::new();
         for it in &mut run.items {
-            let Some(mut row) = it.row.take() else { continue };
-            // The engine's order: bias, then the structured-output mask, then sampling.
-            adjust_logits_from_history(&mut row, &it.params, &it.history);
-            mask_row(&mut row, &it.allowed);
-            let position = it.state.position as u64;
-            let s = sample(&row, &it.params, position);
-            let top = s.top.iter().map(|&(token, logprob)| TopLogprob { token, logprob }).collect();
-            outputs.push(SeqOutput { seq: it.seq, token: s.token, logprob: s.logprob, position, top });
-            if it.logits {
-                body.extend_from_slice(&row);
+            let Some(rows) = it.row.take() else { continue };
+            let drafts = it.drafts as u32;
+            let accepted = self.verify(it, &rows, &mut outputs, &mut body) as u32;
+            if self.drafts_max() > 0 {
+                verifications.push(Verification { seq: it.seq, drafts, accepted });
             }
         }
+        self.propose(&mut run.items);
         let mut snapshots = Vec::with_capacity(run.snaps.len());
         for (i, k, values) in &run.snaps {
             let (lens, data) = values.to_parts();
@@ -444,7 +484,7 @@ impl WorkerMachine {
             self.seqs.insert(it.seq, it.state);
         }
         self.effects.push(Effect::Record(format!("{} step {} done", self.addr, run.step)));
-        let outcome = StepOutcome::Done { outputs, snapshots, loads, exports, verifications: Vec::new() };
+        let outcome = StepOutcome::Done { outputs, snapshots, loads, exports, verifications };
         let frame = self.reply(run.reply_to, run.step, run.attempt, outcome, &body);
         self.last = frame.map(|f| (self.owner, run.step, f));
     }
@@ -522,18 +562,5 @@ impl WorkerMachine {
         }
         let after = self.ctx.timeouts.dispatch;
         self.effects.push(Effect::ArmDispatch { pass, layer, round: run.round, after });
-    }
-}
-
-/// Set the logits of tokens outside `allowed` (one bit per token; empty
-/// allows all) to -inf, as the engine's constraint does.
-fn mask_row(row: &mut [f32], allowed: &[u32]) {
-    if allowed.is_empty() {
-        return;
-    }
-    for (token, logit) in row.iter_mut().enumerate() {
-        if allowed.get(token / 32).is_none_or(|w| w >> (token % 32) & 1 == 0) {
-            *logit = f32::NEG_INFINITY;
-        }
     }
 }

@@ -19,6 +19,7 @@
 //! both check a request by the one rule of `validate.rs`.
 
 mod compute;
+mod drafting;
 mod modelled;
 mod validate;
 
@@ -27,6 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deepinfer_engine::model::SequenceState;
+use deepinfer_engine::speculative::Proposal;
 
 use super::{Crash, Outgoing};
 use crate::cluster::ctx::Ctx;
@@ -87,6 +89,8 @@ pub struct WorkerMachine {
     /// Incarnation number of the scheduler whose sequences the states are.
     owner: u64,
     seqs: BTreeMap<u64, SequenceState>,
+    /// Drafts proposed for each sequence's next step (speculative decoding).
+    proposals: BTreeMap<u64, Proposal>,
     running: Option<compute::Running>,
     /// The answer to the last completed step, re-sent to a duplicate request.
     last: Option<(u64, u64, Vec<u8>)>,
@@ -118,6 +122,7 @@ impl WorkerMachine {
             passes: 0,
             owner: 0,
             seqs: BTreeMap::new(),
+            proposals: BTreeMap::new(),
             running: None,
             last: None,
             positions: BTreeMap::new(),
@@ -212,6 +217,7 @@ impl WorkerMachine {
             }
             self.abort("the scheduler restarted");
             self.seqs.clear();
+            self.proposals.clear();
             self.positions.clear();
             if self.modelled_due.take().is_some() {
                 self.effects.push(Effect::CancelLater);
@@ -240,6 +246,7 @@ impl WorkerMachine {
         }
         for seq in &req.release {
             self.seqs.remove(seq);
+            self.proposals.remove(seq);
             self.positions.remove(seq);
         }
         match self.ctx.modelled.clone() {

@@ -373,7 +373,7 @@ fn bad_requests_are_refused_whole_with_a_reason() {
         (vec![item(1, 0, Vec::new())], "no tokens"),
         (vec![StepItem { rebuild: true, ..item(1, 5, prompt()) }], "a rebuild starts at position 0"),
         (vec![snapshot_beyond], "snapshots"),
-        (vec![StepItem { drafts: 2, ..item(1, 0, prompt()) }], "verifies none"),
+        (vec![StepItem { drafts: 2, ..item(1, 0, prompt()) }], "verifies at most 0"),
         (vec![StepItem { replay_until: 16, ..item(1, 0, prompt()) }], "replay without a restored state"),
         (vec![StepItem { import: vec![1, 2], ..item(1, 4, prompt()) }], "imported state"),
     ];

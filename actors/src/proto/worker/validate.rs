@@ -12,11 +12,22 @@ use crate::wire::{StepItem, StepRequest};
 /// What kind of device answers the request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Device {
-    /// Runs the model: one step per request, no drafts to verify.
-    Computing,
+    /// Runs the model: one step per request, verifying at most this many
+    /// drafts per item (0: it does not draft).
+    Computing { drafts_max: usize },
     /// Prices the step: may run several decode steps as one and verify
     /// drafts, but computes no logits.
     Modelled,
+}
+
+impl Device {
+    /// Most drafts an item may verify; `None`: as many as the plan reserved.
+    fn drafts_max(self) -> Option<usize> {
+        match self {
+            Device::Computing { drafts_max } => Some(drafts_max),
+            Device::Modelled => None,
+        }
+    }
 }
 
 /// Check `req` for a worker whose held states are at `held(seq)`; returns
@@ -32,7 +43,9 @@ pub(super) fn check_request(
     assert!(block_tokens > 0, "blocks hold at least one position");
     let repeat = req.repeat.max(1);
     match device {
-        Device::Computing if repeat > 1 => return Err(format!("{repeat} steps in one: a computing device runs one")),
+        Device::Computing { .. } if repeat > 1 => {
+            return Err(format!("{repeat} steps in one: a computing device runs one"))
+        }
         Device::Modelled if repeat > 1 && req.items.iter().any(|it| !it.sample) => {
             return Err(format!("{repeat} repeated steps need every item to sample"));
         }
@@ -91,8 +104,10 @@ fn item_error(
         format!("snapshots {:?} outside ({position}, {end}]", it.snapshots)
     } else if device == Device::Modelled && it.logits {
         "a modelled device computes no logits".to_string()
-    } else if device == Device::Computing && it.drafts > 0 {
-        format!("{} drafts: a computing device verifies none", it.drafts)
+    } else if let Some(drafts_max) = device.drafts_max().filter(|&most| it.drafts as usize > most) {
+        format!("{} drafts: this device verifies at most {drafts_max}", it.drafts)
+    } else if it.drafts > 0 && (!it.sample || !it.allowed.is_empty()) {
+        "drafts on an item that does not sample, or is constrained".to_string()
     } else if !it.allowed.is_empty() && (!it.sample || it.allowed.len() != config.vocab_size.div_ceil(32)) {
         format!(
             "an allowed-token mask of {} words, for {} tokens and sample {}",
