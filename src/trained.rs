@@ -9,6 +9,8 @@ use deepinfer_engine::checkpoint::Checkpoint;
 use deepinfer_engine::config::ModelConfig;
 use deepinfer_engine::model::weights::Weights;
 use deepinfer_engine::model::Model;
+use deepinfer_engine::v41::config::V41Config;
+use deepinfer_engine::v41::{parse_token_map, ModelV41};
 use tokenizers::Tokenizer;
 
 /// One built-in trained checkpoint.
@@ -17,14 +19,26 @@ struct Trained {
     config: &'static str,
     weights: &'static [u8],
     tokenizer: &'static str,
+    /// A DeepSeek-V4.1 Engram model's `engram_token_map.json`.
+    engram_token_map: Option<&'static str>,
 }
 
-const TRAINED: [Trained; 1] = [Trained {
-    name: "tiny-v4-trained",
-    config: include_str!("../assets/tiny-v4-trained/config.json"),
-    weights: include_bytes!("../assets/tiny-v4-trained/model.safetensors"),
-    tokenizer: include_str!("../assets/tiny-v4-trained/tokenizer.json"),
-}];
+const TRAINED: [Trained; 2] = [
+    Trained {
+        name: "tiny-v4-trained",
+        config: include_str!("../assets/tiny-v4-trained/config.json"),
+        weights: include_bytes!("../assets/tiny-v4-trained/model.safetensors"),
+        tokenizer: include_str!("../assets/tiny-v4-trained/tokenizer.json"),
+        engram_token_map: None,
+    },
+    Trained {
+        name: "tiny-v41-trained",
+        config: include_str!("../assets/tiny-v41-trained/config.json"),
+        weights: include_bytes!("../assets/tiny-v41-trained/model.safetensors"),
+        tokenizer: include_str!("../assets/tiny-v41-trained/tokenizer.json"),
+        engram_token_map: Some(include_str!("../assets/tiny-v41-trained/engram_token_map.json")),
+    },
+];
 
 /// Names of the built-in trained models.
 pub fn names() -> impl Iterator<Item = &'static str> {
@@ -36,12 +50,24 @@ pub fn load(name: &str) -> Option<anyhow::Result<(Model, Tokenizer)>> {
     let t = TRAINED.iter().find(|t| t.name == name)?;
     Some((|| {
         let label = format!("builtin:{}", t.name);
-        let config = ModelConfig::from_json_str(t.config, &format!("{label}/config.json"))?;
+        let config_file = format!("{label}/config.json");
         let checkpoint = Checkpoint::from_bytes(&format!("{label}/model.safetensors"), Bytes::from_static(t.weights))?;
-        let weights = Weights::load(&checkpoint, &config)?;
+        let value: serde_json::Value =
+            serde_json::from_str(t.config).with_context(|| format!("{config_file}: not valid JSON"))?;
+        let model = if V41Config::is_v41(&value) {
+            let config = V41Config::from_json_str(t.config, &config_file)?;
+            let weights = deepinfer_engine::v41::weights::Weights::load(&checkpoint, &config)?;
+            let map_file = format!("{label}/{}", deepinfer_engine::v41::ENGRAM_TOKEN_MAP);
+            let token_map = t.engram_token_map.map(|text| parse_token_map(text, &map_file)).transpose()?;
+            Model::from_v41(ModelV41::new(config, weights, token_map)?)
+        } else {
+            let config = ModelConfig::from_json_str(t.config, &config_file)?;
+            let weights = Weights::load(&checkpoint, &config)?;
+            Model::new(config, weights)
+        };
         let tokenizer = Tokenizer::from_bytes(t.tokenizer.as_bytes())
             .map_err(|e| anyhow::anyhow!("{label}/tokenizer.json: {e}"))
             .context("built-in tokenizer")?;
-        Ok((Model::new(config, weights), tokenizer))
+        Ok((model, tokenizer))
     })())
 }

@@ -109,14 +109,21 @@ impl ModelV41 {
 
 /// `{"token_map": [...], "compressed_vocab_size": N}`.
 fn read_token_map(path: &Path) -> Result<Vec<u32>, crate::checkpoint::CheckpointError> {
-    let err = |problem: String| crate::checkpoint::CheckpointError::File { file: path.display().to_string(), problem };
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        err(format!(
+    let text = std::fs::read_to_string(path).map_err(|e| crate::checkpoint::CheckpointError::File {
+        file: path.display().to_string(),
+        problem: format!(
             "cannot read ({e}); an Engram model needs its tokenizer's compressed vocabulary: \
              {ENGRAM_TOKEN_MAP} beside config.json, or a tokenizer.json to derive it from"
-        ))
+        ),
     })?;
-    let value: serde_json::Value = serde_json::from_str(&text).map_err(|e| err(format!("not valid JSON: {e}")))?;
+    parse_token_map(&text, &path.display().to_string())
+}
+
+/// The compressed id of every token id, from the text of an `engram_token_map.json`
+/// (`file` names it in errors).
+pub fn parse_token_map(text: &str, file: &str) -> Result<Vec<u32>, crate::checkpoint::CheckpointError> {
+    let err = |problem: String| crate::checkpoint::CheckpointError::File { file: file.to_string(), problem };
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| err(format!("not valid JSON: {e}")))?;
     let list = value
         .get("token_map")
         .and_then(|v| v.as_array())
