@@ -4,6 +4,8 @@
 use std::fmt;
 use std::path::Path;
 
+use deepinfer_engine::speculative::policy::{DraftPolicy, MAX_DRAFT_TOKENS};
+use deepinfer_engine::speculative::{DraftMethod, SpeculativeConfig};
 use serde::de::DeserializeOwned;
 
 /// An error in a user's file.
@@ -113,4 +115,27 @@ fn quoted_field(message: &str) -> Option<String> {
     let start = message.find('`')? + 1;
     let end = start + message[start..].find('`')?;
     Some(message[start..end].to_string())
+}
+
+/// The speculative decoding of a `[speculative]`-style table's three keys
+/// (a topology's and a scenario's): `method` (`off`, `mtp`, `dspark`),
+/// `num_draft_tokens` (1 to 16) and `draft_length` (`fixed`, `adaptive`);
+/// an error gives the span of the key at fault.
+pub fn speculative_config(
+    method: &toml::Spanned<String>,
+    num_draft_tokens: &toml::Spanned<usize>,
+    draft_length: &toml::Spanned<String>,
+) -> Result<SpeculativeConfig, (std::ops::Range<usize>, String)> {
+    let parsed: DraftMethod = method.get_ref().parse().map_err(|e| (method.span(), e))?;
+    let k = *num_draft_tokens.get_ref();
+    if !(1..=MAX_DRAFT_TOKENS).contains(&k) {
+        return Err((num_draft_tokens.span(), format!("must be 1 to {MAX_DRAFT_TOKENS}, not {k}")));
+    }
+    let policy = match (parsed, draft_length.get_ref().as_str()) {
+        (DraftMethod::Off, _) => DraftPolicy::Off,
+        (_, "fixed") => DraftPolicy::Fixed(k),
+        (_, "adaptive") => DraftPolicy::Adaptive { max: k },
+        (_, other) => return Err((draft_length.span(), format!("unknown `{other}` (fixed, adaptive)"))),
+    };
+    Ok(SpeculativeConfig { method: parsed, policy })
 }

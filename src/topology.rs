@@ -6,8 +6,7 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::path::Path;
 
-use deepinfer_engine::speculative::policy::{DraftPolicy, MAX_DRAFT_TOKENS};
-use deepinfer_engine::speculative::{DraftMethod, SpeculativeConfig};
+use deepinfer_engine::speculative::SpeculativeConfig;
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -69,13 +68,13 @@ pub struct Speculative {
     pub method: Spanned<String>,
     /// Most drafts a request verifies per step (1 to 16).
     #[serde(default = "default_num_draft_tokens")]
-    pub num_draft_tokens: Spanned<u32>,
+    pub num_draft_tokens: Spanned<usize>,
     /// `adaptive` (as many as pay for themselves at the worker's batch) or `fixed`.
     #[serde(default = "default_draft_length")]
     pub draft_length: Spanned<String>,
 }
 
-fn default_num_draft_tokens() -> Spanned<u32> {
+fn default_num_draft_tokens() -> Spanned<usize> {
     Spanned::new(0..0, 3)
 }
 
@@ -86,20 +85,7 @@ fn default_draft_length() -> Spanned<String> {
 impl Speculative {
     /// The engine's configuration, or what is wrong with which field.
     pub fn config(&self) -> Result<SpeculativeConfig, (std::ops::Range<usize>, String)> {
-        let method: DraftMethod = self.method.get_ref().parse().map_err(|e| (self.method.span(), e))?;
-        let k = *self.num_draft_tokens.get_ref() as usize;
-        if !(1..=MAX_DRAFT_TOKENS).contains(&k) {
-            return Err((self.num_draft_tokens.span(), format!("must be 1 to {MAX_DRAFT_TOKENS}, not {k}")));
-        }
-        let policy = match (method, self.draft_length.get_ref().as_str()) {
-            (DraftMethod::Off, _) => DraftPolicy::Off,
-            (_, "fixed") => DraftPolicy::Fixed(k),
-            (_, "adaptive") => DraftPolicy::Adaptive { max: k },
-            (_, other) => {
-                return Err((self.draft_length.span(), format!("unknown draft length {other:?}: adaptive or fixed")))
-            }
-        };
-        Ok(SpeculativeConfig { method, policy })
+        crate::config_file::speculative_config(&self.method, &self.num_draft_tokens, &self.draft_length)
     }
 }
 
@@ -373,6 +359,8 @@ fn parse_addr(value: &Spanned<String>) -> Result<SocketAddr, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use deepinfer_engine::speculative::policy::DraftPolicy;
+    use deepinfer_engine::speculative::DraftMethod;
 
     const GOOD: &str = r#"
 [cluster]
@@ -486,7 +474,7 @@ expert_parallel = 4
         for (from, to, line, needle) in [
             ("method = \"mtp\"", "method = \"eagle\"", 8, "unknown speculative method"),
             ("num_draft_tokens = 4", "num_draft_tokens = 17", 9, "must be 1 to 16"),
-            ("num_draft_tokens = 4", "draft_length = \"long\"", 9, "adaptive or fixed"),
+            ("num_draft_tokens = 4", "draft_length = \"long\"", 9, "(fixed, adaptive)"),
             ("num_draft_tokens = 4", "drafts = 2", 9, "unknown field `drafts`"),
         ] {
             let e = Topology::parse("t.toml", &text.replacen(from, to, 1)).unwrap_err();

@@ -85,22 +85,15 @@ impl SpeculativeSpec {
         model: ModelKind,
         err: &dyn Fn(std::ops::Range<usize>, String) -> FileError,
     ) -> Result<Option<Drafting>, FileError> {
-        let method: DraftMethod = self.method.get_ref().parse().map_err(|e| err(self.method.span(), e))?;
+        let config = crate::config_file::speculative_config(&self.method, &self.num_draft_tokens, &self.draft_length)
+            .map_err(|(span, why)| err(span, why))?;
+        let method = config.method;
         if method == DraftMethod::Off {
             return Ok(None);
         }
         if !DraftHead::exists(model, method) {
             return Err(err(self.method.span(), no_head(model, method)));
         }
-        let drafts = *self.num_draft_tokens.get_ref();
-        if !(1..=MAX_DRAFT_TOKENS).contains(&drafts) {
-            return Err(err(self.num_draft_tokens.span(), format!("must be 1 to {MAX_DRAFT_TOKENS}")));
-        }
-        let policy = match self.draft_length.get_ref().as_str() {
-            "fixed" => DraftPolicy::Fixed(drafts),
-            "adaptive" => DraftPolicy::Adaptive { max: drafts },
-            other => return Err(err(self.draft_length.span(), format!("unknown `{other}` (fixed, adaptive)"))),
-        };
         let acceptance = match &self.acceptance {
             Some(a) => {
                 let list = a.get_ref();
@@ -120,9 +113,6 @@ impl SpeculativeSpec {
         };
         let spread = fraction(&self.acceptance_spread, DEFAULT_SPREAD, 1.0, "a spread")?;
         let confidence_noise = fraction(&self.confidence_noise, DEFAULT_NOISE, 1.0, "a standard deviation")?;
-        Ok(Some(Drafting {
-            config: SpeculativeConfig { method, policy },
-            acceptance: AcceptanceModel { acceptance, spread, confidence_noise },
-        }))
+        Ok(Some(Drafting { config, acceptance: AcceptanceModel { acceptance, spread, confidence_noise } }))
     }
 }
