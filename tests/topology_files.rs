@@ -57,6 +57,19 @@ fn serve_takes_a_one_device_topology() {
     let _ = child.wait();
     assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
 
+    // Its `[cluster.speculative]` table is the engine's: DSpark on a V4 model is refused at start.
+    let drafting = std::fs::read_to_string(&file)
+        .unwrap()
+        .replace("\n[[node]]", "\n[cluster.speculative]\nmethod = \"dspark\"\n\n[[node]]");
+    let with_drafts = dir.join("one-drafting.toml");
+    std::fs::write(&with_drafts, drafting).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args(["serve", "--topology", with_drafts.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("dspark"), "{err}");
+
     // A larger topology is served as a front end of its running cluster,
     // which needs the cluster's certificates: their absence is named.
     let four = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cluster-configs/local-4.toml");

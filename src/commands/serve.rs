@@ -117,6 +117,8 @@ impl CacheArgs {
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let default_listen = || SocketAddr::from(([127, 0, 0, 1], 8000));
+    // A one-device topology is served by this process's engine, drafting as its table says.
+    let mut topology_drafting = None;
     let (model_spec, listen, plan) = match &args.topology {
         None => (args.source.model.clone(), args.listen.unwrap_or_else(default_listen), None),
         Some(path) => {
@@ -125,6 +127,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             }
             let plan = ClusterPlan::load(path)?;
             let listen = args.listen.unwrap_or_else(|| plan.api_listen());
+            topology_drafting = Some(plan.base_config().engine.speculative);
             (plan.model_spec(), listen, (plan.devices() > 1).then_some(plan))
         }
     };
@@ -132,7 +135,11 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     let routed = if plan.is_some() { RoutedExperts::Elsewhere } else { RoutedExperts::Resident };
     let loaded = load_model_with(&model_spec, args.source.model_seed, args.source.tokenizer.as_deref(), routed)?;
     let context = loaded.model.config.max_position_embeddings;
-    let config = serve_config(args, &loaded.name, context, (&model_spec, args.source.model_seed))?;
+    let mut config = serve_config(args, &loaded.name, context, (&model_spec, args.source.model_seed))?;
+    if let Some(speculative) = topology_drafting {
+        speculative.check(&loaded.model).map_err(anyhow::Error::msg)?;
+        config.engine.speculative = speculative;
+    }
     let model = Arc::new(loaded.model);
     let runner = match &plan {
         None => Runner::Engine,

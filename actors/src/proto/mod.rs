@@ -111,6 +111,17 @@ pub(crate) fn test_ctx_with(
     crate::cluster::build_ctx(model, &cfg, crate::cluster::in_process_env(&cfg)).expect("a valid test cluster")
 }
 
+/// [`test_ctx`] whose computing workers draft with tiny-v4's MTP block, `k` drafts a step.
+#[cfg(test)]
+pub(crate) fn test_ctx_drafting(devices: u32, k: usize) -> std::sync::Arc<crate::cluster::ctx::Ctx> {
+    use deepinfer_engine::presets::{build, Preset};
+    use deepinfer_engine::speculative::{policy::DraftPolicy, DraftMethod, SpeculativeConfig};
+    let model = std::sync::Arc::new(build(Preset::TinyV4, 7).expect("tiny-v4 builds"));
+    let mut cfg = crate::cluster::ClusterConfig::new(devices, devices);
+    cfg.engine.speculative = SpeculativeConfig { method: DraftMethod::Mtp, policy: DraftPolicy::Fixed(k) };
+    crate::cluster::build_ctx(model, &cfg, crate::cluster::in_process_env(&cfg)).expect("a valid test cluster")
+}
+
 /// The machine must stop: its supervisor restarts the actor (an injected
 /// crash, or a lost node it cannot serve around without starting over).
 #[derive(Debug, PartialEq, Eq)]

@@ -114,6 +114,18 @@ impl SchedulerMachine {
         }
     }
 
+    /// The drafts item `it` may verify as sent from `position`: on computing
+    /// devices none where the worker starts the state (rebuilt, restored,
+    /// imported or replayed), which holds no proposal of that worker's.
+    pub(super) fn drafts_to_send(&self, it: &Item, position: usize, replay_until: usize) -> u32 {
+        let held = position > 0 && !it.rebuild && it.values.is_none() && it.import.is_none();
+        if self.ctx.modelled.is_some() || (held && replay_until <= position) {
+            it.drafts as u32
+        } else {
+            0
+        }
+    }
+
     /// Complete a computing step's sampling items with drafts: each takes its
     /// verification and its `1 + accepted` tokens, one by one, until one ends
     /// it (a stop, a length, or a constraint that admits nothing more).

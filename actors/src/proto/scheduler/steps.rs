@@ -289,7 +289,7 @@ impl SchedulerMachine {
                     snapshots: it.snapshots.iter().map(|&k| k as u32).collect(),
                     export: it.export,
                     import,
-                    drafts: it.drafts as u32,
+                    drafts: self.drafts_to_send(it, position, replay_until),
                     allowed: it.allowed.clone(),
                     history: it.history.clone(),
                 }

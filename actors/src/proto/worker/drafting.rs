@@ -8,9 +8,11 @@
 //! The worker sees the scheduler's allowance per item (what its plan
 //! reserved in the token budget and the KV pool), not the request's stop
 //! conditions: tokens past a finish are dropped by the scheduler, whose
-//! plan never lets a draft cross a block end or `max_tokens`. A
-//! constrained item never drafts here (only its first row's mask travels),
-//! so its tokens are always the constraint's.
+//! plan never lets a draft pass `max_tokens` or the context, nor (with the
+//! prefix cache on) follow or reach a block end. A constrained item never
+//! drafts here (only its first row's mask travels), so its tokens are
+//! always the constraint's; nor does a state the worker does not hold
+//! already (`validate::may_draft`).
 
 use deepinfer_engine::sampling::{adjust_logits_from_history, sample};
 use deepinfer_engine::speculative::policy::{choose_lengths, min_survival, SURVIVAL_WORTH_DRAFTING_MAX};
@@ -22,12 +24,15 @@ use crate::sim::events::add;
 use crate::wire::{SeqOutput, TopLogprob};
 
 impl WorkerMachine {
-    /// Most drafts an item may verify here (0: this worker does not draft).
+    /// Most drafts an item may verify here (0: this worker does not draft):
+    /// the configured most, within the model's window as the engine's
+    /// scheduler allows.
     pub(super) fn drafts_max(&self) -> usize {
         if self.ctx.modelled.is_some() {
             return 0;
         }
-        self.ctx.engine.speculative.max_drafts()
+        let window = self.ctx.model.config.sliding_window.saturating_sub(2);
+        self.ctx.engine.speculative.max_drafts().min(window)
     }
 
     /// Append to each item the drafts it verifies this step: its proposal
@@ -54,8 +59,6 @@ impl WorkerMachine {
             let Some(p) = proposal.filter(|_| n > 0) else { continue };
             it.tokens.extend_from_slice(&p.tokens[..n]);
             it.drafts = n;
-            add(&self.ctx.metrics.drafts_verified, n as u64);
-            add(&self.ctx.metrics.verifications, 1);
         }
     }
 
@@ -100,6 +103,8 @@ impl WorkerMachine {
             accepted += 1;
         }
         if it.drafts > 0 {
+            add(&self.ctx.metrics.drafts_verified, it.drafts as u64);
+            add(&self.ctx.metrics.verifications, 1);
             if accepted == it.drafts {
                 it.state.accept_drafts();
                 add(&self.ctx.metrics.verifications_all_accepted, 1);

@@ -19,7 +19,7 @@ use crate::proto::shard::{ShardEffect, ShardMachine};
 use crate::proto::{test_ctx, Outgoing};
 use crate::wire::{
     self, Addr, Envelope, ExpertResultHeader, Message, ResultStatus, Sampling, StepItem, StepOutcome, StepRequest,
-    StepResult,
+    StepResult, Verification,
 };
 
 const SCHEDULER: Addr = Addr::scheduler(0);
@@ -47,7 +47,10 @@ enum Seen {
 
 impl Rig {
     fn new() -> Self {
-        let ctx = test_ctx(2, 8, 1);
+        Self::with_ctx(test_ctx(2, 8, 1))
+    }
+
+    fn with_ctx(ctx: Arc<crate::cluster::ctx::Ctx>) -> Self {
         let mut worker = WorkerMachine::start(Duration::ZERO, 0, 0, Arc::clone(&ctx));
         let hello = worker.take_effects();
         assert!(matches!(&hello[..], [Effect::Send(Outgoing { to: SCHEDULER, .. })]), "greets its scheduler");
@@ -435,4 +438,48 @@ fn malformed_or_foreign_results_are_ignored_and_a_refusing_shard_fails_the_step(
     let seen = rig.feed(Addr::shard(target), Message::ExpertResult(result(target, ResultStatus::NotHeld(3))), &[]);
     assert!(seen.iter().any(|s| matches!(s, Seen::Sent(SCHEDULER, Message::StepResult(r), ..) if failure(r).contains("does not hold expert 3"))));
     assert!(seen.iter().any(|s| matches!(s, Seen::Other(Effect::Disarm))));
+}
+
+/// A drafting worker verifies the drafts its own step proposed, answers
+/// `1 + accepted` tokens and a verification, and refuses drafts it cannot
+/// hold (a replay, a rebuild, a restored or imported state, past the
+/// window or the context) with a reason rather than crashing.
+#[test]
+fn a_drafting_worker_verifies_its_proposals_and_refuses_drafts_it_cannot_hold() {
+    let mut rig = Rig::with_ctx(crate::proto::test_ctx_drafting(2, 3));
+    let first = rig.request(rig.step(1, vec![item(7, 0, prompt())]));
+    let answer = rig.run(first, |_| false);
+    let token = tokens_of(&answer)[0];
+    let position = prompt().len() as u64;
+    let StepOutcome::Done { verifications, .. } = &answer.outcome else { panic!("done: {answer:?}") };
+    assert_eq!(verifications, &vec![Verification { seq: 7, drafts: 0, accepted: 0 }]);
+    let window = rig.ctx.model.config.sliding_window as u32;
+    let context = rig.ctx.config.max_position_embeddings as u64;
+    let cont = |drafts| StepItem { drafts, ..item(7, position, vec![token]) };
+    let cases = [
+        (StepItem { replay_until: position + 1, ..cont(2) }, "drafts only follow"),
+        (StepItem { rebuild: true, position: 0, tokens: [prompt(), vec![token]].concat(), ..cont(2) }, "drafts only"),
+        (cont(window), "verifies at most"),
+        (StepItem { position: context - 2, ..cont(2) }, "drafts only follow"),
+        (StepItem { sample: false, ..cont(1) }, "drafts only follow"),
+    ];
+    for (step, (it, reason)) in cases.into_iter().enumerate() {
+        let seen = rig.request(rig.step(step as u64 + 2, vec![it]));
+        match &seen[..] {
+            [Seen::Sent(SCHEDULER, Message::StepResult(r), ..)] => {
+                assert!(failure(r).contains(reason), "{reason:?} in {:?}", failure(r));
+            }
+            other => panic!("one refusal for {reason:?}: {other:?}"),
+        }
+    }
+    // The proposal is still held: a proper continuation verifies its drafts.
+    let next = rig.request(rig.step(10, vec![cont(3)]));
+    let answer = rig.run(next, |_| false);
+    let StepOutcome::Done { outputs, verifications, .. } = &answer.outcome else { panic!("done: {answer:?}") };
+    assert_eq!(verifications.len(), 1);
+    let v = &verifications[0];
+    assert_eq!(v.drafts, 3, "the step's proposal was verified");
+    assert_eq!(outputs.len(), 1 + v.accepted as usize);
+    let positions: Vec<u64> = outputs.iter().map(|o| o.position).collect();
+    assert_eq!(positions, (position + 1..position + 2 + u64::from(v.accepted)).collect::<Vec<_>>());
 }

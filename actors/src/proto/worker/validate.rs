@@ -68,6 +68,23 @@ pub(super) fn check_request(
     Ok(missing)
 }
 
+/// Whether a computing device may append `it.drafts` drafts to `it`: after
+/// the real tokens of a sampled, unconstrained sequence whose held state it
+/// continues without a replay (a new, rebuilt, restored or imported state
+/// has no proposal of this worker's), within the context, and not after a
+/// block end whose state is snapshotted (the drafts would be in it).
+fn may_draft(it: &StepItem, bt: usize, config: &ModelConfig) -> bool {
+    let (position, drafts) = (it.position as usize, it.drafts as usize);
+    let end = position.saturating_add(it.tokens.len());
+    let continued = position > 0 && !it.rebuild && it.restore.is_empty() && it.import.is_empty();
+    it.sample
+        && it.allowed.is_empty()
+        && continued
+        && it.replay_until as usize <= position
+        && end.saturating_add(drafts) <= config.max_position_embeddings
+        && !it.snapshots.iter().any(|&k| (k as usize + 1).saturating_mul(bt) == end)
+}
+
 /// Why `it` cannot run (`repeat` steps in one), or `None`.
 fn item_error(
     it: &StepItem,
@@ -106,8 +123,10 @@ fn item_error(
         "a modelled device computes no logits".to_string()
     } else if let Some(drafts_max) = device.drafts_max().filter(|&most| it.drafts as usize > most) {
         format!("{} drafts: this device verifies at most {drafts_max}", it.drafts)
-    } else if it.drafts > 0 && (!it.sample || !it.allowed.is_empty()) {
-        "drafts on an item that does not sample, or is constrained".to_string()
+    } else if it.drafts > 0 && device != Device::Modelled && !may_draft(it, bt, config) {
+        "drafts only follow the sampled end of a held, unconstrained sequence, inside the context \
+         and short of a snapshotted block end"
+            .to_string()
     } else if !it.allowed.is_empty() && (!it.sample || it.allowed.len() != config.vocab_size.div_ceil(32)) {
         format!(
             "an allowed-token mask of {} words, for {} tokens and sample {}",
