@@ -2,6 +2,7 @@
 //! the first layers), normalised and scaled top-k weights, and a shared expert.
 
 use deepinfer_kernels::ops::{sqrt_softplus, swiglu_clamped, top_k};
+use rayon::prelude::*;
 
 use super::weights::{Mlp, Moe};
 use crate::config::{ModelConfig, RoutingKind};
@@ -155,9 +156,24 @@ pub fn expert_forward(moe: &Moe, cfg: &ModelConfig, expert: usize, x_rows: &[f32
 pub fn run_all_experts(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch) -> ExpertOutputs {
     assert!(!moe.experts.is_empty(), "the routed experts of this model live on expert shards");
     let mut outputs = ExpertOutputs::new(dispatch, cfg.experts_per_token);
-    for e in dispatch.experts_hit() {
+    // Experts run side by side (a decode step's few rows leave each matmul
+    // too small to split); each output is still computed by one thread in
+    // its fixed order and stored in expert order, so threads change no bit.
+    let hit = dispatch.experts_hit();
+    let run = |e: usize| {
         let pairs = dispatch.rows_for(e);
         let y = expert_forward(moe, cfg, e, &dispatch.gather(&pairs));
+        (pairs, y)
+    };
+    if rayon::current_num_threads() == 1 || hit.len() == 1 {
+        for e in hit {
+            let (pairs, y) = run(e);
+            outputs.store(&pairs, &y);
+        }
+        return outputs;
+    }
+    let results: Vec<(Vec<(usize, usize)>, Vec<f32>)> = hit.into_par_iter().map(run).collect();
+    for (pairs, y) in results {
         outputs.store(&pairs, &y);
     }
     outputs
