@@ -155,24 +155,33 @@ pub fn expert_forward(moe: &Moe, cfg: &ModelConfig, expert: usize, x_rows: &[f32
 /// Run every routed expert locally.
 pub fn run_all_experts(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch) -> ExpertOutputs {
     assert!(!moe.experts.is_empty(), "the routed experts of this model live on expert shards");
-    let mut outputs = ExpertOutputs::new(dispatch, cfg.experts_per_token);
-    // Experts run side by side (a decode step's few rows leave each matmul
-    // too small to split); each output is still computed by one thread in
-    // its fixed order and stored in expert order, so threads change no bit.
+    run_hit_experts(dispatch, cfg.experts_per_token, |e, pairs| expert_forward(moe, cfg, e, &dispatch.gather(pairs)))
+}
+
+/// One expert's rows `(token, slot)` and their outputs.
+type ExpertRun = (Vec<(usize, usize)>, Vec<f32>);
+
+/// Every expert a dispatch hits, through `expert(e, rows)`: side by side on
+/// the thread pool (a decode step's few rows leave each matmul too small to
+/// split), each output still computed by one thread in its fixed order and
+/// stored in expert order, so threads change no bit.
+pub(crate) fn run_hit_experts(
+    dispatch: &Dispatch,
+    k: usize,
+    expert: impl Fn(usize, &[(usize, usize)]) -> Vec<f32> + Sync,
+) -> ExpertOutputs {
+    let mut outputs = ExpertOutputs::new(dispatch, k);
     let hit = dispatch.experts_hit();
     let run = |e: usize| {
         let pairs = dispatch.rows_for(e);
-        let y = expert_forward(moe, cfg, e, &dispatch.gather(&pairs));
+        let y = expert(e, &pairs);
         (pairs, y)
     };
-    if rayon::current_num_threads() == 1 || hit.len() == 1 {
-        for e in hit {
-            let (pairs, y) = run(e);
-            outputs.store(&pairs, &y);
-        }
-        return outputs;
-    }
-    let results: Vec<(Vec<(usize, usize)>, Vec<f32>)> = hit.into_par_iter().map(run).collect();
+    let results: Vec<ExpertRun> = if rayon::current_num_threads() == 1 || hit.len() == 1 {
+        hit.into_iter().map(run).collect()
+    } else {
+        hit.into_par_iter().map(run).collect()
+    };
     for (pairs, y) in results {
         outputs.store(&pairs, &y);
     }

@@ -195,25 +195,10 @@ impl ModelV41 {
     pub fn run_experts(&self, layer: usize, dispatch: &Dispatch) -> ExpertOutputs {
         let moe = &self.weights.blocks[layer].moe;
         assert!(!moe.experts.is_empty(), "the routed experts of this model live on expert shards");
-        let mut outputs = ExpertOutputs::new(dispatch, moe.n_activated);
-        let run = |e: usize| {
-            let pairs = dispatch.rows_for(e);
+        crate::model::moe::run_hit_experts(dispatch, moe.n_activated, |e, pairs| {
             let weights: Vec<f32> = pairs.iter().map(|&(t, slot)| dispatch.routes[t].weights[slot]).collect();
-            let y = ffn::expert_forward(&self.config, &moe.experts[e], &dispatch.gather(&pairs), Some(&weights));
-            (pairs, y)
-        };
-        // Experts side by side as in `moe::run_all_experts`: stored in expert order, bits unchanged.
-        let hit = dispatch.experts_hit();
-        let results: Vec<(Vec<(usize, usize)>, Vec<f32>)> = if rayon::current_num_threads() == 1 || hit.len() == 1 {
-            hit.into_iter().map(run).collect()
-        } else {
-            use rayon::prelude::*;
-            hit.into_par_iter().map(run).collect()
-        };
-        for (pairs, y) in results {
-            outputs.store(&pairs, &y);
-        }
-        outputs
+            ffn::expert_forward(&self.config, &moe.experts[e], &dispatch.gather(pairs), Some(&weights))
+        })
     }
 
     /// Outputs `[rows, dim]` of routed expert `expert` of `layer` for input rows, each
