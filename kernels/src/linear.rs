@@ -31,11 +31,15 @@ pub enum WeightFormat {
     Bf16(Bytes),
     /// FP8 e4m3fn, one byte per weight, with one scale per
     /// `block_rows × block_cols` block: `scales[(r / block_rows) * ceil(cols / block_cols) + c / block_cols]`.
+    /// Build it with [`WeightFormat::fp8`], which finds `nan_free`.
     Fp8 {
         data: Bytes,
         scales: Vec<f32>,
         block_rows: usize,
         block_cols: usize,
+        /// No code is NaN (0x7f, 0xff): the fused kernels then skip their own
+        /// check. Setting it for codes that hold a NaN turns that NaN into a number.
+        nan_free: bool,
     },
     /// FP4 e2m1, two weights per byte (even column in the low nibble), one scale per
     /// `block_cols` consecutive columns of a row: `scales[r * (cols / block_cols) + c / block_cols]`.
@@ -44,6 +48,15 @@ pub enum WeightFormat {
         scales: Vec<f32>,
         block_cols: usize,
     },
+}
+
+impl WeightFormat {
+    /// FP8 weights, with `nan_free` found by looking at every code once.
+    pub fn fp8(data: Bytes, scales: Vec<f32>, block_rows: usize, block_cols: usize) -> Self {
+        // A branch-free fold per chunk: the whole matrix is read once, at load.
+        let nan_free = data.chunks(4096).all(|chunk| !chunk.iter().fold(false, |any, &b| any | (b & 0x7f == 0x7f)));
+        WeightFormat::Fp8 { data, scales, block_rows, block_cols, nan_free }
+    }
 }
 
 /// A weight matrix of `rows` outputs by `cols` inputs.
@@ -83,7 +96,7 @@ impl Linear {
                     *o = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
                 }
             }
-            WeightFormat::Fp8 { data, scales, block_rows, block_cols } => {
+            WeightFormat::Fp8 { data, scales, block_rows, block_cols, .. } => {
                 let blocks_per_row = cols.div_ceil(*block_cols);
                 let scale_row = &scales[(r / block_rows) * blocks_per_row..][..blocks_per_row];
                 for (c, (o, &b)) in out.iter_mut().zip(&data[r * cols..(r + 1) * cols]).enumerate() {
@@ -176,7 +189,7 @@ impl Linear {
         match &self.format {
             WeightFormat::F32(d) => assert!(d.len() >= rows * cols, "f32 weight size"),
             WeightFormat::Bf16(d) => assert!(d.len() >= rows * cols * 2, "bf16 weight size"),
-            WeightFormat::Fp8 { data, scales, block_rows, block_cols } => {
+            WeightFormat::Fp8 { data, scales, block_rows, block_cols, .. } => {
                 assert!(data.len() >= rows * cols, "fp8 weight size");
                 let blocks = rows.div_ceil(*block_rows) * cols.div_ceil(*block_cols);
                 assert!(scales.len() >= blocks, "fp8 scale grid");
@@ -217,16 +230,27 @@ impl Linear {
         let acc_stride = TILE_ROWS * 16;
         let mut acc = vec![0.0f32; n * acc_stride];
         let mut xs: Vec<&[f32]> = Vec::with_capacity(n);
+        // Largest |x| of each column block, which lets FP8 tiles move their
+        // block scale onto x (one pass over x, shared by every tile).
+        let codes_nan_free = matches!(self.format, WeightFormat::Fp8 { nan_free: true, .. });
+        let x_abs_max: Vec<f32> = match plan {
+            Plan::Fused(Encoding::Fp8) => (0..cols)
+                .step_by(width)
+                .map(|k0| x[n * k0..][..n * width.min(cols - k0)].iter().fold(0.0f32, |m, v| m.max(v.abs())))
+                .collect(),
+            _ => vec![f32::INFINITY; cols.div_ceil(width)],
+        };
         for t0 in range.clone().step_by(TILE_ROWS) {
             let tile = TILE_ROWS.min(range.end - t0);
             // Rows past the tile's end repeat its first row; their sums are discarded.
             let row = |j: usize| t0 + if j < tile { j } else { 0 };
             acc.fill(0.0);
-            for k0 in (0..cols).step_by(width) {
+            for (block, k0) in (0..cols).step_by(width).enumerate() {
                 let kc = width.min(cols - k0);
                 xs.clear();
                 xs.extend(x[n * k0..][..n * kc].chunks_exact(kc));
                 if let (Plan::Fused(encoding), Some(layout)) = (plan, &layout) {
+                    let x_abs_max = x_abs_max[block];
                     let (_, nr) = backend.fused_shape(n).expect("fused plan");
                     for g in (0..tile).step_by(nr) {
                         let mut codes = [&[][..]; TILE_ROWS];
@@ -248,7 +272,7 @@ impl Linear {
                             }
                         }
                         let ahead = &ahead[..next.len()];
-                        let rows = EncodedRows { encoding, codes, scales, k0, ahead };
+                        let rows = EncodedRows { encoding, codes, scales, k0, ahead, x_abs_max, codes_nan_free };
                         backend.micro_encoded(&xs, rows, &mut acc[g * 16..], acc_stride);
                     }
                     continue;
@@ -333,7 +357,7 @@ impl<'a> RowLayout<'a> {
             match &lin.format {
                 WeightFormat::F32(_) => unreachable!("f32 weights are not encoded"),
                 WeightFormat::Bf16(d) => (Encoding::Bf16, d, &[], 16, 0, 1),
-                WeightFormat::Fp8 { data, scales, block_rows, block_cols } => {
+                WeightFormat::Fp8 { data, scales, block_rows, block_cols, .. } => {
                     (Encoding::Fp8, data, scales, *block_cols, cols.div_ceil(*block_cols), *block_rows)
                 }
                 WeightFormat::Fp4 { data, scales, block_cols } => {
@@ -511,12 +535,7 @@ mod tests {
                 let lin = Linear {
                     rows,
                     cols,
-                    format: WeightFormat::Fp8 {
-                        data: Bytes::from(data.clone()),
-                        scales,
-                        block_rows: block.0,
-                        block_cols: block.1,
-                    },
+                    format: WeightFormat::fp8(Bytes::from(data.clone()), scales, block.0, block.1),
                 };
                 assert_spans_match(&lin);
             }

@@ -96,11 +96,7 @@ impl Quantized {
     /// A linear layer that reads these FP8 codes directly.
     pub fn into_fp8_linear(self, rows: usize, cols: usize, block: usize) -> Linear {
         let scales = self.scales_f32();
-        Linear {
-            rows,
-            cols,
-            format: WeightFormat::Fp8 { data: Bytes::from(self.codes), scales, block_rows: block, block_cols: block },
-        }
+        Linear { rows, cols, format: WeightFormat::fp8(Bytes::from(self.codes), scales, block, block) }
     }
 
     /// A linear layer that reads these FP4 codes directly.

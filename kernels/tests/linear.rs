@@ -191,11 +191,7 @@ fn fp8_nan_codes_and_huge_scales_keep_the_definition() {
         .collect();
     let blocks = rows.div_ceil(block) * cols.div_ceil(block);
     let scales = (0..blocks).map(|b| 2f32.powi([-127, -9, 0, 7, 100][b % 5])).collect();
-    let lin = Linear {
-        rows,
-        cols,
-        format: WeightFormat::Fp8 { data: Bytes::from(data), scales, block_rows: block, block_cols: block },
-    };
+    let lin = Linear { rows, cols, format: WeightFormat::fp8(Bytes::from(data), scales, block, block) };
     let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
     for n in 1..=7 {
         let x: Vec<f32> = rng.vec(n * cols).iter().map(|v| v * 1e-3).collect();
@@ -206,6 +202,45 @@ fn fp8_nan_codes_and_huge_scales_keep_the_definition() {
             lin.forward_with(isa, &x, n, &mut out);
             for (k, (g, w)) in out.iter().zip(&want).enumerate() {
                 assert!(same(*g, *w), "{isa:?} n={n} element {k}: {g:e} vs {w:e}");
+            }
+        }
+    }
+}
+
+/// FP8 tiles whose rows share a power-of-two scale move it onto x (one
+/// multiply per x row instead of per weight row); inputs large enough that
+/// `x · scale · 2^120` would overflow and scales that are not powers of two
+/// must take the per-row path and keep the definition's bits.
+#[test]
+fn fp8_scales_moved_onto_x_keep_the_definition() {
+    use bytes::Bytes;
+    use deepinfer_kernels::WeightFormat;
+    let (rows, cols, block): (usize, usize, usize) = (48, 290, 32);
+    let mut rng = Rng(11);
+    let data: Vec<u8> = (0..rows * cols)
+        .map(|_| loop {
+            let b = rng.next_u64() as u8;
+            if b & 0x7f != 0x7f {
+                break b;
+            }
+        })
+        .collect();
+    let blocks = rows.div_ceil(block) * cols.div_ceil(block);
+    let scales: Vec<f32> =
+        (0..blocks).map(|b| [2f32.powi(5), 2f32.powi(-121), 2f32.powi(-120), 0.75, 2f32.powi(-8)][b % 5]).collect();
+    let lin = Linear { rows, cols, format: WeightFormat::fp8(Bytes::from(data), scales, block, block) };
+    let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    // |x| up to 2^3 · 2^125 overflows with the 2^5 scale; 1e-40 is subnormal.
+    for magnitude in [1.0f32, 7.9, 8.0, 1e30, 1e-40] {
+        for n in [1, 2, 4, 6] {
+            let x: Vec<f32> = rng.vec(n * cols).iter().map(|v| v * magnitude).collect();
+            let want = reference(&lin, &x, n);
+            for isa in available() {
+                let mut out = vec![0.0f32; n * rows];
+                lin.forward_with(isa, &x, n, &mut out);
+                for (k, (g, w)) in out.iter().zip(&want).enumerate() {
+                    assert!(same(*g, *w), "{isa:?} |x|~{magnitude:e} n={n} element {k}: {g:e} vs {w:e}");
+                }
             }
         }
     }
@@ -238,6 +273,27 @@ fn add_scaled_rounds_the_product_before_the_sum() {
         for k in 0..len {
             let want = start[k] + p * v[k];
             assert_eq!(out[k].to_bits(), want.to_bits(), "len {len} element {k}");
+        }
+    }
+}
+
+#[test]
+fn fp8_weights_know_whether_a_code_is_nan() {
+    use bytes::Bytes;
+    use deepinfer_kernels::WeightFormat;
+    let nan_free = |data: Vec<u8>| match WeightFormat::fp8(Bytes::from(data), vec![1.0], 1, 1) {
+        WeightFormat::Fp8 { nan_free, .. } => nan_free,
+        _ => unreachable!("an FP8 format"),
+    };
+    // Every code but the two NaNs, and each NaN alone at the start, inside and
+    // at the end of a long matrix (past the 4096-byte chunks the check folds).
+    let finite: Vec<u8> = (0..=255u8).filter(|b| b & 0x7f != 0x7f).cycle().take(10_000).collect();
+    assert!(nan_free(finite.clone()));
+    for nan in [0x7f, 0xff] {
+        for at in [0, 4095, 4096, 9_999] {
+            let mut data = finite.clone();
+            data[at] = nan;
+            assert!(!nan_free(data), "code {nan:#x} at {at}");
         }
     }
 }

@@ -313,7 +313,7 @@ impl Checkpoint {
                 let (block_rows, block_cols) = fp8_block;
                 let grid = [rows.div_ceil(block_rows), cols.div_ceil(block_cols)];
                 let scales = self.scales(prefix, &grid)?;
-                WeightFormat::Fp8 { data: w.bytes.clone(), scales, block_rows, block_cols }
+                WeightFormat::fp8(w.bytes.clone(), scales, block_rows, block_cols)
             }
             Dtype::I8 | Dtype::U8 | Dtype::F4 => {
                 // FP4 e2m1, two per byte along the input dimension.

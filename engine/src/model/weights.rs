@@ -451,7 +451,7 @@ pub fn split_rows(w: &Linear, groups: usize) -> Vec<Linear> {
             let format = match &w.format {
                 WeightFormat::F32(d) => WeightFormat::F32(d[r0 * cols..(r0 + rows) * cols].to_vec()),
                 WeightFormat::Bf16(d) => WeightFormat::Bf16(d.slice(r0 * cols * 2..(r0 + rows) * cols * 2)),
-                WeightFormat::Fp8 { data, scales, block_rows, block_cols } => {
+                WeightFormat::Fp8 { data, scales, block_rows, block_cols, nan_free } => {
                     let per_row = cols.div_ceil(*block_cols);
                     let row_scales = (r0..r0 + rows)
                         .flat_map(|r| scales[(r / block_rows) * per_row..][..per_row].iter().copied())
@@ -461,6 +461,7 @@ pub fn split_rows(w: &Linear, groups: usize) -> Vec<Linear> {
                         scales: row_scales,
                         block_rows: 1,
                         block_cols: *block_cols,
+                        nan_free: *nan_free,
                     }
                 }
                 WeightFormat::Fp4 { data, scales, block_cols } => {

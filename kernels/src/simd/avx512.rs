@@ -141,18 +141,16 @@ pub(super) const FP4: u8 = 2;
 /// `codes[j]` and `ahead[j]` holds `len` columns in encoding `ENC`, and for
 /// FP8/FP4 every `scales[j]` covers columns `..k0 + len` in blocks that are
 /// multiples of 16 wide (all the same); `k0 % 16 == 0`;
-/// `acc.len() >= (MR - 1) * acc_stride + NR * 16`.
+/// `acc.len() >= (MR - 1) * acc_stride + NR * 16`; no `|x|` in `xs` exceeds
+/// `x_abs_max`.
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn micro_encoded<const ENC: u8, const MR: usize, const NR: usize>(
     xs: &[&[f32]; MR],
-    codes: &[&[u8]; NR],
-    scales: &[ScaleRow; NR],
-    k0: usize,
-    ahead: &[&[u8]],
+    tile: EncodedTile<NR>,
     acc: &mut [f32],
     acc_stride: usize,
 ) {
-    micro_encoded_body::<ENC, MR, NR, false>(xs, codes, scales, k0, ahead, acc, acc_stride)
+    micro_encoded_body::<ENC, MR, NR, false>(xs, tile, acc, acc_stride)
 }
 
 /// [`micro_encoded`] with FP4 nibbles picked by `vpmultishiftqb`.
@@ -162,14 +160,23 @@ pub(super) unsafe fn micro_encoded<const ENC: u8, const MR: usize, const NR: usi
 #[target_feature(enable = "avx512f,avx512bw,avx512vbmi")]
 pub(super) unsafe fn micro_encoded_vbmi<const ENC: u8, const MR: usize, const NR: usize>(
     xs: &[&[f32]; MR],
-    codes: &[&[u8]; NR],
-    scales: &[ScaleRow; NR],
-    k0: usize,
-    ahead: &[&[u8]],
+    tile: EncodedTile<NR>,
     acc: &mut [f32],
     acc_stride: usize,
 ) {
-    micro_encoded_body::<ENC, MR, NR, true>(xs, codes, scales, k0, ahead, acc, acc_stride)
+    micro_encoded_body::<ENC, MR, NR, true>(xs, tile, acc, acc_stride)
+}
+
+/// The weight rows of one [`micro_encoded`] call: `codes[j]` and `scales[j]`
+/// per row, the first column `k0`, the rows to prefetch, a bound on `|x|`, and
+/// whether the codes are known to hold no FP8 NaN.
+pub(super) struct EncodedTile<'a, const NR: usize> {
+    pub codes: &'a [&'a [u8]; NR],
+    pub scales: &'a [ScaleRow<'a>; NR],
+    pub k0: usize,
+    pub ahead: &'a [&'a [u8]],
+    pub x_abs_max: f32,
+    pub codes_nan_free: bool,
 }
 
 /// 2^120: e4m3 magnitude bits under the f32 exponent field read as value · 2^-120.
@@ -180,13 +187,11 @@ const FOLDABLE_SCALE_MAX: f32 = f32::from_bits((127 + 6) << 23);
 #[inline(always)]
 unsafe fn micro_encoded_body<const ENC: u8, const MR: usize, const NR: usize, const VBMI: bool>(
     xs: &[&[f32]; MR],
-    codes: &[&[u8]; NR],
-    scales: &[ScaleRow; NR],
-    k0: usize,
-    ahead: &[&[u8]],
+    tile: EncodedTile<NR>,
     acc: &mut [f32],
     acc_stride: usize,
 ) {
+    let EncodedTile { codes, scales, k0, ahead, x_abs_max, codes_nan_free } = tile;
     let len = xs[0].len();
     let pacc = acc.as_mut_ptr();
     // Bytes of one row's codes per 16-column chunk.
@@ -202,15 +207,43 @@ unsafe fn micro_encoded_body<const ENC: u8, const MR: usize, const NR: usize, co
         }
     }
     let fp4_table = _mm512_loadu_ps(FP4_E2M1_VALUES.as_ptr());
-    // FP8 NaN codes are checked once per call rather than per chunk (they do
-    // not occur in trained weights; when they do, every chunk is checked).
-    let nan_free = ENC != FP8 || codes.iter().all(|row| !fp8_has_nan(&row[..len & !15]));
+    // FP8 NaN codes are known absent from the whole matrix (found at load) or
+    // looked for once per call rather than per chunk (they do not occur in
+    // trained weights; when they do, every chunk is checked).
+    let nan_free = ENC != FP8 || codes_nan_free || codes.iter().all(|row| !fp8_has_nan(&row[..len & !15]));
     // Scale block of the current chunk and the columns left in it; blocks are
     // multiples of 16 wide, so a chunk never straddles two.
     let block = if ENC == BF16 { usize::MAX } else { scales[0].block };
     let mut index = k0 / block;
     let mut c = 0;
     while c + 16 <= len {
+        let stop = if ENC == BF16 { len & !15 } else { (c + block - (k0 + c) % block).min(len & !15) };
+        // FP8 rows that share the block's scale (every row of a tile, in the
+        // published 128×128 and 32×32 blocks) can move it onto x instead: one
+        // multiply per x row rather than per weight row (see `scale_on_x`).
+        let x_factor = match ENC {
+            FP8 if nan_free => shared_scale(scales, index).and_then(|scale| scale_on_x(scale, x_abs_max)),
+            _ => None,
+        };
+        if let Some(x_factor) = x_factor {
+            let x_factor = _mm512_set1_ps(x_factor);
+            while c < stop {
+                prefetch_ahead(ahead, c / 16 * chunk_bytes);
+                let mut wv = [_mm512_setzero_ps(); NR];
+                for (j, v) in wv.iter_mut().enumerate() {
+                    *v = fp8_bits16_finite(codes[j].as_ptr().add(c));
+                }
+                for (ai, x) in a.iter_mut().zip(xs) {
+                    let xv = _mm512_mul_ps(_mm512_loadu_ps(x.as_ptr().add(c)), x_factor);
+                    for (aij, w) in ai.iter_mut().zip(&wv) {
+                        *aij = _mm512_fmadd_ps(xv, *w, *aij);
+                    }
+                }
+                c += 16;
+            }
+            index += 1;
+            continue;
+        }
         // Per row of the tile, what turns this block's codes into values: the
         // FP4 table times the block's scale (a power of two, so every entry is
         // exact), or the FP8 scale times 2^120 (exact too, and folds the
@@ -231,15 +264,8 @@ unsafe fn micro_encoded_body<const ENC: u8, const MR: usize, const NR: usize, co
         if ENC == FP8 && folded {
             factor.iter_mut().for_each(|f| *f = _mm512_mul_ps(*f, _mm512_set1_ps(POW2_120)));
         }
-        let stop = if ENC == BF16 { len & !15 } else { (c + block - (k0 + c) % block).min(len & !15) };
         while c < stop {
-            let offset = c / 16 * chunk_bytes;
-            if offset % 64 == 0 {
-                for row in ahead {
-                    // In bounds: `ahead` rows are as long as `codes` rows.
-                    _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().add(offset).cast());
-                }
-            }
+            prefetch_ahead(ahead, c / 16 * chunk_bytes);
             let mut wv = [_mm512_setzero_ps(); NR];
             for (j, v) in wv.iter_mut().enumerate() {
                 let p = codes[j].as_ptr();
@@ -287,6 +313,42 @@ unsafe fn micro_encoded_body<const ENC: u8, const MR: usize, const NR: usize, co
             _mm512_storeu_ps(pacc.add(i * acc_stride + j * 16), *aij);
         }
     }
+}
+
+/// Prefetches the rows computed next at byte `offset`, once per cache line.
+///
+/// # Safety
+/// `offset` is inside every row of `ahead`.
+#[inline(always)]
+unsafe fn prefetch_ahead(ahead: &[&[u8]], offset: usize) {
+    if offset.is_multiple_of(64) {
+        for row in ahead {
+            _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().add(offset).cast());
+        }
+    }
+}
+
+/// The scale of block `index` when every row of the tile has the same one.
+#[inline(always)]
+fn shared_scale<const NR: usize>(scales: &[ScaleRow; NR], index: usize) -> Option<f32> {
+    let first = scales[0].row[index];
+    scales.iter().all(|s| s.row[index].to_bits() == first.to_bits()).then_some(first)
+}
+
+/// The factor that moves an FP8 block's `scale` (and the decode's 2^120) onto
+/// x, if that changes no bit: `fma(x · f, bits, acc)` equals
+/// `fma(x, bits · f, acc)` when `x · f` is exact, which holds when `f` is a
+/// power of two at least 1 and no `|x| · f` overflows (UE8M0 scales are
+/// powers of two). The product `x · bits` is exact in the FMA either way.
+#[inline(always)]
+fn scale_on_x(scale: f32, x_abs_max: f32) -> Option<f32> {
+    let exponent = (scale.to_bits() >> 23) & 0xff;
+    let power_of_two = scale.to_bits() & 0x7f_ffff == 0;
+    // Biased exponent 7 is 2^-120; below `FOLDABLE_SCALE_MAX` the factor is finite.
+    let in_range = (7..254).contains(&exponent) && scale.abs() < FOLDABLE_SCALE_MAX;
+    let factor = scale * POW2_120;
+    let no_overflow = (x_abs_max as f64) * (factor.abs() as f64) < f32::MAX as f64;
+    (power_of_two && in_range && no_overflow).then_some(factor)
 }
 
 /// bf16 bits `p[..32]` (little-endian) to 16 f32 values.

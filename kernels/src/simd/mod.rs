@@ -228,7 +228,7 @@ impl Backend {
     /// weight is decoded once, in registers, and used for every x row, so no
     /// dequantised copy is written.
     pub(crate) fn micro_encoded(self, xs: &[&[f32]], rows: EncodedRows, acc: &mut [f32], acc_stride: usize) {
-        let EncodedRows { encoding, codes, scales, k0, ahead } = rows;
+        let EncodedRows { encoding, codes, scales, k0, ahead, x_abs_max, codes_nan_free } = rows;
         let len = xs[0].len();
         assert!(self.fuses(encoding, scales[0].block) && k0.is_multiple_of(16), "not fusable");
         assert!(xs.iter().all(|s| s.len() == len), "ragged tile");
@@ -243,7 +243,7 @@ impl Backend {
         assert!((xs.len() - 1) * acc_stride + codes.len() * 16 <= acc.len(), "accumulators");
         #[cfg(target_arch = "x86_64")]
         {
-            use avx512::{micro_encoded, micro_encoded_vbmi, BF16, FP4, FP8};
+            use avx512::{micro_encoded, micro_encoded_vbmi, EncodedTile, BF16, FP4, FP8};
             // SAFETY: `fuses` above confirmed the AVX-512F backend, which
             // `Backend::new` checked the CPU supports, and the asserts above are the
             // bounds the loops rely on (every arm of the match below).
@@ -251,10 +251,13 @@ impl Backend {
                 macro_rules! tiles {
                     ($($enc:ident, $e:ident: $(($mr:literal, $nr:literal))*;)*) => {
                         match (encoding, xs.len(), codes.len()) {
-                            $($((Encoding::$enc, $mr, $nr) => if self.0 == Isa::Avx512Vbmi {
-                                micro_encoded_vbmi::<$e, $mr, $nr>(arr(xs), arr(codes), arr(scales), k0, ahead, acc, acc_stride)
-                            } else {
-                                micro_encoded::<$e, $mr, $nr>(arr(xs), arr(codes), arr(scales), k0, ahead, acc, acc_stride)
+                            $($((Encoding::$enc, $mr, $nr) => {
+                                let tile = EncodedTile { codes: arr(codes), scales: arr(scales), k0, ahead, x_abs_max, codes_nan_free };
+                                if self.0 == Isa::Avx512Vbmi {
+                                    micro_encoded_vbmi::<$e, $mr, $nr>(arr(xs), tile, acc, acc_stride)
+                                } else {
+                                    micro_encoded::<$e, $mr, $nr>(arr(xs), tile, acc, acc_stride)
+                                }
                             })*)*
                             (_, m, n) => unreachable!("no fused {m}x{n} tile"),
                         }
@@ -378,6 +381,11 @@ pub(crate) struct EncodedRows<'a> {
     /// Codes of the same columns in the rows computed next, to prefetch (at
     /// most as many rows as `codes`, each as long).
     pub ahead: &'a [&'a [u8]],
+    /// No `|x|` of the tile exceeds this (`f32::INFINITY` when unknown).
+    pub x_abs_max: f32,
+    /// The codes hold no FP8 NaN (known from the whole matrix; when false the
+    /// kernel looks).
+    pub codes_nan_free: bool,
 }
 
 /// A stored weight encoding that [`Backend::micro_encoded`] decodes.

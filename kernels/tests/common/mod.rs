@@ -63,7 +63,7 @@ pub fn fp8_raw_linear(rows: usize, cols: usize, block_rows: usize, block_cols: u
         .collect();
     let blocks = rows.div_ceil(block_rows) * cols.div_ceil(block_cols);
     let scales = (0..blocks).map(|_| 2f32.powi((rng.next_u64() % 12) as i32 - 8)).collect();
-    Linear { rows, cols, format: WeightFormat::Fp8 { data: Bytes::from(data), scales, block_rows, block_cols } }
+    Linear { rows, cols, format: WeightFormat::fp8(Bytes::from(data), scales, block_rows, block_cols) }
 }
 
 /// Every format (and a few block layouts) of a `rows × cols` matrix. FP4 needs an
