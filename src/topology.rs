@@ -452,12 +452,21 @@ expert_parallel = 4
             (*c.host_mib.get_ref(), c.disk_dir.map(|d| d.into_inner()), c.disk_shared),
             (512, Some("kv".into()), false)
         );
-        for (from, to, line, needle) in [
-            ("host_mib = 512", "host_mib = 2000000", 8, "at most 1048576"),
-            ("disk_dir = \"kv\"", "disk_dir = \" \"", 9, "must name a directory"),
-            ("disk_dir = \"kv\"", "disk_gib = 0", 9, "at least 1"),
-            ("host_mib = 512", "host_gib = 1", 8, "unknown field `host_gib`"),
-        ] {
+        assert_each_edit_refused(
+            &text,
+            &[
+                ("host_mib = 512", "host_mib = 2000000", 8, "at most 1048576"),
+                ("disk_dir = \"kv\"", "disk_dir = \" \"", 9, "must name a directory"),
+                ("disk_dir = \"kv\"", "disk_gib = 0", 9, "at least 1"),
+                ("host_mib = 512", "host_gib = 1", 8, "unknown field `host_gib`"),
+            ],
+        );
+    }
+
+    /// Each `(from, to, line, needle)`: `text` with `from` replaced by `to` is
+    /// refused at `line` with a message containing `needle`.
+    fn assert_each_edit_refused(text: &str, edits: &[(&str, &str, usize, &str)]) {
+        for &(from, to, line, needle) in edits {
             let e = Topology::parse("t.toml", &text.replacen(from, to, 1)).unwrap_err();
             assert_eq!(e.line, line, "{to}: {e}");
             assert!(e.to_string().contains(needle), "{to}: {e}");
@@ -471,15 +480,14 @@ expert_parallel = 4
         let t = Topology::parse("t.toml", &text).unwrap();
         let config = t.cluster.speculative.expect("read").config().unwrap();
         assert_eq!(config, SpeculativeConfig { method: DraftMethod::Mtp, policy: DraftPolicy::Adaptive { max: 4 } });
-        for (from, to, line, needle) in [
-            ("method = \"mtp\"", "method = \"eagle\"", 8, "unknown speculative method"),
-            ("num_draft_tokens = 4", "num_draft_tokens = 17", 9, "must be 1 to 16"),
-            ("num_draft_tokens = 4", "draft_length = \"long\"", 9, "(fixed, adaptive)"),
-            ("num_draft_tokens = 4", "drafts = 2", 9, "unknown field `drafts`"),
-        ] {
-            let e = Topology::parse("t.toml", &text.replacen(from, to, 1)).unwrap_err();
-            assert_eq!(e.line, line, "{to}: {e}");
-            assert!(e.to_string().contains(needle), "{to}: {e}");
-        }
+        assert_each_edit_refused(
+            &text,
+            &[
+                ("method = \"mtp\"", "method = \"eagle\"", 8, "unknown speculative method"),
+                ("num_draft_tokens = 4", "num_draft_tokens = 17", 9, "must be 1 to 16"),
+                ("num_draft_tokens = 4", "draft_length = \"long\"", 9, "(fixed, adaptive)"),
+                ("num_draft_tokens = 4", "drafts = 2", 9, "unknown field `drafts`"),
+            ],
+        );
     }
 }

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{all_formats, assert_bits_eq, reference, Rng};
+use common::{all_formats, assert_bits_eq, fp8_codes_without_nan, reference, Rng};
 use deepinfer_kernels::linear::{dot, dot_with};
 use deepinfer_kernels::{Isa, Linear};
 
@@ -217,14 +217,7 @@ fn fp8_scales_moved_onto_x_keep_the_definition() {
     use deepinfer_kernels::WeightFormat;
     let (rows, cols, block): (usize, usize, usize) = (48, 290, 32);
     let mut rng = Rng(11);
-    let data: Vec<u8> = (0..rows * cols)
-        .map(|_| loop {
-            let b = rng.next_u64() as u8;
-            if b & 0x7f != 0x7f {
-                break b;
-            }
-        })
-        .collect();
+    let data = fp8_codes_without_nan(rows * cols, &mut rng);
     let blocks = rows.div_ceil(block) * cols.div_ceil(block);
     let scales: Vec<f32> =
         (0..blocks).map(|b| [2f32.powi(5), 2f32.powi(-121), 2f32.powi(-120), 0.75, 2f32.powi(-8)][b % 5]).collect();

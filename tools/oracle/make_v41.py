@@ -187,15 +187,20 @@ REQUIRED_ROLES = {
 # reference import
 
 
-def load_reference(path: Path):
-    """Import the reference package from `path` (and Pillow from `path/_site` when present)."""
+def load_reference(path: Path, with_testing: bool = True):
+    """Import the reference package from `path` (and Pillow from `path/_site` when present).
+
+    `with_testing=False` leaves out testing.py, which needs another tt-metal module
+    (training uses only model.py and engram.py); `testing` is then None."""
     for p in (path / "_site", path):
         if p.is_dir() and str(p) not in sys.path:
             sys.path.insert(0, str(p))
     v41 = importlib.import_module(f"{PACKAGE}.model")
     engram = importlib.import_module(f"{PACKAGE}.engram")
-    testing = importlib.import_module(f"{PACKAGE}.testing")
-    assert testing.v41 is v41, "model.py imported twice"
+    testing = None
+    if with_testing:
+        testing = importlib.import_module(f"{PACKAGE}.testing")
+        assert testing.v41 is v41, "model.py imported twice"
     # the upstream revision named in model.py's header
     header = "\n".join((path / Path(*PACKAGE.split(".")) / "model.py").read_text().split("\n")[:8])
     m = re.search(r"\b([0-9a-f]{40})\b", header)

@@ -155,6 +155,26 @@ def crate_dirs(crates: list[tuple[str, str]]) -> dict[tuple[str, str], Path]:
     return found
 
 
+def training_data(tok, bos: int, eos: int, seed: int, steps: int, batch: int, eval_windows: int):
+    """The corpus as windows, the window order of every step (a fixed permutation per
+    epoch, from `seed`) and `eval_windows` held-out windows for the progress line.
+
+    Returns (train windows, held-out windows, order [steps x batch], eval windows, corpus facts)."""
+    train_docs, held_docs, corpus_info = read_corpus()
+    train, n_train_tok = windows(tok, train_docs, bos, eos)
+    held, n_held_tok = windows(tok, held_docs, bos, eos)
+    corpus_info.update(train_tokens=n_train_tok, heldout_tokens=n_held_tok, train_windows=train.shape[0],
+                       heldout_windows=held.shape[0])
+    print(f"corpus: {json.dumps(corpus_info)}", flush=True)
+    rng = np.random.default_rng(seed)
+    order = []
+    while len(order) < steps * batch:
+        order.extend(rng.permutation(train.shape[0]).tolist())
+    order = torch.tensor(order[: steps * batch]).view(steps, batch)
+    eval_ids = held[torch.from_numpy(np.random.default_rng(seed + 1).permutation(held.shape[0])[:eval_windows])]
+    return train, held, order, eval_ids, corpus_info
+
+
 def read_corpus() -> tuple[list[tuple[str, str]], list[tuple[str, str]], dict]:
     dirs = crate_dirs(TRAIN_CRATES + HELDOUT_CRATES)
     h = hashlib.sha256()
@@ -611,20 +631,7 @@ def main():
 
     tok = Tokenizer.from_file(str(args.init / "tokenizer.json"))
     bos, eos = cfg["bos_token_id"], cfg["eos_token_id"]
-    train_docs, held_docs, corpus_info = read_corpus()
-    train, n_train_tok = windows(tok, train_docs, bos, eos)
-    held, n_held_tok = windows(tok, held_docs, bos, eos)
-    corpus_info.update(train_tokens=n_train_tok, heldout_tokens=n_held_tok, train_windows=train.shape[0],
-                       heldout_windows=held.shape[0])
-    print(f"corpus: {json.dumps(corpus_info)}", flush=True)
-
-    # data order: a fixed permutation per epoch
-    rng = np.random.default_rng(SEED)
-    order = []
-    while len(order) < STEPS * BATCH:
-        order.extend(rng.permutation(train.shape[0]).tolist())
-    order = torch.tensor(order[: STEPS * BATCH]).view(STEPS, BATCH)
-    eval_ids = held[torch.from_numpy(np.random.default_rng(SEED + 1).permutation(held.shape[0])[:EVAL_WINDOWS])]
+    train, held, order, eval_ids, corpus_info = training_data(tok, bos, eos, SEED, STEPS, BATCH, EVAL_WINDOWS)
 
     params = [p for p in model.parameters()] + mtp.trainable()
     decay = [p for p in params if p.dim() >= 2]

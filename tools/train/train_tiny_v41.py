@@ -651,7 +651,7 @@ def main():
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
     torch.use_deterministic_algorithms(True)
-    v41, engram, _testing, rev = load_reference(a.reference.resolve())
+    v41, engram, _testing, rev = mv.load_reference(a.reference.resolve(), with_testing=False)
     if not (a.init / "config.json").exists():
         subprocess.run([str(a.deepinfer), "model", "init", "--preset", "tiny-v41", "--seed", str(INIT_SEED),
                         "--out", str(a.init)], check=True)
@@ -693,18 +693,8 @@ def main():
         return found if len(found) == len(crates) else t4_crate_dirs(crates)
 
     t4.crate_dirs = crate_dirs  # the corpus sha256 check still applies
-    train_docs, held_docs, corpus_info = t4.read_corpus()
-    train, n_train_tok = t4.windows(tok, train_docs, cfg["bos_token_id"], cfg["eos_token_id"])
-    held, n_held_tok = t4.windows(tok, held_docs, cfg["bos_token_id"], cfg["eos_token_id"])
-    corpus_info.update(train_tokens=n_train_tok, heldout_tokens=n_held_tok, train_windows=train.shape[0],
-                       heldout_windows=held.shape[0])
-    print(f"corpus: {json.dumps(corpus_info)}", flush=True)
-    rng = np.random.default_rng(SEED)
-    order = []
-    while len(order) < STEPS * BATCH:
-        order.extend(rng.permutation(train.shape[0]).tolist())
-    order = torch.tensor(order[: STEPS * BATCH]).view(STEPS, BATCH)
-    eval_ids = held[torch.from_numpy(np.random.default_rng(SEED + 1).permutation(held.shape[0])[:EVAL_WINDOWS])]
+    train, held, order, eval_ids, corpus_info = t4.training_data(tok, cfg["bos_token_id"], cfg["eos_token_id"],
+                                                                 SEED, STEPS, BATCH, EVAL_WINDOWS)
 
     params = [p for n, p in model.named_parameters() if p.requires_grad and not n.endswith(".scale")
               and ".gate.bias" not in n and ".indexer." not in n]
@@ -805,20 +795,6 @@ def main():
     a.report.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps({k: report[k] for k in ("final_heldout_first128_exported", "final_train_subset64_exported",
                                                  "train_seconds", "total_seconds", "checkpoint_bytes")}, indent=1))
-
-
-def load_reference(path: Path):
-    """make_v41.load_reference without testing.py (which needs another tt-metal module)."""
-    import importlib
-
-    for p in (path / "_site", path):
-        if p.is_dir() and str(p) not in sys.path:
-            sys.path.insert(0, str(p))
-    v41 = importlib.import_module(f"{mv.PACKAGE}.model")
-    engram = importlib.import_module(f"{mv.PACKAGE}.engram")
-    header = "\n".join((path / Path(*mv.PACKAGE.split(".")) / "model.py").read_text().split("\n")[:8])
-    m = re.search(r"\b([0-9a-f]{40})\b", header)
-    return v41, engram, None, m.group(1) if m else None
 
 
 if __name__ == "__main__":

@@ -51,16 +51,21 @@ pub fn fp4_linear(rows: usize, cols: usize, w: &[f32], block: usize) -> Linear {
     quantize_fp4_rows(w, rows, cols, block).into_fp4_linear(rows, cols, block)
 }
 
-/// Raw FP8 codes (no NaN) with rectangular `block_rows × block_cols` scale blocks.
-pub fn fp8_raw_linear(rows: usize, cols: usize, block_rows: usize, block_cols: usize, rng: &mut Rng) -> Linear {
-    let data: Vec<u8> = (0..rows * cols)
+/// `len` random FP8 e4m3 codes, none of them NaN (0x7f, 0xff).
+pub fn fp8_codes_without_nan(len: usize, rng: &mut Rng) -> Vec<u8> {
+    (0..len)
         .map(|_| loop {
             let b = rng.next_u64() as u8;
             if b & 0x7f != 0x7f {
                 break b;
             }
         })
-        .collect();
+        .collect()
+}
+
+/// Raw FP8 codes (no NaN) with rectangular `block_rows × block_cols` scale blocks.
+pub fn fp8_raw_linear(rows: usize, cols: usize, block_rows: usize, block_cols: usize, rng: &mut Rng) -> Linear {
+    let data = fp8_codes_without_nan(rows * cols, rng);
     let blocks = rows.div_ceil(block_rows) * cols.div_ceil(block_cols);
     let scales = (0..blocks).map(|_| 2f32.powi((rng.next_u64() % 12) as i32 - 8)).collect();
     Linear { rows, cols, format: WeightFormat::fp8(Bytes::from(data), scales, block_rows, block_cols) }
