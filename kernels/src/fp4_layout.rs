@@ -8,8 +8,6 @@
 //! low nibble of every word. Which layout a matrix uses changes no bit of
 //! any result, only the instructions that decode it.
 
-use rayon::prelude::*;
-
 use crate::simd::Isa;
 
 /// Columns per interleaved group: 64 bytes of codes, one cache line.
@@ -77,26 +75,17 @@ pub fn interleaved_column(word: usize, nibble: usize) -> usize {
 
 /// Pairs-layout codes (whole rows, each a multiple of 128 columns) rearranged
 /// into [`Fp4Layout::Interleaved`].
-/// Runs on the thread pool (a checkpoint's FP4 experts are most of its bytes).
 pub fn interleave(pairs: &[u8]) -> Vec<u8> {
     assert!(pairs.len().is_multiple_of(GROUP_COLS / 2), "FP4 rows of whole 128-column groups");
-    // Byte and shift, in a pairs group, of nibble `k` of word `i` at `4i + k`.
-    let sources: [(u8, u8); 128] = std::array::from_fn(|n| {
-        let column = interleaved_column(n / 4, n % 4);
-        ((column / 2) as u8, (4 * (column % 2)) as u8)
-    });
     let mut out = vec![0u8; pairs.len()];
-    out.par_chunks_mut(1 << 16).zip(pairs.par_chunks(1 << 16)).for_each(|(out, pairs)| {
-        for (src, dst) in pairs.chunks_exact(64).zip(out.chunks_exact_mut(64)) {
-            for (word, bytes) in dst.chunks_exact_mut(2).enumerate() {
-                let nibble = |k: usize| {
-                    let (byte, shift) = sources[4 * word + k];
-                    u16::from((src[byte as usize] >> shift) & 0xf) << (4 * k)
-                };
-                bytes.copy_from_slice(&(nibble(0) | nibble(1) | nibble(2) | nibble(3)).to_le_bytes());
+    for (src, dst) in pairs.chunks_exact(64).zip(out.chunks_exact_mut(64)) {
+        for word in 0..32 {
+            for nibble in 0..4 {
+                let code = Fp4Layout::Pairs.code(src, interleaved_column(word, nibble));
+                dst[2 * word + nibble / 2] |= code << (4 * (nibble % 2));
             }
         }
-    });
+    }
     out
 }
 

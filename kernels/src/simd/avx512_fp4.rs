@@ -45,16 +45,15 @@ unsafe fn unscaled_table() -> __m512i {
 /// The CPU must support AVX-512BW, and `index` must be inside `scales.row`.
 #[inline(always)]
 unsafe fn scaled_table(table: __m512i, scales: &ScaleRow, index: usize) -> __m512i {
-    // Little-endian: the upper half of the f32 is at byte 2.
-    let high_word = scales.row.as_ptr().add(index).cast::<u8>().add(2).cast::<i16>().read_unaligned();
+    let high_word = (scales.row.as_ptr().add(index).read().to_bits() >> 16) as i16;
     _mm512_mask_add_epi16(table, NONZERO_WORDS, table, _mm512_set1_epi16(high_word))
 }
 
 /// Block `K` (0..4) of a 128-column group `group` as two f32 vectors:
 /// columns `32K..32K + 16` and `32K + 16..32K + 32`.
 #[inline(always)]
-unsafe fn decode_block(shifted_group: __m512i, table: __m512i) -> (__m512, __m512) {
-    let words = _mm512_permutexvar_epi16(shifted_group, table);
+unsafe fn decode_block<const SHIFT: u32>(group: __m512i, table: __m512i) -> (__m512, __m512) {
+    let words = _mm512_permutexvar_epi16(_mm512_srli_epi16::<SHIFT>(group), table);
     let low_columns = _mm512_and_si512(words, _mm512_set1_epi32(0xffff_0000u32 as i32));
     let high_columns = _mm512_slli_epi32::<16>(words);
     (_mm512_castsi512_ps(low_columns), _mm512_castsi512_ps(high_columns))
@@ -85,9 +84,6 @@ pub(super) unsafe fn micro<const MR: usize, const NR: usize>(
     let table = unscaled_table();
     let block = scales[0].block;
     let block_shift = block.is_power_of_two().then(|| block.trailing_zeros());
-    // Row pointers held once: a tile has more rows than general registers.
-    let code_rows: [*const u8; NR] = std::array::from_fn(|j| codes[j].as_ptr());
-    let scale_rows: [&ScaleRow; NR] = std::array::from_fn(|j| &scales[j]);
     let mut c = 0;
     while c < len {
         prefetch_ahead(ahead, c / 2);
@@ -98,18 +94,13 @@ pub(super) unsafe fn micro<const MR: usize, const NR: usize>(
                     Some(shift) => column >> shift,
                     None => column / block,
                 };
-                // The block's x once, for every weight row (loads are the scarcer port).
-                let xv: [[__m512; 2]; MR] = std::array::from_fn(|i| {
-                    let p = xs[i].as_ptr().add(c + 32 * $k);
-                    [_mm512_loadu_ps(p), _mm512_loadu_ps(p.add(16))]
-                });
                 for j in 0..NR {
-                    let group = _mm512_loadu_si512(code_rows[j].add(c / 2).cast());
-                    let shifted = _mm512_srli_epi16::<{ 4 * $k }>(group);
-                    let (low, high) = decode_block(shifted, scaled_table(table, scale_rows[j], index));
-                    for (ai, x) in a.iter_mut().zip(&xv) {
-                        ai[j] = _mm512_fmadd_ps(x[0], low, ai[j]);
-                        ai[j] = _mm512_fmadd_ps(x[1], high, ai[j]);
+                    let group = _mm512_loadu_si512(codes[j].as_ptr().add(c / 2).cast());
+                    let (low, high) = decode_block::<{ 4 * $k }>(group, scaled_table(table, &scales[j], index));
+                    for (ai, x) in a.iter_mut().zip(xs) {
+                        let p = x.as_ptr().add(c + 32 * $k);
+                        ai[j] = _mm512_fmadd_ps(_mm512_loadu_ps(p), low, ai[j]);
+                        ai[j] = _mm512_fmadd_ps(_mm512_loadu_ps(p.add(16)), high, ai[j]);
                     }
                 }
             }};
@@ -144,7 +135,7 @@ pub(super) unsafe fn interleaved_span(src: &[u8], k0: usize, scales: ScaleRow, d
             ($k:literal) => {{
                 let column = c + 32 * $k;
                 let table = scaled_table(table, &scales, (k0 + column) / scales.block);
-                let (low, high) = decode_block(_mm512_srli_epi16::<{ 4 * $k }>(group), table);
+                let (low, high) = decode_block::<{ 4 * $k }>(group, table);
                 _mm512_storeu_ps(pd.add(column), low);
                 _mm512_storeu_ps(pd.add(column + 16), high);
             }};
