@@ -20,7 +20,7 @@ use bytes::Bytes;
 use deepinfer_engine::model::{Chunk, LogitsWanted, Model, SequenceState};
 use deepinfer_engine::presets::{build, Preset};
 use deepinfer_kernels::quantize::{quantize_fp4_rows, quantize_fp8_blocks};
-use deepinfer_kernels::{Fp4Layout, Isa, Linear, WeightFormat};
+use deepinfer_kernels::{Isa, Linear, WeightFormat};
 use rayon::prelude::*;
 
 const CONTEXT_TOKENS: usize = 128;
@@ -163,14 +163,8 @@ fn ceiling_weights() -> Vec<(&'static str, Linear)> {
         ("f32", Linear::from_f32(rows, cols, values.clone())),
         ("bf16", Linear { rows, cols, format: WeightFormat::Bf16(Bytes::from(bf16)) }),
         ("fp8 e4m3, 128 × 128 blocks", quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128)),
-        ("fp4 e2m1, 32-column scales, pairs", fp4_in(Fp4Layout::Pairs, &values, rows, cols)),
-        ("fp4 e2m1, 32-column scales, interleaved", fp4_in(Fp4Layout::Interleaved, &values, rows, cols)),
+        ("fp4 e2m1, 32-column scales", quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32)),
     ]
-}
-
-/// FP4 weights with 32-column scales in `layout`.
-fn fp4_in(layout: Fp4Layout, values: &[f32], rows: usize, cols: usize) -> Linear {
-    quantize_fp4_rows(values, rows, cols, 32).into_fp4_linear_in(layout, rows, cols, 32)
 }
 
 /// Small FP8 and FP4 weights that stay in L2: what the fused decode kernels
@@ -180,8 +174,7 @@ fn decode_weights() -> Vec<(&'static str, Linear)> {
     let values = weight_values(rows * cols);
     vec![
         ("fp8 e4m3, 128 × 128 blocks", quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128)),
-        ("fp4 e2m1, 32-column scales, pairs", fp4_in(Fp4Layout::Pairs, &values, rows, cols)),
-        ("fp4 e2m1, 32-column scales, interleaved", fp4_in(Fp4Layout::Interleaved, &values, rows, cols)),
+        ("fp4 e2m1, 32-column scales", quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32)),
     ]
 }
 

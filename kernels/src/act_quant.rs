@@ -390,10 +390,10 @@ fn unscaled_row(w: &Linear, r: usize, out: &mut [f32]) {
                 *o = fp8_e4m3_to_f32(b);
             }
         }
-        WeightFormat::Fp4 { data, layout, .. } => {
-            let codes = &data[r * w.cols / 2..(r + 1) * w.cols / 2];
-            for (c, o) in out.iter_mut().enumerate() {
-                *o = FP4_E2M1_VALUES[layout.code(codes, c) as usize];
+        WeightFormat::Fp4 { data, .. } => {
+            for (pair, &b) in out.chunks_exact_mut(2).zip(&data[r * w.cols / 2..(r + 1) * w.cols / 2]) {
+                pair[0] = FP4_E2M1_VALUES[(b & 0xf) as usize];
+                pair[1] = FP4_E2M1_VALUES[(b >> 4) as usize];
             }
         }
         _ => unreachable!("only quantised weights have unscaled rows"),

@@ -10,10 +10,9 @@
 
 pub mod act_quant;
 pub mod dtype;
-pub mod fp4_layout;
 pub mod linear;
 pub mod ops;
 pub mod quantize;
 mod simd;
 
-pub use linear::{Fp4Layout, Isa, Linear, WeightFormat};
+pub use linear::{Isa, Linear, WeightFormat};

@@ -11,7 +11,6 @@ use bytes::Bytes;
 use rayon::prelude::*;
 
 use crate::dtype::{bf16_to_f32, fp8_e4m3_to_f32, FP4_E2M1_VALUES};
-pub use crate::fp4_layout::Fp4Layout;
 pub use crate::simd::Isa;
 use crate::simd::{prefetch, Backend, EncodedRows, Encoding, ScaleRow};
 
@@ -42,15 +41,12 @@ pub enum WeightFormat {
         /// check. Setting it for codes that hold a NaN turns that NaN into a number.
         nan_free: bool,
     },
-    /// FP4 e2m1, two weights per byte, `cols / 2` bytes per row arranged as
-    /// `layout` says, one scale per `block_cols` consecutive columns of a row:
-    /// `scales[r * (cols / block_cols) + c / block_cols]`. Build it with
-    /// [`WeightFormat::fp4`], which picks the layout this CPU reads fastest.
+    /// FP4 e2m1, two weights per byte (even column in the low nibble), one scale per
+    /// `block_cols` consecutive columns of a row: `scales[r * (cols / block_cols) + c / block_cols]`.
     Fp4 {
         data: Bytes,
         scales: Vec<f32>,
         block_cols: usize,
-        layout: Fp4Layout,
     },
 }
 
@@ -60,26 +56,6 @@ impl WeightFormat {
         // A branch-free fold per chunk: the whole matrix is read once, at load.
         let nan_free = data.chunks(4096).all(|chunk| !chunk.iter().fold(false, |any, &b| any | (b & 0x7f == 0x7f)));
         WeightFormat::Fp8 { data, scales, block_rows, block_cols, nan_free }
-    }
-
-    /// FP4 weights of `cols` columns from codes in published pairs, arranged in
-    /// the layout this CPU's kernels read fastest ([`Fp4Layout::preferred`]).
-    pub fn fp4(pairs: Bytes, scales: Vec<f32>, cols: usize, block_cols: usize) -> Self {
-        let layout = Fp4Layout::preferred(Isa::detect(), cols, block_cols, &scales);
-        Self::fp4_in(layout, pairs, scales, cols, block_cols)
-    }
-
-    /// [`WeightFormat::fp4`] in a chosen layout. Panics if the matrix does not
-    /// meet the layout's conditions ([`Fp4Layout::interleavable`]).
-    pub fn fp4_in(layout: Fp4Layout, pairs: Bytes, scales: Vec<f32>, cols: usize, block_cols: usize) -> Self {
-        let data = match layout {
-            Fp4Layout::Pairs => pairs,
-            Fp4Layout::Interleaved => {
-                assert!(Fp4Layout::interleavable(cols, block_cols, &scales), "FP4 weight cannot be interleaved");
-                Bytes::from(crate::fp4_layout::interleave(&pairs))
-            }
-        };
-        WeightFormat::Fp4 { data, scales, block_cols, layout }
     }
 }
 
@@ -127,13 +103,15 @@ impl Linear {
                     *o = fp8_e4m3_to_f32(b) * scale_row[c / block_cols];
                 }
             }
-            WeightFormat::Fp4 { data, scales, block_cols, layout } => {
+            WeightFormat::Fp4 { data, scales, block_cols } => {
                 let blocks_per_row = cols / block_cols;
                 let scale_row = &scales[r * blocks_per_row..][..blocks_per_row];
-                let codes = &data[r * cols / 2..(r + 1) * cols / 2];
-                for (c, o) in out.iter_mut().enumerate() {
-                    // Both columns of a pair take the even one's scale.
-                    *o = FP4_E2M1_VALUES[layout.code(codes, c) as usize] * scale_row[(c & !1) / block_cols];
+                let packed = &data[r * cols / 2..(r + 1) * cols / 2];
+                for (i, &b) in packed.iter().enumerate() {
+                    let c = 2 * i;
+                    let s = scale_row[c / block_cols];
+                    out[c] = FP4_E2M1_VALUES[(b & 0xf) as usize] * s;
+                    out[c + 1] = FP4_E2M1_VALUES[(b >> 4) as usize] * s;
                 }
             }
         }
@@ -169,7 +147,7 @@ impl Linear {
         let x = if n == 1 {
             x
         } else {
-            packed = pack_blocks(x, n, self.cols, self.block_width());
+            packed = pack_blocks(x, n, self.cols);
             &packed[..]
         };
         let threads = rayon::current_num_threads();
@@ -216,14 +194,10 @@ impl Linear {
                 let blocks = rows.div_ceil(*block_rows) * cols.div_ceil(*block_cols);
                 assert!(scales.len() >= blocks, "fp8 scale grid");
             }
-            WeightFormat::Fp4 { data, scales, block_cols, layout } => {
+            WeightFormat::Fp4 { data, scales, block_cols } => {
                 assert!(cols.is_multiple_of(2), "fp4 weight needs an even column count");
                 assert!(data.len() >= rows * cols / 2, "fp4 weight size");
                 assert!(scales.len() >= rows * (cols / block_cols), "fp4 scales");
-                if *layout == Fp4Layout::Interleaved {
-                    let groups = cols.is_multiple_of(crate::fp4_layout::GROUP_COLS);
-                    assert!(groups && block_cols.is_multiple_of(32), "interleaved fp4 of {cols} columns");
-                }
             }
         }
     }
@@ -240,7 +214,7 @@ impl Linear {
         out_stride: usize,
     ) {
         let cols = self.cols;
-        let width = self.block_width();
+        let width = block_width(cols);
         let plan = self.plan(backend, n);
         let layout = match plan {
             Plan::Fused(_) => Some(RowLayout::of(self)),
@@ -293,7 +267,7 @@ impl Linear {
                         for (slot, r) in ahead.iter_mut().zip(next.clone()) {
                             let (codes, scales) = layout.span(r, k0, kc);
                             *slot = codes;
-                            if matches!(encoding, Encoding::Fp4 | Encoding::Fp4Interleaved) {
+                            if encoding == Encoding::Fp4 {
                                 prefetch(scales.row);
                             }
                         }
@@ -338,7 +312,7 @@ impl Linear {
             WeightFormat::F32(_) => Plan::Buffered,
             WeightFormat::Bf16(_) => fused(Encoding::Bf16, 16),
             WeightFormat::Fp8 { block_cols, .. } => fused(Encoding::Fp8, *block_cols),
-            WeightFormat::Fp4 { block_cols, layout, .. } => fused(Encoding::of_fp4(*layout), *block_cols),
+            WeightFormat::Fp4 { block_cols, .. } => fused(Encoding::Fp4, *block_cols),
         }
     }
 
@@ -353,9 +327,6 @@ impl Linear {
         match &self.format {
             WeightFormat::Bf16(_) => backend.bf16_span(codes, dst),
             WeightFormat::Fp8 { .. } => backend.fp8_span(codes, k0, scales, dst),
-            WeightFormat::Fp4 { layout: Fp4Layout::Interleaved, .. } => {
-                backend.fp4_interleaved_span(codes, k0, scales, dst)
-            }
             _ => backend.fp4_span(codes, k0, scales, dst),
         }
     }
@@ -389,8 +360,8 @@ impl<'a> RowLayout<'a> {
                 WeightFormat::Fp8 { data, scales, block_rows, block_cols, .. } => {
                     (Encoding::Fp8, data, scales, *block_cols, cols.div_ceil(*block_cols), *block_rows)
                 }
-                WeightFormat::Fp4 { data, scales, block_cols, layout } => {
-                    (Encoding::of_fp4(*layout), data, scales, *block_cols, cols / block_cols, 1)
+                WeightFormat::Fp4 { data, scales, block_cols } => {
+                    (Encoding::Fp4, data, scales, *block_cols, cols / block_cols, 1)
                 }
             };
         let shift = rows_per_scale_row.is_power_of_two().then(|| rows_per_scale_row.trailing_zeros());
@@ -407,8 +378,8 @@ impl<'a> RowLayout<'a> {
         }
     }
 
-    /// Columns `k0..k0 + len` (`k0` a multiple of 16; of 128 with `len` too
-    /// for interleaved FP4) of row `r` as stored, with the row's scales.
+    /// Columns `k0..k0 + len` (`k0` a multiple of 16) of row `r` as stored,
+    /// with the row's scales.
     #[inline(always)]
     fn span(&self, r: usize, k0: usize, len: usize) -> (&'a [u8], ScaleRow<'a>) {
         // `k0` is a multiple of 16, so an FP4 span covers whole bytes.
@@ -419,8 +390,7 @@ impl<'a> RowLayout<'a> {
             None => r / self.rows_per_scale_row,
         };
         let row = &self.scales[scale_row * self.scales_per_row..][..self.scales_per_row];
-        let pairs = matches!(self.encoding, Encoding::Fp4 | Encoding::Fp4Interleaved);
-        let scales = ScaleRow { row, block: self.scale_block, pairs };
+        let scales = ScaleRow { row, block: self.scale_block, pairs: self.encoding == Encoding::Fp4 };
         (codes, scales)
     }
 }
@@ -436,25 +406,18 @@ enum Plan {
     Buffered,
 }
 
-impl Linear {
-    /// Width of the column blocks: equal blocks of at most [`MAX_BLOCK_COLS`],
-    /// each a multiple of 16 so every block starts on lane 0 (of 128 for
-    /// interleaved FP4, whose groups a block must not split). Blocks change no
-    /// bit: the lane accumulators run on across them.
-    fn block_width(&self) -> usize {
-        let align = match self.format {
-            WeightFormat::Fp4 { layout: Fp4Layout::Interleaved, .. } => crate::fp4_layout::GROUP_COLS,
-            _ => 16,
-        };
-        let blocks = self.cols.div_ceil(MAX_BLOCK_COLS).max(1);
-        self.cols.div_ceil(blocks).next_multiple_of(align).max(16)
-    }
+/// Width of the column blocks of a `cols`-wide matrix: equal blocks of at most
+/// [`MAX_BLOCK_COLS`], each a multiple of 16 so every block starts on lane 0.
+fn block_width(cols: usize) -> usize {
+    let blocks = cols.div_ceil(MAX_BLOCK_COLS).max(1);
+    cols.div_ceil(blocks).next_multiple_of(16).max(16)
 }
 
-/// `x[n × cols]` regrouped by column blocks of `width`: block `k0..k0 + kc` of
-/// row `i` at `n * k0 + i * kc`. For `n == 1` this is `x` itself.
-fn pack_blocks(x: &[f32], n: usize, cols: usize, width: usize) -> Vec<f32> {
+/// `x[n × cols]` regrouped by column block: block `k0..k0 + kc` of row `i` at
+/// `n * k0 + i * kc`. For `n == 1` this is `x` itself.
+fn pack_blocks(x: &[f32], n: usize, cols: usize) -> Vec<f32> {
     let mut packed = Vec::with_capacity(n * cols);
+    let width = block_width(cols);
     for k0 in (0..cols).step_by(width) {
         let kc = width.min(cols - k0);
         for i in 0..n {
@@ -527,5 +490,99 @@ pub fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[cfg(test)]
-#[path = "linear_tests.rs"]
-mod tests;
+mod tests {
+    use super::*;
+    use crate::dtype::f32_to_bf16;
+
+    fn available() -> Vec<Backend> {
+        Isa::ALL.into_iter().filter(|i| i.is_available()).map(Backend::new).collect()
+    }
+
+    /// Every span of every row, dequantised by every path, against `dequantize_row`.
+    fn assert_spans_match(lin: &Linear) {
+        let mut row = vec![0.0f32; lin.cols];
+        let mut span = vec![0.0f32; lin.cols];
+        // FP4 spans cover whole bytes.
+        let even = matches!(lin.format, WeightFormat::Fp4 { .. });
+        for backend in available() {
+            for r in 0..lin.rows {
+                lin.dequantize_row(r, &mut row);
+                for k0 in (0..lin.cols).step_by(16) {
+                    for len in [1, 2, 15, 16, 17, 40, lin.cols - k0] {
+                        let len = len.min(lin.cols - k0) & if even { !1 } else { !0 };
+                        if len == 0 {
+                            continue;
+                        }
+                        lin.dequantize_span(backend, r, k0, &mut span[..len]);
+                        for (c, (a, b)) in span[..len].iter().zip(&row[k0..]).enumerate() {
+                            assert_eq!(a.to_bits(), b.to_bits(), "{backend:?} row {r} col {}", k0 + c);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fp8_spans_match_table_for_every_code_and_scale() {
+        // Each row holds all 256 codes (NaNs included) in a rotated order.
+        let (rows, cols): (usize, usize) = (4, 256);
+        let data: Vec<u8> = (0..rows * cols).map(|i| ((i % cols) as u8).wrapping_add((i / cols * 37) as u8)).collect();
+        for scale in [crate::dtype::ue8m0_to_f32(0), 2f32.powi(-120), 2f32.powi(-7), 1.0, 2f32.powi(100)] {
+            for block in [(1, 256), (3, 16), (2, 7)] {
+                let blocks = rows.div_ceil(block.0) * cols.div_ceil(block.1);
+                let scales: Vec<f32> = (0..blocks).map(|b| scale * [1.0, 0.5, 4.0][b % 3]).collect();
+                let lin = Linear {
+                    rows,
+                    cols,
+                    format: WeightFormat::fp8(Bytes::from(data.clone()), scales, block.0, block.1),
+                };
+                assert_spans_match(&lin);
+            }
+        }
+    }
+
+    #[test]
+    fn a_tile_reduces_to_each_row_tree_on_every_path() {
+        // Magnitudes spread over 2^±40, so a sum in another order differs in its bits.
+        let mut state = 7u64;
+        let acc: [f32; 256] = std::array::from_fn(|_| {
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            let mantissa = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            mantissa * 2f32.powi((state >> 33) as i32 % 81 - 40)
+        });
+        let want: Vec<u32> = (0..16).map(|j| crate::simd::reduce16(&acc[j * 16..][..16]).to_bits()).collect();
+        for backend in available() {
+            let got: Vec<u32> = backend.reduce_tile(&acc).iter().map(|v| v.to_bits()).collect();
+            assert_eq!(got, want, "{backend:?}");
+        }
+    }
+
+    #[test]
+    fn fp4_spans_match_table_for_every_code() {
+        let (rows, cols) = (3, 96);
+        let data: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 7 + i / 16) as u8).collect();
+        for block in [32, 6, 3, 2] {
+            let scales: Vec<f32> = (0..rows * (cols / block)).map(|b| 2f32.powi(b as i32 % 9 - 4)).collect();
+            let lin = Linear {
+                rows,
+                cols,
+                format: WeightFormat::Fp4 { data: Bytes::from(data.clone()), scales, block_cols: block },
+            };
+            assert_spans_match(&lin);
+        }
+    }
+
+    #[test]
+    fn bf16_spans_match_for_special_bit_patterns() {
+        let (rows, cols) = (2, 77);
+        let mut bits: Vec<u16> = [0x0000, 0x8000, 0x0001, 0x807f, 0x7f80, 0xff80, 0x7fc0, 0x3f80]
+            .into_iter()
+            .chain((0..rows * cols).map(|i| f32_to_bf16(i as f32 * 0.37 - 9.0)))
+            .collect();
+        bits.truncate(rows * cols);
+        let data: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+        let lin = Linear { rows, cols, format: WeightFormat::Bf16(Bytes::from(data)) };
+        assert_spans_match(&lin);
+    }
+}

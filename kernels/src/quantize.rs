@@ -4,7 +4,7 @@
 use bytes::Bytes;
 
 use crate::dtype::{f32_to_fp4_e2m1, f32_to_fp8_e4m3, ue8m0_scale_for, ue8m0_to_f32, FP4_E2M1_MAX, FP8_E4M3_MAX};
-use crate::linear::{Fp4Layout, Linear, WeightFormat};
+use crate::linear::{Linear, WeightFormat};
 
 /// A quantised matrix as a checkpoint stores it: raw codes and UE8M0 scale bytes.
 #[derive(Clone, Debug)]
@@ -99,16 +99,9 @@ impl Quantized {
         Linear { rows, cols, format: WeightFormat::fp8(Bytes::from(self.codes), scales, block, block) }
     }
 
-    /// A linear layer that reads these FP4 codes directly, in the layout this
-    /// CPU reads fastest.
+    /// A linear layer that reads these FP4 codes directly.
     pub fn into_fp4_linear(self, rows: usize, cols: usize, block: usize) -> Linear {
         let scales = self.scales_f32();
-        Linear { rows, cols, format: WeightFormat::fp4(Bytes::from(self.codes), scales, cols, block) }
-    }
-
-    /// [`Quantized::into_fp4_linear`] in a chosen layout (panics where it does not apply).
-    pub fn into_fp4_linear_in(self, layout: Fp4Layout, rows: usize, cols: usize, block: usize) -> Linear {
-        let scales = self.scales_f32();
-        Linear { rows, cols, format: WeightFormat::fp4_in(layout, Bytes::from(self.codes), scales, cols, block) }
+        Linear { rows, cols, format: WeightFormat::Fp4 { data: Bytes::from(self.codes), scales, block_cols: block } }
     }
 }

@@ -22,8 +22,6 @@ const SHAPES: &[(usize, usize)] = &[
     (40, 130),
     (20, 8200),
     (9, 8256),
-    (24, 384),
-    (5, 8320),
 ];
 
 fn available() -> Vec<Isa> {

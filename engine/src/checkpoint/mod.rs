@@ -329,7 +329,7 @@ impl Checkpoint {
                     }
                 };
                 let scales = self.scales(prefix, &[rows, blocks])?;
-                WeightFormat::fp4(w.bytes.clone(), scales, cols, cols / blocks)
+                WeightFormat::Fp4 { data: w.bytes.clone(), scales, block_cols: cols / blocks }
             }
             other => return Err(w.error(format!("unsupported weight dtype {other:?}"))),
         };

@@ -464,14 +464,12 @@ pub fn split_rows(w: &Linear, groups: usize) -> Vec<Linear> {
                         nan_free: *nan_free,
                     }
                 }
-                WeightFormat::Fp4 { data, scales, block_cols, layout } => {
-                    // Rows keep their layout: each row's bytes are its own.
+                WeightFormat::Fp4 { data, scales, block_cols } => {
                     let per_row = cols / block_cols;
                     WeightFormat::Fp4 {
                         data: data.slice(r0 * cols / 2..(r0 + rows) * cols / 2),
                         scales: scales[r0 * per_row..(r0 + rows) * per_row].to_vec(),
                         block_cols: *block_cols,
-                        layout: *layout,
                     }
                 }
             };

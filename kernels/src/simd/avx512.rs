@@ -133,8 +133,6 @@ pub(super) unsafe fn reduce_tile(acc: &[f32; 256]) -> [f32; 16] {
 pub(super) const BF16: u8 = 0;
 pub(super) const FP8: u8 = 1;
 pub(super) const FP4: u8 = 2;
-/// FP4 in the interleaved layout (`super::avx512_fp4`).
-pub(super) const FP4_INTERLEAVED: u8 = 3;
 
 /// See `Backend::micro_encoded`.
 ///
@@ -193,9 +191,6 @@ unsafe fn micro_encoded_body<const ENC: u8, const MR: usize, const NR: usize, co
     acc: &mut [f32],
     acc_stride: usize,
 ) {
-    if ENC == FP4_INTERLEAVED {
-        return super::avx512_fp4::micro::<MR, NR>(xs, tile, acc, acc_stride);
-    }
     let EncodedTile { codes, scales, k0, ahead, x_abs_max, codes_nan_free } = tile;
     let len = xs[0].len();
     let pacc = acc.as_mut_ptr();
@@ -325,7 +320,7 @@ unsafe fn micro_encoded_body<const ENC: u8, const MR: usize, const NR: usize, co
 /// # Safety
 /// `offset` is inside every row of `ahead`.
 #[inline(always)]
-pub(super) unsafe fn prefetch_ahead(ahead: &[&[u8]], offset: usize) {
+unsafe fn prefetch_ahead(ahead: &[&[u8]], offset: usize) {
     if offset.is_multiple_of(64) {
         for row in ahead {
             _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().add(offset).cast());

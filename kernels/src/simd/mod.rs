@@ -9,8 +9,6 @@ use std::sync::OnceLock;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
-#[cfg(target_arch = "x86_64")]
-mod avx512_fp4;
 mod portable;
 
 /// A code path of the kernels. All paths give bit-identical results; they differ
@@ -212,12 +210,7 @@ impl Backend {
     /// Whether [`Backend::micro_encoded`] can read `encoding` with scale blocks of
     /// `block` columns (every 16-column chunk must lie inside one block).
     pub(crate) fn fuses(self, encoding: Encoding, block: usize) -> bool {
-        let blocks_fit = match encoding {
-            Encoding::Bf16 => true,
-            Encoding::Fp8 | Encoding::Fp4 => block.is_multiple_of(16),
-            Encoding::Fp4Interleaved => block.is_multiple_of(32),
-        };
-        matches!(self.0, Isa::Avx512 | Isa::Avx512Vbmi) && blocks_fit
+        matches!(self.0, Isa::Avx512 | Isa::Avx512Vbmi) && (encoding == Encoding::Bf16 || block.is_multiple_of(16))
     }
 
     /// Register tile `(x rows, weight rows)` of [`Backend::micro_encoded`] for a
@@ -238,10 +231,6 @@ impl Backend {
         let EncodedRows { encoding, codes, scales, k0, ahead, x_abs_max, codes_nan_free } = rows;
         let len = xs[0].len();
         assert!(self.fuses(encoding, scales[0].block) && k0.is_multiple_of(16), "not fusable");
-        if encoding == Encoding::Fp4Interleaved {
-            let groups = crate::fp4_layout::GROUP_COLS;
-            assert!(k0.is_multiple_of(groups) && len.is_multiple_of(groups), "interleaved FP4 groups");
-        }
         assert!(xs.iter().all(|s| s.len() == len), "ragged tile");
         assert!(codes.iter().chain(ahead).all(|c| c.len() == encoding.bytes(len)), "ragged codes");
         assert!(ahead.len() <= codes.len(), "prefetch rows");
@@ -254,7 +243,7 @@ impl Backend {
         assert!((xs.len() - 1) * acc_stride + codes.len() * 16 <= acc.len(), "accumulators");
         #[cfg(target_arch = "x86_64")]
         {
-            use avx512::{micro_encoded, micro_encoded_vbmi, EncodedTile, BF16, FP4, FP4_INTERLEAVED, FP8};
+            use avx512::{micro_encoded, micro_encoded_vbmi, EncodedTile, BF16, FP4, FP8};
             // SAFETY: `fuses` above confirmed the AVX-512F backend, which
             // `Backend::new` checked the CPU supports, and the asserts above are the
             // bounds the loops rely on (every arm of the match below).
@@ -278,7 +267,6 @@ impl Backend {
                     Bf16, BF16: (1, 8) (2, 8) (3, 8) (4, 4) (5, 4) (6, 4);
                     Fp8, FP8: (1, 8) (2, 8) (3, 8) (4, 4) (5, 4) (6, 4);
                     Fp4, FP4: (1, 8) (2, 8) (3, 8) (4, 4) (5, 4) (6, 4);
-                    Fp4Interleaved, FP4_INTERLEAVED: (1, 8) (2, 8) (3, 8) (4, 4) (5, 4) (6, 4);
                 }
             }
         }
@@ -330,31 +318,6 @@ impl Backend {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::fp4_span(src, k0, scales, dst) },
             _ => portable::fp4_span(src, k0, scales, dst),
-        }
-    }
-}
-
-impl Backend {
-    /// [`Backend::fp4_span`] of codes in [`crate::fp4_layout::Fp4Layout::Interleaved`]:
-    /// `k0` and `dst.len()` are multiples of 128, and every scale passes
-    /// [`crate::fp4_layout::scale_fits_bf16_table`].
-    pub(crate) fn fp4_interleaved_span(self, src: &[u8], k0: usize, scales: ScaleRow, dst: &mut [f32]) {
-        let groups = crate::fp4_layout::GROUP_COLS;
-        assert_eq!(2 * src.len(), dst.len(), "fp4 span");
-        assert!(k0.is_multiple_of(groups) && dst.len().is_multiple_of(groups), "interleaved FP4 groups");
-        assert!(scales.pairs && scales.block.is_multiple_of(32), "interleaved FP4 scale blocks");
-        scales.check(k0 + dst.len());
-        match self.0 {
-            // SAFETY: CPU features checked by `Backend::new`; lengths asserted above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Vbmi => unsafe { avx512_fp4::interleaved_span(src, k0, scales, dst) },
-            // Other paths read one group at a time back in pairs.
-            _ => {
-                for (g, (codes, out)) in src.chunks_exact(groups / 2).zip(dst.chunks_exact_mut(groups)).enumerate() {
-                    let pairs = crate::fp4_layout::deinterleave(codes);
-                    self.fp4_span(&pairs, k0 + g * groups, scales, out);
-                }
-            }
         }
     }
 }
@@ -431,8 +394,6 @@ pub(crate) enum Encoding {
     Bf16,
     Fp8,
     Fp4,
-    /// FP4 in [`crate::fp4_layout::Fp4Layout::Interleaved`].
-    Fp4Interleaved,
 }
 
 impl Encoding {
@@ -441,15 +402,7 @@ impl Encoding {
         match self {
             Encoding::Bf16 => 2 * cols,
             Encoding::Fp8 => cols,
-            Encoding::Fp4 | Encoding::Fp4Interleaved => cols / 2,
-        }
-    }
-
-    /// The encoding of FP4 codes in `layout`.
-    pub(crate) fn of_fp4(layout: crate::fp4_layout::Fp4Layout) -> Self {
-        match layout {
-            crate::fp4_layout::Fp4Layout::Pairs => Encoding::Fp4,
-            crate::fp4_layout::Fp4Layout::Interleaved => Encoding::Fp4Interleaved,
+            Encoding::Fp4 => cols / 2,
         }
     }
 }

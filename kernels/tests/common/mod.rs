@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use deepinfer_kernels::dtype::f32_to_bf16;
 use deepinfer_kernels::quantize::{quantize_fp4_rows, quantize_fp8_blocks};
-use deepinfer_kernels::{Fp4Layout, Linear, WeightFormat};
+use deepinfer_kernels::{Linear, WeightFormat};
 
 /// SplitMix64: reproducible test data without a dependency.
 pub struct Rng(pub u64);
@@ -85,38 +85,11 @@ pub fn all_formats(rows: usize, cols: usize, rng: &mut Rng) -> Vec<(String, Line
     if cols.is_multiple_of(2) {
         for block in [32, 16, 6, 3, 2] {
             if cols.is_multiple_of(block) {
-                out.push((format!("fp4/{block}"), fp4_pairs_linear(rows, cols, &w, block)));
+                out.push((format!("fp4/{block}"), fp4_linear(rows, cols, &w, block)));
             }
         }
     }
-    if cols.is_multiple_of(128) {
-        for block in [32, 128] {
-            out.push((format!("fp4-interleaved/{block}"), fp4_interleaved_linear(rows, cols, &w, block)));
-        }
-    }
     out
-}
-
-/// FP4 weights kept in the published pairs layout.
-pub fn fp4_pairs_linear(rows: usize, cols: usize, w: &[f32], block: usize) -> Linear {
-    with_fp4_layout(fp4_linear(rows, cols, w, block), Fp4Layout::Pairs)
-}
-
-/// FP4 weights in the interleaved layout (`cols` a multiple of 128).
-pub fn fp4_interleaved_linear(rows: usize, cols: usize, w: &[f32], block: usize) -> Linear {
-    with_fp4_layout(fp4_linear(rows, cols, w, block), Fp4Layout::Interleaved)
-}
-
-/// The same FP4 weights rearranged into `layout`.
-pub fn with_fp4_layout(lin: Linear, layout: Fp4Layout) -> Linear {
-    let WeightFormat::Fp4 { data, scales, block_cols, layout: from } = lin.format else {
-        panic!("not FP4");
-    };
-    let pairs = match from {
-        Fp4Layout::Pairs => data,
-        Fp4Layout::Interleaved => Bytes::from(deepinfer_kernels::fp4_layout::deinterleave(&data)),
-    };
-    Linear { rows: lin.rows, cols: lin.cols, format: WeightFormat::fp4_in(layout, pairs, scales, lin.cols, block_cols) }
 }
 
 /// Output by definition: `dot` of the input row and the dequantised weight row.
