@@ -9,6 +9,7 @@
 //! by both block scales and accumulates the blocks in f32 in K order, as
 //! DeepSeek's kernel does; other products accumulate in f64 and round once.
 
+use crate::block_scaled::{block_scaled_product, BlockPath};
 use crate::dtype::{
     bf16_to_f32, f32_to_bf16, f32_to_fp4_e2m1, f32_to_fp8_e4m3, fp8_e4m3_to_f32, FP4_E2M1_VALUES, FP8_E4M3_MAX,
 };
@@ -138,19 +139,38 @@ pub fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
 fn dot_f64_lanes(a: &[f32], b: &[f32]) -> f64 {
     let mut acc = [0.0f64; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f64 = ac.remainder().iter().zip(bc.remainder()).map(|(&x, &y)| x as f64 * y as f64).sum();
+    let (a_tail, b_tail) = (ac.remainder(), bc.remainder());
     for (x, y) in ac.zip(bc) {
         for j in 0..8 {
             acc[j] += x[j] as f64 * y[j] as f64;
         }
     }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+    combine_lanes(&acc, a_tail, b_tail)
 }
 
+/// [`dot_f64_lanes`] with its eight lanes in one register: the same sums in
+/// the same order (an FMA of an exact product is the multiply and the add).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn dot_f64_avx512(a: &[f32], b: &[f32]) -> f64 {
-    dot_f64_lanes(a, b)
+    use std::arch::x86_64::*;
+    let whole = a.len() / 8 * 8;
+    let mut acc = _mm512_setzero_pd();
+    for c in (0..whole).step_by(8) {
+        let x = _mm512_cvtps_pd(_mm256_loadu_ps(a.as_ptr().add(c)));
+        let y = _mm512_cvtps_pd(_mm256_loadu_ps(b.as_ptr().add(c)));
+        acc = _mm512_fmadd_pd(x, y, acc);
+    }
+    let mut lanes = [0.0f64; 8];
+    _mm512_storeu_pd(lanes.as_mut_ptr(), acc);
+    combine_lanes(&lanes, &a[whole..], &b[whole..])
+}
+
+/// The fixed tree over the eight lanes, plus the tail's products in order.
+#[inline(always)]
+fn combine_lanes(acc: &[f64; 8], a_tail: &[f32], b_tail: &[f32]) -> f64 {
+    let tail: f64 = a_tail.iter().zip(b_tail).map(|(&x, &y)| x as f64 * y as f64).sum();
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -160,21 +180,9 @@ unsafe fn dot_f64_avx2(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Σ over 32-wide blocks, in K order, of (exact block sum of a·w) · a_scale ·
-/// w_scale, in f32: one output of the quantised product.
+/// w_scale, in f32: one output of the quantised product, as defined.
 #[inline]
 fn scaled_blocks(q: &Fp8Row, row: &[f32], w_scales: &[f32]) -> f32 {
-    match Isa::detect() {
-        // SAFETY: `detect` returns only instruction sets this CPU supports.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Vbmi => unsafe { scaled_blocks_avx512(q, row, w_scales) },
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { scaled_blocks_avx2(q, row, w_scales) },
-        _ => scaled_blocks_plain(q, row, w_scales),
-    }
-}
-
-#[inline(always)]
-fn scaled_blocks_plain(q: &Fp8Row, row: &[f32], w_scales: &[f32]) -> f32 {
     let mut acc = 0.0f32;
     for ((a, w), (&a_scale, &w_scale)) in
         q.values.chunks_exact(ACT_BLOCK).zip(row.chunks_exact(ACT_BLOCK)).zip(q.scales.iter().zip(w_scales))
@@ -183,50 +191,6 @@ fn scaled_blocks_plain(q: &Fp8Row, row: &[f32], w_scales: &[f32]) -> f32 {
         acc += dot_f64_lanes(a, w) as f32 * a_scale * w_scale;
     }
     acc
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn scaled_blocks_avx512(q: &Fp8Row, row: &[f32], w_scales: &[f32]) -> f32 {
-    scaled_blocks_plain(q, row, w_scales)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn scaled_blocks_avx2(q: &Fp8Row, row: &[f32], w_scales: &[f32]) -> f32 {
-    scaled_blocks_plain(q, row, w_scales)
-}
-
-/// `p[i] += w · a[i]` in f64 (exact products; used where the sums stay exact).
-#[inline]
-fn axpy_f64(p: &mut [f64], w: f64, a: &[f64]) {
-    match Isa::detect() {
-        // SAFETY: `detect` returns only instruction sets this CPU supports.
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Vbmi => unsafe { axpy_f64_avx512(p, w, a) },
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { axpy_f64_avx2(p, w, a) },
-        _ => axpy_f64_plain(p, w, a),
-    }
-}
-
-#[inline(always)]
-fn axpy_f64_plain(p: &mut [f64], w: f64, a: &[f64]) {
-    for (p, &a) in p.iter_mut().zip(a) {
-        *p += w * a;
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn axpy_f64_avx512(p: &mut [f64], w: f64, a: &[f64]) {
-    axpy_f64_plain(p, w, a)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn axpy_f64_avx2(p: &mut [f64], w: f64, a: &[f64]) {
-    axpy_f64_plain(p, w, a)
 }
 
 /// Multiply-adds above which a linear is spread over threads (each output is
@@ -247,7 +211,7 @@ fn by_row(
         decode(r, &mut row);
         (0..n).map(|t| f(&row, r, t)).collect::<Vec<f32>>()
     };
-    let columns: Vec<Vec<f32>> = if w.rows * w.cols * n >= PARALLEL_MIN_WORK {
+    let columns: Vec<Vec<f32>> = if rayon::current_num_threads() > 1 && w.rows * w.cols * n >= PARALLEL_MIN_WORK {
         (0..w.rows).into_par_iter().map(column).collect()
     } else {
         (0..w.rows).map(column).collect()
@@ -265,23 +229,42 @@ fn by_row(
 /// rows `x[n × cols]`: each row is quantised to FP8 per 32, then multiplied
 /// with the FP8 (32 × 32 blocks) or FP4 (per-32 row scales) weight block by
 /// block. BF16 and F32 weights take the plain product, rounded to bf16.
+///
+/// Computed by [`block_scaled_product`] on the fastest [`BlockPath`]; the
+/// bits are those of [`quantized_linear_reference`].
 pub fn quantized_linear(w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
+    quantized_linear_on(BlockPath::detect(), w, x, n)
+}
+
+/// [`quantized_linear`] on a chosen path (for tests and benchmarks). Panics
+/// if this CPU lacks `path`.
+pub fn quantized_linear_on(path: BlockPath, w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
     assert_eq!(x.len(), n * w.cols, "quantised linear input");
     match &w.format {
         WeightFormat::Fp8 { block_cols, .. } | WeightFormat::Fp4 { block_cols, .. } => {
             assert_eq!(*block_cols, ACT_BLOCK, "weight scale blocks must be 32 wide along K");
             let quantized: Vec<Fp8Row> = x.chunks_exact(w.cols).map(fp8_quantize_row).collect();
-            let scales = block_scales(w);
-            if n >= ROWS_FOR_TILES {
-                return tiled_fp8_linear(w, &quantized, &scales);
+            match block_scaled_product(path, w, &quantized) {
+                Some(mut out) => {
+                    round_bf16_all(&mut out);
+                    out
+                }
+                None => reference_product(w, &quantized),
             }
-            let blocks = w.cols / ACT_BLOCK;
-            by_row(
-                w,
-                n,
-                |r, row| unscaled_row(w, r, row),
-                |row, r, t| round_bf16(scaled_blocks(&quantized[t], row, &scales[r * blocks..(r + 1) * blocks])),
-            )
+        }
+        WeightFormat::Bf16(_) | WeightFormat::F32(_) => quantized_linear_reference(w, x, n),
+    }
+}
+
+/// The definition of [`quantized_linear`]: one weight row at a time, each
+/// block's exact sum in f64 lanes, then the scaled blocks in K order.
+pub fn quantized_linear_reference(w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
+    assert_eq!(x.len(), n * w.cols, "quantised linear input");
+    match &w.format {
+        WeightFormat::Fp8 { block_cols, .. } | WeightFormat::Fp4 { block_cols, .. } => {
+            assert_eq!(*block_cols, ACT_BLOCK, "weight scale blocks must be 32 wide along K");
+            let quantized: Vec<Fp8Row> = x.chunks_exact(w.cols).map(fp8_quantize_row).collect();
+            reference_product(w, &quantized)
         }
         WeightFormat::Bf16(_) | WeightFormat::F32(_) => {
             let mut out = vec![0.0f32; n * w.rows];
@@ -292,68 +275,15 @@ pub fn quantized_linear(w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
     }
 }
 
-/// Input rows from which the quantised product runs input rows in SIMD lanes.
-const ROWS_FOR_TILES: usize = 8;
-
-/// The quantised product with the input rows in the SIMD lanes: per weight row
-/// and K block, the exact block sums of all input rows at once (any order
-/// gives the same exact sums), then the blocks scaled and accumulated in f32 in
-/// K order per output, as in the row-by-row path: the same bits for any batch.
-fn tiled_fp8_linear(w: &Linear, quantized: &[Fp8Row], scales: &[f32]) -> Vec<f32> {
-    use rayon::prelude::*;
-    let (n, cols, rows) = (quantized.len(), w.cols, w.rows);
-    let blocks = cols / ACT_BLOCK;
-    // Activations transposed to [cols][n], in f64.
-    let mut at = vec![0.0f64; cols * n];
-    for (t, q) in quantized.iter().enumerate() {
-        for (c, &v) in q.values.iter().enumerate() {
-            at[c * n + t] = v as f64;
-        }
-    }
-    // Weight rows in groups, so each transposed activation row is read once per group.
-    const GROUP: usize = 8;
-    let group = |g: usize| {
-        let members: Vec<usize> = (g * GROUP..((g + 1) * GROUP).min(rows)).collect();
-        let mut weights = vec![0.0f32; members.len() * cols];
-        for (i, &r) in members.iter().enumerate() {
-            unscaled_row(w, r, &mut weights[i * cols..(i + 1) * cols]);
-        }
-        let mut acc = vec![0.0f32; members.len() * n];
-        let mut partial = vec![0.0f64; members.len() * n];
-        for b in 0..blocks {
-            partial.iter_mut().for_each(|p| *p = 0.0);
-            for c in b * ACT_BLOCK..(b + 1) * ACT_BLOCK {
-                let a = &at[c * n..(c + 1) * n];
-                for (i, p) in partial.chunks_exact_mut(n).enumerate() {
-                    let wv = weights[i * cols + c] as f64;
-                    if wv != 0.0 {
-                        axpy_f64(p, wv, a);
-                    }
-                }
-            }
-            for (i, &r) in members.iter().enumerate() {
-                let ws = scales[r * blocks + b];
-                let (acc_r, part_r) = (&mut acc[i * n..(i + 1) * n], &partial[i * n..(i + 1) * n]);
-                for (t, (a, &p)) in acc_r.iter_mut().zip(part_r).enumerate() {
-                    *a += p as f32 * quantized[t].scales[b] * ws;
-                }
-            }
-        }
-        acc.chunks_exact(n).map(|c| c.iter().map(|&v| round_bf16(v)).collect::<Vec<f32>>()).collect::<Vec<_>>()
-    };
-    let groups = rows.div_ceil(GROUP);
-    let columns: Vec<Vec<f32>> = if rows * cols * n >= PARALLEL_MIN_WORK {
-        (0..groups).into_par_iter().flat_map_iter(group).collect()
-    } else {
-        (0..groups).flat_map(group).collect()
-    };
-    let mut out = vec![0.0f32; n * rows];
-    for (r, col) in columns.iter().enumerate() {
-        for (t, &v) in col.iter().enumerate() {
-            out[t * rows + r] = v;
-        }
-    }
-    out
+fn reference_product(w: &Linear, quantized: &[Fp8Row]) -> Vec<f32> {
+    let scales = block_scales(w);
+    let blocks = w.cols / ACT_BLOCK;
+    by_row(
+        w,
+        quantized.len(),
+        |r, row| unscaled_row(w, r, row),
+        |row, r, t| round_bf16(scaled_blocks(&quantized[t], row, &scales[r * blocks..(r + 1) * blocks])),
+    )
 }
 
 /// The product `x · Wᵀ`, each output accumulated in f64 and rounded once to f32.
@@ -425,6 +355,25 @@ mod tests {
         for v in probes {
             let want = fp8_e4m3_to_f32(f32_to_fp8_e4m3(v));
             assert_eq!(e4m3_round(v).to_bits(), want.to_bits(), "{v:e}");
+        }
+    }
+
+    /// The SIMD dot product keeps the lanes' order: values spread over 2^±60
+    /// make any other order give other bits.
+    #[test]
+    fn dot_f64_has_the_lanes_bits_on_this_cpu() {
+        let mut x = 0x1234_5678u32;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            let mantissa = (x >> 8) as f32 / (1u32 << 24) as f32 - 0.5;
+            mantissa * 2f32.powi((x % 121) as i32 - 60)
+        };
+        for len in (0..40).chain([511, 512, 1027]) {
+            let a: Vec<f32> = (0..len).map(|_| next()).collect();
+            let b: Vec<f32> = (0..len).map(|_| next()).collect();
+            assert_eq!(dot_f64(&a, &b).to_bits(), dot_f64_lanes(&a, &b).to_bits(), "length {len}");
         }
     }
 

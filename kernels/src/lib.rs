@@ -9,6 +9,7 @@
 //! AVX2 + FMA, or portable Rust); every path produces the same bits.
 
 pub mod act_quant;
+pub mod block_scaled;
 pub mod dtype;
 pub mod linear;
 pub mod ops;

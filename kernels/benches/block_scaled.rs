@@ -1,0 +1,82 @@
+//! V4.1's block-scaled product (FP8 activations × FP8 or FP4 weights, 32-wide
+//! blocks): every path against the definition's loop, in one run.
+//!
+//! `cargo bench -p deepinfer-kernels --bench block_scaled`. Prints, per weight
+//! and batch, GB/s of weight codes read (batch 1: the decode rate) and GMAC/s.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use deepinfer_kernels::act_quant::{quantized_linear_on, quantized_linear_reference, round_bf16};
+use deepinfer_kernels::block_scaled::BlockPath;
+use deepinfer_kernels::quantize::{quantize_fp4_rows, quantize_fp8_blocks};
+use deepinfer_kernels::Linear;
+
+/// Deterministic values in roughly [-1, 1) (SplitMix64), rounded to bf16.
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed;
+    (0..len)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            round_bf16(((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        })
+        .collect()
+}
+
+/// Seconds per call: the best of several runs, at least `budget` in all.
+fn best_seconds(budget: Duration, mut run: impl FnMut()) -> f64 {
+    run();
+    let started = Instant::now();
+    let mut best = f64::MAX;
+    let mut runs = 0;
+    while runs < 3 || (started.elapsed() < budget && runs < 200) {
+        let t = Instant::now();
+        run();
+        best = best.min(t.elapsed().as_secs_f64());
+        runs += 1;
+    }
+    best
+}
+
+fn main() {
+    let threads = rayon::current_num_threads();
+    println!("# block-scaled product, {threads} thread(s), fastest path {:?}\n", BlockPath::detect());
+    println!("| weight | rows × cols | n | path | GB/s of codes | GMAC/s | × definition |");
+    println!("|---|---|---:|---|---:|---:|---:|");
+    let shapes = [(1024usize, 1024usize), (4096, 2048)];
+    for (rows, cols) in shapes {
+        let w = values(rows * cols, 1);
+        let weights: [(&str, Linear); 2] = [
+            ("fp8", quantize_fp8_blocks(&w, rows, cols, 32).into_fp8_linear(rows, cols, 32)),
+            ("fp4", quantize_fp4_rows(&w, rows, cols, 32).into_fp4_linear(rows, cols, 32)),
+        ];
+        for (name, lin) in &weights {
+            let code_bytes = if *name == "fp8" { rows * cols } else { rows * cols / 2 };
+            for n in [1usize, 8, 64] {
+                let x = values(n * cols, 2);
+                let budget = Duration::from_millis(400);
+                let reference = best_seconds(budget, || {
+                    black_box(quantized_linear_reference(lin, black_box(&x), n));
+                });
+                let mut rows_out = vec![("definition".to_string(), reference)];
+                for path in BlockPath::ALL.into_iter().filter(|p| p.is_available()) {
+                    let s = best_seconds(budget, || {
+                        black_box(quantized_linear_on(path, lin, black_box(&x), n));
+                    });
+                    rows_out.push((format!("{path:?}"), s));
+                }
+                for (label, s) in rows_out {
+                    let gbs = code_bytes as f64 / s / 1e9;
+                    let gmacs = (n * rows * cols) as f64 / s / 1e9;
+                    println!(
+                        "| {name} | {rows} × {cols} | {n} | {label} | {gbs:.2} | {gmacs:.2} | {:.1} |",
+                        reference / s
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! AVX-512 block sums: FP4 by `vpdpbusd` (VNNI), FP8 in f64 lanes. The sums
+//! are exact, so the order in which lanes are added is free.
+
+use std::arch::x86_64::*;
+
+use super::{FP4_OFFSET_BYTES, GROUP_COLS, GROUP_DIGIT_BYTES};
+use crate::act_quant::ACT_BLOCK;
+
+/// Rounded block sums of one FP4 row (`codes`: `cols / 2` bytes) with each x
+/// row's digits, minus its offsets: row `i` at `sums[i * stride..]`, 16 blocks
+/// (four groups) at a time.
+///
+/// # Safety
+/// The CPU must support AVX-512F, BW and VNNI; each `digits[i]` holds
+/// `ceil(cols / 128)` groups rounded up to 4, each `offsets[i]` and each row of `sums` (with
+/// `stride`) the blocks rounded up to 16; at most 4 rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) unsafe fn fp4_block_sums(
+    codes: &[u8],
+    digits: &[Vec<i8>],
+    offsets: &[Vec<i32>],
+    sums: &mut [f32],
+    stride: usize,
+) {
+    match digits.len() {
+        1 => fp4_rows::<1>(codes, digits, offsets, sums, stride),
+        2 => fp4_rows::<2>(codes, digits, offsets, sums, stride),
+        3 => fp4_rows::<3>(codes, digits, offsets, sums, stride),
+        4 => fp4_rows::<4>(codes, digits, offsets, sums, stride),
+        m => unreachable!("{m} rows at once"),
+    }
+}
+
+#[inline(always)]
+unsafe fn fp4_rows<const M: usize>(
+    codes: &[u8],
+    digits: &[Vec<i8>],
+    offsets: &[Vec<i32>],
+    sums: &mut [f32],
+    stride: usize,
+) {
+    let cols = codes.len() * 2;
+    let groups = cols.div_ceil(GROUP_COLS);
+    let blocks = cols / ACT_BLOCK;
+    assert!(digits.iter().all(|d| d.len() >= groups.next_multiple_of(4) * GROUP_DIGIT_BYTES), "digits");
+    let padded = blocks.next_multiple_of(16);
+    assert!(offsets.iter().all(|o| o.len() >= padded) && sums.len() >= (M - 1) * stride + padded, "sums");
+    let table = _mm512_broadcast_i32x4(_mm_loadu_si128(FP4_OFFSET_BYTES.as_ptr().cast()));
+    let nibble = _mm512_set1_epi8(0x0f);
+    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    let scale = _mm512_set1_ps(1.0 / 1024.0);
+    for first in (0..groups).step_by(4) {
+        // Per x row, four groups' lanes: lanes 4b..4b + 4 of a group hold its block b.
+        let mut lanes = [[_mm512_setzero_si512(); 4]; M];
+        for q in 0..4 {
+            // Groups past the end load no codes and meet zero digits.
+            let g = first + q;
+            let bytes = codes.len().saturating_sub(g * 64).min(64);
+            let mask: __mmask64 = if bytes == 64 { !0 } else { (1u64 << bytes) - 1 };
+            let packed = _mm512_maskz_loadu_epi8(mask, codes.as_ptr().add(g * 64).cast());
+            let low = _mm512_shuffle_epi8(table, _mm512_and_si512(packed, nibble));
+            let high = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16::<4>(packed), nibble));
+            for (row, lane) in lanes.iter_mut().enumerate() {
+                let d = digits[row].as_ptr().add(g * GROUP_DIGIT_BYTES);
+                let digit = |k: usize| _mm512_loadu_si512(d.add(k * 64).cast());
+                let zero = _mm512_setzero_si512();
+                let d0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, digit(0)), high, digit(1));
+                let d1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, digit(2)), high, digit(3));
+                let d2 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, low, digit(4)), high, digit(5));
+                let shifted = _mm512_add_epi32(_mm512_slli_epi32::<8>(d1), _mm512_slli_epi32::<16>(d2));
+                lane[q] = _mm512_add_epi32(d0, shifted);
+            }
+        }
+        for (row, lane) in lanes.iter().enumerate() {
+            // Adjacent lanes added twice: 16 block sums in K order.
+            let pairs =
+                |a, b| _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b), _mm512_permutex2var_epi32(a, odd, b));
+            let block_sums = pairs(pairs(lane[0], lane[1]), pairs(lane[2], lane[3]));
+            let offset = _mm512_loadu_si512(offsets[row].as_ptr().add(first * 4).cast());
+            let exact = _mm512_sub_epi32(block_sums, offset);
+            // Rounding then scaling by 2^-10 is scaling then rounding.
+            let rounded = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale);
+            _mm512_storeu_ps(sums.as_mut_ptr().add(row * stride + first * 4), rounded);
+        }
+    }
+}
+
+/// Rounded block sums of one FP8 row (`codes`, no NaN) with each x row's
+/// values in f64: row `i` at `sums[i * stride..]`, 8 blocks at a time.
+///
+/// # Safety
+/// The CPU must support AVX-512F; each `wide[i]` holds `codes.len()` values
+/// and each row of `sums` the blocks rounded up to 16; at most 4 rows.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn fp8_block_sums(codes: &[u8], wide: &[Vec<f64>], sums: &mut [f32], stride: usize) {
+    match wide.len() {
+        1 => fp8_rows::<1>(codes, wide, sums, stride),
+        2 => fp8_rows::<2>(codes, wide, sums, stride),
+        3 => {
+            fp8_rows::<2>(codes, &wide[..2], sums, stride);
+            fp8_rows::<1>(codes, &wide[2..], &mut sums[2 * stride..], stride);
+        }
+        4 => {
+            fp8_rows::<2>(codes, &wide[..2], sums, stride);
+            fp8_rows::<2>(codes, &wide[2..], &mut sums[2 * stride..], stride);
+        }
+        m => unreachable!("{m} rows at once"),
+    }
+}
+
+/// 2^120: e4m3 magnitude bits under the f32 exponent field read as value · 2^-120.
+const POW2_120: f64 = 1.329_227_995_784_916e36;
+
+#[inline(always)]
+unsafe fn fp8_rows<const M: usize>(codes: &[u8], wide: &[Vec<f64>], sums: &mut [f32], stride: usize) {
+    let cols = codes.len();
+    let blocks = cols / ACT_BLOCK;
+    assert!(wide.len() == M && wide.iter().all(|w| w.len() == cols), "wide rows");
+    assert!(sums.len() >= (M - 1) * stride + blocks.next_multiple_of(16), "sums");
+    let restore = _mm512_set1_pd(POW2_120);
+    let whole = blocks / 8 * 8;
+    for first in (0..whole).step_by(8) {
+        // Eight blocks' accumulators per x row, indexed by constants only, so
+        // they stay in registers.
+        let mut acc = [[_mm512_setzero_pd(); 8]; M];
+        for b in 0..8 {
+            for part in 0..4 {
+                let c = (first + b) * ACT_BLOCK + 8 * part;
+                let w = fp8_decode8(codes.as_ptr().add(c));
+                for (row, a) in acc.iter_mut().enumerate() {
+                    a[b] = _mm512_fmadd_pd(_mm512_loadu_pd(wide[row].as_ptr().add(c)), w, a[b]);
+                }
+            }
+        }
+        for (row, a) in acc.iter().enumerate() {
+            let exact = _mm512_mul_pd(reduce8(a), restore);
+            _mm256_storeu_ps(sums.as_mut_ptr().add(row * stride + first), _mm512_cvtpd_ps(exact));
+        }
+    }
+    for b in whole..blocks {
+        let mut acc = [_mm512_setzero_pd(); M];
+        for part in 0..4 {
+            let c = b * ACT_BLOCK + 8 * part;
+            let w = fp8_decode8(codes.as_ptr().add(c));
+            for (row, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_pd(_mm512_loadu_pd(wide[row].as_ptr().add(c)), w, *a);
+            }
+        }
+        for (row, a) in acc.iter().enumerate() {
+            sums[row * stride + b] = (_mm512_reduce_add_pd(*a) * POW2_120) as f32;
+        }
+    }
+}
+
+/// Eight e4m3 codes (no NaN) at `p` as f64 values times 2^-120: the
+/// sign-extended codes shifted by 20 put the magnitude under the f32 exponent
+/// and mantissa; the mask keeps one sign bit. Exact in f32 and in f64.
+#[inline(always)]
+unsafe fn fp8_decode8(p: *const u8) -> __m512d {
+    let code = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()));
+    let bits = _mm256_and_si256(_mm256_slli_epi32::<20>(code), _mm256_set1_epi32(0x87f0_0000u32 as i32));
+    _mm512_cvtps_pd(_mm256_castsi256_ps(bits))
+}
+
+/// The lane sums of eight f64 vectors, vector `k` in lane `k`.
+#[inline(always)]
+unsafe fn reduce8(v: &[__m512d; 8]) -> __m512d {
+    // Halves: lanes 0..4 of w[k] are v[2k]'s partial sums, lanes 4..8 v[2k + 1]'s.
+    let w: [__m512d; 4] = std::array::from_fn(|k| {
+        let (a, b) = (v[2 * k], v[2 * k + 1]);
+        _mm512_add_pd(_mm512_shuffle_f64x2::<0x44>(a, b), _mm512_shuffle_f64x2::<0xee>(a, b))
+    });
+    // Quarters: 128-bit lane q of x[k] holds vector 4k + q's two partial sums.
+    let x: [__m512d; 2] = std::array::from_fn(|k| {
+        let (a, b) = (w[2 * k], w[2 * k + 1]);
+        _mm512_add_pd(_mm512_shuffle_f64x2::<0x88>(a, b), _mm512_shuffle_f64x2::<0xdd>(a, b))
+    });
+    // Pairs: lane 2q + h holds vector 4h + q.
+    let y = _mm512_add_pd(_mm512_unpacklo_pd(x[0], x[1]), _mm512_unpackhi_pd(x[0], x[1]));
+    _mm512_permutexvar_pd(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), y)
+}

@@ -1,0 +1,365 @@
+//! DeepSeek-V4.1's block-scaled product (FP8 activations × FP8 or FP4
+//! weights) at the machine's speed, with the bits of its definition
+//! ([`crate::act_quant::quantized_linear_reference`]).
+//!
+//! The definition sums each 32-wide K block of `a · w` exactly, rounds the sum
+//! to f32, scales it by both block scales and accumulates the blocks in f32 in
+//! K order. Because a block sum is exact, any instruction may compute it in any
+//! order; only the scaling and the K-order accumulation (shared by every path,
+//! `rows_outputs`) fix the bits. So:
+//!
+//! - **FP4 weights** use integers: an e4m3 activation times 2^9 is an integer
+//!   `A` with `|A| <= 448 · 2^9 < 2^18`, an e2m1 weight times 2 an integer `W`
+//!   with `|W| <= 12`, and a block's `Σ A·W` stays below 2^27, so it is exact
+//!   in i32. With AVX-512 VNNI, `A` is split into three signed bytes and `W`
+//!   stored as the unsigned byte `W + 12`, and `vpdpbusd` adds 64 products a
+//!   cycle (the `12 · Σ A` this adds is taken off per block).
+//! - **FP8 weights** use f64: products of two e4m3 values are exact in f64 and
+//!   a block's sum fits 41 bits, so eight f64 lanes sum it exactly.
+//!
+//! Rows holding a non-finite activation, and FP8 weights holding a NaN code,
+//! take the definition's own loop instead.
+
+use rayon::prelude::*;
+
+use crate::act_quant::{Fp8Row, ACT_BLOCK};
+use crate::dtype::fp8_e4m3_to_f32;
+use crate::linear::{Linear, WeightFormat};
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+/// Columns per FP4 digit group: one 64-byte line of codes.
+const GROUP_COLS: usize = 128;
+/// Bytes of activation digits per group: three digits, even and odd columns.
+const GROUP_DIGIT_BYTES: usize = 6 * 64;
+/// Block sums are produced 16 at a time; buffers are padded to this.
+const BLOCKS_PER_VECTOR: usize = 16;
+/// `2 · e2m1 + 12` for every FP4 code: the unsigned weight byte of the VNNI path.
+const FP4_OFFSET_BYTES: [u8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
+/// The offset in [`FP4_OFFSET_BYTES`].
+const FP4_BYTE_OFFSET: i32 = 12;
+/// Multiply-adds above which a product is spread over threads (each output is
+/// computed by one thread alone, so the split changes no bit). Handing work
+/// to the pool costs a wake-up, several microseconds.
+const PARALLEL_MIN_WORK: usize = 1 << 20;
+/// Weight rows per parallel job.
+const ROWS_PER_JOB: usize = 16;
+
+/// A code path of the block-scaled product. Every path gives the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockPath {
+    /// Plain Rust, any target.
+    Portable,
+    /// AVX-512F/BW with VNNI: FP4 by `vpdpbusd`, FP8 in f64 lanes.
+    Avx512Vnni,
+}
+
+impl BlockPath {
+    pub const ALL: [BlockPath; 2] = [BlockPath::Portable, BlockPath::Avx512Vnni];
+
+    pub fn is_available(self) -> bool {
+        match self {
+            BlockPath::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            BlockPath::Avx512Vnni => {
+                is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            BlockPath::Avx512Vnni => false,
+        }
+    }
+
+    /// The fastest path this CPU supports (detected once).
+    pub fn detect() -> BlockPath {
+        static DETECTED: std::sync::OnceLock<BlockPath> = std::sync::OnceLock::new();
+        *DETECTED
+            .get_or_init(|| BlockPath::ALL.into_iter().rev().find(|p| p.is_available()).unwrap_or(BlockPath::Portable))
+    }
+}
+
+/// `out[t · rows + r]` before the bf16 rounding: the block-scaled product of
+/// quantised rows `acts` with an FP8 or FP4 weight whose scale blocks are 32
+/// wide along K, on `path`. `None` when the inputs need the definition's own
+/// loop (a non-finite activation, an FP8 NaN code) or the weight is not
+/// block-scaled. Panics if this CPU lacks `path`.
+pub fn block_scaled_product(path: BlockPath, w: &Linear, acts: &[Fp8Row]) -> Option<Vec<f32>> {
+    assert!(path.is_available(), "{path:?} is not supported by this CPU");
+    let (rows, cols, n) = (w.rows, w.cols, acts.len());
+    assert!(cols.is_multiple_of(ACT_BLOCK), "{cols} columns are not whole blocks of {ACT_BLOCK}");
+    assert!(acts.iter().all(|a| a.values.len() == cols && a.scales.len() == cols / ACT_BLOCK), "activation rows");
+    let finite = acts.iter().all(|a| a.values.iter().all(|v| v.is_finite()) && a.scales.iter().all(|s| s.is_finite()));
+    let weights = match &w.format {
+        WeightFormat::Fp4 { data, scales, block_cols } if *block_cols == ACT_BLOCK => {
+            assert!(data.len() >= rows * cols / 2 && scales.len() >= rows * (cols / ACT_BLOCK), "fp4 weight size");
+            Weights::Fp4 { codes: data, scales }
+        }
+        WeightFormat::Fp8 { data, scales, block_rows, block_cols, nan_free } if *block_cols == ACT_BLOCK => {
+            if !nan_free {
+                return None;
+            }
+            assert!(data.len() >= rows * cols && scales.len() >= rows.div_ceil(*block_rows) * (cols / ACT_BLOCK));
+            Weights::Fp8 { codes: data, scales, block_rows: *block_rows }
+        }
+        _ => return None,
+    };
+    if !finite {
+        return None;
+    }
+    let prepared = Prepared::new(path, &weights, acts, cols);
+    let mut by_row = vec![0.0f32; rows * n];
+    let job = |(j, chunk): (usize, &mut [f32])| {
+        let mut scratch = Scratch::new(cols);
+        for (k, outputs) in chunk.chunks_mut(WEIGHT_ROWS_AT_ONCE * n).enumerate() {
+            let first = j * ROWS_PER_JOB + k * WEIGHT_ROWS_AT_ONCE;
+            rows_outputs(path, &weights, &prepared, first, cols, &mut scratch, outputs);
+        }
+    };
+    if rayon::current_num_threads() > 1 && rows * cols * n >= PARALLEL_MIN_WORK {
+        by_row.par_chunks_mut(ROWS_PER_JOB * n).enumerate().for_each(job);
+    } else {
+        by_row.chunks_mut(ROWS_PER_JOB * n).enumerate().for_each(job);
+    }
+    if n == 1 {
+        return Some(by_row);
+    }
+    let mut out = vec![0.0f32; n * rows];
+    for (r, outputs) in by_row.chunks_exact(n).enumerate() {
+        for (t, &v) in outputs.iter().enumerate() {
+            out[t * rows + r] = v;
+        }
+    }
+    Some(out)
+}
+
+/// The weight as stored.
+enum Weights<'a> {
+    Fp4 { codes: &'a [u8], scales: &'a [f32] },
+    Fp8 { codes: &'a [u8], scales: &'a [f32], block_rows: usize },
+}
+
+impl Weights<'_> {
+    /// Row `r`'s scale of every K block.
+    fn scale_row(&self, r: usize, blocks: usize) -> &[f32] {
+        match self {
+            Weights::Fp4 { scales, .. } => &scales[r * blocks..][..blocks],
+            Weights::Fp8 { scales, block_rows, .. } => &scales[(r / block_rows) * blocks..][..blocks],
+        }
+    }
+}
+
+/// The activations in the form the path reads, made once per call.
+struct Prepared<'a> {
+    acts: &'a [Fp8Row],
+    /// FP4: `A = a · 2^9` per column (portable) or its digits per group (VNNI).
+    ints: Vec<Vec<i32>>,
+    digits: Vec<Vec<i8>>,
+    /// FP4 with VNNI: `12 · Σ A` per block, padded to whole vectors.
+    offsets: Vec<Vec<i32>>,
+    /// FP8: the values in f64.
+    wide: Vec<Vec<f64>>,
+}
+
+impl<'a> Prepared<'a> {
+    fn new(path: BlockPath, weights: &Weights, acts: &'a [Fp8Row], cols: usize) -> Self {
+        let mut prepared = Self { acts, ints: vec![], digits: vec![], offsets: vec![], wide: vec![] };
+        match weights {
+            Weights::Fp4 { .. } => {
+                prepared.ints = acts.iter().map(|a| a.values.iter().map(|&v| (v * 512.0) as i32).collect()).collect();
+                if path == BlockPath::Avx512Vnni {
+                    prepared.digits = prepared.ints.iter().map(|a| group_digits(a, cols)).collect();
+                    let blocks = padded_blocks(cols);
+                    prepared.offsets = prepared
+                        .ints
+                        .iter()
+                        .map(|a| {
+                            let mut o: Vec<i32> =
+                                a.chunks_exact(ACT_BLOCK).map(|b| FP4_BYTE_OFFSET * b.iter().sum::<i32>()).collect();
+                            o.resize(blocks, 0);
+                            o
+                        })
+                        .collect();
+                }
+            }
+            Weights::Fp8 { .. } => {
+                prepared.wide = acts.iter().map(|a| a.values.iter().map(|&v| v as f64).collect()).collect();
+            }
+        }
+        prepared
+    }
+}
+
+/// K blocks rounded up to whole vectors of block sums.
+fn padded_blocks(cols: usize) -> usize {
+    (cols / ACT_BLOCK).next_multiple_of(BLOCKS_PER_VECTOR)
+}
+
+/// `A` split into three signed bytes (`A = d0 + 2^8 d1 + 2^16 d2`), laid out
+/// per 128-column group as d0 of the even columns, d0 of the odd ones, then
+/// d1 and d2 likewise: byte `i` of each 64 is column `2i` or `2i + 1`, where
+/// the weight's low and high nibbles land.
+fn group_digits(ints: &[i32], cols: usize) -> Vec<i8> {
+    // Whole quads of groups: the kernel reads four at a time.
+    let groups = cols.div_ceil(GROUP_COLS).next_multiple_of(4);
+    let mut digits = vec![0i8; groups * GROUP_DIGIT_BYTES];
+    for (c, &a) in ints.iter().enumerate() {
+        let (g, within) = (c / GROUP_COLS, c % GROUP_COLS);
+        let (half, byte) = (within % 2, within / 2);
+        let d0 = ((a + 128) & 255) - 128;
+        let high = (a - d0) >> 8;
+        let d1 = ((high + 128) & 255) - 128;
+        let d2 = (high - d1) >> 8;
+        for (k, d) in [d0, d1, d2].into_iter().enumerate() {
+            digits[g * GROUP_DIGIT_BYTES + (2 * k + half) * 64 + byte] = d as i8;
+        }
+    }
+    digits
+}
+
+/// Per-job buffers: the rounded block sums of each (weight row, x row) pair
+/// of a group.
+struct Scratch {
+    sums: Vec<f32>,
+    blocks: usize,
+    /// The scaled sums block-major, `products[b * PAIRS + k]` for pair `k`, so
+    /// that the K-order chains of all pairs advance as one vector.
+    products: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(cols: usize) -> Self {
+        let blocks = padded_blocks(cols);
+        Self { sums: vec![0.0; PAIRS * blocks], blocks, products: vec![0.0; PAIRS * blocks] }
+    }
+}
+
+/// (weight row, x row) pairs computed together.
+const PAIRS: usize = WEIGHT_ROWS_AT_ONCE * X_ROWS_AT_ONCE;
+
+/// x rows whose block sums one kernel call computes from one decoded weight row.
+const X_ROWS_AT_ONCE: usize = 4;
+/// Weight rows whose outputs are accumulated side by side: each output's
+/// K-order sum is a chain of dependent adds, and several chains hide each
+/// other's latency.
+const WEIGHT_ROWS_AT_ONCE: usize = 4;
+
+/// Every x row's output for weight rows `first..`, `outputs[i * n + t]` for
+/// weight row `first + i` and x row `t`.
+fn rows_outputs(
+    path: BlockPath,
+    weights: &Weights,
+    prepared: &Prepared,
+    first: usize,
+    cols: usize,
+    scratch: &mut Scratch,
+    outputs: &mut [f32],
+) {
+    let (blocks, stride, n) = (cols / ACT_BLOCK, scratch.blocks, prepared.acts.len());
+    let weight_rows = outputs.len() / n;
+    for t0 in (0..n).step_by(X_ROWS_AT_ONCE) {
+        let m = X_ROWS_AT_ONCE.min(n - t0);
+        let pairs = weight_rows * m;
+        for i in 0..weight_rows {
+            let r = first + i;
+            let sums = &mut scratch.sums[i * m * stride..][..m * stride];
+            match weights {
+                Weights::Fp4 { codes, .. } => {
+                    let codes = &codes[r * cols / 2..][..cols / 2];
+                    fp4_block_sums(path, codes, prepared, t0..t0 + m, sums, stride);
+                }
+                Weights::Fp8 { codes, .. } => {
+                    let codes = &codes[r * cols..][..cols];
+                    fp8_block_sums(path, codes, prepared, t0..t0 + m, sums, stride);
+                }
+            }
+            // Each block's sum times both scales, in the definition's order.
+            let w_scales = weights.scale_row(r, blocks);
+            for (j, row_sums) in sums.chunks_exact(stride).enumerate() {
+                let a_scales = &prepared.acts[t0 + j].scales;
+                let k = i * m + j;
+                for (b, ((&s, &a_scale), &w_scale)) in row_sums[..blocks].iter().zip(a_scales).zip(w_scales).enumerate()
+                {
+                    scratch.products[b * PAIRS + k] = s * a_scale * w_scale;
+                }
+            }
+        }
+        // The blocks added in K order, every pair's chain side by side (lanes
+        // past `pairs` add stale values and are dropped).
+        let mut acc = [0.0f32; PAIRS];
+        for products in scratch.products.chunks_exact(PAIRS).take(blocks) {
+            for (a, &p) in acc.iter_mut().zip(products) {
+                *a += p;
+            }
+        }
+        for (k, &a) in acc[..pairs].iter().enumerate() {
+            let (i, t) = (k / m, t0 + k % m);
+            outputs[i * n + t] = a;
+        }
+    }
+}
+
+/// Rounded block sums of one FP4 weight row (`cols / 2` code bytes) with x
+/// rows `ts`: row `ts.start + i`'s at `sums[i * stride..]`.
+fn fp4_block_sums(
+    path: BlockPath,
+    codes: &[u8],
+    prepared: &Prepared,
+    ts: std::ops::Range<usize>,
+    sums: &mut [f32],
+    stride: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if path == BlockPath::Avx512Vnni {
+        // SAFETY: `block_scaled_product` checked that the CPU has the path's
+        // features; the digits, offsets and sums are laid out as the kernel reads them.
+        unsafe { avx512::fp4_block_sums(codes, &prepared.digits[ts.clone()], &prepared.offsets[ts], sums, stride) };
+        return;
+    }
+    let _ = path;
+    for (i, t) in ts.enumerate() {
+        let a = &prepared.ints[t];
+        for (b, (block, pairs)) in a.chunks_exact(ACT_BLOCK).zip(codes.chunks_exact(ACT_BLOCK / 2)).enumerate() {
+            let mut sum = 0i32;
+            for (x, &pair) in block.chunks_exact(2).zip(pairs) {
+                sum += x[0] * fp4_doubled(pair & 0xf) + x[1] * fp4_doubled(pair >> 4);
+            }
+            // Exact: |sum| < 2^27; scaling by 2^-10 commutes with the rounding.
+            sums[i * stride + b] = sum as f32 / 1024.0;
+        }
+    }
+}
+
+/// Twice the e2m1 value of each FP4 code (integers).
+const FP4_DOUBLED: [i32; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+#[inline(always)]
+fn fp4_doubled(code: u8) -> i32 {
+    FP4_DOUBLED[code as usize]
+}
+
+/// Rounded block sums of one FP8 weight row (`cols` codes, none NaN) with x rows `ts`.
+fn fp8_block_sums(
+    path: BlockPath,
+    codes: &[u8],
+    prepared: &Prepared,
+    ts: std::ops::Range<usize>,
+    sums: &mut [f32],
+    stride: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if path == BlockPath::Avx512Vnni {
+        // SAFETY: as in `fp4_block_sums`; every wide row holds `codes.len()` values.
+        unsafe { avx512::fp8_block_sums(codes, &prepared.wide[ts], sums, stride) };
+        return;
+    }
+    let _ = path;
+    for (i, t) in ts.enumerate() {
+        let a = &prepared.wide[t];
+        for (b, (block, bytes)) in a.chunks_exact(ACT_BLOCK).zip(codes.chunks_exact(ACT_BLOCK)).enumerate() {
+            let sum: f64 = block.iter().zip(bytes).map(|(&x, &code)| x * fp8_e4m3_to_f32(code) as f64).sum();
+            sums[i * stride + b] = sum as f32;
+        }
+    }
+}
