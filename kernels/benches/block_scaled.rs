@@ -1,8 +1,10 @@
 //! V4.1's block-scaled product (FP8 activations × FP8 or FP4 weights, 32-wide
 //! blocks): every path against the definition's loop, in one run.
 //!
-//! `cargo bench -p deepinfer-kernels --bench block_scaled`. Prints, per weight
-//! and batch, GB/s of weight codes read (batch 1: the decode rate) and GMAC/s.
+//! `cargo bench -p deepinfer-kernels --bench block_scaled [-- fp8|fp4] [--fastest]`
+//! (`--fastest`: only the fastest path, for profilers).
+//! Prints, per weight and batch, GB/s of weight codes read (batch 1: the
+//! decode rate) and GMAC/s.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -42,6 +44,8 @@ fn best_seconds(budget: Duration, mut run: impl FnMut()) -> f64 {
 }
 
 fn main() {
+    let only: Option<String> = std::env::args().skip(1).find(|a| a == "fp8" || a == "fp4");
+    let fastest_only = std::env::args().any(|a| a == "--fastest");
     let threads = rayon::current_num_threads();
     println!("# block-scaled product, {threads} thread(s), fastest path {:?}\n", BlockPath::detect());
     println!("| weight | rows × cols | n | path | GB/s of codes | GMAC/s | × definition |");
@@ -53,16 +57,22 @@ fn main() {
             ("fp8", quantize_fp8_blocks(&w, rows, cols, 32).into_fp8_linear(rows, cols, 32)),
             ("fp4", quantize_fp4_rows(&w, rows, cols, 32).into_fp4_linear(rows, cols, 32)),
         ];
-        for (name, lin) in &weights {
+        for (name, lin) in weights.iter().filter(|(name, _)| only.as_deref().is_none_or(|o| o == *name)) {
             let code_bytes = if *name == "fp8" { rows * cols } else { rows * cols / 2 };
             for n in [1usize, 8, 64] {
                 let x = values(n * cols, 2);
                 let budget = Duration::from_millis(400);
-                let reference = best_seconds(budget, || {
-                    black_box(quantized_linear_reference(lin, black_box(&x), n));
-                });
+                let reference = if fastest_only {
+                    f64::NAN
+                } else {
+                    best_seconds(budget, || {
+                        black_box(quantized_linear_reference(lin, black_box(&x), n));
+                    })
+                };
                 let mut rows_out = vec![("definition".to_string(), reference)];
-                for path in BlockPath::ALL.into_iter().filter(|p| p.is_available()) {
+                let paths = BlockPath::ALL.into_iter().filter(|p| p.is_available());
+                let paths: Vec<BlockPath> = if fastest_only { vec![BlockPath::detect()] } else { paths.collect() };
+                for path in paths {
                     let s = best_seconds(budget, || {
                         black_box(quantized_linear_on(path, lin, black_box(&x), n));
                     });

@@ -87,7 +87,7 @@ unsafe fn fp4_rows<const M: usize>(
 }
 
 /// Rounded block sums of one FP8 row (`codes`, no NaN) with each x row's
-/// values in f64: row `i` at `sums[i * stride..]`, 8 blocks at a time.
+/// values in f64, times 2^1000: row `i` at `sums[i * stride..]`, 8 blocks at a time.
 ///
 /// # Safety
 /// The CPU must support AVX-512F; each `wide[i]` holds `codes.len()` values
@@ -109,8 +109,10 @@ pub(super) unsafe fn fp8_block_sums(codes: &[u8], wide: &[Vec<f64>], sums: &mut 
     }
 }
 
-/// 2^120: e4m3 magnitude bits under the f32 exponent field read as value · 2^-120.
-const POW2_120: f64 = 1.329_227_995_784_916e36;
+/// The weights decode as value · 2^-1016 and the activations arrive as value
+/// · 2^1000 ([`super::WIDE_SCALE`]): their products are the true ones times
+/// 2^-16, normal and exact; this restores them.
+const RESTORE: f64 = 65536.0;
 
 #[inline(always)]
 unsafe fn fp8_rows<const M: usize>(codes: &[u8], wide: &[Vec<f64>], sums: &mut [f32], stride: usize) {
@@ -118,14 +120,14 @@ unsafe fn fp8_rows<const M: usize>(codes: &[u8], wide: &[Vec<f64>], sums: &mut [
     let blocks = cols / ACT_BLOCK;
     assert!(wide.len() == M && wide.iter().all(|w| w.len() == cols), "wide rows");
     assert!(sums.len() >= (M - 1) * stride + blocks.next_multiple_of(16), "sums");
-    let restore = _mm512_set1_pd(POW2_120);
+    let restore = _mm512_set1_pd(RESTORE);
     let whole = blocks / 8 * 8;
     for first in (0..whole).step_by(8) {
-        // Eight blocks' accumulators per x row, indexed by constants only, so
-        // they stay in registers.
+        // Eight blocks side by side: each block's four FMAs depend on each
+        // other, the blocks do not, so eight chains hide the FMA latency.
         let mut acc = [[_mm512_setzero_pd(); 8]; M];
-        for b in 0..8 {
-            for part in 0..4 {
+        for part in 0..4 {
+            for b in 0..8 {
                 let c = (first + b) * ACT_BLOCK + 8 * part;
                 let w = fp8_decode8(codes.as_ptr().add(c));
                 for (row, a) in acc.iter_mut().enumerate() {
@@ -148,19 +150,20 @@ unsafe fn fp8_rows<const M: usize>(codes: &[u8], wide: &[Vec<f64>], sums: &mut [
             }
         }
         for (row, a) in acc.iter().enumerate() {
-            sums[row * stride + b] = (_mm512_reduce_add_pd(*a) * POW2_120) as f32;
+            sums[row * stride + b] = (_mm512_reduce_add_pd(*a) * RESTORE) as f32;
         }
     }
 }
 
-/// Eight e4m3 codes (no NaN) at `p` as f64 values times 2^-120: the
-/// sign-extended codes shifted by 20 put the magnitude under the f32 exponent
-/// and mantissa; the mask keeps one sign bit. Exact in f32 and in f64.
+/// Eight e4m3 codes (no NaN) at `p` as f64 values times 2^-1016: the
+/// sign-extended codes shifted by 49 put the magnitude under the f64 exponent
+/// and mantissa (exponent field 0, e4m3's subnormals, reads as an f64
+/// subnormal of the same value); the mask keeps one sign bit. Exact.
 #[inline(always)]
 unsafe fn fp8_decode8(p: *const u8) -> __m512d {
-    let code = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()));
-    let bits = _mm256_and_si256(_mm256_slli_epi32::<20>(code), _mm256_set1_epi32(0x87f0_0000u32 as i32));
-    _mm512_cvtps_pd(_mm256_castsi256_ps(bits))
+    let code = _mm512_cvtepi8_epi64(_mm_loadl_epi64(p.cast()));
+    let bits = _mm512_and_si512(_mm512_slli_epi64::<49>(code), _mm512_set1_epi64(0x80fe_0000_0000_0000u64 as i64));
+    _mm512_castsi512_pd(bits)
 }
 
 /// The lane sums of eight f64 vectors, vector `k` in lane `k`.
@@ -179,4 +182,63 @@ unsafe fn reduce8(v: &[__m512d; 8]) -> __m512d {
     // Pairs: lane 2q + h holds vector 4h + q.
     let y = _mm512_add_pd(_mm512_unpacklo_pd(x[0], x[1]), _mm512_unpackhi_pd(x[0], x[1]));
     _mm512_permutexvar_pd(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), y)
+}
+
+/// See `chain_sums` in the parent: 16 rows of products, each summed in order.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `products` holds 16 rows of `stride`
+/// values, `stride` a multiple of 16 and at least `blocks`.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn chain_sums(products: &[f32], stride: usize, blocks: usize) -> [f32; 16] {
+    let mut acc = _mm512_setzero_ps();
+    for b0 in (0..blocks).step_by(16) {
+        let rows: [__m512; 16] = std::array::from_fn(|k| _mm512_loadu_ps(products.as_ptr().add(k * stride + b0)));
+        let columns = transpose16(&rows);
+        for column in &columns[..(blocks - b0).min(16)] {
+            acc = _mm512_add_ps(acc, *column);
+        }
+    }
+    let mut out = [0.0f32; 16];
+    _mm512_storeu_ps(out.as_mut_ptr(), acc);
+    out
+}
+
+/// A 16 × 16 transpose: lane `k` of `columns[c]` is lane `c` of `rows[k]`.
+#[inline(always)]
+unsafe fn transpose16(r: &[__m512; 16]) -> [__m512; 16] {
+    // Pairs of rows interleaved: a[2i] and a[2i + 1] per 128-bit lane L hold
+    // rows 2i, 2i + 1 at columns 4L, 4L + 1 and 4L + 2, 4L + 3.
+    let a: [__m512; 16] = std::array::from_fn(|x| {
+        let (i, high) = (x / 2, x % 2 == 1);
+        let (p, q) = (r[2 * i], r[2 * i + 1]);
+        if high {
+            _mm512_unpackhi_ps(p, q)
+        } else {
+            _mm512_unpacklo_ps(p, q)
+        }
+    });
+    // b[4i + c], 128-bit lane L: column 4L + c of rows 4i..4i + 4.
+    let b: [__m512; 16] = std::array::from_fn(|x| {
+        let (i, c) = (x / 4, x % 4);
+        let (p, q) = (a[4 * i + c / 2], a[4 * i + 2 + c / 2]);
+        if c % 2 == 0 {
+            _mm512_shuffle_ps::<0x44>(p, q)
+        } else {
+            _mm512_shuffle_ps::<0xee>(p, q)
+        }
+    });
+    // Gather lane L of b[c], b[4 + c], b[8 + c], b[12 + c]: column 4L + c.
+    let mut columns = [_mm512_setzero_ps(); 16];
+    for c in 0..4 {
+        let d0 = _mm512_shuffle_f32x4::<0x88>(b[c], b[4 + c]);
+        let d1 = _mm512_shuffle_f32x4::<0xdd>(b[c], b[4 + c]);
+        let e0 = _mm512_shuffle_f32x4::<0x88>(b[8 + c], b[12 + c]);
+        let e1 = _mm512_shuffle_f32x4::<0xdd>(b[8 + c], b[12 + c]);
+        columns[c] = _mm512_shuffle_f32x4::<0x88>(d0, e0);
+        columns[8 + c] = _mm512_shuffle_f32x4::<0xdd>(d0, e0);
+        columns[4 + c] = _mm512_shuffle_f32x4::<0x88>(d1, e1);
+        columns[12 + c] = _mm512_shuffle_f32x4::<0xdd>(d1, e1);
+    }
+    columns
 }

@@ -39,6 +39,10 @@ const BLOCKS_PER_VECTOR: usize = 16;
 const FP4_OFFSET_BYTES: [u8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
 /// The offset in [`FP4_OFFSET_BYTES`].
 const FP4_BYTE_OFFSET: i32 = 12;
+/// 2^1000: the AVX-512 FP8 kernel's activations are scaled by it, so that its
+/// weights can be decoded as value · 2^-1016 without a multiply (exact: no
+/// e4m3 value times 2^1000 overflows).
+const WIDE_SCALE: f64 = 1.071_508_607_186_267_3e301;
 /// Multiply-adds above which a product is spread over threads (each output is
 /// computed by one thread alone, so the split changes no bit). Handing work
 /// to the pool costs a wake-up, several microseconds.
@@ -112,10 +116,7 @@ pub fn block_scaled_product(path: BlockPath, w: &Linear, acts: &[Fp8Row]) -> Opt
     let mut by_row = vec![0.0f32; rows * n];
     let job = |(j, chunk): (usize, &mut [f32])| {
         let mut scratch = Scratch::new(cols);
-        for (k, outputs) in chunk.chunks_mut(WEIGHT_ROWS_AT_ONCE * n).enumerate() {
-            let first = j * ROWS_PER_JOB + k * WEIGHT_ROWS_AT_ONCE;
-            rows_outputs(path, &weights, &prepared, first, cols, &mut scratch, outputs);
-        }
+        rows_outputs(path, &weights, &prepared, j * ROWS_PER_JOB, cols, &mut scratch, chunk);
     };
     if rayon::current_num_threads() > 1 && rows * cols * n >= PARALLEL_MIN_WORK {
         by_row.par_chunks_mut(ROWS_PER_JOB * n).enumerate().for_each(job);
@@ -158,7 +159,7 @@ struct Prepared<'a> {
     digits: Vec<Vec<i8>>,
     /// FP4 with VNNI: `12 · Σ A` per block, padded to whole vectors.
     offsets: Vec<Vec<i32>>,
-    /// FP8: the values in f64.
+    /// FP8: the values in f64 (times [`WIDE_SCALE`] for the AVX-512 kernel).
     wide: Vec<Vec<f64>>,
 }
 
@@ -184,7 +185,8 @@ impl<'a> Prepared<'a> {
                 }
             }
             Weights::Fp8 { .. } => {
-                prepared.wide = acts.iter().map(|a| a.values.iter().map(|&v| v as f64).collect()).collect();
+                let scale = if path == BlockPath::Avx512Vnni { WIDE_SCALE } else { 1.0 };
+                prepared.wide = acts.iter().map(|a| a.values.iter().map(|&v| v as f64 * scale).collect()).collect();
             }
         }
         prepared
@@ -218,32 +220,24 @@ fn group_digits(ints: &[i32], cols: usize) -> Vec<i8> {
     digits
 }
 
-/// Per-job buffers: the rounded block sums of each (weight row, x row) pair
-/// of a group.
+/// Per-job buffers: the block sums of each (weight row, x row) pair of a
+/// group, pair `k` at `sums[k * blocks..]` (blocks padded to whole vectors).
 struct Scratch {
     sums: Vec<f32>,
     blocks: usize,
-    /// The scaled sums block-major, `products[b * PAIRS + k]` for pair `k`, so
-    /// that the K-order chains of all pairs advance as one vector.
-    products: Vec<f32>,
 }
 
 impl Scratch {
     fn new(cols: usize) -> Self {
         let blocks = padded_blocks(cols);
-        Self { sums: vec![0.0; PAIRS * blocks], blocks, products: vec![0.0; PAIRS * blocks] }
+        Self { sums: vec![0.0; PAIRS * blocks], blocks }
     }
 }
 
-/// (weight row, x row) pairs computed together.
-const PAIRS: usize = WEIGHT_ROWS_AT_ONCE * X_ROWS_AT_ONCE;
-
+/// (weight row, x row) pairs computed together: one vector of outputs.
+const PAIRS: usize = 16;
 /// x rows whose block sums one kernel call computes from one decoded weight row.
 const X_ROWS_AT_ONCE: usize = 4;
-/// Weight rows whose outputs are accumulated side by side: each output's
-/// K-order sum is a chain of dependent adds, and several chains hide each
-/// other's latency.
-const WEIGHT_ROWS_AT_ONCE: usize = 4;
 
 /// Every x row's output for weight rows `first..`, `outputs[i * n + t]` for
 /// weight row `first + i` and x row `t`.
@@ -260,44 +254,59 @@ fn rows_outputs(
     let weight_rows = outputs.len() / n;
     for t0 in (0..n).step_by(X_ROWS_AT_ONCE) {
         let m = X_ROWS_AT_ONCE.min(n - t0);
-        let pairs = weight_rows * m;
-        for i in 0..weight_rows {
-            let r = first + i;
-            let sums = &mut scratch.sums[i * m * stride..][..m * stride];
-            match weights {
-                Weights::Fp4 { codes, .. } => {
-                    let codes = &codes[r * cols / 2..][..cols / 2];
-                    fp4_block_sums(path, codes, prepared, t0..t0 + m, sums, stride);
+        // As many weight rows as fill the pairs: each output's K-order sum is
+        // a chain of dependent adds, and a vector advances all the chains.
+        let group = PAIRS / m;
+        for i0 in (0..weight_rows).step_by(group) {
+            let rows_here = group.min(weight_rows - i0);
+            for i in 0..rows_here {
+                let r = first + i0 + i;
+                let sums = &mut scratch.sums[i * m * stride..][..m * stride];
+                match weights {
+                    Weights::Fp4 { codes, .. } => {
+                        let codes = &codes[r * cols / 2..][..cols / 2];
+                        fp4_block_sums(path, codes, prepared, t0..t0 + m, sums, stride);
+                    }
+                    Weights::Fp8 { codes, .. } => {
+                        let codes = &codes[r * cols..][..cols];
+                        fp8_block_sums(path, codes, prepared, t0..t0 + m, sums, stride);
+                    }
                 }
-                Weights::Fp8 { codes, .. } => {
-                    let codes = &codes[r * cols..][..cols];
-                    fp8_block_sums(path, codes, prepared, t0..t0 + m, sums, stride);
+                // Each block's sum times both scales, in the definition's order.
+                let w_scales = weights.scale_row(r, blocks);
+                for (j, row_sums) in sums.chunks_exact_mut(stride).enumerate() {
+                    let a_scales = &prepared.acts[t0 + j].scales;
+                    for ((s, &a_scale), &w_scale) in row_sums.iter_mut().zip(a_scales).zip(w_scales) {
+                        *s = *s * a_scale * w_scale;
+                    }
                 }
             }
-            // Each block's sum times both scales, in the definition's order.
-            let w_scales = weights.scale_row(r, blocks);
-            for (j, row_sums) in sums.chunks_exact(stride).enumerate() {
-                let a_scales = &prepared.acts[t0 + j].scales;
-                let k = i * m + j;
-                for (b, ((&s, &a_scale), &w_scale)) in row_sums[..blocks].iter().zip(a_scales).zip(w_scales).enumerate()
-                {
-                    scratch.products[b * PAIRS + k] = s * a_scale * w_scale;
-                }
+            let sums = chain_sums(path, &scratch.sums, stride, blocks);
+            for (k, &sum) in sums[..rows_here * m].iter().enumerate() {
+                outputs[(i0 + k / m) * n + t0 + k % m] = sum;
             }
-        }
-        // The blocks added in K order, every pair's chain side by side (lanes
-        // past `pairs` add stale values and are dropped).
-        let mut acc = [0.0f32; PAIRS];
-        for products in scratch.products.chunks_exact(PAIRS).take(blocks) {
-            for (a, &p) in acc.iter_mut().zip(products) {
-                *a += p;
-            }
-        }
-        for (k, &a) in acc[..pairs].iter().enumerate() {
-            let (i, t) = (k / m, t0 + k % m);
-            outputs[i * n + t] = a;
         }
     }
+}
+
+/// For each of the 16 rows of `products` (row `k` at `k * stride`), its first
+/// `blocks` values added in order in f32 from zero: every row's chain advances
+/// in one vector (rows past those filled add stale values and are dropped).
+fn chain_sums(path: BlockPath, products: &[f32], stride: usize, blocks: usize) -> [f32; PAIRS] {
+    assert!(products.len() >= PAIRS * stride && blocks <= stride && stride.is_multiple_of(BLOCKS_PER_VECTOR));
+    #[cfg(target_arch = "x86_64")]
+    if path == BlockPath::Avx512Vnni {
+        // SAFETY: the path's features were checked; the assert above bounds every read.
+        return unsafe { avx512::chain_sums(products, stride, blocks) };
+    }
+    let _ = path;
+    let mut acc = [0.0f32; PAIRS];
+    for b in 0..blocks {
+        for (k, a) in acc.iter_mut().enumerate() {
+            *a += products[k * stride + b];
+        }
+    }
+    acc
 }
 
 /// Rounded block sums of one FP4 weight row (`cols / 2` code bytes) with x
