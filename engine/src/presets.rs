@@ -36,10 +36,15 @@ pub enum Preset {
     TinyV41,
     /// DeepSeek-V4.1 with the tiny layout at hidden 1024: a benchmark-sized model.
     SmallV41,
+    /// DeepSeek-V4.1 with the tiny layout at hidden 2048, 128 routed experts (6 active)
+    /// of width 1024: V4.1-Flash's ratios at half its width, 3.8 GB as FP8/FP4, so
+    /// decode reads its experts from memory as on a server (a CPU benchmark model).
+    MediumV41,
 }
 
 impl Preset {
-    pub const ALL: [Preset; 5] = [Preset::TinyV4, Preset::SmallV4, Preset::MediumV4, Preset::TinyV41, Preset::SmallV41];
+    pub const ALL: [Preset; 6] =
+        [Preset::TinyV4, Preset::SmallV4, Preset::MediumV4, Preset::TinyV41, Preset::SmallV41, Preset::MediumV41];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -48,6 +53,7 @@ impl Preset {
             Preset::MediumV4 => "medium-v4",
             Preset::TinyV41 => "tiny-v41",
             Preset::SmallV41 => "small-v41",
+            Preset::MediumV41 => "medium-v41",
         }
     }
 
@@ -56,7 +62,7 @@ impl Preset {
     }
 
     pub fn is_v41(self) -> bool {
-        matches!(self, Preset::TinyV41 | Preset::SmallV41)
+        matches!(self, Preset::TinyV41 | Preset::SmallV41 | Preset::MediumV41)
     }
 
     /// The preset's `config.json` (modern `DeepseekV4Config` keys; for V4.1 the reference's).
@@ -64,6 +70,7 @@ impl Preset {
         match self {
             Preset::TinyV41 => return crate::presets_v41::config_json(&crate::presets_v41::TINY),
             Preset::SmallV41 => return crate::presets_v41::config_json(&crate::presets_v41::SMALL),
+            Preset::MediumV41 => return crate::presets_v41::config_json(&crate::presets_v41::MEDIUM),
             _ => {}
         }
         let (vocab, hidden, layers, heads, head_dim, rope, q_lora, groups, o_lora, window) = match self {

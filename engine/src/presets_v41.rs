@@ -80,6 +80,30 @@ pub const SMALL: Shape = Shape {
     engram_dim: 64,
 };
 
+/// V4.1-Flash's ratios at half its width (expert width half the hidden size,
+/// 128 experts, 6 active): a CPU benchmark model whose experts do not fit a cache.
+pub const MEDIUM: Shape = Shape {
+    vocab: 1024,
+    dim: 2048,
+    heads: 32,
+    head_dim: 256,
+    rope: 64,
+    q_lora: 512,
+    o_groups: 4,
+    o_lora: 512,
+    window: 128,
+    index_heads: 16,
+    index_dim: 128,
+    index_topk: 128,
+    candidate_blocks: 32,
+    candidate_block: 8,
+    experts: 128,
+    active: 6,
+    inter: 1024,
+    engram_heads: 4,
+    engram_dim: 128,
+};
+
 /// Compressed id of every token of the built-in vocabulary: ids `2k` and
 /// `2k + 1` share id `k` (a stand-in for the tokenizer-derived vocabulary).
 pub fn token_map(vocab: usize) -> Vec<u32> {

@@ -23,7 +23,7 @@ pub struct Footprint {
 }
 
 impl Footprint {
-    fn add(&mut self, lin: &Linear, active: bool) {
+    pub(crate) fn add(&mut self, lin: &Linear, active: bool) {
         let bytes = stored_bytes(lin);
         self.total_bytes += bytes;
         if active {
@@ -74,8 +74,21 @@ impl Footprint {
     }
 }
 
+impl Footprint {
+    /// A weight kept as plain values (`rows × cols`, `bytes_per_value` each
+    /// as published), which one token uses whole when `active`.
+    pub(crate) fn add_values(&mut self, rows: usize, cols: usize, bytes_per_value: usize, active: bool) {
+        let bytes = (rows * cols * bytes_per_value) as u64;
+        self.total_bytes += bytes;
+        if active {
+            self.active_bytes += bytes;
+            self.active_macs += (rows * cols) as u64;
+        }
+    }
+}
+
 /// Bytes of `lin` as published: codes, and one byte per power-of-two scale.
-fn stored_bytes(lin: &Linear) -> u64 {
+pub(crate) fn stored_bytes(lin: &Linear) -> u64 {
     let bytes = match &lin.format {
         WeightFormat::F32(d) => d.len() * 4,
         WeightFormat::Bf16(d) => d.len(),
@@ -85,11 +98,14 @@ fn stored_bytes(lin: &Linear) -> u64 {
 }
 
 impl Model {
-    /// One token's weights through the main layers and the head (MTP blocks
-    /// excluded), or `None` for a DeepSeek-V4.1 model or one whose routed
-    /// experts live on shards.
+    /// One token's weights through the main layers and the head (MTP and
+    /// DSpark blocks excluded), or `None` for a model whose routed experts
+    /// live on shards.
     pub fn footprint(&self) -> Option<Footprint> {
-        if self.v41.is_some() || self.weights.blocks.iter().any(|b| b.moe.experts.is_empty()) {
+        if let Some(v41) = &self.v41 {
+            return v41.footprint();
+        }
+        if self.weights.blocks.iter().any(|b| b.moe.experts.is_empty()) {
             return None;
         }
         let mut f = Footprint::default();

@@ -1,7 +1,7 @@
 //! The DeepSeek-V4 model: weights, per-sequence state and the forward pass.
 
 mod attention;
-mod footprint;
+pub(crate) mod footprint;
 mod forward;
 mod hyper;
 pub mod moe;

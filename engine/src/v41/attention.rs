@@ -9,7 +9,7 @@
 //! any later token lists the whole ring, empty slots first.
 
 use deepinfer_kernels::act_quant::{
-    fp4_round_trip, fp8_round_trip, plain_linear, quantized_linear, round_bf16, round_bf16_all, Fp4Scale,
+    dot_f64_rows, fp4_round_trip, fp8_round_trip, plain_linear, quantized_linear, round_bf16, round_bf16_all, Fp4Scale,
 };
 
 use super::config::{CandidateRole, LayerPlan, V41Config};
@@ -137,12 +137,14 @@ pub(super) fn output_projection(cfg: &V41Config, attn: &Attention, o: &[f32], n:
     let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
     let group_in = cfg.n_heads * cfg.head_dim / groups;
     let mut mid = vec![0.0f32; n * groups * rank];
+    let mut sums = vec![0.0f64; rank];
     for t in 0..n {
         for g in 0..groups {
             let input = &o[(t * groups + g) * group_in..(t * groups + g + 1) * group_in];
-            for r in 0..rank {
-                let w = &attn.wo_a[(g * rank + r) * group_in..(g * rank + r + 1) * group_in];
-                mid[(t * groups + g) * rank + r] = round_bf16(ops::dot(input, w));
+            let rows = &attn.wo_a[g * rank * group_in..(g + 1) * rank * group_in];
+            dot_f64_rows(input, rows, &mut sums);
+            for (m, &s) in mid[(t * groups + g) * rank..][..rank].iter_mut().zip(&sums) {
+                *m = round_bf16(s as f32);
             }
         }
     }

@@ -8,6 +8,7 @@ pub mod config;
 pub mod dspark;
 pub mod engram;
 pub mod ffn;
+mod footprint;
 pub mod forward;
 pub mod numpy_rng;
 pub mod ops;
