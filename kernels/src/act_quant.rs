@@ -429,17 +429,23 @@ mod tests {
         }
     }
 
-    /// Four rows at a time keep each row's bits.
-    #[test]
-    fn dot_f64_rows_has_each_rows_bits() {
-        let mut x = 0x9abc_def0u32;
-        let mut next = || {
+    /// Values spread over 2^±60 (xorshift from `seed`): summed in another
+    /// order, they give other bits.
+    fn spread_values(seed: u32) -> impl FnMut() -> f32 {
+        let mut x = seed;
+        move || {
             x ^= x << 13;
             x ^= x >> 17;
             x ^= x << 5;
             let mantissa = (x >> 8) as f32 / (1u32 << 24) as f32 - 0.5;
             mantissa * 2f32.powi((x % 121) as i32 - 60)
-        };
+        }
+    }
+
+    /// Four rows at a time keep each row's bits.
+    #[test]
+    fn dot_f64_rows_has_each_rows_bits() {
+        let mut next = spread_values(0x9abc_def0);
         for (rows, cols) in [(1, 5), (4, 8), (7, 19), (9, 512), (13, 1027)] {
             let a: Vec<f32> = (0..cols).map(|_| next()).collect();
             let w: Vec<f32> = (0..rows * cols).map(|_| next()).collect();
@@ -452,18 +458,10 @@ mod tests {
         }
     }
 
-    /// The SIMD dot product keeps the lanes' order: values spread over 2^±60
-    /// make any other order give other bits.
+    /// The SIMD dot product keeps the lanes' order.
     #[test]
     fn dot_f64_has_the_lanes_bits_on_this_cpu() {
-        let mut x = 0x1234_5678u32;
-        let mut next = || {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            let mantissa = (x >> 8) as f32 / (1u32 << 24) as f32 - 0.5;
-            mantissa * 2f32.powi((x % 121) as i32 - 60)
-        };
+        let mut next = spread_values(0x1234_5678);
         for len in (0..40).chain([511, 512, 1027]) {
             let a: Vec<f32> = (0..len).map(|_| next()).collect();
             let b: Vec<f32> = (0..len).map(|_| next()).collect();

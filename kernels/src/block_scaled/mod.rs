@@ -23,7 +23,7 @@
 use rayon::prelude::*;
 
 use crate::act_quant::{Fp8Row, ACT_BLOCK};
-use crate::dtype::fp8_e4m3_to_f32;
+use crate::dtype::{fp8_e4m3_to_f32, FP4_E2M1_VALUES};
 use crate::linear::{Linear, WeightFormat};
 
 #[cfg(target_arch = "x86_64")]
@@ -35,10 +35,28 @@ const GROUP_COLS: usize = 128;
 const GROUP_DIGIT_BYTES: usize = 6 * 64;
 /// Block sums are produced 16 at a time; buffers are padded to this.
 const BLOCKS_PER_VECTOR: usize = 16;
-/// `2 · e2m1 + 12` for every FP4 code: the unsigned weight byte of the VNNI path.
-const FP4_OFFSET_BYTES: [u8; 16] = [12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0];
-/// The offset in [`FP4_OFFSET_BYTES`].
+/// Twice the e2m1 value of each FP4 code (integers).
+const FP4_DOUBLED: [i32; 16] = {
+    let mut doubled = [0; 16];
+    let mut code = 0;
+    while code < 16 {
+        doubled[code] = (2.0 * FP4_E2M1_VALUES[code]) as i32;
+        code += 1;
+    }
+    doubled
+};
+/// Added to [`FP4_DOUBLED`] to make every weight an unsigned byte.
 const FP4_BYTE_OFFSET: i32 = 12;
+/// `2 · e2m1 + 12` for every FP4 code: the unsigned weight byte of the VNNI path.
+const FP4_OFFSET_BYTES: [u8; 16] = {
+    let mut bytes = [0; 16];
+    let mut code = 0;
+    while code < 16 {
+        bytes[code] = (FP4_DOUBLED[code] + FP4_BYTE_OFFSET) as u8;
+        code += 1;
+    }
+    bytes
+};
 /// 2^1000: the AVX-512 FP8 kernel's activations are scaled by it, so that its
 /// weights can be decoded as value · 2^-1016 without a multiply (exact: no
 /// e4m3 value times 2^1000 overflows).
@@ -114,14 +132,15 @@ pub fn block_scaled_product(path: BlockPath, w: &Linear, acts: &[Fp8Row]) -> Opt
     }
     let prepared = Prepared::new(path, &weights, acts, cols);
     let mut by_row = vec![0.0f32; rows * n];
-    let job = |(j, chunk): (usize, &mut [f32])| {
-        let mut scratch = Scratch::new(cols);
-        rows_outputs(path, &weights, &prepared, j * ROWS_PER_JOB, cols, &mut scratch, chunk);
+    // One scratch per worker, not per job.
+    let job = |scratch: &mut Scratch, (j, chunk): (usize, &mut [f32])| {
+        rows_outputs(path, &weights, &prepared, j * ROWS_PER_JOB, cols, scratch, chunk);
     };
     if rayon::current_num_threads() > 1 && rows * cols * n >= PARALLEL_MIN_WORK {
-        by_row.par_chunks_mut(ROWS_PER_JOB * n).enumerate().for_each(job);
+        by_row.par_chunks_mut(ROWS_PER_JOB * n).enumerate().for_each_init(|| Scratch::new(cols), job);
     } else {
-        by_row.chunks_mut(ROWS_PER_JOB * n).enumerate().for_each(job);
+        let mut scratch = Scratch::new(cols);
+        by_row.chunks_mut(ROWS_PER_JOB * n).enumerate().for_each(|item| job(&mut scratch, item));
     }
     if n == 1 {
         return Some(by_row);
@@ -339,9 +358,6 @@ fn fp4_block_sums(
         }
     }
 }
-
-/// Twice the e2m1 value of each FP4 code (integers).
-const FP4_DOUBLED: [i32; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
 #[inline(always)]
 fn fp4_doubled(code: u8) -> i32 {
