@@ -383,12 +383,7 @@ pub fn random_checkpoint(cfg: &ModelConfig, seed: u64) -> Vec<TensorData> {
 /// Build a preset model in memory, without touching the file system.
 pub fn build(preset: Preset, seed: u64) -> Result<Model, LoadError> {
     if preset.is_v41() {
-        let cfg = preset.v41_config();
-        let bytes = Bytes::from(serialize(&crate::presets_v41::random_checkpoint(&cfg, seed)));
-        let checkpoint = Checkpoint::from_bytes(&format!("builtin:{}", preset.name()), bytes)?;
-        let weights = crate::v41::weights::Weights::load(&checkpoint, &cfg)?;
-        let map = crate::presets_v41::token_map(cfg.vocab_size);
-        return Ok(Model::from_v41(crate::v41::ModelV41::new(cfg, weights, Some(map))?));
+        return crate::presets_v41::build(&preset.v41_config(), preset.name(), seed);
     }
     let cfg = preset.config();
     let bytes = Bytes::from(serialize(&random_checkpoint(&cfg, seed)));

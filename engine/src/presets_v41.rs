@@ -5,11 +5,14 @@
 //! published naming and formats (FP8 e4m3 with 32 × 32 UE8M0 blocks, FP4
 //! experts packed in I8, FP8 Engram rows with per-32 scales).
 
+use bytes::Bytes;
 use deepinfer_kernels::quantize::quantize_fp8_rows;
 use safetensors::Dtype;
 use serde_json::{json, Value};
 
-use crate::presets::{Normal, TensorData, Writer};
+use crate::checkpoint::Checkpoint;
+use crate::model::{LoadError, Model};
+use crate::presets::{serialize, Normal, TensorData, Writer};
 use crate::v41::config::{EngramConfig, V41Config};
 use crate::v41::engram::EngramHash;
 
@@ -103,6 +106,20 @@ pub const MEDIUM: Shape = Shape {
     engram_heads: 4,
     engram_dim: 128,
 };
+
+/// The V4.1 config of `shape`.
+pub fn config(shape: &Shape, name: &str) -> V41Config {
+    V41Config::from_json_str(&config_json(shape).to_string(), name).expect("preset shapes make valid configs")
+}
+
+/// A V4.1 model of `cfg` with seeded random weights, built in memory.
+pub fn build(cfg: &V41Config, name: &str, seed: u64) -> Result<Model, LoadError> {
+    let bytes = Bytes::from(serialize(&random_checkpoint(cfg, seed)));
+    let checkpoint = Checkpoint::from_bytes(&format!("builtin:{name}"), bytes)?;
+    let weights = crate::v41::weights::Weights::load(&checkpoint, cfg)?;
+    let map = token_map(cfg.vocab_size);
+    Ok(Model::from_v41(crate::v41::ModelV41::new(cfg.clone(), weights, Some(map))?))
+}
 
 /// Compressed id of every token of the built-in vocabulary: ids `2k` and
 /// `2k + 1` share id `k` (a stand-in for the tokenizer-derived vocabulary).

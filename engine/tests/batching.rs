@@ -234,3 +234,32 @@ fn thread_count_changes_no_bit_of_a_step() {
         }
     }
 }
+
+/// A V4.1 shape wide enough that a step spreads its attention heads, its
+/// indexer scores and its grouped output projection over the thread pool
+/// (each above `v41::ops::PARALLEL_MIN_WORK` multiply-adds on a 300-token
+/// prompt): the split gives every output to one thread, so no bit moves.
+#[test]
+fn v41_steps_spread_over_threads_change_no_bit() {
+    use deepinfer_engine::model::{Chunk, LogitsWanted};
+    use deepinfer_engine::presets_v41::{build, config, Shape, TINY};
+    let shape = Shape { heads: 16, head_dim: 128, index_heads: 16, index_dim: 64, window: 128, ..TINY };
+    let model = build(&config(&shape, "spread-v41"), "spread-v41", 3).expect("the shape builds");
+    let prompts: Vec<Vec<u32>> = (0..2).map(|i| tokens(300 - 40 * i, 7 + i as u32)).collect();
+    let run = |threads: usize| {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        pool.install(|| {
+            let mut states: Vec<_> = prompts.iter().map(|_| model.new_state()).collect();
+            let mut chunks: Vec<Chunk> = prompts.iter().zip(&mut states).map(|(p, s)| Chunk::new(p, s)).collect();
+            let prefill = model.forward(&mut chunks, LogitsWanted::Last, false);
+            let next = [[5u32], [6u32]];
+            let mut chunks: Vec<Chunk> = states.iter_mut().zip(&next).map(|(s, t)| Chunk::new(&t[..], s)).collect();
+            let decode = model.forward(&mut chunks, LogitsWanted::Last, false);
+            prefill.into_iter().chain(decode).flat_map(|o| o.logits).map(f32::to_bits).collect::<Vec<u32>>()
+        })
+    };
+    let one = run(1);
+    for threads in [2, 3] {
+        assert!(run(threads) == one, "{threads} threads");
+    }
+}

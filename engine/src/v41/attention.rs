@@ -134,19 +134,26 @@ pub fn forward(
 /// The grouped low-rank output: each group's heads through its own block of
 /// `wo_a` (bf16), then `wo_b`.
 pub(super) fn output_projection(cfg: &V41Config, attn: &Attention, o: &[f32], n: usize) -> Vec<f32> {
+    use rayon::prelude::*;
     let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
     let group_in = cfg.n_heads * cfg.head_dim / groups;
-    let mut mid = vec![0.0f32; n * groups * rank];
-    let mut sums = vec![0.0f64; rank];
-    for t in 0..n {
-        for g in 0..groups {
-            let input = &o[(t * groups + g) * group_in..(t * groups + g + 1) * group_in];
-            let rows = &attn.wo_a[g * rank * group_in..(g + 1) * rank * group_in];
-            dot_f64_rows(input, rows, &mut sums);
-            for (m, &s) in mid[(t * groups + g) * rank..][..rank].iter_mut().zip(&sums) {
-                *m = round_bf16(s as f32);
-            }
+    assert_eq!(o.len(), n * groups * group_in, "output_projection input");
+    // One (token, group) per part: each part's rows in one thread, in order.
+    let part = |(k, mid): (usize, &mut [f32])| {
+        let g = k % groups;
+        let input = &o[k * group_in..(k + 1) * group_in];
+        let rows = &attn.wo_a[g * rank * group_in..(g + 1) * rank * group_in];
+        let mut sums = vec![0.0f64; rank];
+        dot_f64_rows(input, rows, &mut sums);
+        for (m, &s) in mid.iter_mut().zip(&sums) {
+            *m = round_bf16(s as f32);
         }
+    };
+    let mut mid = vec![0.0f32; n * groups * rank];
+    if ops::worth_spreading(n * groups * rank * group_in) && n * groups > 1 {
+        mid.par_chunks_mut(rank).enumerate().for_each(part);
+    } else {
+        mid.chunks_mut(rank).enumerate().for_each(part);
     }
     quantized_linear(&attn.wo_b, &mid, n)
 }
@@ -306,18 +313,23 @@ fn choose(
         let p = span.start + t;
         let visible = (p + 1) / ratio;
         let (width, topk) = span.width(p, ratio, cfg);
-        let mut scores: Vec<f32> = (0..width)
-            .map(|j| {
-                if j >= visible {
-                    return f32::NEG_INFINITY;
-                }
-                let k = &keys[j * ihd..(j + 1) * ihd];
-                round_bf16(ops::sum((0..ih).map(|h| {
-                    let s = round_bf16(ops::dot(&q[(t * ih + h) * ihd..(t * ih + h + 1) * ihd], k)).max(0.0);
-                    round_bf16(s * weights[t * ih + h])
-                })))
-            })
-            .collect();
+        let score = |j: usize| {
+            if j >= visible {
+                return f32::NEG_INFINITY;
+            }
+            let k = &keys[j * ihd..(j + 1) * ihd];
+            round_bf16(ops::sum((0..ih).map(|h| {
+                let s = round_bf16(ops::dot(&q[(t * ih + h) * ihd..(t * ih + h + 1) * ihd], k)).max(0.0);
+                round_bf16(s * weights[t * ih + h])
+            })))
+        };
+        // Each entry's score is one thread's: spreading them changes no bit.
+        let mut scores: Vec<f32> = if ops::worth_spreading(visible.min(width) * ih * ihd) {
+            use rayon::prelude::*;
+            (0..width).into_par_iter().map(score).collect()
+        } else {
+            (0..width).map(score).collect()
+        };
         match plan.candidate {
             CandidateRole::Source => candidates.push(candidate_blocks(&scores, visible, cfg)),
             CandidateRole::Consumer => {

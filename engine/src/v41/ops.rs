@@ -180,38 +180,60 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// Keys are visited in blocks of this many list slots.
 const ATTENTION_BLOCK: usize = 64;
 
+/// Multiply-adds above which a row-wise step spreads its independent outputs
+/// (heads, output rows) over the thread pool. Each output is computed by one
+/// thread in its own order, so the split changes no bit; below this, waking
+/// the pool costs more than it saves.
+pub const PARALLEL_MIN_WORK: usize = 1 << 16;
+
+/// Whether `work` multiply-adds in independent parts are worth the pool.
+pub fn worth_spreading(work: usize) -> bool {
+    work >= PARALLEL_MIN_WORK && rayon::current_num_threads() > 1
+}
+
 /// Attention of one query (`heads × head_dim`, bf16 values) over a list of
 /// key/value rows where `None` marks an empty slot, with an attention sink:
 /// online softmax over blocks of 64 slots, probabilities rounded to bf16
 /// against the running maximum before they weigh the values, output bf16.
+/// Heads run side by side on the thread pool when the work is large enough.
 pub fn sparse_attention(q: &[f32], keys: &[Option<&[f32]>], sink: &[f32], scale: f32, out: &mut [f32]) {
+    use rayon::prelude::*;
     let heads = sink.len();
+    assert!(heads > 0 && q.len().is_multiple_of(heads) && out.len() == q.len(), "sparse_attention shapes");
     let d = q.len() / heads;
-    for h in 0..heads {
-        let qh = &q[h * d..(h + 1) * d];
-        let mut acc = vec![0.0f32; d];
-        let mut sum_exp = 0.0f32;
-        let mut max = -1e30f32;
-        for block in keys.chunks(ATTENTION_BLOCK) {
-            let scores: Vec<f32> = block.iter().map(|k| k.map_or(f32::NEG_INFINITY, |k| dot(qh, k) * scale)).collect();
-            let new_max = scores.iter().fold(max, |a, &b| a.max(b));
-            let rescale = exp(max - new_max);
-            max = new_max;
-            let p: Vec<f32> = scores.iter().map(|s| exp(s - max)).collect();
-            sum_exp = sum_exp * rescale + sum(p.iter().copied());
-            let mut weighted = vec![0.0f64; d];
-            for (k, &pk) in block.iter().zip(&p) {
-                if let Some(k) = k {
-                    let w = round_bf16(pk) as f64;
-                    weighted.iter_mut().zip(*k).for_each(|(a, &v)| *a += w * v as f64);
-                }
+    let head = |(h, out): (usize, &mut [f32])| attend_head(&q[h * d..(h + 1) * d], keys, sink[h], scale, out);
+    if worth_spreading(2 * heads * keys.len() * d) {
+        out.par_chunks_mut(d).enumerate().for_each(head);
+    } else {
+        out.chunks_mut(d).enumerate().for_each(head);
+    }
+}
+
+/// One head of [`sparse_attention`].
+fn attend_head(qh: &[f32], keys: &[Option<&[f32]>], sink: f32, scale: f32, out: &mut [f32]) {
+    let d = qh.len();
+    let mut acc = vec![0.0f32; d];
+    let mut sum_exp = 0.0f32;
+    let mut max = -1e30f32;
+    for block in keys.chunks(ATTENTION_BLOCK) {
+        let scores: Vec<f32> = block.iter().map(|k| k.map_or(f32::NEG_INFINITY, |k| dot(qh, k) * scale)).collect();
+        let new_max = scores.iter().fold(max, |a, &b| a.max(b));
+        let rescale = exp(max - new_max);
+        max = new_max;
+        let p: Vec<f32> = scores.iter().map(|s| exp(s - max)).collect();
+        sum_exp = sum_exp * rescale + sum(p.iter().copied());
+        let mut weighted = vec![0.0f64; d];
+        for (k, &pk) in block.iter().zip(&p) {
+            if let Some(k) = k {
+                let w = round_bf16(pk) as f64;
+                weighted.iter_mut().zip(*k).for_each(|(a, &v)| *a += w * v as f64);
             }
-            acc.iter_mut().zip(&weighted).for_each(|(a, &w)| *a = *a * rescale + w as f32);
         }
-        sum_exp += exp(sink[h] - max);
-        for (o, a) in out[h * d..(h + 1) * d].iter_mut().zip(&acc) {
-            *o = round_bf16(a / sum_exp);
-        }
+        acc.iter_mut().zip(&weighted).for_each(|(a, &w)| *a = *a * rescale + w as f32);
+    }
+    sum_exp += exp(sink - max);
+    for (o, a) in out.iter_mut().zip(&acc) {
+        *o = round_bf16(a / sum_exp);
     }
 }
 

@@ -7,35 +7,84 @@ use super::{FP4_OFFSET_BYTES, GROUP_COLS, GROUP_DIGIT_BYTES};
 use crate::act_quant::ACT_BLOCK;
 
 /// Rounded block sums of one FP4 row (`codes`: `cols / 2` bytes) with each x
-/// row's digits, minus its offsets: row `i` at `sums[i * stride..]`, 16 blocks
-/// (four groups) at a time.
+/// row's digits, minus its offsets, times both block scales: row `i` at
+/// `sums[i * stride..]`, 16 blocks (four groups) at a time.
 ///
 /// # Safety
 /// The CPU must support AVX-512F, BW and VNNI; each `digits[i]` holds
-/// `ceil(cols / 128)` groups rounded up to 4, each `offsets[i]` and each row of `sums` (with
-/// `stride`) the blocks rounded up to 16; at most 4 rows.
+/// `ceil(cols / 128)` groups rounded up to 4, each `offsets[i]`, each
+/// `a_scales[i]` and each row of `sums` (with `stride`) the blocks rounded up
+/// to 16, `w_scales` the blocks; at most 4 rows.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub(super) unsafe fn fp4_block_sums(
     codes: &[u8],
     digits: &[Vec<i8>],
     offsets: &[Vec<i32>],
+    a_scales: &[Vec<f32>],
+    w_scales: &[f32],
     sums: &mut [f32],
     stride: usize,
 ) {
+    let scales = BlockScales { a: a_scales, w: w_scales };
     match digits.len() {
-        1 => fp4_rows::<1>(codes, digits, offsets, sums, stride),
-        2 => fp4_rows::<2>(codes, digits, offsets, sums, stride),
-        3 => fp4_rows::<3>(codes, digits, offsets, sums, stride),
-        4 => fp4_rows::<4>(codes, digits, offsets, sums, stride),
+        1 => fp4_rows::<1>(codes, digits, offsets, &scales, sums, stride),
+        2 => fp4_rows::<2>(codes, digits, offsets, &scales, sums, stride),
+        3 => fp4_rows::<3>(codes, digits, offsets, &scales, sums, stride),
+        4 => fp4_rows::<4>(codes, digits, offsets, &scales, sums, stride),
         m => unreachable!("{m} rows at once"),
     }
 }
 
-#[inline(always)]
+/// Each x row's block scales (padded to whole vectors) and the weight row's.
+struct BlockScales<'a> {
+    a: &'a [Vec<f32>],
+    w: &'a [f32],
+}
+
+impl BlockScales<'_> {
+    /// `sums` (blocks `first..first + 16`, x row `row`) times the x row's and
+    /// the weight's scales, in the definition's order; blocks past the end
+    /// are multiplied by zero.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn apply16(&self, sums: __m512, row: usize, first: usize) -> __m512 {
+        let valid = self.w.len().saturating_sub(first).min(16);
+        let mask: __mmask16 = ((1u32 << valid) - 1) as u16;
+        let a = _mm512_loadu_ps(self.a[row].as_ptr().add(first));
+        let w = _mm512_maskz_loadu_ps(mask, self.w.as_ptr().add(first));
+        _mm512_mul_ps(_mm512_mul_ps(sums, a), w)
+    }
+
+    /// The same for four blocks.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl")]
+    unsafe fn apply4(&self, sums: __m128, row: usize, first: usize) -> __m128 {
+        let valid = self.w.len().saturating_sub(first).min(4);
+        let mask: __mmask8 = ((1u32 << valid) - 1) as u8;
+        let a = _mm_loadu_ps(self.a[row].as_ptr().add(first));
+        let w = _mm_maskz_loadu_ps(mask, self.w.as_ptr().add(first));
+        _mm_mul_ps(_mm_mul_ps(sums, a), w)
+    }
+
+    /// The same for eight blocks.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl")]
+    unsafe fn apply8(&self, sums: __m256, row: usize, first: usize) -> __m256 {
+        let valid = self.w.len().saturating_sub(first).min(8);
+        let mask: __mmask8 = ((1u32 << valid) - 1) as u8;
+        let a = _mm256_loadu_ps(self.a[row].as_ptr().add(first));
+        let w = _mm256_maskz_loadu_ps(mask, self.w.as_ptr().add(first));
+        _mm256_mul_ps(_mm256_mul_ps(sums, a), w)
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 unsafe fn fp4_rows<const M: usize>(
     codes: &[u8],
     digits: &[Vec<i8>],
     offsets: &[Vec<i32>],
+    scales: &BlockScales,
     sums: &mut [f32],
     stride: usize,
 ) {
@@ -45,6 +94,7 @@ unsafe fn fp4_rows<const M: usize>(
     assert!(digits.iter().all(|d| d.len() >= groups.next_multiple_of(4) * GROUP_DIGIT_BYTES), "digits");
     let padded = blocks.next_multiple_of(16);
     assert!(offsets.iter().all(|o| o.len() >= padded) && sums.len() >= (M - 1) * stride + padded, "sums");
+    assert!(scales.a.iter().all(|a| a.len() >= padded) && scales.w.len() == blocks, "scales");
     let table = _mm512_broadcast_i32x4(_mm_loadu_si128(FP4_OFFSET_BYTES.as_ptr().cast()));
     let nibble = _mm512_set1_epi8(0x0f);
     let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -81,30 +131,37 @@ unsafe fn fp4_rows<const M: usize>(
             let exact = _mm512_sub_epi32(block_sums, offset);
             // Rounding then scaling by 2^-10 is scaling then rounding.
             let rounded = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), scale);
-            _mm512_storeu_ps(sums.as_mut_ptr().add(row * stride + first * 4), rounded);
+            let scaled = scales.apply16(rounded, row, first * 4);
+            _mm512_storeu_ps(sums.as_mut_ptr().add(row * stride + first * 4), scaled);
         }
     }
 }
 
 /// Rounded block sums of one FP8 row (`codes`, no NaN) with each x row's
-/// values in f64, times 2^1000: row `i` at `sums[i * stride..]`, 8 blocks at a time.
+/// values in f64, times 2^1000, times both block scales: row `i` at
+/// `sums[i * stride..]`, 8 blocks at a time.
 ///
 /// # Safety
-/// The CPU must support AVX-512F; each `wide[i]` holds `codes.len()` values
-/// and each row of `sums` the blocks rounded up to 16; at most 4 rows.
-#[target_feature(enable = "avx512f")]
-pub(super) unsafe fn fp8_block_sums(codes: &[u8], wide: &[Vec<f64>], sums: &mut [f32], stride: usize) {
+/// The CPU must support AVX-512F and VL; each `wide[i]` holds `codes.len()`
+/// values, each `a_scales[i]` and each row of `sums` the blocks rounded up to
+/// 16, `w_scales` the blocks; at most 4 rows.
+#[target_feature(enable = "avx512f,avx512vl")]
+pub(super) unsafe fn fp8_block_sums(
+    codes: &[u8],
+    wide: &[Vec<f64>],
+    a_scales: &[Vec<f32>],
+    w_scales: &[f32],
+    sums: &mut [f32],
+    stride: usize,
+) {
+    let scales = |rows: std::ops::Range<usize>| BlockScales { a: &a_scales[rows], w: w_scales };
+    // One decode serves every x row; the accumulators (rows × blocks side
+    // by side) stay within the 32 vector registers.
     match wide.len() {
-        1 => fp8_rows::<1>(codes, wide, sums, stride),
-        2 => fp8_rows::<2>(codes, wide, sums, stride),
-        3 => {
-            fp8_rows::<2>(codes, &wide[..2], sums, stride);
-            fp8_rows::<1>(codes, &wide[2..], &mut sums[2 * stride..], stride);
-        }
-        4 => {
-            fp8_rows::<2>(codes, &wide[..2], sums, stride);
-            fp8_rows::<2>(codes, &wide[2..], &mut sums[2 * stride..], stride);
-        }
+        1 => fp8_rows::<1, 8>(codes, wide, &scales(0..1), sums, stride),
+        2 => fp8_rows::<2, 8>(codes, wide, &scales(0..2), sums, stride),
+        3 => fp8_rows::<3, 4>(codes, wide, &scales(0..3), sums, stride),
+        4 => fp8_rows::<4, 4>(codes, wide, &scales(0..4), sums, stride),
         m => unreachable!("{m} rows at once"),
     }
 }
@@ -114,20 +171,30 @@ pub(super) unsafe fn fp8_block_sums(codes: &[u8], wide: &[Vec<f64>], sums: &mut 
 /// 2^-16, normal and exact; this restores them.
 const RESTORE: f64 = 65536.0;
 
-#[inline(always)]
-unsafe fn fp8_rows<const M: usize>(codes: &[u8], wide: &[Vec<f64>], sums: &mut [f32], stride: usize) {
+/// Block sums for `M` x rows, `NB` blocks side by side (8 or 4).
+#[inline]
+#[target_feature(enable = "avx512f,avx512vl")]
+unsafe fn fp8_rows<const M: usize, const NB: usize>(
+    codes: &[u8],
+    wide: &[Vec<f64>],
+    scales: &BlockScales,
+    sums: &mut [f32],
+    stride: usize,
+) {
     let cols = codes.len();
     let blocks = cols / ACT_BLOCK;
     assert!(wide.len() == M && wide.iter().all(|w| w.len() == cols), "wide rows");
     assert!(sums.len() >= (M - 1) * stride + blocks.next_multiple_of(16), "sums");
+    assert!(scales.a.len() == M && scales.a.iter().all(|a| a.len() >= blocks) && scales.w.len() == blocks, "scales");
+    assert!(NB == 8 || NB == 4, "{NB} blocks side by side");
     let restore = _mm512_set1_pd(RESTORE);
-    let whole = blocks / 8 * 8;
-    for first in (0..whole).step_by(8) {
-        // Eight blocks side by side: each block's four FMAs depend on each
-        // other, the blocks do not, so eight chains hide the FMA latency.
-        let mut acc = [[_mm512_setzero_pd(); 8]; M];
+    let whole = blocks / NB * NB;
+    for first in (0..whole).step_by(NB) {
+        // Blocks side by side: each block's four FMAs depend on each other,
+        // the blocks and rows do not, so the chains hide the FMA latency.
+        let mut acc = [[_mm512_setzero_pd(); NB]; M];
         for part in 0..4 {
-            for b in 0..8 {
+            for b in 0..NB {
                 let c = (first + b) * ACT_BLOCK + 8 * part;
                 let w = fp8_decode8(codes.as_ptr().add(c));
                 for (row, a) in acc.iter_mut().enumerate() {
@@ -136,8 +203,14 @@ unsafe fn fp8_rows<const M: usize>(codes: &[u8], wide: &[Vec<f64>], sums: &mut [
             }
         }
         for (row, a) in acc.iter().enumerate() {
-            let exact = _mm512_mul_pd(reduce8(a), restore);
-            _mm256_storeu_ps(sums.as_mut_ptr().add(row * stride + first), _mm512_cvtpd_ps(exact));
+            let out = sums.as_mut_ptr().add(row * stride + first);
+            if NB == 8 {
+                let exact = _mm512_mul_pd(reduce8(a), restore);
+                _mm256_storeu_ps(out, scales.apply8(_mm512_cvtpd_ps(exact), row, first));
+            } else {
+                let exact = _mm256_mul_pd(reduce4(a), _mm512_castpd512_pd256(restore));
+                _mm_storeu_ps(out, scales.apply4(_mm256_cvtpd_ps(exact), row, first));
+            }
         }
     }
     for b in whole..blocks {
@@ -150,7 +223,8 @@ unsafe fn fp8_rows<const M: usize>(codes: &[u8], wide: &[Vec<f64>], sums: &mut [
             }
         }
         for (row, a) in acc.iter().enumerate() {
-            sums[row * stride + b] = (_mm512_reduce_add_pd(*a) * RESTORE) as f32;
+            let sum = (_mm512_reduce_add_pd(*a) * RESTORE) as f32;
+            sums[row * stride + b] = sum * scales.a[row][b] * scales.w[b];
         }
     }
 }
@@ -159,16 +233,33 @@ unsafe fn fp8_rows<const M: usize>(codes: &[u8], wide: &[Vec<f64>], sums: &mut [
 /// sign-extended codes shifted by 49 put the magnitude under the f64 exponent
 /// and mantissa (exponent field 0, e4m3's subnormals, reads as an f64
 /// subnormal of the same value); the mask keeps one sign bit. Exact.
-#[inline(always)]
+#[inline]
+#[target_feature(enable = "avx512f")]
 unsafe fn fp8_decode8(p: *const u8) -> __m512d {
     let code = _mm512_cvtepi8_epi64(_mm_loadl_epi64(p.cast()));
     let bits = _mm512_and_si512(_mm512_slli_epi64::<49>(code), _mm512_set1_epi64(0x80fe_0000_0000_0000u64 as i64));
     _mm512_castsi512_pd(bits)
 }
 
-/// The lane sums of eight f64 vectors, vector `k` in lane `k`.
-#[inline(always)]
-unsafe fn reduce8(v: &[__m512d; 8]) -> __m512d {
+/// The lane sums of four f64 vectors (the first four of `v`), vector `k` in lane `k`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn reduce4(v: &[__m512d]) -> __m256d {
+    assert!(v.len() >= 4);
+    // Halves, then quarters, as in `reduce8`: lane q of x holds vectors 2h + q's pairs.
+    let w0 = _mm512_add_pd(_mm512_shuffle_f64x2::<0x44>(v[0], v[1]), _mm512_shuffle_f64x2::<0xee>(v[0], v[1]));
+    let w1 = _mm512_add_pd(_mm512_shuffle_f64x2::<0x44>(v[2], v[3]), _mm512_shuffle_f64x2::<0xee>(v[2], v[3]));
+    let x = _mm512_add_pd(_mm512_shuffle_f64x2::<0x88>(w0, w1), _mm512_shuffle_f64x2::<0xdd>(w0, w1));
+    // 128-bit lane q of x: vector q's two partial sums (q = 0..4).
+    let y = _mm512_add_pd(x, _mm512_permute_pd::<0x55>(x));
+    _mm512_castpd512_pd256(_mm512_permutexvar_pd(_mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6), y))
+}
+
+/// The lane sums of eight f64 vectors (the first eight of `v`), vector `k` in lane `k`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn reduce8(v: &[__m512d]) -> __m512d {
+    assert!(v.len() >= 8);
     // Halves: lanes 0..4 of w[k] are v[2k]'s partial sums, lanes 4..8 v[2k + 1]'s.
     let w: [__m512d; 4] = std::array::from_fn(|k| {
         let (a, b) = (v[2 * k], v[2 * k + 1]);
@@ -205,7 +296,8 @@ pub(super) unsafe fn chain_sums(products: &[f32], stride: usize, blocks: usize) 
 }
 
 /// A 16 × 16 transpose: lane `k` of `columns[c]` is lane `c` of `rows[k]`.
-#[inline(always)]
+#[inline]
+#[target_feature(enable = "avx512f")]
 unsafe fn transpose16(r: &[__m512; 16]) -> [__m512; 16] {
     // Pairs of rows interleaved: a[2i] and a[2i + 1] per 128-bit lane L hold
     // rows 2i, 2i + 1 at columns 4L, 4L + 1 and 4L + 2, 4L + 3.

@@ -5,8 +5,8 @@
 //! The definition sums each 32-wide K block of `a · w` exactly, rounds the sum
 //! to f32, scales it by both block scales and accumulates the blocks in f32 in
 //! K order. Because a block sum is exact, any instruction may compute it in any
-//! order; only the scaling and the K-order accumulation (shared by every path,
-//! `rows_outputs`) fix the bits. So:
+//! order; only the scaling and the K-order accumulation (the same f32
+//! operations on every path) fix the bits. So:
 //!
 //! - **FP4 weights** use integers: an e4m3 activation times 2^9 is an integer
 //!   `A` with `|A| <= 448 · 2^9 < 2^18`, an e2m1 weight times 2 an integer `W`
@@ -73,7 +73,7 @@ const ROWS_PER_JOB: usize = 16;
 pub enum BlockPath {
     /// Plain Rust, any target.
     Portable,
-    /// AVX-512F/BW with VNNI: FP4 by `vpdpbusd`, FP8 in f64 lanes.
+    /// AVX-512F/BW/VL with VNNI: FP4 by `vpdpbusd`, FP8 in f64 lanes.
     Avx512Vnni,
 }
 
@@ -87,6 +87,7 @@ impl BlockPath {
             BlockPath::Avx512Vnni => {
                 is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
             }
             #[cfg(not(target_arch = "x86_64"))]
@@ -180,17 +181,27 @@ struct Prepared<'a> {
     offsets: Vec<Vec<i32>>,
     /// FP8: the values in f64 (times [`WIDE_SCALE`] for the AVX-512 kernel).
     wide: Vec<Vec<f64>>,
+    /// Each row's block scales, padded with zeros to whole vectors.
+    a_scales: Vec<Vec<f32>>,
 }
 
 impl<'a> Prepared<'a> {
     fn new(path: BlockPath, weights: &Weights, acts: &'a [Fp8Row], cols: usize) -> Self {
-        let mut prepared = Self { acts, ints: vec![], digits: vec![], offsets: vec![], wide: vec![] };
+        let blocks = padded_blocks(cols);
+        let a_scales = acts
+            .iter()
+            .map(|a| {
+                let mut padded = a.scales.clone();
+                padded.resize(blocks, 0.0);
+                padded
+            })
+            .collect();
+        let mut prepared = Self { acts, ints: vec![], digits: vec![], offsets: vec![], wide: vec![], a_scales };
         match weights {
             Weights::Fp4 { .. } => {
                 prepared.ints = acts.iter().map(|a| a.values.iter().map(|&v| (v * 512.0) as i32).collect()).collect();
                 if path == BlockPath::Avx512Vnni {
                     prepared.digits = prepared.ints.iter().map(|a| group_digits(a, cols)).collect();
-                    let blocks = padded_blocks(cols);
                     prepared.offsets = prepared
                         .ints
                         .iter()
@@ -281,22 +292,15 @@ fn rows_outputs(
             for i in 0..rows_here {
                 let r = first + i0 + i;
                 let sums = &mut scratch.sums[i * m * stride..][..m * stride];
+                let w_scales = weights.scale_row(r, blocks);
                 match weights {
                     Weights::Fp4 { codes, .. } => {
                         let codes = &codes[r * cols / 2..][..cols / 2];
-                        fp4_block_sums(path, codes, prepared, t0..t0 + m, sums, stride);
+                        fp4_block_sums(path, codes, prepared, t0..t0 + m, w_scales, sums, stride);
                     }
                     Weights::Fp8 { codes, .. } => {
                         let codes = &codes[r * cols..][..cols];
-                        fp8_block_sums(path, codes, prepared, t0..t0 + m, sums, stride);
-                    }
-                }
-                // Each block's sum times both scales, in the definition's order.
-                let w_scales = weights.scale_row(r, blocks);
-                for (j, row_sums) in sums.chunks_exact_mut(stride).enumerate() {
-                    let a_scales = &prepared.acts[t0 + j].scales;
-                    for ((s, &a_scale), &w_scale) in row_sums.iter_mut().zip(a_scales).zip(w_scales) {
-                        *s = *s * a_scale * w_scale;
+                        fp8_block_sums(path, codes, prepared, t0..t0 + m, w_scales, sums, stride);
                     }
                 }
             }
@@ -335,28 +339,46 @@ fn fp4_block_sums(
     codes: &[u8],
     prepared: &Prepared,
     ts: std::ops::Range<usize>,
+    w_scales: &[f32],
     sums: &mut [f32],
     stride: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
     if path == BlockPath::Avx512Vnni {
         // SAFETY: `block_scaled_product` checked that the CPU has the path's
-        // features; the digits, offsets and sums are laid out as the kernel reads them.
-        unsafe { avx512::fp4_block_sums(codes, &prepared.digits[ts.clone()], &prepared.offsets[ts], sums, stride) };
+        // features; the digits, offsets, scales and sums are laid out as the kernel reads them.
+        unsafe {
+            avx512::fp4_block_sums(
+                codes,
+                &prepared.digits[ts.clone()],
+                &prepared.offsets[ts.clone()],
+                &prepared.a_scales[ts],
+                w_scales,
+                sums,
+                stride,
+            )
+        };
         return;
     }
     let _ = path;
     for (i, t) in ts.enumerate() {
         let a = &prepared.ints[t];
+        let a_scales = &prepared.acts[t].scales;
         for (b, (block, pairs)) in a.chunks_exact(ACT_BLOCK).zip(codes.chunks_exact(ACT_BLOCK / 2)).enumerate() {
             let mut sum = 0i32;
             for (x, &pair) in block.chunks_exact(2).zip(pairs) {
                 sum += x[0] * fp4_doubled(pair & 0xf) + x[1] * fp4_doubled(pair >> 4);
             }
             // Exact: |sum| < 2^27; scaling by 2^-10 commutes with the rounding.
-            sums[i * stride + b] = sum as f32 / 1024.0;
+            sums[i * stride + b] = scaled(sum as f32 / 1024.0, a_scales[b], w_scales[b]);
         }
     }
+}
+
+/// A rounded block sum times both block scales, in the definition's order.
+#[inline(always)]
+fn scaled(sum: f32, a_scale: f32, w_scale: f32) -> f32 {
+    sum * a_scale * w_scale
 }
 
 #[inline(always)]
@@ -364,27 +386,32 @@ fn fp4_doubled(code: u8) -> i32 {
     FP4_DOUBLED[code as usize]
 }
 
-/// Rounded block sums of one FP8 weight row (`cols` codes, none NaN) with x rows `ts`.
+/// Rounded block sums of one FP8 weight row (`cols` codes, none NaN) with x
+/// rows `ts`, times both block scales: row `ts.start + i`'s at `sums[i * stride..]`.
 fn fp8_block_sums(
     path: BlockPath,
     codes: &[u8],
     prepared: &Prepared,
     ts: std::ops::Range<usize>,
+    w_scales: &[f32],
     sums: &mut [f32],
     stride: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
     if path == BlockPath::Avx512Vnni {
         // SAFETY: as in `fp4_block_sums`; every wide row holds `codes.len()` values.
-        unsafe { avx512::fp8_block_sums(codes, &prepared.wide[ts], sums, stride) };
+        unsafe {
+            avx512::fp8_block_sums(codes, &prepared.wide[ts.clone()], &prepared.a_scales[ts], w_scales, sums, stride)
+        };
         return;
     }
     let _ = path;
     for (i, t) in ts.enumerate() {
         let a = &prepared.wide[t];
+        let a_scales = &prepared.acts[t].scales;
         for (b, (block, bytes)) in a.chunks_exact(ACT_BLOCK).zip(codes.chunks_exact(ACT_BLOCK)).enumerate() {
             let sum: f64 = block.iter().zip(bytes).map(|(&x, &code)| x * fp8_e4m3_to_f32(code) as f64).sum();
-            sums[i * stride + b] = sum as f32;
+            sums[i * stride + b] = scaled(sum as f32, a_scales[b], w_scales[b]);
         }
     }
 }
