@@ -236,9 +236,9 @@ fn thread_count_changes_no_bit_of_a_step() {
 }
 
 /// A V4.1 shape wide enough that a step spreads its attention heads, its
-/// indexer scores and its grouped output projection over the thread pool
-/// (each above `v41::ops::PARALLEL_MIN_WORK` multiply-adds on a 300-token
-/// prompt): the split gives every output to one thread, so no bit moves.
+/// indexer scores, its grouped output projection and its mHC mixing over the
+/// thread pool (each above `v41::ops::PARALLEL_MIN_WORK` multiply-adds on a
+/// 300-token prompt): the split gives every output to one thread, so no bit moves.
 #[test]
 fn v41_steps_spread_over_threads_change_no_bit() {
     use deepinfer_engine::model::{Chunk, LogitsWanted};

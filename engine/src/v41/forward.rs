@@ -286,9 +286,7 @@ impl ModelV41 {
             ops::rms_norm(out, &block.attn_norm, cfg.norm_eps);
         }
         let out = attend(&x);
-        for t in 0..n {
-            ops::hc_post(&mut streams[t * hc * d..(t + 1) * hc * d], &out[t * d..(t + 1) * d], &attn_mixes[t]);
-        }
+        post_all(streams, &out, &attn_mixes);
         let ffn_mixes = self.mixes(&block.hc_ffn, streams, n);
         for t in 0..n {
             let out = &mut x[t * d..(t + 1) * d];
@@ -300,10 +298,7 @@ impl ModelV41 {
 
     /// Mix the FFN's output `y` back into the streams; returns the next sublayer's `pre`.
     pub(super) fn mix_ffn_output(&self, streams: &mut [f32], y: &[f32], mixes: Vec<Mix>) -> Vec<Vec<f32>> {
-        let (d, hc) = (self.config.dim, self.config.hc_mult);
-        for (t, mix) in mixes.iter().enumerate() {
-            ops::hc_post(&mut streams[t * hc * d..(t + 1) * hc * d], &y[t * d..(t + 1) * d], mix);
-        }
+        post_all(streams, y, &mixes);
         mixes.into_iter().map(|m| m.pre).collect()
     }
 
@@ -371,5 +366,23 @@ fn mean_streams(streams: &[f32], hc: usize, out: &mut [f32]) {
     for (c, o) in out.iter_mut().enumerate() {
         let total: f64 = (0..hc).map(|k| streams[k * d + c] as f64).sum();
         *o = round_bf16((total / hc as f64) as f32);
+    }
+}
+
+/// [`ops::hc_post`] for every token (`outputs[t · dim..]` into token `t`'s
+/// streams); tokens side by side on the thread pool when there is enough work.
+fn post_all(streams: &mut [f32], outputs: &[f32], mixes: &[Mix]) {
+    use rayon::prelude::*;
+    let n = mixes.len();
+    if n == 0 {
+        return;
+    }
+    assert!(outputs.len().is_multiple_of(n) && streams.len().is_multiple_of(n), "hc_post rows");
+    let (d, per_token) = (outputs.len() / n, streams.len() / n);
+    let post = |((s, o), mix): ((&mut [f32], &[f32]), &Mix)| ops::hc_post(s, o, mix);
+    if ops::worth_spreading(streams.len() * (per_token / d)) && n > 1 {
+        streams.par_chunks_mut(per_token).zip(outputs.par_chunks(d)).zip(mixes).for_each(post);
+    } else {
+        streams.chunks_mut(per_token).zip(outputs.chunks(d)).zip(mixes).for_each(post);
     }
 }

@@ -160,14 +160,27 @@ pub fn hc_pre(streams: &[f32], pre: &[f32], out: &mut [f32]) {
 }
 
 /// `streams[j] ← bf16(post[j] · output + Σ_i comb[i][j] · streams[i])`.
+///
+/// Each `mixed` is [`sum`]'s: f32 products added in f64 in stream order from
+/// the same start, computed a whole row of channels at a time.
 pub fn hc_post(streams: &mut [f32], output: &[f32], mix: &Mix) {
     let d = output.len();
     let hc = mix.post.len();
+    assert!(streams.len() == hc * d && mix.comb.len() == hc * hc, "hc_post shapes");
     let residual = streams.to_vec();
+    let start = std::iter::empty::<f64>().sum::<f64>();
+    let mut mixed = vec![start; d];
     for j in 0..hc {
-        for c in 0..d {
-            let mixed = sum((0..hc).map(|i| mix.comb[i * hc + j] * residual[i * d + c]));
-            streams[j * d + c] = round_bf16(mix.post[j] * output[c] + mixed);
+        mixed.fill(start);
+        for i in 0..hc {
+            let weight = mix.comb[i * hc + j];
+            for (m, &r) in mixed.iter_mut().zip(&residual[i * d..(i + 1) * d]) {
+                *m += f64::from(weight * r);
+            }
+        }
+        let row = &mut streams[j * d..(j + 1) * d];
+        for ((s, &o), &m) in row.iter_mut().zip(output).zip(&mixed) {
+            *s = round_bf16(mix.post[j] * o + m as f32);
         }
     }
 }
