@@ -176,3 +176,14 @@ fn ordinary_inputs_take_the_fast_path() {
         assert!(block_scaled_product(path, &w, &acts).is_some(), "{path:?}");
     }
 }
+
+/// No activation rows: an empty product on every path, not a panic.
+#[test]
+fn no_rows_give_an_empty_product() {
+    let mut rng = Rng(45);
+    for w in [fp4(&mut rng, 3, 64, false), fp8(&mut rng, 3, 64, 32, false)] {
+        for path in paths() {
+            assert_eq!(block_scaled_product(path, &w, &[]), Some(Vec::new()), "{path:?}");
+        }
+    }
+}

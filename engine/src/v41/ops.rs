@@ -193,10 +193,11 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// Keys are visited in blocks of this many list slots.
 const ATTENTION_BLOCK: usize = 64;
 
-/// Multiply-adds above which a row-wise step spreads its independent outputs
-/// (heads, output rows) over the thread pool. Each output is computed by one
-/// thread in its own order, so the split changes no bit; below this, waking
-/// the pool costs more than it saves.
+/// Multiply-adds from which a row-wise step spreads its independent outputs
+/// (attention heads, indexer entries, projection parts, tokens' mixing) over
+/// the thread pool. Each output is computed by one thread in its own order,
+/// so the split changes no bit; below this, waking the pool costs more than
+/// it saves.
 pub const PARALLEL_MIN_WORK: usize = 1 << 16;
 
 /// Whether `work` multiply-adds in independent parts are worth the pool.
@@ -215,7 +216,7 @@ pub fn sparse_attention(q: &[f32], keys: &[Option<&[f32]>], sink: &[f32], scale:
     assert!(heads > 0 && q.len().is_multiple_of(heads) && out.len() == q.len(), "sparse_attention shapes");
     let d = q.len() / heads;
     let head = |(h, out): (usize, &mut [f32])| attend_head(&q[h * d..(h + 1) * d], keys, sink[h], scale, out);
-    if worth_spreading(2 * heads * keys.len() * d) {
+    if heads > 1 && worth_spreading(2 * heads * keys.len() * d) {
         out.par_chunks_mut(d).enumerate().for_each(head);
     } else {
         out.chunks_mut(d).enumerate().for_each(head);

@@ -139,12 +139,12 @@ unsafe fn fp4_rows<const M: usize>(
 
 /// Rounded block sums of one FP8 row (`codes`, no NaN) with each x row's
 /// values in f64, times 2^1000, times both block scales: row `i` at
-/// `sums[i * stride..]`, 8 blocks at a time.
+/// `sums[i * stride..]`, 8 or 4 blocks at a time (leftover blocks one by one).
 ///
 /// # Safety
 /// The CPU must support AVX-512F and VL; each `wide[i]` holds `codes.len()`
-/// values, each `a_scales[i]` and each row of `sums` the blocks rounded up to
-/// 16, `w_scales` the blocks; at most 4 rows.
+/// values, each `a_scales[i]` and `w_scales` the blocks, each row of `sums`
+/// the blocks rounded up to 16; at most 4 rows.
 #[target_feature(enable = "avx512f,avx512vl")]
 pub(super) unsafe fn fp8_block_sums(
     codes: &[u8],

@@ -131,6 +131,9 @@ pub fn block_scaled_product(path: BlockPath, w: &Linear, acts: &[Fp8Row]) -> Opt
     if !finite {
         return None;
     }
+    if n == 0 {
+        return Some(Vec::new());
+    }
     let prepared = Prepared::new(path, &weights, acts, cols);
     let mut by_row = vec![0.0f32; rows * n];
     // One scratch per worker, not per job.
