@@ -207,30 +207,33 @@ fn stop_tokens_and_stop_sequences_end_generation() {
     assert_eq!(out[1].finished.reason, FinishReason::Stop);
 }
 
+/// The logits' bits of a prefill of `prompts` and one decode step after it,
+/// computed on a pool of `threads` threads.
+fn step_bits_on(threads: usize, model: &deepinfer_engine::model::Model, prompts: &[Vec<u32>]) -> Vec<u32> {
+    use deepinfer_engine::model::{Chunk, LogitsWanted};
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    pool.install(|| {
+        let mut states: Vec<_> = prompts.iter().map(|_| model.new_state()).collect();
+        let mut chunks: Vec<Chunk> = prompts.iter().zip(&mut states).map(|(p, s)| Chunk::new(p, s)).collect();
+        let prefill = model.forward(&mut chunks, LogitsWanted::Last, false);
+        let next: Vec<[u32; 1]> = (0..prompts.len()).map(|i| [3 + i as u32]).collect();
+        let mut chunks: Vec<Chunk> = states.iter_mut().zip(&next).map(|(s, t)| Chunk::new(&t[..], s)).collect();
+        let decode = model.forward(&mut chunks, LogitsWanted::Last, false);
+        prefill.into_iter().chain(decode).flat_map(|o| o.logits).map(f32::to_bits).collect()
+    })
+}
+
 /// Routed experts run side by side on a pool of several threads (and each
 /// large matmul splits its rows): the logits of a batch are the same bits
 /// on 1, 2 and 3 threads, for DeepSeek-V4 and V4.1.
 #[test]
 fn thread_count_changes_no_bit_of_a_step() {
-    use deepinfer_engine::model::{Chunk, LogitsWanted};
     use deepinfer_engine::presets::{build, Preset};
     for (name, model) in [("tiny-v4", tiny()), ("tiny-v41", build(Preset::TinyV41, 5).expect("tiny-v41 builds"))] {
         let prompts: Vec<Vec<u32>> = (0..6).map(|i| tokens(9 + 7 * i, 40 + i as u32)).collect();
-        let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-            pool.install(|| {
-                let mut states: Vec<_> = prompts.iter().map(|_| model.new_state()).collect();
-                let mut chunks: Vec<Chunk> = prompts.iter().zip(&mut states).map(|(p, s)| Chunk::new(p, s)).collect();
-                let prefill = model.forward(&mut chunks, LogitsWanted::Last, false);
-                let next: Vec<[u32; 1]> = (0..prompts.len()).map(|i| [3 + i as u32]).collect();
-                let mut chunks: Vec<Chunk> = states.iter_mut().zip(&next).map(|(s, t)| Chunk::new(&t[..], s)).collect();
-                let decode = model.forward(&mut chunks, LogitsWanted::Last, false);
-                prefill.into_iter().chain(decode).flat_map(|o| o.logits).map(f32::to_bits).collect::<Vec<u32>>()
-            })
-        };
-        let one = run(1);
+        let one = step_bits_on(1, &model, &prompts);
         for threads in [2, 3] {
-            assert!(run(threads) == one, "{name}: {threads} threads");
+            assert!(step_bits_on(threads, &model, &prompts) == one, "{name}: {threads} threads");
         }
     }
 }
@@ -241,25 +244,12 @@ fn thread_count_changes_no_bit_of_a_step() {
 /// 300-token prompt): the split gives every output to one thread, so no bit moves.
 #[test]
 fn v41_steps_spread_over_threads_change_no_bit() {
-    use deepinfer_engine::model::{Chunk, LogitsWanted};
     use deepinfer_engine::presets_v41::{build, config, Shape, TINY};
     let shape = Shape { heads: 16, head_dim: 128, index_heads: 16, index_dim: 64, window: 128, ..TINY };
     let model = build(&config(&shape, "spread-v41"), "spread-v41", 3).expect("the shape builds");
     let prompts: Vec<Vec<u32>> = (0..2).map(|i| tokens(300 - 40 * i, 7 + i as u32)).collect();
-    let run = |threads: usize| {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
-        pool.install(|| {
-            let mut states: Vec<_> = prompts.iter().map(|_| model.new_state()).collect();
-            let mut chunks: Vec<Chunk> = prompts.iter().zip(&mut states).map(|(p, s)| Chunk::new(p, s)).collect();
-            let prefill = model.forward(&mut chunks, LogitsWanted::Last, false);
-            let next = [[5u32], [6u32]];
-            let mut chunks: Vec<Chunk> = states.iter_mut().zip(&next).map(|(s, t)| Chunk::new(&t[..], s)).collect();
-            let decode = model.forward(&mut chunks, LogitsWanted::Last, false);
-            prefill.into_iter().chain(decode).flat_map(|o| o.logits).map(f32::to_bits).collect::<Vec<u32>>()
-        })
-    };
-    let one = run(1);
+    let one = step_bits_on(1, &model, &prompts);
     for threads in [2, 3] {
-        assert!(run(threads) == one, "{threads} threads");
+        assert!(step_bits_on(threads, &model, &prompts) == one, "{threads} threads");
     }
 }

@@ -184,7 +184,7 @@ struct Prepared<'a> {
     offsets: Vec<Vec<i32>>,
     /// FP8: the values in f64 (times [`WIDE_SCALE`] for the AVX-512 kernel).
     wide: Vec<Vec<f64>>,
-    /// Each row's block scales, padded with zeros to whole vectors.
+    /// Each row's block scales, padded with zeros to whole vectors (every path reads these).
     a_scales: Vec<Vec<f32>>,
 }
 
@@ -366,7 +366,7 @@ fn fp4_block_sums(
     let _ = path;
     for (i, t) in ts.enumerate() {
         let a = &prepared.ints[t];
-        let a_scales = &prepared.acts[t].scales;
+        let a_scales = &prepared.a_scales[t];
         for (b, (block, pairs)) in a.chunks_exact(ACT_BLOCK).zip(codes.chunks_exact(ACT_BLOCK / 2)).enumerate() {
             let mut sum = 0i32;
             for (x, &pair) in block.chunks_exact(2).zip(pairs) {
@@ -411,7 +411,7 @@ fn fp8_block_sums(
     let _ = path;
     for (i, t) in ts.enumerate() {
         let a = &prepared.wide[t];
-        let a_scales = &prepared.acts[t].scales;
+        let a_scales = &prepared.a_scales[t];
         for (b, (block, bytes)) in a.chunks_exact(ACT_BLOCK).zip(codes.chunks_exact(ACT_BLOCK)).enumerate() {
             let sum: f64 = block.iter().zip(bytes).map(|(&x, &code)| x * fp8_e4m3_to_f32(code) as f64).sum();
             sums[i * stride + b] = scaled(sum as f32, a_scales[b], w_scales[b]);
