@@ -176,8 +176,9 @@ pub fn dot_f64_rows(a: &[f32], rows: &[f32], out: &mut [f64]) {
     if matches!(Isa::detect(), Isa::Avx512 | Isa::Avx512Vbmi) && cols > 0 {
         let whole = out.len() / 4 * 4;
         for (i, quad) in out[..whole].chunks_exact_mut(4).enumerate() {
-            // SAFETY: `detect` found AVX-512F; the four rows lie inside `rows` (asserted above).
-            let sums = unsafe { dot_f64_4rows_avx512(a, &rows[4 * i * cols..][..4 * cols]) };
+            let four: [&[f32]; 4] = std::array::from_fn(|k| &rows[(4 * i + k) * cols..][..cols]);
+            // SAFETY: `detect` found AVX-512F; each row holds `cols` values.
+            let sums = unsafe { dot_f64_4rows_avx512(a, four) };
             quad.copy_from_slice(&sums);
         }
         for (i, o) in out.iter_mut().enumerate().skip(whole) {
@@ -190,32 +191,52 @@ pub fn dot_f64_rows(a: &[f32], rows: &[f32], out: &mut [f64]) {
     }
 }
 
+/// `out[i] = dot_f64(a, rows[i])` for rows anywhere in memory (keys of a
+/// cache): the same bits, four rows at a time on AVX-512.
+pub fn dot_f64_each(a: &[f32], rows: &[&[f32]], out: &mut [f64]) {
+    assert_eq!(rows.len(), out.len(), "dot_f64_each: {} rows for {} outputs", rows.len(), out.len());
+    assert!(rows.iter().all(|r| r.len() == a.len()), "dot_f64_each: row lengths");
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if matches!(Isa::detect(), Isa::Avx512 | Isa::Avx512Vbmi) && !a.is_empty() {
+        done = out.len() / 4 * 4;
+        for (quad, four) in out[..done].chunks_exact_mut(4).zip(rows.chunks_exact(4)) {
+            // SAFETY: `detect` found AVX-512F; every row holds `a.len()` values (asserted above).
+            let sums = unsafe { dot_f64_4rows_avx512(a, [four[0], four[1], four[2], four[3]]) };
+            quad.copy_from_slice(&sums);
+        }
+    }
+    for (o, row) in out.iter_mut().zip(rows).skip(done) {
+        *o = dot_f64(a, row);
+    }
+}
+
 /// Four rows of [`dot_f64_avx512`] against one `a`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn dot_f64_4rows_avx512(a: &[f32], rows: &[f32]) -> [f64; 4] {
+unsafe fn dot_f64_4rows_avx512(a: &[f32], rows: [&[f32]; 4]) -> [f64; 4] {
     use std::arch::x86_64::*;
     let cols = a.len();
-    assert_eq!(rows.len(), 4 * cols);
+    assert!(rows.iter().all(|r| r.len() == cols), "four rows of {cols}");
     let whole = cols / 8 * 8;
     let mut acc = [_mm512_setzero_pd(); 4];
     for c in (0..whole).step_by(8) {
         let x = _mm512_cvtps_pd(_mm256_loadu_ps(a.as_ptr().add(c)));
         for (k, acc) in acc.iter_mut().enumerate() {
-            let y = _mm512_cvtps_pd(_mm256_loadu_ps(rows.as_ptr().add(k * cols + c)));
+            let y = _mm512_cvtps_pd(_mm256_loadu_ps(rows[k].as_ptr().add(c)));
             *acc = _mm512_fmadd_pd(x, y, *acc);
         }
     }
     std::array::from_fn(|k| {
         let mut lanes = [0.0f64; 8];
         _mm512_storeu_pd(lanes.as_mut_ptr(), acc[k]);
-        combine_lanes(&lanes, &a[whole..], &rows[k * cols + whole..(k + 1) * cols])
+        combine_lanes(&lanes, &a[whole..], &rows[k][whole..])
     })
 }
 
 /// The fixed tree over the eight lanes, plus the tail's products in order.
 #[inline(always)]
-fn combine_lanes(acc: &[f64; 8], a_tail: &[f32], b_tail: &[f32]) -> f64 {
+pub(crate) fn combine_lanes(acc: &[f64; 8], a_tail: &[f32], b_tail: &[f32]) -> f64 {
     let tail: f64 = a_tail.iter().zip(b_tail).map(|(&x, &y)| x as f64 * y as f64).sum();
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
@@ -453,6 +474,23 @@ mod tests {
             dot_f64_rows(&a, &w, &mut got);
             for (r, g) in got.iter().enumerate() {
                 let want = dot_f64_lanes(&a, &w[r * cols..(r + 1) * cols]);
+                assert_eq!(g.to_bits(), want.to_bits(), "{rows} x {cols}, row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn dot_f64_each_has_each_rows_bits() {
+        let mut next = spread_values(0x1357_9bdf);
+        for (rows, cols) in [(0, 8), (1, 5), (4, 8), (7, 19), (9, 256), (13, 1027)] {
+            let a: Vec<f32> = (0..cols).map(|_| next()).collect();
+            // Rows scattered through one buffer, in reverse order.
+            let w: Vec<f32> = (0..rows * cols).map(|_| next()).collect();
+            let scattered: Vec<&[f32]> = w.chunks_exact(cols).rev().collect();
+            let mut got = vec![0.0f64; rows];
+            dot_f64_each(&a, &scattered, &mut got);
+            for (r, g) in got.iter().enumerate() {
+                let want = dot_f64_lanes(&a, scattered[r]);
                 assert_eq!(g.to_bits(), want.to_bits(), "{rows} x {cols}, row {r}");
             }
         }

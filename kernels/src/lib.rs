@@ -10,6 +10,7 @@
 
 pub mod act_quant;
 pub mod block_scaled;
+pub mod dequantized_dot;
 pub mod dtype;
 pub mod linear;
 pub mod ops;

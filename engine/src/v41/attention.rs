@@ -9,8 +9,10 @@
 //! any later token lists the whole ring, empty slots first.
 
 use deepinfer_kernels::act_quant::{
-    dot_f64_rows, fp4_round_trip, fp8_round_trip, plain_linear, quantized_linear, round_bf16, round_bf16_all, Fp4Scale,
+    fp4_round_trip, fp8_round_trip, plain_linear, quantized_linear, round_bf16, round_bf16_all, Fp4Scale,
 };
+
+use deepinfer_kernels::dequantized_dot::dot_f64_dequantized_rows;
 
 use super::config::{CandidateRole, LayerPlan, V41Config};
 use super::ops::{self, RopeTable};
@@ -132,19 +134,21 @@ pub fn forward(
 }
 
 /// The grouped low-rank output: each group's heads through its own block of
-/// `wo_a` (bf16), then `wo_b`.
+/// `wo_a`, then `wo_b`. The reference holds `wo_a` in bf16 (its converter
+/// dequantises the stored FP8); its codes are read here and give the bits of
+/// those bf16 values (`dot_f64_dequantized_rows`), at a quarter of the bytes of f32.
 pub(super) fn output_projection(cfg: &V41Config, attn: &Attention, o: &[f32], n: usize) -> Vec<f32> {
     use rayon::prelude::*;
     let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
     let group_in = cfg.n_heads * cfg.head_dim / groups;
     assert_eq!(o.len(), n * groups * group_in, "output_projection input");
+    assert_eq!((attn.wo_a.rows, attn.wo_a.cols), (groups * rank, group_in), "wo_a shape");
     // One (token, group) per part: each part's rows in one thread, in order.
     let part = |(k, mid): (usize, &mut [f32])| {
         let g = k % groups;
         let input = &o[k * group_in..(k + 1) * group_in];
-        let rows = &attn.wo_a[g * rank * group_in..(g + 1) * rank * group_in];
         let mut sums = vec![0.0f64; rank];
-        dot_f64_rows(input, rows, &mut sums);
+        dot_f64_dequantized_rows(input, &attn.wo_a, g * rank, &mut sums);
         for (m, &s) in mid.iter_mut().zip(&sums) {
             *m = round_bf16(s as f32);
         }
@@ -318,8 +322,11 @@ fn choose(
                 return f32::NEG_INFINITY;
             }
             let k = &keys[j * ihd..(j + 1) * ihd];
+            // Every head's dot with this key, four heads at a time.
+            let mut dots = vec![0.0f64; ih];
+            deepinfer_kernels::act_quant::dot_f64_rows(k, &q[t * ih * ihd..(t + 1) * ih * ihd], &mut dots);
             round_bf16(ops::sum((0..ih).map(|h| {
-                let s = round_bf16(ops::dot(&q[(t * ih + h) * ihd..(t * ih + h + 1) * ihd], k)).max(0.0);
+                let s = round_bf16(dots[h] as f32).max(0.0);
                 round_bf16(s * weights[t * ih + h])
             })))
         };

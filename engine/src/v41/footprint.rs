@@ -45,11 +45,9 @@ fn add_block(f: &mut Footprint, block: &Block) {
 }
 
 fn add_attention(f: &mut Footprint, attn: &Attention) {
-    for lin in [&attn.wq_a, &attn.wq_b, &attn.wkv, &attn.wo_b] {
+    for lin in [&attn.wq_a, &attn.wq_b, &attn.wkv, &attn.wo_a, &attn.wo_b] {
         f.add(lin, true);
     }
-    // The grouped output projection is bf16.
-    f.add_values(1, attn.wo_a.len(), 2, true);
     if let Some(c) = &attn.compressor {
         f.add(&c.wkv, true);
         if let Some(gate) = &c.wgate {

@@ -123,7 +123,9 @@ pub struct MixShape {
 pub fn hc_mixes(streams: &[f32], mix: &[f32], scale: &[f32; 3], base: &[f32], shape: MixShape) -> Mix {
     let MixShape { hc, iters, norm_eps, hc_eps } = shape;
     let inv = rsqrt(mean_square(streams) + norm_eps);
-    let m: Vec<f32> = mix.chunks_exact(streams.len()).map(|row| dot(streams, row) * inv).collect();
+    let mut sums = vec![0.0f64; mix.len() / streams.len()];
+    deepinfer_kernels::act_quant::dot_f64_rows(streams, mix, &mut sums);
+    let m: Vec<f32> = sums.iter().map(|&s| s as f32 * inv).collect();
     let pre = (0..hc).map(|j| sigmoid(m[j] * scale[0] + base[j]) + hc_eps).collect();
     let post = (0..hc).map(|j| 2.0 * sigmoid(m[hc + j] * scale[1] + base[hc + j])).collect();
     let mut comb: Vec<f32> = (0..hc * hc).map(|k| m[2 * hc + k] * scale[2] + base[2 * hc + k]).collect();
@@ -230,7 +232,15 @@ fn attend_head(qh: &[f32], keys: &[Option<&[f32]>], sink: f32, scale: f32, out: 
     let mut sum_exp = 0.0f32;
     let mut max = -1e30f32;
     for block in keys.chunks(ATTENTION_BLOCK) {
-        let scores: Vec<f32> = block.iter().map(|k| k.map_or(f32::NEG_INFINITY, |k| dot(qh, k) * scale)).collect();
+        // Filled slots' dot products four at a time, then every slot's score.
+        let filled: Vec<&[f32]> = block.iter().flatten().copied().collect();
+        let mut dots = vec![0.0f64; filled.len()];
+        deepinfer_kernels::act_quant::dot_f64_each(qh, &filled, &mut dots);
+        let mut dots = dots.into_iter();
+        let scores: Vec<f32> = block
+            .iter()
+            .map(|k| k.map_or(f32::NEG_INFINITY, |_| dots.next().expect("one dot per filled slot") as f32 * scale))
+            .collect();
         let new_max = scores.iter().fold(max, |a, &b| a.max(b));
         let rescale = exp(max - new_max);
         max = new_max;

@@ -37,8 +37,9 @@ pub struct Attention {
     pub wq_b: Linear,
     pub wkv: Linear,
     pub kv_norm: Vec<f32>,
-    /// Block-diagonal output projection, bf16 values `[groups · o_lora, heads · head_dim / groups]`.
-    pub wo_a: Vec<f32>,
+    /// Block-diagonal output projection `[groups · o_lora, heads · head_dim / groups]`,
+    /// as stored; used as bf16 values (see `attention::output_projection`).
+    pub wo_a: Linear,
     pub wo_b: Linear,
     pub compressor: Option<Compressor>,
     pub indexer: Option<Indexer>,
@@ -221,7 +222,7 @@ impl Loader<'_> {
             wq_b: self.linear(&format!("{prefix}.wq_b"), qdim, c.q_lora_rank)?,
             wkv: self.linear(&format!("{prefix}.wkv"), c.head_dim, d)?,
             kv_norm: self.vector(&format!("{prefix}.kv_norm.weight"), c.head_dim)?,
-            wo_a: self.bf16_values(&format!("{prefix}.wo_a"), c.o_groups * c.o_lora_rank, group_in)?,
+            wo_a: self.linear(&format!("{prefix}.wo_a"), c.o_groups * c.o_lora_rank, group_in)?,
             wo_b: self.linear(&format!("{prefix}.wo_b"), d, c.o_groups * c.o_lora_rank)?,
             compressor,
             indexer,
