@@ -54,28 +54,19 @@ impl BlockScales<'_> {
         let w = _mm512_maskz_loadu_ps(mask, self.w.as_ptr().add(first));
         _mm512_mul_ps(_mm512_mul_ps(sums, a), w)
     }
+}
 
-    /// The same for four blocks.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512vl")]
-    unsafe fn apply4(&self, sums: __m128, row: usize, first: usize) -> __m128 {
-        let valid = self.w.len().saturating_sub(first).min(4);
-        let mask: __mmask8 = ((1u32 << valid) - 1) as u8;
-        let a = _mm_loadu_ps(self.a[row].as_ptr().add(first));
-        let w = _mm_maskz_loadu_ps(mask, self.w.as_ptr().add(first));
-        _mm_mul_ps(_mm_mul_ps(sums, a), w)
-    }
-
-    /// The same for eight blocks.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512vl")]
-    unsafe fn apply8(&self, sums: __m256, row: usize, first: usize) -> __m256 {
-        let valid = self.w.len().saturating_sub(first).min(8);
-        let mask: __mmask8 = ((1u32 << valid) - 1) as u8;
-        let a = _mm256_loadu_ps(self.a[row].as_ptr().add(first));
-        let w = _mm256_maskz_loadu_ps(mask, self.w.as_ptr().add(first));
-        _mm256_mul_ps(_mm256_mul_ps(sums, a), w)
-    }
+/// `sums` (blocks `first..first + 8` of one x row) times the x row's and the
+/// weight's block scales, in the definition's order; blocks past the end
+/// are multiplied by zero.
+#[inline]
+#[target_feature(enable = "avx512f,avx512vl")]
+unsafe fn apply8(sums: __m256, a_scales: &[f32], w_scales: &[f32], first: usize) -> __m256 {
+    let valid = w_scales.len().saturating_sub(first).min(8);
+    let mask: __mmask8 = ((1u32 << valid) - 1) as u8;
+    let a = _mm256_loadu_ps(a_scales.as_ptr().add(first));
+    let w = _mm256_maskz_loadu_ps(mask, w_scales.as_ptr().add(first));
+    _mm256_mul_ps(_mm256_mul_ps(sums, a), w)
 }
 
 #[inline]
@@ -137,32 +128,44 @@ unsafe fn fp4_rows<const M: usize>(
     }
 }
 
-/// Rounded block sums of one FP8 row (`codes`, no NaN) with each x row's
-/// values in f64, times 2^1000, times both block scales: row `i` at
-/// `sums[i * stride..]`, 8 or 4 blocks at a time (leftover blocks one by one).
+/// Rounded block sums of one FP8 row (`codes`, no NaN) with one x row's
+/// values in f64, times 2^1000, times both block scales, into `sums`: eight
+/// blocks at a time (leftover blocks one by one). Two or more x rows take
+/// [`fp8_tile`], which decodes a column once for all of them.
 ///
 /// # Safety
-/// The CPU must support AVX-512F and VL; each `wide[i]` holds `codes.len()`
-/// values, each `a_scales[i]` and `w_scales` the blocks, each row of `sums`
-/// the blocks rounded up to 16; at most 4 rows.
+/// The CPU must support AVX-512F and VL; `wide` holds `codes.len()` values,
+/// `a_scales` and `w_scales` the blocks, `sums` the blocks rounded up to 16.
 #[target_feature(enable = "avx512f,avx512vl")]
-pub(super) unsafe fn fp8_block_sums(
-    codes: &[u8],
-    wide: &[Vec<f64>],
-    a_scales: &[Vec<f32>],
-    w_scales: &[f32],
-    sums: &mut [f32],
-    stride: usize,
-) {
-    let scales = |rows: std::ops::Range<usize>| BlockScales { a: &a_scales[rows], w: w_scales };
-    // One decode serves every x row; the accumulators (rows × blocks side
-    // by side) stay within the 32 vector registers.
-    match wide.len() {
-        1 => fp8_rows::<1, 8>(codes, wide, &scales(0..1), sums, stride),
-        2 => fp8_rows::<2, 8>(codes, wide, &scales(0..2), sums, stride),
-        3 => fp8_rows::<3, 4>(codes, wide, &scales(0..3), sums, stride),
-        4 => fp8_rows::<4, 4>(codes, wide, &scales(0..4), sums, stride),
-        m => unreachable!("{m} rows at once"),
+pub(super) unsafe fn fp8_block_sums(codes: &[u8], wide: &[f64], a_scales: &[f32], w_scales: &[f32], sums: &mut [f32]) {
+    const NB: usize = 8;
+    let cols = codes.len();
+    let blocks = cols / ACT_BLOCK;
+    assert!(wide.len() == cols && sums.len() >= blocks.next_multiple_of(16), "wide row and sums");
+    assert!(a_scales.len() >= blocks && w_scales.len() == blocks, "scales");
+    let restore = _mm512_set1_pd(RESTORE);
+    let whole = blocks / NB * NB;
+    for first in (0..whole).step_by(NB) {
+        // Blocks side by side: each block's four FMAs depend on each other,
+        // the blocks do not, so the chains hide the FMA latency.
+        let mut acc = [_mm512_setzero_pd(); NB];
+        for part in 0..4 {
+            for (b, acc) in acc.iter_mut().enumerate() {
+                let c = (first + b) * ACT_BLOCK + 8 * part;
+                *acc = _mm512_fmadd_pd(_mm512_loadu_pd(wide.as_ptr().add(c)), fp8_decode8(codes.as_ptr().add(c)), *acc);
+            }
+        }
+        let exact = _mm512_mul_pd(reduce8(&acc), restore);
+        _mm256_storeu_ps(sums.as_mut_ptr().add(first), apply8(_mm512_cvtpd_ps(exact), a_scales, w_scales, first));
+    }
+    for b in whole..blocks {
+        let mut acc = _mm512_setzero_pd();
+        for part in 0..4 {
+            let c = b * ACT_BLOCK + 8 * part;
+            acc = _mm512_fmadd_pd(_mm512_loadu_pd(wide.as_ptr().add(c)), fp8_decode8(codes.as_ptr().add(c)), acc);
+        }
+        let sum = (_mm512_reduce_add_pd(acc) * RESTORE) as f32;
+        sums[b] = sum * a_scales[b] * w_scales[b];
     }
 }
 
@@ -171,62 +174,120 @@ pub(super) unsafe fn fp8_block_sums(
 /// 2^-16, normal and exact; this restores them.
 const RESTORE: f64 = 65536.0;
 
-/// Block sums for `M` x rows, `NB` blocks side by side (8 or 4).
-#[inline]
+/// Weight rows per [`fp8_tile`]: the f64 lanes of one vector.
+pub(super) const TILE_ROWS: usize = 8;
+
+/// The outputs of up to [`TILE_ROWS`] FP8 weight rows (no NaN code) with `M`
+/// x rows, before the bf16 rounding: `out[t][i]` for x row `t` and weight
+/// row `i`, each the K-order f32 chain of its scaled block sums.
+///
+/// The lanes are weight rows, not columns: column `c` of the eight rows is
+/// decoded into one vector and multiplied by x row `t`'s value at `c`
+/// (broadcast), so a block's eight sums come out of its last FMA with no
+/// horizontal reduction, and one decode serves every x row.
+///
+/// # Safety
+/// The CPU must support AVX-512F and VL; `row_codes[i]` are the rows'
+/// codes, `cols` each (a multiple of 32; rows past those computed repeat
+/// the last); `wide[t]` holds `cols` values times 2^1000; `a_scales[t]`
+/// and `w_scales[i]` hold `cols / 32` block scales.
 #[target_feature(enable = "avx512f,avx512vl")]
-unsafe fn fp8_rows<const M: usize, const NB: usize>(
-    codes: &[u8],
+pub(super) unsafe fn fp8_tile<const M: usize>(
+    row_codes: [&[u8]; TILE_ROWS],
     wide: &[Vec<f64>],
-    scales: &BlockScales,
-    sums: &mut [f32],
-    stride: usize,
-) {
-    let cols = codes.len();
+    a_scales: &[Vec<f32>],
+    w_scales: [&[f32]; TILE_ROWS],
+) -> [[f32; TILE_ROWS]; M] {
+    let cols = row_codes[0].len();
     let blocks = cols / ACT_BLOCK;
+    assert!(cols.is_multiple_of(ACT_BLOCK) && row_codes.iter().all(|r| r.len() == cols), "code rows");
     assert!(wide.len() == M && wide.iter().all(|w| w.len() == cols), "wide rows");
-    assert!(sums.len() >= (M - 1) * stride + blocks.next_multiple_of(16), "sums");
-    assert!(scales.a.len() == M && scales.a.iter().all(|a| a.len() >= blocks) && scales.w.len() == blocks, "scales");
-    assert!(NB == 8 || NB == 4, "{NB} blocks side by side");
+    assert!(a_scales.len() == M && a_scales.iter().all(|s| s.len() >= blocks), "x scales");
+    assert!(w_scales.iter().all(|s| s.len() >= blocks), "weight scales");
+    let rows = row_codes.map(<[u8]>::as_ptr);
     let restore = _mm512_set1_pd(RESTORE);
-    let whole = blocks / NB * NB;
-    for first in (0..whole).step_by(NB) {
-        // Blocks side by side: each block's four FMAs depend on each other,
-        // the blocks and rows do not, so the chains hide the FMA latency.
-        let mut acc = [[_mm512_setzero_pd(); NB]; M];
-        for part in 0..4 {
-            for b in 0..NB {
-                let c = (first + b) * ACT_BLOCK + 8 * part;
-                let w = fp8_decode8(codes.as_ptr().add(c));
-                for (row, a) in acc.iter_mut().enumerate() {
-                    a[b] = _mm512_fmadd_pd(_mm512_loadu_pd(wide[row].as_ptr().add(c)), w, a[b]);
-                }
-            }
-        }
-        for (row, a) in acc.iter().enumerate() {
-            let out = sums.as_mut_ptr().add(row * stride + first);
-            if NB == 8 {
-                let exact = _mm512_mul_pd(reduce8(a), restore);
-                _mm256_storeu_ps(out, scales.apply8(_mm512_cvtpd_ps(exact), row, first));
-            } else {
-                let exact = _mm256_mul_pd(reduce4(a), _mm512_castpd512_pd256(restore));
-                _mm_storeu_ps(out, scales.apply4(_mm256_cvtpd_ps(exact), row, first));
-            }
-        }
-    }
-    for b in whole..blocks {
+    let mut chains = [_mm256_setzero_ps(); M];
+    for b in 0..blocks {
         let mut acc = [_mm512_setzero_pd(); M];
-        for part in 0..4 {
-            let c = b * ACT_BLOCK + 8 * part;
-            let w = fp8_decode8(codes.as_ptr().add(c));
-            for (row, a) in acc.iter_mut().enumerate() {
-                *a = _mm512_fmadd_pd(_mm512_loadu_pd(wide[row].as_ptr().add(c)), w, *a);
+        // Lane i of groups[g]: row i's eight codes at columns 32b + 8g...
+        let groups = transpose_block(&rows, b * ACT_BLOCK);
+        for (group, &packed) in groups.iter().enumerate() {
+            let c = b * ACT_BLOCK + group * 8;
+            macro_rules! column {
+                ($j:literal, $shift:literal) => {{
+                    let w = fp8_lane_byte::<$shift>(packed);
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let x = _mm512_set1_pd(*wide[t].get_unchecked(c + $j));
+                        *acc = _mm512_fmadd_pd(w, x, *acc);
+                    }
+                }};
             }
+            column!(0, 56);
+            column!(1, 48);
+            column!(2, 40);
+            column!(3, 32);
+            column!(4, 24);
+            column!(5, 16);
+            column!(6, 8);
+            column!(7, 0);
         }
-        for (row, a) in acc.iter().enumerate() {
-            let sum = (_mm512_reduce_add_pd(*a) * RESTORE) as f32;
-            sums[row * stride + b] = sum * scales.a[row][b] * scales.w[b];
+        let w_scale = _mm256_setr_ps(
+            w_scales[0][b],
+            w_scales[1][b],
+            w_scales[2][b],
+            w_scales[3][b],
+            w_scales[4][b],
+            w_scales[5][b],
+            w_scales[6][b],
+            w_scales[7][b],
+        );
+        for (t, chain) in chains.iter_mut().enumerate() {
+            // The definition's order: the rounded sum, times x's scale, times the weight's.
+            let sums = _mm512_cvtpd_ps(_mm512_mul_pd(acc[t], restore));
+            let scaled = _mm256_mul_ps(_mm256_mul_ps(sums, _mm256_set1_ps(a_scales[t][b])), w_scale);
+            *chain = _mm256_add_ps(*chain, scaled);
         }
     }
+    chains.map(|chain| {
+        let mut out = [0.0f32; TILE_ROWS];
+        _mm256_storeu_ps(out.as_mut_ptr(), chain);
+        out
+    })
+}
+
+/// The 32 codes at column `c` of eight rows, as four vectors of eight
+/// quadwords: quadword `i` of vector `g` is row `i`'s codes `c + 8g..`.
+///
+/// # Safety
+/// AVX-512F; every row holds 32 bytes from `c`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_block(rows: &[*const u8; TILE_ROWS], c: usize) -> [__m512i; 4] {
+    let load = |i: usize| _mm256_loadu_si256(rows[i].add(c).cast());
+    // Rows k and k + 4 side by side, then quadwords paired across rows.
+    let z: [__m512i; 4] =
+        std::array::from_fn(|k| _mm512_inserti64x4::<1>(_mm512_castsi256_si512(load(k)), load(k + 4)));
+    let (t0, t1) = (_mm512_unpacklo_epi64(z[0], z[1]), _mm512_unpackhi_epi64(z[0], z[1]));
+    let (t2, t3) = (_mm512_unpacklo_epi64(z[2], z[3]), _mm512_unpackhi_epi64(z[2], z[3]));
+    let low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
+    let high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    [
+        _mm512_permutex2var_epi64(t0, low, t2),
+        _mm512_permutex2var_epi64(t1, low, t3),
+        _mm512_permutex2var_epi64(t0, high, t2),
+        _mm512_permutex2var_epi64(t1, high, t3),
+    ]
+}
+
+/// Byte `(56 - SHL) / 8` of every lane of `packed` as an e4m3 code decoded to
+/// f64 times 2^-1016, as [`fp8_decode8`] does: shifted to the top of its
+/// lane, then down by 7 with its sign, masked to the sign and the magnitude.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn fp8_lane_byte<const SHL: u32>(packed: __m512i) -> __m512d {
+    let top = _mm512_slli_epi64::<SHL>(packed);
+    let bits = _mm512_and_si512(_mm512_srai_epi64::<7>(top), _mm512_set1_epi64(0x80fe_0000_0000_0000u64 as i64));
+    _mm512_castsi512_pd(bits)
 }
 
 /// Eight e4m3 codes (no NaN) at `p` as f64 values times 2^-1016: the
@@ -239,20 +300,6 @@ unsafe fn fp8_decode8(p: *const u8) -> __m512d {
     let code = _mm512_cvtepi8_epi64(_mm_loadl_epi64(p.cast()));
     let bits = _mm512_and_si512(_mm512_slli_epi64::<49>(code), _mm512_set1_epi64(0x80fe_0000_0000_0000u64 as i64));
     _mm512_castsi512_pd(bits)
-}
-
-/// The lane sums of four f64 vectors (the first four of `v`), vector `k` in lane `k`.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn reduce4(v: &[__m512d]) -> __m256d {
-    assert!(v.len() >= 4);
-    // Halves, then quarters, as in `reduce8`: lane q of x holds vectors 2h + q's pairs.
-    let w0 = _mm512_add_pd(_mm512_shuffle_f64x2::<0x44>(v[0], v[1]), _mm512_shuffle_f64x2::<0xee>(v[0], v[1]));
-    let w1 = _mm512_add_pd(_mm512_shuffle_f64x2::<0x44>(v[2], v[3]), _mm512_shuffle_f64x2::<0xee>(v[2], v[3]));
-    let x = _mm512_add_pd(_mm512_shuffle_f64x2::<0x88>(w0, w1), _mm512_shuffle_f64x2::<0xdd>(w0, w1));
-    // 128-bit lane q of x: vector q's two partial sums (q = 0..4).
-    let y = _mm512_add_pd(x, _mm512_permute_pd::<0x55>(x));
-    _mm512_castpd512_pd256(_mm512_permutexvar_pd(_mm512_setr_epi64(0, 2, 4, 6, 0, 2, 4, 6), y))
 }
 
 /// The lane sums of eight f64 vectors (the first eight of `v`), vector `k` in lane `k`.

@@ -15,7 +15,10 @@
 //!   stored as the unsigned byte `W + 12`, and `vpdpbusd` adds 64 products a
 //!   cycle (the `12 · Σ A` this adds is taken off per block).
 //! - **FP8 weights** use f64: products of two e4m3 values are exact in f64 and
-//!   a block's sum fits 41 bits, so eight f64 lanes sum it exactly.
+//!   a block's sum fits 41 bits, so eight f64 lanes sum it exactly. One x row
+//!   puts eight columns in the lanes and adds them up per block; two or more
+//!   put eight weight rows in the lanes (a column of eight rows decoded once
+//!   for up to eight x rows), so a block's sums need no reduction at all.
 //!
 //! Rows holding a non-finite activation, and FP8 weights holding a NaN code,
 //! take the definition's own loop instead.
@@ -138,6 +141,11 @@ pub fn block_scaled_product(path: BlockPath, w: &Linear, acts: &[Fp8Row]) -> Opt
     let mut by_row = vec![0.0f32; rows * n];
     // One scratch per worker, not per job.
     let job = |scratch: &mut Scratch, (j, chunk): (usize, &mut [f32])| {
+        #[cfg(target_arch = "x86_64")]
+        if path == BlockPath::Avx512Vnni && matches!(weights, Weights::Fp8 { .. }) && n >= 2 {
+            fp8_tiles(&weights, &prepared, j * ROWS_PER_JOB, chunk);
+            return;
+        }
         rows_outputs(path, &weights, &prepared, j * ROWS_PER_JOB, cols, scratch, chunk);
     };
     if rayon::current_num_threads() > 1 && rows * cols * n >= PARALLEL_MIN_WORK {
@@ -272,6 +280,54 @@ const PAIRS: usize = 16;
 /// x rows whose block sums one kernel call computes from one decoded weight row.
 const X_ROWS_AT_ONCE: usize = 4;
 
+/// The FP8 outputs for weight rows `first..` on AVX-512, as
+/// [`rows_outputs`] lays them out: eight weight rows at a time in the
+/// lanes of [`avx512::fp8_tile`], up to eight x rows per call.
+#[cfg(target_arch = "x86_64")]
+fn fp8_tiles(weights: &Weights, prepared: &Prepared, first: usize, outputs: &mut [f32]) {
+    use avx512::TILE_ROWS;
+    let Weights::Fp8 { codes, .. } = weights else { unreachable!("FP8 weights") };
+    let n = prepared.acts.len();
+    let cols = prepared.wide[0].len();
+    let (blocks, weight_rows) = (cols / ACT_BLOCK, outputs.len() / n);
+    for i0 in (0..weight_rows).step_by(TILE_ROWS) {
+        let here = TILE_ROWS.min(weight_rows - i0);
+        // Rows past the end repeat the last one; their outputs are dropped.
+        let row = |i: usize| first + i0 + i.min(here - 1);
+        let row_codes: [&[u8]; TILE_ROWS] = std::array::from_fn(|i| &codes[row(i) * cols..][..cols]);
+        let w_scales: [&[f32]; TILE_ROWS] = std::array::from_fn(|i| weights.scale_row(row(i), blocks));
+        for t0 in (0..n).step_by(TILE_ROWS) {
+            let ts = t0..n.min(t0 + TILE_ROWS);
+            let (wide, a_scales) = (&prepared.wide[ts.clone()], &prepared.a_scales[ts.clone()]);
+            let mut store = |t: usize, sums: &[f32; TILE_ROWS]| {
+                for (i, &v) in sums[..here].iter().enumerate() {
+                    outputs[(i0 + i) * n + t] = v;
+                }
+            };
+            macro_rules! tile {
+                ($m:literal) => {{
+                    // SAFETY: `block_scaled_product` checked the path's features
+                    // (AVX-512F and VL among them) and that no code is NaN; the
+                    // rows, x values and scales are the lengths the kernel asserts.
+                    let out = unsafe { avx512::fp8_tile::<$m>(row_codes, wide, a_scales, w_scales) };
+                    out.iter().enumerate().for_each(|(k, sums)| store(t0 + k, sums));
+                }};
+            }
+            match ts.len() {
+                1 => tile!(1),
+                2 => tile!(2),
+                3 => tile!(3),
+                4 => tile!(4),
+                5 => tile!(5),
+                6 => tile!(6),
+                7 => tile!(7),
+                8 => tile!(8),
+                m => unreachable!("{m} x rows at once"),
+            }
+        }
+    }
+}
+
 /// Every x row's output for weight rows `first..`, `outputs[i * n + t]` for
 /// weight row `first + i` and x row `t`.
 fn rows_outputs(
@@ -402,10 +458,11 @@ fn fp8_block_sums(
 ) {
     #[cfg(target_arch = "x86_64")]
     if path == BlockPath::Avx512Vnni {
-        // SAFETY: as in `fp4_block_sums`; every wide row holds `codes.len()` values.
-        unsafe {
-            avx512::fp8_block_sums(codes, &prepared.wide[ts.clone()], &prepared.a_scales[ts], w_scales, sums, stride)
-        };
+        // Two or more x rows take the tiles (`fp8_tiles`).
+        assert!(ts.len() == 1, "{} x rows: the FP8 tiles take these", ts.len());
+        let t = ts.start;
+        // SAFETY: as in `fp4_block_sums`; the wide row holds `codes.len()` values.
+        unsafe { avx512::fp8_block_sums(codes, &prepared.wide[t], &prepared.a_scales[t], w_scales, sums) };
         return;
     }
     let _ = path;
