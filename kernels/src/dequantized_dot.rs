@@ -147,6 +147,7 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::{WEIGHT_SCALE_EXP, X_SCALE_EXP};
+    use crate::block_scaled::fp8_decode8;
 
     /// The eight f64 lanes of each of `ROWS` code rows against `scaled_x`,
     /// restored to the true sums' scale: lane `j` sums columns `j, j + 8, …`
@@ -166,7 +167,7 @@ mod avx512 {
         for c in (0..scaled_x.len()).step_by(8) {
             let x = _mm512_loadu_pd(scaled_x.as_ptr().add(c));
             for (k, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm512_fmadd_pd(x, decode8(codes.as_ptr().add(k * cols + c)), *acc);
+                *acc = _mm512_fmadd_pd(x, fp8_decode8(codes.as_ptr().add(k * cols + c)), *acc);
             }
         }
         let restore = _mm512_set1_pd(2f64.powi(WEIGHT_SCALE_EXP - X_SCALE_EXP));
@@ -175,17 +176,5 @@ mod avx512 {
             _mm512_storeu_pd(lanes.as_mut_ptr(), _mm512_mul_pd(acc[k], restore));
             lanes
         })
-    }
-
-    /// Eight e4m3 codes (no NaN) as f64 values times 2^-1016: the
-    /// sign-extended codes shifted by 49 put the magnitude under the f64
-    /// exponent and mantissa (e4m3's subnormals read as f64 subnormals of the
-    /// same value); the mask keeps one sign bit. Exact.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn decode8(p: *const u8) -> __m512d {
-        let code = _mm512_cvtepi8_epi64(_mm_loadl_epi64(p.cast()));
-        let bits = _mm512_and_si512(_mm512_slli_epi64::<49>(code), _mm512_set1_epi64(0x80fe_0000_0000_0000u64 as i64));
-        _mm512_castsi512_pd(bits)
     }
 }

@@ -294,9 +294,12 @@ unsafe fn fp8_lane_byte<const SHL: u32>(packed: __m512i) -> __m512d {
 /// sign-extended codes shifted by 49 put the magnitude under the f64 exponent
 /// and mantissa (exponent field 0, e4m3's subnormals, reads as an f64
 /// subnormal of the same value); the mask keeps one sign bit. Exact.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `p` points at 8 readable bytes.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn fp8_decode8(p: *const u8) -> __m512d {
+pub(crate) unsafe fn fp8_decode8(p: *const u8) -> __m512d {
     let code = _mm512_cvtepi8_epi64(_mm_loadl_epi64(p.cast()));
     let bits = _mm512_and_si512(_mm512_slli_epi64::<49>(code), _mm512_set1_epi64(0x80fe_0000_0000_0000u64 as i64));
     _mm512_castsi512_pd(bits)

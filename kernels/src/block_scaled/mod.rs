@@ -31,6 +31,8 @@ use crate::linear::{Linear, WeightFormat};
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx512::fp8_decode8;
 
 /// Columns per FP4 digit group: one 64-byte line of codes.
 const GROUP_COLS: usize = 128;
