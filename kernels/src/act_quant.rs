@@ -172,23 +172,7 @@ unsafe fn dot_f64_avx512(a: &[f32], b: &[f32]) -> f64 {
 pub fn dot_f64_rows(a: &[f32], rows: &[f32], out: &mut [f64]) {
     let cols = a.len();
     assert_eq!(rows.len(), out.len() * cols, "dot_f64_rows: {} values for {} rows of {cols}", rows.len(), out.len());
-    #[cfg(target_arch = "x86_64")]
-    if matches!(Isa::detect(), Isa::Avx512 | Isa::Avx512Vbmi) && cols > 0 {
-        let whole = out.len() / 4 * 4;
-        for (i, quad) in out[..whole].chunks_exact_mut(4).enumerate() {
-            let four: [&[f32]; 4] = std::array::from_fn(|k| &rows[(4 * i + k) * cols..][..cols]);
-            // SAFETY: `detect` found AVX-512F; each row holds `cols` values.
-            let sums = unsafe { dot_f64_4rows_avx512(a, four) };
-            quad.copy_from_slice(&sums);
-        }
-        for (i, o) in out.iter_mut().enumerate().skip(whole) {
-            *o = dot_f64(a, &rows[i * cols..][..cols]);
-        }
-        return;
-    }
-    for (o, row) in out.iter_mut().zip(rows.chunks_exact(cols.max(1))) {
-        *o = dot_f64(a, row);
-    }
+    dot_f64_with_row(a, |i| &rows[i * cols..][..cols], out);
 }
 
 /// `out[i] = dot_f64(a, rows[i])` for rows anywhere in memory (keys of a
@@ -196,18 +180,25 @@ pub fn dot_f64_rows(a: &[f32], rows: &[f32], out: &mut [f64]) {
 pub fn dot_f64_each(a: &[f32], rows: &[&[f32]], out: &mut [f64]) {
     assert_eq!(rows.len(), out.len(), "dot_f64_each: {} rows for {} outputs", rows.len(), out.len());
     assert!(rows.iter().all(|r| r.len() == a.len()), "dot_f64_each: row lengths");
+    dot_f64_with_row(a, |i| rows[i], out);
+}
+
+/// `out[i] = dot_f64(a, row(i))`; every row holds `a.len()` values.
+#[inline]
+fn dot_f64_with_row<'r>(a: &[f32], row: impl Fn(usize) -> &'r [f32], out: &mut [f64]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if matches!(Isa::detect(), Isa::Avx512 | Isa::Avx512Vbmi) && !a.is_empty() {
         done = out.len() / 4 * 4;
-        for (quad, four) in out[..done].chunks_exact_mut(4).zip(rows.chunks_exact(4)) {
-            // SAFETY: `detect` found AVX-512F; every row holds `a.len()` values (asserted above).
-            let sums = unsafe { dot_f64_4rows_avx512(a, [four[0], four[1], four[2], four[3]]) };
+        for (i, quad) in out[..done].chunks_exact_mut(4).enumerate() {
+            let four: [&[f32]; 4] = std::array::from_fn(|k| row(4 * i + k));
+            // SAFETY: `detect` found AVX-512F; the kernel asserts the row lengths.
+            let sums = unsafe { dot_f64_4rows_avx512(a, four) };
             quad.copy_from_slice(&sums);
         }
     }
-    for (o, row) in out.iter_mut().zip(rows).skip(done) {
-        *o = dot_f64(a, row);
+    for (i, o) in out.iter_mut().enumerate().skip(done) {
+        *o = dot_f64(a, row(i));
     }
 }
 

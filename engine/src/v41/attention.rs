@@ -11,7 +11,6 @@
 use deepinfer_kernels::act_quant::{
     fp4_round_trip, fp8_round_trip, plain_linear, quantized_linear, round_bf16, round_bf16_all, Fp4Scale,
 };
-
 use deepinfer_kernels::dequantized_dot::dot_f64_dequantized_rows;
 
 use super::config::{CandidateRole, LayerPlan, V41Config};

@@ -231,15 +231,19 @@ fn attend_head(qh: &[f32], keys: &[Option<&[f32]>], sink: f32, scale: f32, out: 
     let mut acc = vec![0.0f32; d];
     let mut sum_exp = 0.0f32;
     let mut max = -1e30f32;
+    // Reused by every block: the filled slots' keys and their dot products.
+    let (mut filled, mut dots): (Vec<&[f32]>, Vec<f64>) = (Vec::new(), Vec::new());
     for block in keys.chunks(ATTENTION_BLOCK) {
         // Filled slots' dot products four at a time, then every slot's score.
-        let filled: Vec<&[f32]> = block.iter().flatten().copied().collect();
-        let mut dots = vec![0.0f64; filled.len()];
+        filled.clear();
+        filled.extend(block.iter().flatten().copied());
+        dots.clear();
+        dots.resize(filled.len(), 0.0);
         deepinfer_kernels::act_quant::dot_f64_each(qh, &filled, &mut dots);
-        let mut dots = dots.into_iter();
+        let mut dots = dots.iter();
         let scores: Vec<f32> = block
             .iter()
-            .map(|k| k.map_or(f32::NEG_INFINITY, |_| dots.next().expect("one dot per filled slot") as f32 * scale))
+            .map(|k| k.map_or(f32::NEG_INFINITY, |_| *dots.next().expect("one dot per filled slot") as f32 * scale))
             .collect();
         let new_max = scores.iter().fold(max, |a, &b| a.max(b));
         let rescale = exp(max - new_max);

@@ -279,6 +279,10 @@ unsafe fn transpose_block(rows: &[*const u8; TILE_ROWS], c: usize) -> [__m512i; 
     ]
 }
 
+/// The f64 bits an e4m3 code keeps once shifted under the exponent: the
+/// sign, and its seven magnitude bits at 49..56.
+const FP8_F64_BITS: i64 = 0x80fe_0000_0000_0000u64 as i64;
+
 /// Byte `(56 - SHL) / 8` of every lane of `packed` as an e4m3 code decoded to
 /// f64 times 2^-1016, as [`fp8_decode8`] does: shifted to the top of its
 /// lane, then down by 7 with its sign, masked to the sign and the magnitude.
@@ -286,7 +290,7 @@ unsafe fn transpose_block(rows: &[*const u8; TILE_ROWS], c: usize) -> [__m512i; 
 #[target_feature(enable = "avx512f")]
 unsafe fn fp8_lane_byte<const SHL: u32>(packed: __m512i) -> __m512d {
     let top = _mm512_slli_epi64::<SHL>(packed);
-    let bits = _mm512_and_si512(_mm512_srai_epi64::<7>(top), _mm512_set1_epi64(0x80fe_0000_0000_0000u64 as i64));
+    let bits = _mm512_and_si512(_mm512_srai_epi64::<7>(top), _mm512_set1_epi64(FP8_F64_BITS));
     _mm512_castsi512_pd(bits)
 }
 
@@ -301,7 +305,7 @@ unsafe fn fp8_lane_byte<const SHL: u32>(packed: __m512i) -> __m512d {
 #[target_feature(enable = "avx512f")]
 pub(crate) unsafe fn fp8_decode8(p: *const u8) -> __m512d {
     let code = _mm512_cvtepi8_epi64(_mm_loadl_epi64(p.cast()));
-    let bits = _mm512_and_si512(_mm512_slli_epi64::<49>(code), _mm512_set1_epi64(0x80fe_0000_0000_0000u64 as i64));
+    let bits = _mm512_and_si512(_mm512_slli_epi64::<49>(code), _mm512_set1_epi64(FP8_F64_BITS));
     _mm512_castsi512_pd(bits)
 }
 
