@@ -131,6 +131,9 @@ pub fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
         Isa::Avx512 | Isa::Avx512Vbmi => unsafe { dot_f64_avx512(a, b) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { dot_f64_avx2(a, b) },
+        // SAFETY: as above (NEON).
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => unsafe { dot_f64_rows_neon(a, [b])[0] },
         _ => dot_f64_lanes(a, b),
     }
 }
@@ -183,18 +186,26 @@ pub fn dot_f64_each(a: &[f32], rows: &[&[f32]], out: &mut [f64]) {
     dot_f64_with_row(a, |i| rows[i], out);
 }
 
+/// A kernel of [`dot_f64`] with four rows at once.
+type FourRowDots = fn(&[f32], [&[f32]; 4]) -> [f64; 4];
+
 /// `out[i] = dot_f64(a, row(i))`; every row holds `a.len()` values.
 #[inline]
 fn dot_f64_with_row<'r>(a: &[f32], row: impl Fn(usize) -> &'r [f32], out: &mut [f64]) {
+    let four_rows: Option<FourRowDots> = match Isa::detect() {
+        // SAFETY: `detect` found AVX-512F; the kernel asserts the row lengths.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Avx512Vbmi => Some(|a, rows| unsafe { dot_f64_4rows_avx512(a, rows) }),
+        // SAFETY: `detect` found NEON; the kernel asserts the row lengths.
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => Some(|a, rows| unsafe { dot_f64_rows_neon(a, rows) }),
+        _ => None,
+    };
     let mut done = 0;
-    #[cfg(target_arch = "x86_64")]
-    if matches!(Isa::detect(), Isa::Avx512 | Isa::Avx512Vbmi) && !a.is_empty() {
+    if let Some(four_rows) = four_rows.filter(|_| !a.is_empty()) {
         done = out.len() / 4 * 4;
         for (i, quad) in out[..done].chunks_exact_mut(4).enumerate() {
-            let four: [&[f32]; 4] = std::array::from_fn(|k| row(4 * i + k));
-            // SAFETY: `detect` found AVX-512F; the kernel asserts the row lengths.
-            let sums = unsafe { dot_f64_4rows_avx512(a, four) };
-            quad.copy_from_slice(&sums);
+            quad.copy_from_slice(&four_rows(a, std::array::from_fn(|k| row(4 * i + k))));
         }
     }
     for (i, o) in out.iter_mut().enumerate().skip(done) {
@@ -221,6 +232,44 @@ unsafe fn dot_f64_4rows_avx512(a: &[f32], rows: [&[f32]; 4]) -> [f64; 4] {
     std::array::from_fn(|k| {
         let mut lanes = [0.0f64; 8];
         _mm512_storeu_pd(lanes.as_mut_ptr(), acc[k]);
+        combine_lanes(&lanes, &a[whole..], &rows[k][whole..])
+    })
+}
+
+/// [`dot_f64_lanes`] of `a` with each of `R` rows on NEON: lane `j` of the
+/// eight in register `j / 2`, the same sums in the same order.
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+unsafe fn dot_f64_rows_neon<const R: usize>(a: &[f32], rows: [&[f32]; R]) -> [f64; R] {
+    use std::arch::aarch64::*;
+    let cols = a.len();
+    assert!(rows.iter().all(|r| r.len() == cols), "{R} rows of {cols}");
+    let whole = cols / 8 * 8;
+    // Eight f32 at `p` as four pairs of f64.
+    let wide = |p: *const f32| {
+        let (low, high) = (vld1q_f32(p), vld1q_f32(p.add(4)));
+        [
+            vcvt_f64_f32(vget_low_f32(low)),
+            vcvt_high_f64_f32(low),
+            vcvt_f64_f32(vget_low_f32(high)),
+            vcvt_high_f64_f32(high),
+        ]
+    };
+    let mut acc = [[vdupq_n_f64(0.0); 4]; R];
+    for c in (0..whole).step_by(8) {
+        let x = wide(a.as_ptr().add(c));
+        for (acc, row) in acc.iter_mut().zip(&rows) {
+            let y = wide(row.as_ptr().add(c));
+            for p in 0..4 {
+                acc[p] = vfmaq_f64(acc[p], x[p], y[p]);
+            }
+        }
+    }
+    std::array::from_fn(|k| {
+        let mut lanes = [0.0f64; 8];
+        for (p, v) in acc[k].iter().enumerate() {
+            vst1q_f64(lanes.as_mut_ptr().add(2 * p), *v);
+        }
         combine_lanes(&lanes, &a[whole..], &rows[k][whole..])
     })
 }

@@ -19,15 +19,19 @@ const DECODED_ROWS: usize = 16;
 /// The AVX-512 path reads x times the block scale times 2^`X_SCALE_EXP`
 /// (exact, far from overflow for any finite f32 times a scale up to
 /// 2^[`SCALE_EXP_MAX`]) ...
+#[cfg(target_arch = "x86_64")]
 const X_SCALE_EXP: i32 = 500;
 /// ... and the weights as value times 2^-`WEIGHT_SCALE_EXP` (the e4m3 code's
 /// bits placed under the f64 exponent), so every product and partial sum is
 /// the true one times 2^-516: normal, and rounded exactly as the true one.
+#[cfg(target_arch = "x86_64")]
 const WEIGHT_SCALE_EXP: i32 = 1016;
 /// Block scales qualify for the AVX-512 path when they are powers of two in
 /// this range: an e4m3 value times such a scale is exact in bf16, so the
 /// bf16 rounding of the definition changes nothing.
+#[cfg(target_arch = "x86_64")]
 const SCALE_EXP_MIN: i32 = -100;
+#[cfg(target_arch = "x86_64")]
 const SCALE_EXP_MAX: i32 = 20;
 
 /// `out[i]` = [`crate::act_quant::dot_f64`] of `x` with row `first + i` of

@@ -13,12 +13,14 @@
 //!   with `|W| <= 12`, and a block's `Σ A·W` stays below 2^27, so it is exact
 //!   in i32. With AVX-512 VNNI, `A` is split into three signed bytes and `W`
 //!   stored as the unsigned byte `W + 12`, and `vpdpbusd` adds 64 products a
-//!   cycle (the `12 · Σ A` this adds is taken off per block).
+//!   cycle (the `12 · Σ A` this adds is taken off per block). With NEON's
+//!   `sdot` both sides are signed, so `W` is a signed byte and needs no offset.
 //! - **FP8 weights** use f64: products of two e4m3 values are exact in f64 and
 //!   a block's sum fits 41 bits, so eight f64 lanes sum it exactly. One x row
 //!   puts eight columns in the lanes and adds them up per block; two or more
 //!   put eight weight rows in the lanes (a column of eight rows decoded once
 //!   for up to eight x rows), so a block's sums need no reduction at all.
+//!   NEON decodes a block once for up to four x rows and sums it in f64 pairs.
 //!
 //! Rows holding a non-finite activation, and FP8 weights holding a NaN code,
 //! take the definition's own loop instead.
@@ -33,6 +35,8 @@ use crate::linear::{Linear, WeightFormat};
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) use avx512::fp8_decode8;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 
 /// Columns per FP4 digit group: one 64-byte line of codes.
 const GROUP_COLS: usize = 128;
@@ -53,6 +57,7 @@ const FP4_DOUBLED: [i32; 16] = {
 /// Added to [`FP4_DOUBLED`] to make every weight an unsigned byte.
 const FP4_BYTE_OFFSET: i32 = 12;
 /// `2 · e2m1 + 12` for every FP4 code: the unsigned weight byte of the VNNI path.
+#[cfg(target_arch = "x86_64")]
 const FP4_OFFSET_BYTES: [u8; 16] = {
     let mut bytes = [0; 16];
     let mut code = 0;
@@ -62,6 +67,9 @@ const FP4_OFFSET_BYTES: [u8; 16] = {
     }
     bytes
 };
+/// Bytes of activation digits per 32-column block on NEON: three digits,
+/// each in column order.
+const BLOCK_DIGIT_BYTES: usize = 3 * ACT_BLOCK;
 /// 2^1000: the AVX-512 FP8 kernel's activations are scaled by it, so that its
 /// weights can be decoded as value · 2^-1016 without a multiply (exact: no
 /// e4m3 value times 2^1000 overflows).
@@ -80,10 +88,13 @@ pub enum BlockPath {
     Portable,
     /// AVX-512F/BW/VL with VNNI: FP4 by `vpdpbusd`, FP8 in f64 lanes.
     Avx512Vnni,
+    /// aarch64 NEON with the dot-product extension: FP4 by `sdot`, FP8 in f64 lanes.
+    NeonDotprod,
 }
 
 impl BlockPath {
-    pub const ALL: [BlockPath; 2] = [BlockPath::Portable, BlockPath::Avx512Vnni];
+    /// Every path, the fastest last.
+    pub const ALL: [BlockPath; 3] = [BlockPath::Portable, BlockPath::Avx512Vnni, BlockPath::NeonDotprod];
 
     pub fn is_available(self) -> bool {
         match self {
@@ -97,6 +108,12 @@ impl BlockPath {
             }
             #[cfg(not(target_arch = "x86_64"))]
             BlockPath::Avx512Vnni => false,
+            #[cfg(target_arch = "aarch64")]
+            BlockPath::NeonDotprod => {
+                std::arch::is_aarch64_feature_detected!("neon") && std::arch::is_aarch64_feature_detected!("dotprod")
+            }
+            #[cfg(not(target_arch = "aarch64"))]
+            BlockPath::NeonDotprod => false,
         }
     }
 
@@ -187,7 +204,8 @@ impl Weights<'_> {
 /// The activations in the form the path reads, made once per call.
 struct Prepared<'a> {
     acts: &'a [Fp8Row],
-    /// FP4: `A = a · 2^9` per column (portable) or its digits per group (VNNI).
+    /// FP4: `A = a · 2^9` per column (portable), its digits per group (VNNI)
+    /// or per block (NEON).
     ints: Vec<Vec<i32>>,
     digits: Vec<Vec<i8>>,
     /// FP4 with VNNI: `12 · Σ A` per block, padded to whole vectors.
@@ -226,6 +244,9 @@ impl<'a> Prepared<'a> {
                         })
                         .collect();
                 }
+                if path == BlockPath::NeonDotprod {
+                    prepared.digits = prepared.ints.iter().map(|a| block_digits(a)).collect();
+                }
             }
             Weights::Fp8 { .. } => {
                 let scale = if path == BlockPath::Avx512Vnni { WIDE_SCALE } else { 1.0 };
@@ -252,15 +273,35 @@ fn group_digits(ints: &[i32], cols: usize) -> Vec<i8> {
     for (c, &a) in ints.iter().enumerate() {
         let (g, within) = (c / GROUP_COLS, c % GROUP_COLS);
         let (half, byte) = (within % 2, within / 2);
-        let d0 = ((a + 128) & 255) - 128;
-        let high = (a - d0) >> 8;
-        let d1 = ((high + 128) & 255) - 128;
-        let d2 = (high - d1) >> 8;
-        for (k, d) in [d0, d1, d2].into_iter().enumerate() {
-            digits[g * GROUP_DIGIT_BYTES + (2 * k + half) * 64 + byte] = d as i8;
+        for (k, d) in signed_digits(a).into_iter().enumerate() {
+            digits[g * GROUP_DIGIT_BYTES + (2 * k + half) * 64 + byte] = d;
         }
     }
     digits
+}
+
+/// `A` split into three signed bytes as [`group_digits`] does, laid out per
+/// 32-column block as d0 of its columns in order, then d1, then d2
+/// ([`BLOCK_DIGIT_BYTES`] a block): what NEON's `sdot` meets the weights with.
+fn block_digits(ints: &[i32]) -> Vec<i8> {
+    let mut digits = vec![0i8; ints.len() / ACT_BLOCK * BLOCK_DIGIT_BYTES];
+    for (c, &a) in ints.iter().enumerate() {
+        let (b, within) = (c / ACT_BLOCK, c % ACT_BLOCK);
+        for (k, d) in signed_digits(a).into_iter().enumerate() {
+            digits[b * BLOCK_DIGIT_BYTES + k * ACT_BLOCK + within] = d;
+        }
+    }
+    digits
+}
+
+/// `[d0, d1, d2]` with `a = d0 + 2^8 d1 + 2^16 d2`, each in `-128..128`
+/// (exact for `|a| < 2^23`).
+fn signed_digits(a: i32) -> [i8; 3] {
+    let d0 = ((a + 128) & 255) - 128;
+    let high = (a - d0) >> 8;
+    let d1 = ((high + 128) & 255) - 128;
+    let d2 = (high - d1) >> 8;
+    [d0 as i8, d1 as i8, d2 as i8]
 }
 
 /// Per-job buffers: the block sums of each (weight row, x row) pair of a
@@ -404,6 +445,15 @@ fn fp4_block_sums(
     sums: &mut [f32],
     stride: usize,
 ) {
+    #[cfg(target_arch = "aarch64")]
+    if path == BlockPath::NeonDotprod {
+        // SAFETY: `block_scaled_product` checked that the CPU has the path's
+        // features; the digits (per block), scales and sums are laid out as the kernel reads them.
+        unsafe {
+            neon::fp4_block_sums(codes, &prepared.digits[ts.clone()], &prepared.a_scales[ts], w_scales, sums, stride)
+        };
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if path == BlockPath::Avx512Vnni {
         // SAFETY: `block_scaled_product` checked that the CPU has the path's
@@ -465,6 +515,15 @@ fn fp8_block_sums(
         let t = ts.start;
         // SAFETY: as in `fp4_block_sums`; the wide row holds `codes.len()` values.
         unsafe { avx512::fp8_block_sums(codes, &prepared.wide[t], &prepared.a_scales[t], w_scales, sums) };
+        return;
+    }
+    #[cfg(target_arch = "aarch64")]
+    if path == BlockPath::NeonDotprod {
+        // SAFETY: `block_scaled_product` checked the path's features and that
+        // no code is NaN; the wide rows (unscaled) hold `codes.len()` values.
+        unsafe {
+            neon::fp8_block_sums(codes, &prepared.wide[ts.clone()], &prepared.a_scales[ts], w_scales, sums, stride)
+        };
         return;
     }
     let _ = path;

@@ -9,6 +9,8 @@ use std::sync::OnceLock;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod portable;
 
 /// A code path of the kernels. All paths give bit-identical results; they differ
@@ -25,11 +27,14 @@ pub enum Isa {
     /// AVX-512F with VBMI (Ice Lake, Zen 4 and later): FP4 codes reach their
     /// lanes with one byte shuffle.
     Avx512Vbmi,
+    /// AArch64 NEON (every 64-bit ARM CPU): four 4-lane registers hold the 16
+    /// lanes.
+    Neon,
 }
 
 impl Isa {
-    /// Every path, fastest last.
-    pub const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Vbmi];
+    /// Every path, fastest last (the x86-64 and AArch64 ones never both run).
+    pub const ALL: [Isa; 5] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Vbmi, Isa::Neon];
 
     /// Whether this CPU can run the path.
     pub fn is_available(self) -> bool {
@@ -47,6 +52,10 @@ impl Isa {
             }
             #[cfg(not(target_arch = "x86_64"))]
             Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vbmi => false,
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[cfg(not(target_arch = "aarch64"))]
+            Isa::Neon => false,
         }
     }
 
@@ -119,6 +128,10 @@ impl Backend {
             Isa::Avx2 if rows_left >= 3 => (3, 2),
             Isa::Avx2 if rows_left == 2 => (2, 2),
             Isa::Avx2 => (1, 4),
+            // 3 × 2 × 4 accumulators + 2 w + 1 x of the 32 q registers.
+            Isa::Neon if rows_left >= 3 => (3, 2),
+            Isa::Neon if rows_left == 2 => (2, 2),
+            Isa::Neon => (1, 4),
             Isa::Portable => (rows_left.min(2), 4),
         }
     }
@@ -145,8 +158,10 @@ impl Backend {
             // SAFETY: `Backend::new` checked that the CPU has AVX-512F; lengths are equal.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 | Isa::Avx512Vbmi => unsafe { avx512::dot(a, b) },
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => unreachable!(),
+            // SAFETY: `Backend::new` checked that the CPU has NEON; lengths are equal.
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => unsafe { neon::dot(a, b) },
+            _ => unreachable!("{:?} on this target", self.0),
         }
     }
 
@@ -203,6 +218,15 @@ impl Backend {
             (Isa::Avx512 | Isa::Avx512Vbmi, 6, 4) => unsafe {
                 avx512::micro::<6, 4>(arr(xs), arr(ws), acc, acc_stride)
             },
+            // SAFETY: as above.
+            #[cfg(target_arch = "aarch64")]
+            (Isa::Neon, 1, 4) => unsafe { neon::micro::<1, 4>(arr(xs), arr(ws), acc, acc_stride) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "aarch64")]
+            (Isa::Neon, 2, 2) => unsafe { neon::micro::<2, 2>(arr(xs), arr(ws), acc, acc_stride) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "aarch64")]
+            (Isa::Neon, 3, 2) => unsafe { neon::micro::<3, 2>(arr(xs), arr(ws), acc, acc_stride) },
             (isa, m, n) => unreachable!("no {m}x{n} tile for {isa:?}"),
         }
     }
@@ -271,7 +295,10 @@ impl Backend {
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
-        unreachable!("no fused kernel on this target");
+        {
+            let _ = (x_abs_max, codes_nan_free);
+            unreachable!("no fused kernel on this target");
+        }
     }
 
     /// Little-endian bf16 bytes to f32; `src.len() == 2 * dst.len()`.
@@ -284,6 +311,9 @@ impl Backend {
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::bf16_span(src, dst) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => unsafe { neon::bf16_span(src, dst) },
             _ => portable::bf16_span(src, dst),
         }
     }
@@ -300,6 +330,9 @@ impl Backend {
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::fp8_span(src, k0, scales, dst) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => unsafe { neon::fp8_span(src, k0, scales, dst) },
             _ => portable::fp8_span(src, k0, scales, dst),
         }
     }
@@ -317,6 +350,9 @@ impl Backend {
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { avx2::fp4_span(src, k0, scales, dst) },
+            // SAFETY: as above.
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => unsafe { neon::fp4_span(src, k0, scales, dst) },
             _ => portable::fp4_span(src, k0, scales, dst),
         }
     }
