@@ -175,6 +175,10 @@ fn decode_weights() -> Vec<(&'static str, Linear)> {
     vec![
         ("fp8 e4m3, 128 × 128 blocks", quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128)),
         ("fp4 e2m1, 32-column scales", quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32)),
+        (
+            "fp4 e2m1, regrouped for this CPU",
+            quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32).into_decode_layout(),
+        ),
     ]
 }
 
@@ -192,6 +196,7 @@ fn decode_gbs(lin: &Linear) -> f64 {
     });
     let codes = match &lin.format {
         WeightFormat::Fp8 { data, .. } | WeightFormat::Fp4 { data, .. } => data.len(),
+        WeightFormat::Fp4Grouped(g) => g.rows() * g.cols() / 2,
         _ => unreachable!("quantised weights"),
     };
     (CALLS * codes) as f64 / secs / 1e9

@@ -349,8 +349,8 @@ pub fn quantized_linear(w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
 pub fn quantized_linear_on(path: BlockPath, w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
     assert_eq!(x.len(), n * w.cols, "quantised linear input");
     match &w.format {
-        WeightFormat::Fp8 { block_cols, .. } | WeightFormat::Fp4 { block_cols, .. } => {
-            assert_eq!(*block_cols, ACT_BLOCK, "weight scale blocks must be 32 wide along K");
+        WeightFormat::Fp8 { .. } | WeightFormat::Fp4 { .. } | WeightFormat::Fp4Grouped(_) => {
+            assert_eq!(scale_block_cols(w), ACT_BLOCK, "weight scale blocks must be 32 wide along K");
             let quantized: Vec<Fp8Row> = x.chunks_exact(w.cols).map(fp8_quantize_row).collect();
             match block_scaled_product(path, w, &quantized) {
                 Some(mut out) => {
@@ -369,8 +369,8 @@ pub fn quantized_linear_on(path: BlockPath, w: &Linear, x: &[f32], n: usize) -> 
 pub fn quantized_linear_reference(w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
     assert_eq!(x.len(), n * w.cols, "quantised linear input");
     match &w.format {
-        WeightFormat::Fp8 { block_cols, .. } | WeightFormat::Fp4 { block_cols, .. } => {
-            assert_eq!(*block_cols, ACT_BLOCK, "weight scale blocks must be 32 wide along K");
+        WeightFormat::Fp8 { .. } | WeightFormat::Fp4 { .. } | WeightFormat::Fp4Grouped(_) => {
+            assert_eq!(scale_block_cols(w), ACT_BLOCK, "weight scale blocks must be 32 wide along K");
             let quantized: Vec<Fp8Row> = x.chunks_exact(w.cols).map(fp8_quantize_row).collect();
             reference_product(w, &quantized)
         }
@@ -431,6 +431,15 @@ pub fn plain_linear(w: &Linear, x: &[f32], n: usize, out: &mut [f32]) {
     }
 }
 
+/// Columns per scale along K of a quantised weight.
+fn scale_block_cols(w: &Linear) -> usize {
+    match &w.format {
+        WeightFormat::Fp8 { block_cols, .. } | WeightFormat::Fp4 { block_cols, .. } => *block_cols,
+        WeightFormat::Fp4Grouped(_) => crate::fp4_groups::SCALE_COLS,
+        _ => unreachable!("only quantised weights have scale blocks"),
+    }
+}
+
 /// The scale of every (row, 32-wide K block) of a quantised weight.
 fn block_scales(w: &Linear) -> Vec<f32> {
     let blocks = w.cols / ACT_BLOCK;
@@ -440,6 +449,9 @@ fn block_scales(w: &Linear) -> Vec<f32> {
             (0..w.rows).flat_map(|r| (0..blocks).map(move |b| scales[(r / block_rows) * per_row + b])).collect()
         }
         WeightFormat::Fp4 { scales, .. } => scales.clone(),
+        WeightFormat::Fp4Grouped(groups) => {
+            (0..w.rows * blocks).map(|i| groups.scale(i / blocks, i % blocks)).collect()
+        }
         _ => unreachable!("only quantised weights have block scales"),
     }
 }
@@ -457,6 +469,9 @@ fn unscaled_row(w: &Linear, r: usize, out: &mut [f32]) {
                 pair[0] = FP4_E2M1_VALUES[(b & 0xf) as usize];
                 pair[1] = FP4_E2M1_VALUES[(b >> 4) as usize];
             }
+        }
+        WeightFormat::Fp4Grouped(groups) => {
+            out.iter_mut().enumerate().for_each(|(c, o)| *o = FP4_E2M1_VALUES[groups.code(r, c) as usize]);
         }
         _ => unreachable!("only quantised weights have unscaled rows"),
     }

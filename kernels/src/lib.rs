@@ -12,6 +12,7 @@ pub mod act_quant;
 pub mod block_scaled;
 pub mod dequantized_dot;
 pub mod dtype;
+pub mod fp4_groups;
 pub mod linear;
 pub mod ops;
 pub mod quantize;

@@ -11,6 +11,7 @@ use bytes::Bytes;
 use rayon::prelude::*;
 
 use crate::dtype::{bf16_to_f32, fp8_e4m3_to_f32, FP4_E2M1_VALUES};
+use crate::fp4_groups::Fp4Groups;
 pub use crate::simd::Isa;
 use crate::simd::{prefetch, Backend, EncodedRows, Encoding, ScaleRow};
 
@@ -48,6 +49,9 @@ pub enum WeightFormat {
         scales: Vec<f32>,
         block_cols: usize,
     },
+    /// FP4 weights regrouped for the AVX-512 decode kernel (see
+    /// [`crate::fp4_groups`]); the same values as the published layout.
+    Fp4Grouped(Fp4Groups),
 }
 
 impl WeightFormat {
@@ -81,6 +85,24 @@ impl Linear {
             WeightFormat::Fp8 { data, scales, .. } | WeightFormat::Fp4 { data, scales, .. } => {
                 data.len() + scales.len() * 4
             }
+            WeightFormat::Fp4Grouped(groups) => groups.storage_bytes(),
+        }
+    }
+
+    /// This weight in the layout the fastest kernel of this CPU reads: FP4
+    /// regrouped ([`Fp4Groups`]) where AVX-512BW decodes it, when its scales
+    /// allow; otherwise unchanged. The values, and every output's bits, stay
+    /// the same.
+    pub fn into_decode_layout(self) -> Self {
+        let regroup = matches!(Isa::detect(), Isa::Avx512 | Isa::Avx512Vbmi);
+        match &self.format {
+            WeightFormat::Fp4 { data, scales, block_cols } if regroup => {
+                match Fp4Groups::pack(self.rows, self.cols, data, scales, *block_cols) {
+                    Some(groups) => Self { format: WeightFormat::Fp4Grouped(groups), ..self },
+                    None => self,
+                }
+            }
+            _ => self,
         }
     }
 
@@ -114,6 +136,7 @@ impl Linear {
                     out[c + 1] = FP4_E2M1_VALUES[(b >> 4) as usize] * s;
                 }
             }
+            WeightFormat::Fp4Grouped(groups) => groups.dequantize_row(r, out),
         }
     }
 
@@ -139,6 +162,11 @@ impl Linear {
         let rows = self.rows;
         if n == 0 || rows == 0 {
             return;
+        }
+        if let WeightFormat::Fp4Grouped(groups) = &self.format {
+            if crate::fp4_groups::forward_decoded(groups, backend, x, n, out, PARALLEL_MIN_FMAS) {
+                return;
+            }
         }
         // Input rows regrouped column block by column block, so the rows a block
         // multiplies are contiguous instead of `cols` apart (a power-of-two stride
@@ -199,6 +227,7 @@ impl Linear {
                 assert!(data.len() >= rows * cols / 2, "fp4 weight size");
                 assert!(scales.len() >= rows * (cols / block_cols), "fp4 scales");
             }
+            WeightFormat::Fp4Grouped(groups) => assert!(groups.rows() == rows && groups.cols() == cols, "fp4 groups"),
         }
     }
 
@@ -313,15 +342,17 @@ impl Linear {
             WeightFormat::Bf16(_) => fused(Encoding::Bf16, 16),
             WeightFormat::Fp8 { block_cols, .. } => fused(Encoding::Fp8, *block_cols),
             WeightFormat::Fp4 { block_cols, .. } => fused(Encoding::Fp4, *block_cols),
+            WeightFormat::Fp4Grouped(_) => Plan::Buffered,
         }
     }
 
     /// Dequantise columns `k0..k0 + dst.len()` of row `r`, with the same values as
     /// [`Linear::dequantize_row`].
     fn dequantize_span(&self, backend: Backend, r: usize, k0: usize, dst: &mut [f32]) {
-        if let WeightFormat::F32(d) = &self.format {
-            dst.copy_from_slice(&d[r * self.cols + k0..][..dst.len()]);
-            return;
+        match &self.format {
+            WeightFormat::F32(d) => return dst.copy_from_slice(&d[r * self.cols + k0..][..dst.len()]),
+            WeightFormat::Fp4Grouped(groups) => return crate::fp4_groups::decode_span(groups, backend, r, k0, dst),
+            _ => {}
         }
         let (codes, scales) = RowLayout::of(self).span(r, k0, dst.len());
         match &self.format {
@@ -355,7 +386,7 @@ impl<'a> RowLayout<'a> {
         let cols = lin.cols;
         let (encoding, codes, scales, scale_block, scales_per_row, rows_per_scale_row): (_, &[u8], &[f32], _, _, _) =
             match &lin.format {
-                WeightFormat::F32(_) => unreachable!("f32 weights are not encoded"),
+                WeightFormat::F32(_) | WeightFormat::Fp4Grouped(_) => unreachable!("not read by spans"),
                 WeightFormat::Bf16(d) => (Encoding::Bf16, d, &[], 16, 0, 1),
                 WeightFormat::Fp8 { data, scales, block_rows, block_cols, .. } => {
                     (Encoding::Fp8, data, scales, *block_cols, cols.div_ceil(*block_cols), *block_rows)
@@ -490,99 +521,5 @@ pub fn dot_with(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::dtype::f32_to_bf16;
-
-    fn available() -> Vec<Backend> {
-        Isa::ALL.into_iter().filter(|i| i.is_available()).map(Backend::new).collect()
-    }
-
-    /// Every span of every row, dequantised by every path, against `dequantize_row`.
-    fn assert_spans_match(lin: &Linear) {
-        let mut row = vec![0.0f32; lin.cols];
-        let mut span = vec![0.0f32; lin.cols];
-        // FP4 spans cover whole bytes.
-        let even = matches!(lin.format, WeightFormat::Fp4 { .. });
-        for backend in available() {
-            for r in 0..lin.rows {
-                lin.dequantize_row(r, &mut row);
-                for k0 in (0..lin.cols).step_by(16) {
-                    for len in [1, 2, 15, 16, 17, 40, lin.cols - k0] {
-                        let len = len.min(lin.cols - k0) & if even { !1 } else { !0 };
-                        if len == 0 {
-                            continue;
-                        }
-                        lin.dequantize_span(backend, r, k0, &mut span[..len]);
-                        for (c, (a, b)) in span[..len].iter().zip(&row[k0..]).enumerate() {
-                            assert_eq!(a.to_bits(), b.to_bits(), "{backend:?} row {r} col {}", k0 + c);
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn fp8_spans_match_table_for_every_code_and_scale() {
-        // Each row holds all 256 codes (NaNs included) in a rotated order.
-        let (rows, cols): (usize, usize) = (4, 256);
-        let data: Vec<u8> = (0..rows * cols).map(|i| ((i % cols) as u8).wrapping_add((i / cols * 37) as u8)).collect();
-        for scale in [crate::dtype::ue8m0_to_f32(0), 2f32.powi(-120), 2f32.powi(-7), 1.0, 2f32.powi(100)] {
-            for block in [(1, 256), (3, 16), (2, 7)] {
-                let blocks = rows.div_ceil(block.0) * cols.div_ceil(block.1);
-                let scales: Vec<f32> = (0..blocks).map(|b| scale * [1.0, 0.5, 4.0][b % 3]).collect();
-                let lin = Linear {
-                    rows,
-                    cols,
-                    format: WeightFormat::fp8(Bytes::from(data.clone()), scales, block.0, block.1),
-                };
-                assert_spans_match(&lin);
-            }
-        }
-    }
-
-    #[test]
-    fn a_tile_reduces_to_each_row_tree_on_every_path() {
-        // Magnitudes spread over 2^±40, so a sum in another order differs in its bits.
-        let mut state = 7u64;
-        let acc: [f32; 256] = std::array::from_fn(|_| {
-            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-            let mantissa = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-            mantissa * 2f32.powi((state >> 33) as i32 % 81 - 40)
-        });
-        let want: Vec<u32> = (0..16).map(|j| crate::simd::reduce16(&acc[j * 16..][..16]).to_bits()).collect();
-        for backend in available() {
-            let got: Vec<u32> = backend.reduce_tile(&acc).iter().map(|v| v.to_bits()).collect();
-            assert_eq!(got, want, "{backend:?}");
-        }
-    }
-
-    #[test]
-    fn fp4_spans_match_table_for_every_code() {
-        let (rows, cols) = (3, 96);
-        let data: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 7 + i / 16) as u8).collect();
-        for block in [32, 6, 3, 2] {
-            let scales: Vec<f32> = (0..rows * (cols / block)).map(|b| 2f32.powi(b as i32 % 9 - 4)).collect();
-            let lin = Linear {
-                rows,
-                cols,
-                format: WeightFormat::Fp4 { data: Bytes::from(data.clone()), scales, block_cols: block },
-            };
-            assert_spans_match(&lin);
-        }
-    }
-
-    #[test]
-    fn bf16_spans_match_for_special_bit_patterns() {
-        let (rows, cols) = (2, 77);
-        let mut bits: Vec<u16> = [0x0000, 0x8000, 0x0001, 0x807f, 0x7f80, 0xff80, 0x7fc0, 0x3f80]
-            .into_iter()
-            .chain((0..rows * cols).map(|i| f32_to_bf16(i as f32 * 0.37 - 9.0)))
-            .collect();
-        bits.truncate(rows * cols);
-        let data: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
-        let lin = Linear { rows, cols, format: WeightFormat::Bf16(Bytes::from(data)) };
-        assert_spans_match(&lin);
-    }
-}
+#[path = "linear_tests.rs"]
+mod tests;

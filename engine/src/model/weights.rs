@@ -145,8 +145,9 @@ pub(crate) struct Loader<'a> {
 }
 
 impl Loader<'_> {
+    /// A linear of the f32 forward pass, in the layout this CPU's kernels read fastest.
     fn linear(&self, prefix: &str, rows: usize, cols: usize) -> Result<Linear, CheckpointError> {
-        self.ck.linear(prefix, rows, cols, self.cfg.quant.fp8_block)
+        Ok(self.ck.linear(prefix, rows, cols, self.cfg.quant.fp8_block)?.into_decode_layout())
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, CheckpointError> {
@@ -443,6 +444,13 @@ impl Weights {
 /// inside a scale block.
 pub fn split_rows(w: &Linear, groups: usize) -> Vec<Linear> {
     assert!(w.rows.is_multiple_of(groups), "{} rows into {groups} groups", w.rows);
+    if let WeightFormat::Fp4Grouped(grouped) = &w.format {
+        let (data, scales) = grouped.to_published();
+        let block_cols = deepinfer_kernels::fp4_groups::SCALE_COLS;
+        let published =
+            Linear { rows: w.rows, cols: w.cols, format: WeightFormat::Fp4 { data: data.into(), scales, block_cols } };
+        return split_rows(&published, groups).into_iter().map(Linear::into_decode_layout).collect();
+    }
     let rows = w.rows / groups;
     let cols = w.cols;
     (0..groups)
@@ -464,6 +472,7 @@ pub fn split_rows(w: &Linear, groups: usize) -> Vec<Linear> {
                         nan_free: *nan_free,
                     }
                 }
+                WeightFormat::Fp4Grouped(_) => unreachable!("regrouped weights are split as published"),
                 WeightFormat::Fp4 { data, scales, block_cols } => {
                     let per_row = cols / block_cols;
                     WeightFormat::Fp4 {

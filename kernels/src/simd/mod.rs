@@ -9,6 +9,8 @@ use std::sync::OnceLock;
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512_groups;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 mod portable;
@@ -108,6 +110,11 @@ impl Backend {
     pub(crate) fn new(isa: Isa) -> Self {
         assert!(isa.is_available(), "{isa:?} is not supported by this CPU");
         Self(isa)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    pub(crate) fn isa(self) -> Isa {
+        self.0
     }
 
     /// The path of [`Isa::detect`], which only returns supported paths.

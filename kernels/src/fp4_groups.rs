@@ -1,0 +1,309 @@
+//! FP4 weights regrouped at load for the AVX-512 decode kernel.
+//!
+//! The published layout keeps two e2m1 codes per byte along a row and an f32
+//! scale per 32 columns. Decoding it takes four shuffles per 32 weights on
+//! AVX-512, and a tile of rows reads as many interleaved streams as it has
+//! rows. Here eight rows form a group, stored as one sequential stream of
+//! 128-column chunks; a chunk holds, per row, one 64-byte line of 32 words
+//! whose nibble `k` is a code of scale block `k`, then each (row, block)'s
+//! scale as a bf16 exponent step. A word shifted right by `4k` leaves block
+//! `k`'s code under it, one `vpermw` looks 32 codes up in a bf16 table whose
+//! exponents already carry the scale (an e2m1 value times a power of two has
+//! two significant bits, so bf16 holds it exactly), and the odd and even words
+//! become columns `0..16` and `16..32` of the block. One shuffle per 32
+//! weights; the products and their order are those of the published layout,
+//! so every output keeps its bits.
+
+use rayon::prelude::*;
+
+use crate::dtype::FP4_E2M1_VALUES;
+use crate::simd::Backend;
+
+/// Weight rows per group.
+pub const GROUP_ROWS: usize = 8;
+/// Columns per chunk: one 64-byte line of codes per row.
+pub const CHUNK_COLS: usize = 128;
+/// Columns per scale.
+pub const SCALE_COLS: usize = 32;
+const BLOCKS_PER_CHUNK: usize = CHUNK_COLS / SCALE_COLS;
+const LINE_BYTES: usize = 64;
+/// Lines of one group's chunk: a code line per row, then the 32 (row, block)
+/// scale steps as dwords (the step in both halves, so one 32-bit broadcast
+/// spreads it over every word).
+pub(crate) const CHUNK_LINES: usize = GROUP_ROWS + GROUP_ROWS * BLOCKS_PER_CHUNK * 4 / LINE_BYTES;
+/// Scale exponents kept: every e2m1 magnitude (bf16 exponents 126..=129) stays
+/// a normal bf16 after the step.
+const SCALE_EXP_MIN: i32 = -125;
+const SCALE_EXP_MAX: i32 = 125;
+/// Batches up to this many rows run the grouped kernel, decoding each weight
+/// once per two x rows; larger ones decode a tile of rows into f32 once and
+/// share it (the linear's buffered plan, through [`decode_span`]).
+#[cfg(target_arch = "x86_64")]
+const KERNEL_MAX_BATCH: usize = 4;
+/// x rows per kernel call: two rows' 16 accumulators and four x registers
+/// leave room for the decode within the 32 zmm registers.
+#[cfg(target_arch = "x86_64")]
+const KERNEL_X_ROWS: usize = 2;
+
+/// One cache line; chunks start on line boundaries.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+pub(crate) struct Line(pub(crate) [u8; LINE_BYTES]);
+
+/// An FP4 weight of `rows × cols` in groups of [`GROUP_ROWS`] rows (the last
+/// group padded with zero codes).
+#[derive(Clone)]
+pub struct Fp4Groups {
+    rows: usize,
+    cols: usize,
+    lines: Vec<Line>,
+}
+
+impl std::fmt::Debug for Fp4Groups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Fp4Groups({} × {}, {} bytes)", self.rows, self.cols, self.storage_bytes())
+    }
+}
+
+/// Word `i` of a row's line holds, in nibble `k`, column `32k + WORD_COLUMN[i]`:
+/// odd words columns `0..16` (the high half of each dword, which masking
+/// turns into an f32), even words columns `16..32` (shifted up into one).
+const WORD_COLUMN: [usize; 32] = {
+    let mut column = [0; 32];
+    let mut i = 0;
+    while i < 32 {
+        column[i] = if i % 2 == 1 { i / 2 } else { 16 + i / 2 };
+        i += 1;
+    }
+    column
+};
+
+/// The bf16 exponent step of scale `s`, if `s` is a power of two in range.
+fn scale_step(s: f32) -> Option<u16> {
+    let bits = s.to_bits();
+    let exp = ((bits >> 23) & 0xff) as i32 - 127;
+    let power_of_two = bits >> 31 == 0 && bits & 0x7f_ffff == 0 && (bits >> 23) & 0xff != 0;
+    (power_of_two && (SCALE_EXP_MIN..=SCALE_EXP_MAX).contains(&exp)).then_some((exp << 7) as i16 as u16)
+}
+
+/// The scale whose [`scale_step`] is `step`.
+fn step_scale(step: u16) -> f32 {
+    let exp = (step as i16 as i32) >> 7;
+    f32::from_bits(((exp + 127) as u32) << 23)
+}
+
+impl Fp4Groups {
+    /// Regroup published FP4 weights (`data`: two codes per byte, even column
+    /// in the low nibble; `scales`: one per `block_cols` columns of a row).
+    /// `None` unless the scales cover 32 columns, `cols` is a whole number of
+    /// chunks and every scale is a power of two that bf16 holds with every
+    /// e2m1 magnitude.
+    pub fn pack(rows: usize, cols: usize, data: &[u8], scales: &[f32], block_cols: usize) -> Option<Self> {
+        if block_cols != SCALE_COLS || cols == 0 || !cols.is_multiple_of(CHUNK_COLS) {
+            return None;
+        }
+        assert!(data.len() >= rows * cols / 2 && scales.len() >= rows * cols / SCALE_COLS, "fp4 weight size");
+        let steps: Vec<u16> =
+            scales[..rows * cols / SCALE_COLS].iter().map(|&s| scale_step(s)).collect::<Option<_>>()?;
+        let chunks = cols / CHUNK_COLS;
+        let groups = rows.div_ceil(GROUP_ROWS);
+        let mut lines = vec![Line([0; LINE_BYTES]); groups * chunks * CHUNK_LINES];
+        lines.par_chunks_mut(chunks * CHUNK_LINES).enumerate().for_each(|(g, group)| {
+            for (ch, chunk) in group.chunks_exact_mut(CHUNK_LINES).enumerate() {
+                let (codes, scale_lines) = chunk.split_at_mut(GROUP_ROWS);
+                for (j, line) in codes.iter_mut().enumerate() {
+                    let r = g * GROUP_ROWS + j;
+                    if r >= rows {
+                        break;
+                    }
+                    let pairs = &data[r * cols / 2 + ch * CHUNK_COLS / 2..][..CHUNK_COLS / 2];
+                    let code = |c: usize| (pairs[c / 2] >> (4 * (c % 2))) & 0xf;
+                    for (i, &column) in WORD_COLUMN.iter().enumerate() {
+                        let word = (0..BLOCKS_PER_CHUNK)
+                            .fold(0u16, |w, k| w | (code(SCALE_COLS * k + column) as u16) << (4 * k));
+                        line.0[2 * i..][..2].copy_from_slice(&word.to_le_bytes());
+                    }
+                    for k in 0..BLOCKS_PER_CHUNK {
+                        let step = steps[r * cols / SCALE_COLS + ch * BLOCKS_PER_CHUNK + k] as u32;
+                        let at = (j * BLOCKS_PER_CHUNK + k) * 4;
+                        scale_lines[at / LINE_BYTES].0[at % LINE_BYTES..][..4]
+                            .copy_from_slice(&(step | step << 16).to_le_bytes());
+                    }
+                }
+            }
+        });
+        Some(Self { rows, cols, lines })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes held (codes, scale steps and the padding rows of the last group).
+    pub fn storage_bytes(&self) -> usize {
+        self.lines.len() * LINE_BYTES
+    }
+
+    /// The lines of group `g`: its chunks in column order.
+    pub(crate) fn group_lines(&self, g: usize) -> &[Line] {
+        let per_group = self.cols / CHUNK_COLS * CHUNK_LINES;
+        &self.lines[g * per_group..][..per_group]
+    }
+
+    /// Row `r`'s code line and scale steps in chunk `ch`.
+    fn row_chunk(&self, r: usize, ch: usize) -> (&[u8; LINE_BYTES], [u16; BLOCKS_PER_CHUNK]) {
+        let (g, j) = (r / GROUP_ROWS, r % GROUP_ROWS);
+        let chunk = &self.group_lines(g)[ch * CHUNK_LINES..][..CHUNK_LINES];
+        let steps = std::array::from_fn(|k| {
+            let at = (j * BLOCKS_PER_CHUNK + k) * 4;
+            let bytes = &chunk[GROUP_ROWS + at / LINE_BYTES].0[at % LINE_BYTES..];
+            u16::from_le_bytes([bytes[0], bytes[1]])
+        });
+        (&chunk[j].0, steps)
+    }
+
+    /// The FP4 code of column `c` of row `r`.
+    pub fn code(&self, r: usize, c: usize) -> u8 {
+        assert!(r < self.rows && c < self.cols, "({r}, {c}) outside {} × {}", self.rows, self.cols);
+        let (line, _) = self.row_chunk(r, c / CHUNK_COLS);
+        let (k, column) = ((c % CHUNK_COLS) / SCALE_COLS, c % SCALE_COLS);
+        let i = if column < 16 { 2 * column + 1 } else { 2 * (column - 16) };
+        let word = u16::from_le_bytes([line[2 * i], line[2 * i + 1]]);
+        ((word >> (4 * k)) & 0xf) as u8
+    }
+
+    /// The scale of columns `32b..32b + 32` of row `r`.
+    pub fn scale(&self, r: usize, b: usize) -> f32 {
+        assert!(r < self.rows && b < self.cols / SCALE_COLS, "scale ({r}, {b})");
+        let (_, steps) = self.row_chunk(r, b / BLOCKS_PER_CHUNK);
+        step_scale(steps[b % BLOCKS_PER_CHUNK])
+    }
+
+    /// Columns `k0..k0 + dst.len()` of row `r`, dequantised to exactly the
+    /// values of the published layout. `k0` and the length are multiples of 16.
+    pub(crate) fn decode_span_portable(&self, r: usize, k0: usize, dst: &mut [f32]) {
+        assert!(k0.is_multiple_of(16) && dst.len().is_multiple_of(16) && k0 + dst.len() <= self.cols, "fp4 span");
+        for (piece, out) in dst.chunks_exact_mut(16).enumerate() {
+            let c0 = k0 + 16 * piece;
+            let (line, steps) = self.row_chunk(r, c0 / CHUNK_COLS);
+            let k = (c0 % CHUNK_COLS) / SCALE_COLS;
+            let scale = step_scale(steps[k]);
+            // Columns 0..16 of a block sit in the odd words, 16..32 in the even ones.
+            let parity = usize::from(c0.is_multiple_of(SCALE_COLS));
+            for (m, o) in out.iter_mut().enumerate() {
+                let i = 2 * m + parity;
+                let word = u16::from_le_bytes([line[2 * i], line[2 * i + 1]]);
+                *o = FP4_E2M1_VALUES[((word >> (4 * k)) & 0xf) as usize] * scale;
+            }
+        }
+    }
+
+    /// Row `r` dequantised (the values of [`crate::Linear::dequantize_row`]
+    /// on the published layout).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        assert!(r < self.rows && out.len() == self.cols, "row {r} of {} × {}", self.rows, self.cols);
+        self.decode_span_portable(r, 0, out);
+    }
+
+    /// The published layout back: `(codes, scales)`.
+    pub fn to_published(&self) -> (Vec<u8>, Vec<f32>) {
+        let (rows, cols) = (self.rows, self.cols);
+        let mut data = vec![0u8; rows * cols / 2];
+        for (r, row) in data.chunks_exact_mut(cols / 2).enumerate() {
+            for (p, byte) in row.iter_mut().enumerate() {
+                *byte = self.code(r, 2 * p) | self.code(r, 2 * p + 1) << 4;
+            }
+        }
+        let blocks = cols / SCALE_COLS;
+        let scales = (0..rows * blocks).map(|i| self.scale(i / blocks, i % blocks)).collect();
+        (data, scales)
+    }
+}
+
+/// `out[i * rows + r]` for `n` rows of `x` (row-major) with the grouped
+/// kernel, spread over threads by groups above `parallel_min_fmas`
+/// multiply-adds. `false` (nothing written) where the kernel does not apply:
+/// no AVX-512BW, or a batch better served by decoded tiles.
+pub(crate) fn forward_decoded(
+    groups: &Fp4Groups,
+    backend: Backend,
+    x: &[f32],
+    n: usize,
+    out: &mut [f32],
+    parallel_min_fmas: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(backend.isa(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) && n <= KERNEL_MAX_BATCH {
+        let (rows, cols) = (groups.rows, groups.cols);
+        assert!(x.len() == n * cols && out.len() == n * rows, "grouped fp4 forward");
+        let group_count = rows.div_ceil(GROUP_ROWS);
+        // Sums of group `g`, x row `i`, group row `j` at `(g * n + i) * GROUP_ROWS + j`.
+        let mut sums = vec![0.0f32; group_count * n * GROUP_ROWS];
+        let job = |first_group: usize, part: &mut [f32]| {
+            for (k, group_sums) in part.chunks_exact_mut(n * GROUP_ROWS).enumerate() {
+                let lines = groups.group_lines(first_group + k);
+                for i0 in (0..n).step_by(KERNEL_X_ROWS) {
+                    let row = |i: usize| &x[(i0 + i) * cols..][..cols];
+                    let dst = &mut group_sums[i0 * GROUP_ROWS..];
+                    // SAFETY: the backend's path has AVX-512F and BW (checked by
+                    // `Backend::new`); the group holds `cols / 128` chunks and each x row `cols` values.
+                    let got: &[[f32; GROUP_ROWS]] = match n - i0 {
+                        1 => &unsafe { crate::simd::avx512_groups::group_dot::<1>(lines, [row(0)]) },
+                        _ => &unsafe { crate::simd::avx512_groups::group_dot::<2>(lines, [row(0), row(1)]) },
+                    };
+                    for (d, s) in dst.chunks_exact_mut(GROUP_ROWS).zip(got) {
+                        d.copy_from_slice(s);
+                    }
+                }
+            }
+        };
+        let threads = rayon::current_num_threads();
+        if threads > 1 && n * rows * cols >= parallel_min_fmas {
+            let per_job = group_count.div_ceil(4 * threads);
+            sums.par_chunks_mut(per_job * n * GROUP_ROWS).enumerate().for_each(|(c, part)| job(c * per_job, part));
+        } else {
+            job(0, &mut sums);
+        }
+        for (g, group_sums) in sums.chunks_exact(n * GROUP_ROWS).enumerate() {
+            let here = GROUP_ROWS.min(rows - g * GROUP_ROWS);
+            for (i, s) in group_sums.chunks_exact(GROUP_ROWS).enumerate() {
+                out[i * rows + g * GROUP_ROWS..][..here].copy_from_slice(&s[..here]);
+            }
+        }
+        return true;
+    }
+    let _ = (groups, backend, x, n, out, parallel_min_fmas);
+    false
+}
+
+/// Columns `k0..k0 + dst.len()` of row `r` dequantised (multiples of 16), on
+/// the backend's path.
+pub(crate) fn decode_span(groups: &Fp4Groups, backend: Backend, r: usize, k0: usize, dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(backend.isa(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
+        assert!(k0.is_multiple_of(16) && dst.len().is_multiple_of(16) && k0 + dst.len() <= groups.cols, "fp4 span");
+        let lines = groups.group_lines(r / GROUP_ROWS);
+        for (piece, out) in dst.chunks_exact_mut(16).enumerate() {
+            let c = k0 + 16 * piece;
+            let chunk = &lines[c / CHUNK_COLS * CHUNK_LINES..][..CHUNK_LINES];
+            let within = c % CHUNK_COLS;
+            // SAFETY: as in `forward_decoded`; the chunk is whole and `out` 16 long.
+            unsafe {
+                crate::simd::avx512_groups::decode16(
+                    chunk,
+                    r % GROUP_ROWS,
+                    within / SCALE_COLS,
+                    !within.is_multiple_of(SCALE_COLS),
+                    out,
+                )
+            };
+        }
+        return;
+    }
+    let _ = backend;
+    groups.decode_span_portable(r, k0, dst);
+}

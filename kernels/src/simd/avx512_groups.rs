@@ -1,0 +1,107 @@
+//! AVX-512BW kernels over [`crate::fp4_groups`]: 32 weights decoded per
+//! `vpermw`, each output's 16 lanes accumulated in the reference order
+//! (column `c` into lane `c % 16`, by fused multiply-adds in column order).
+
+use std::arch::x86_64::*;
+
+use crate::dtype::FP4_E2M1_VALUES;
+use crate::fp4_groups::{Line, CHUNK_COLS, CHUNK_LINES, GROUP_ROWS, SCALE_COLS};
+
+use super::reduce16;
+
+/// The bf16 of every e2m1 value, twice (`vpermw` reads five index bits; the
+/// nibbles above a code leave its fifth bit arbitrary).
+const BF16_TABLE: [u16; 32] = {
+    let mut table = [0u16; 32];
+    let mut i = 0;
+    while i < 32 {
+        table[i] = (FP4_E2M1_VALUES[i % 16].to_bits() >> 16) as u16;
+        i += 1;
+    }
+    table
+};
+/// Table words that take the scale step: all but the two zeros (codes 0 and 8).
+const NONZERO_WORDS: __mmask32 = 0xFEFE_FEFE;
+
+/// The values of 32 weights of one block: `line`'s words shifted right by
+/// `4k` (block `k`) looked up in the table stepped by the block's scale.
+/// Returns columns `0..16` and `16..32` of the block as f32.
+///
+/// # Safety
+/// The CPU must support AVX-512F and BW.
+#[inline(always)]
+unsafe fn block_values(table: __m512i, codes: __m512i, step: *const i32) -> (__m512, __m512) {
+    let stepped = _mm512_mask_add_epi16(table, NONZERO_WORDS, table, _mm512_set1_epi32(step.read_unaligned()));
+    let words = _mm512_permutexvar_epi16(codes, stepped);
+    let low = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(0xffff_0000u32 as i32)));
+    let high = _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words));
+    (low, high)
+}
+
+/// Step word of row `j`, block `k` of a chunk at `chunk`.
+#[inline(always)]
+unsafe fn step_ptr(chunk: *const Line, j: usize, k: usize) -> *const i32 {
+    chunk.add(GROUP_ROWS).cast::<i32>().add(j * 4 + k)
+}
+
+/// The dot products of `MR` input rows with the eight rows of one group:
+/// `out[i][j]` for x row `i` and group row `j`, each with the bits of
+/// [`crate::linear::dot`] against the row's dequantised values.
+///
+/// # Safety
+/// The CPU must support AVX-512F and BW; `lines` holds `cols / 128` chunks
+/// and every x row `cols` values.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn group_dot<const MR: usize>(lines: &[Line], xs: [&[f32]; MR]) -> [[f32; GROUP_ROWS]; MR] {
+    let cols = xs[0].len();
+    assert!(cols.is_multiple_of(CHUNK_COLS) && lines.len() == cols / CHUNK_COLS * CHUNK_LINES, "group of {cols}");
+    assert!(xs.iter().all(|x| x.len() == cols), "x rows");
+    let table = _mm512_loadu_si512(BF16_TABLE.as_ptr().cast());
+    let mut acc = [[_mm512_setzero_ps(); GROUP_ROWS]; MR];
+    for ch in 0..cols / CHUNK_COLS {
+        let chunk = lines.as_ptr().add(ch * CHUNK_LINES);
+        macro_rules! block {
+            ($k:literal) => {{
+                let c = ch * CHUNK_COLS + $k * SCALE_COLS;
+                let x: [(__m512, __m512); MR] = std::array::from_fn(|i| {
+                    (_mm512_loadu_ps(xs[i].as_ptr().add(c)), _mm512_loadu_ps(xs[i].as_ptr().add(c + 16)))
+                });
+                for j in 0..GROUP_ROWS {
+                    let line = _mm512_load_si512(chunk.add(j).cast());
+                    let codes = _mm512_srli_epi16::<{ 4 * $k }>(line);
+                    let (low, high) = block_values(table, codes, step_ptr(chunk, j, $k));
+                    for i in 0..MR {
+                        acc[i][j] = _mm512_fmadd_ps(x[i].0, low, acc[i][j]);
+                        acc[i][j] = _mm512_fmadd_ps(x[i].1, high, acc[i][j]);
+                    }
+                }
+            }};
+        }
+        block!(0);
+        block!(1);
+        block!(2);
+        block!(3);
+    }
+    std::array::from_fn(|i| {
+        std::array::from_fn(|j| {
+            let mut lanes = [0.0f32; 16];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), acc[i][j]);
+            reduce16(&lanes)
+        })
+    })
+}
+
+/// 16 columns of row `j` of a chunk: block `k`'s columns `0..16` (`high_half`
+/// false) or `16..32`, dequantised.
+///
+/// # Safety
+/// The CPU must support AVX-512F and BW; `chunk` points at a whole chunk.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn decode16(chunk: &[Line], j: usize, k: usize, high_half: bool, out: &mut [f32]) {
+    assert!(chunk.len() == CHUNK_LINES && j < GROUP_ROWS && k < 4 && out.len() == 16, "decode16");
+    let table = _mm512_loadu_si512(BF16_TABLE.as_ptr().cast());
+    let line = _mm512_load_si512(chunk.as_ptr().add(j).cast());
+    let codes = _mm512_srl_epi16(line, _mm_cvtsi32_si128(4 * k as i32));
+    let (low, high) = block_values(table, codes, step_ptr(chunk.as_ptr(), j, k));
+    _mm512_storeu_ps(out.as_mut_ptr(), if high_half { high } else { low });
+}
