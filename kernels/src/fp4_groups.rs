@@ -35,15 +35,12 @@ pub(crate) const CHUNK_LINES: usize = GROUP_ROWS + GROUP_ROWS * BLOCKS_PER_CHUNK
 /// a normal bf16 after the step.
 const SCALE_EXP_MIN: i32 = -125;
 const SCALE_EXP_MAX: i32 = 125;
-/// Batches up to this many rows run the grouped kernel, decoding each weight
+/// Batches up to this many rows run the grouped kernel, each weight decoded
 /// once per two x rows; larger ones decode a tile of rows into f32 once and
-/// share it (the linear's buffered plan, through [`decode_span`]).
+/// share it (the linear's buffered plan, through [`decode_span`]). Measured:
+/// passes over fewer group rows with more x rows at once ran slower.
 #[cfg(target_arch = "x86_64")]
-const KERNEL_MAX_BATCH: usize = 4;
-/// x rows per kernel call: two rows' 16 accumulators and four x registers
-/// leave room for the decode within the 32 zmm registers.
-#[cfg(target_arch = "x86_64")]
-const KERNEL_X_ROWS: usize = 2;
+const KERNEL_MAX_BATCH: usize = 6;
 
 /// One cache line; chunks start on line boundaries.
 #[derive(Clone, Copy)]
@@ -246,19 +243,9 @@ pub(crate) fn forward_decoded(
         let job = |first_group: usize, part: &mut [f32]| {
             for (k, group_sums) in part.chunks_exact_mut(n * GROUP_ROWS).enumerate() {
                 let lines = groups.group_lines(first_group + k);
-                for i0 in (0..n).step_by(KERNEL_X_ROWS) {
-                    let row = |i: usize| &x[(i0 + i) * cols..][..cols];
-                    let dst = &mut group_sums[i0 * GROUP_ROWS..];
-                    // SAFETY: the backend's path has AVX-512F and BW (checked by
-                    // `Backend::new`); the group holds `cols / 128` chunks and each x row `cols` values.
-                    let got: &[[f32; GROUP_ROWS]] = match n - i0 {
-                        1 => &unsafe { crate::simd::avx512_groups::group_dot::<1>(lines, [row(0)]) },
-                        _ => &unsafe { crate::simd::avx512_groups::group_dot::<2>(lines, [row(0), row(1)]) },
-                    };
-                    for (d, s) in dst.chunks_exact_mut(GROUP_ROWS).zip(got) {
-                        d.copy_from_slice(s);
-                    }
-                }
+                // SAFETY: the backend's path has AVX-512F and BW (checked by
+                // `Backend::new`); the group holds `cols / 128` chunks and each x row `cols` values.
+                unsafe { group_sums_into(lines, x, n, cols, group_sums) };
             }
         };
         let threads = rayon::current_num_threads();
@@ -280,28 +267,34 @@ pub(crate) fn forward_decoded(
     false
 }
 
+/// Every x row's dot products with the eight rows of a group, into
+/// `sums[i * 8 + j]`, two x rows per pass.
+///
+/// # Safety
+/// As [`crate::simd::avx512_groups::group_dot`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn group_sums_into(lines: &[Line], x: &[f32], n: usize, cols: usize, sums: &mut [f32]) {
+    use crate::simd::avx512_groups::group_dot;
+    let row = |i: usize| &x[i * cols..][..cols];
+    for i0 in (0..n).step_by(2) {
+        let got: &[[f32; GROUP_ROWS]] = match n - i0 {
+            1 => &group_dot::<1>(lines, [row(i0)]),
+            _ => &group_dot::<2>(lines, [row(i0), row(i0 + 1)]),
+        };
+        for (i, s) in got.iter().enumerate() {
+            sums[(i0 + i) * GROUP_ROWS..][..GROUP_ROWS].copy_from_slice(s);
+        }
+    }
+}
+
 /// Columns `k0..k0 + dst.len()` of row `r` dequantised (multiples of 16), on
 /// the backend's path.
 pub(crate) fn decode_span(groups: &Fp4Groups, backend: Backend, r: usize, k0: usize, dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if matches!(backend.isa(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
         assert!(k0.is_multiple_of(16) && dst.len().is_multiple_of(16) && k0 + dst.len() <= groups.cols, "fp4 span");
-        let lines = groups.group_lines(r / GROUP_ROWS);
-        for (piece, out) in dst.chunks_exact_mut(16).enumerate() {
-            let c = k0 + 16 * piece;
-            let chunk = &lines[c / CHUNK_COLS * CHUNK_LINES..][..CHUNK_LINES];
-            let within = c % CHUNK_COLS;
-            // SAFETY: as in `forward_decoded`; the chunk is whole and `out` 16 long.
-            unsafe {
-                crate::simd::avx512_groups::decode16(
-                    chunk,
-                    r % GROUP_ROWS,
-                    within / SCALE_COLS,
-                    !within.is_multiple_of(SCALE_COLS),
-                    out,
-                )
-            };
-        }
+        // SAFETY: as in `forward_decoded`; the kernel asserts the span's bounds.
+        unsafe { crate::simd::avx512_groups::decode_span(groups.group_lines(r / GROUP_ROWS), r % GROUP_ROWS, k0, dst) };
         return;
     }
     let _ = backend;

@@ -44,9 +44,11 @@ unsafe fn step_ptr(chunk: *const Line, j: usize, k: usize) -> *const i32 {
     chunk.add(GROUP_ROWS).cast::<i32>().add(j * 4 + k)
 }
 
-/// The dot products of `MR` input rows with the eight rows of one group:
-/// `out[i][j]` for x row `i` and group row `j`, each with the bits of
-/// [`crate::linear::dot`] against the row's dequantised values.
+/// The dot products of `MR` input rows (one or two: their 16 accumulators
+/// and four x registers leave room for the decode within the 32 zmm
+/// registers) with the eight rows of one group: `out[i][j]` for x row `i` and
+/// group row `j`, each with the bits of [`crate::linear::dot`] against the
+/// row's dequantised values.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and BW; `lines` holds `cols / 128` chunks
@@ -91,17 +93,36 @@ pub(crate) unsafe fn group_dot<const MR: usize>(lines: &[Line], xs: [&[f32]; MR]
     })
 }
 
-/// 16 columns of row `j` of a chunk: block `k`'s columns `0..16` (`high_half`
-/// false) or `16..32`, dequantised.
+/// Columns `k0..k0 + out.len()` of row `j` of a group (`lines`: its chunks),
+/// dequantised; `k0` and the length are multiples of 16.
 ///
 /// # Safety
-/// The CPU must support AVX-512F and BW; `chunk` points at a whole chunk.
+/// The CPU must support AVX-512F and BW.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(crate) unsafe fn decode16(chunk: &[Line], j: usize, k: usize, high_half: bool, out: &mut [f32]) {
-    assert!(chunk.len() == CHUNK_LINES && j < GROUP_ROWS && k < 4 && out.len() == 16, "decode16");
+pub(crate) unsafe fn decode_span(lines: &[Line], j: usize, k0: usize, out: &mut [f32]) {
+    let end = k0 + out.len();
+    assert!(j < GROUP_ROWS && k0.is_multiple_of(16) && end.is_multiple_of(16), "span {k0}..{end}");
+    assert!(end.div_ceil(CHUNK_COLS) * CHUNK_LINES <= lines.len(), "span past the group's chunks");
     let table = _mm512_loadu_si512(BF16_TABLE.as_ptr().cast());
-    let line = _mm512_load_si512(chunk.as_ptr().add(j).cast());
-    let codes = _mm512_srl_epi16(line, _mm_cvtsi32_si128(4 * k as i32));
-    let (low, high) = block_values(table, codes, step_ptr(chunk.as_ptr(), j, k));
-    _mm512_storeu_ps(out.as_mut_ptr(), if high_half { high } else { low });
+    let dst = out.as_mut_ptr();
+    let mut c = k0;
+    while c < end {
+        let (chunk, within) = (lines.as_ptr().add(c / CHUNK_COLS * CHUNK_LINES), c % CHUNK_COLS);
+        let k = within / SCALE_COLS;
+        let line = _mm512_load_si512(chunk.add(j).cast());
+        let codes = _mm512_srl_epi16(line, _mm_cvtsi32_si128(4 * k as i32));
+        let (low, high) = block_values(table, codes, step_ptr(chunk, j, k));
+        let at = dst.add(c - k0);
+        if !within.is_multiple_of(SCALE_COLS) {
+            _mm512_storeu_ps(at, high);
+            c += 16;
+        } else if c + SCALE_COLS <= end {
+            _mm512_storeu_ps(at, low);
+            _mm512_storeu_ps(at.add(16), high);
+            c += SCALE_COLS;
+        } else {
+            _mm512_storeu_ps(at, low);
+            c += 16;
+        }
+    }
 }
