@@ -36,9 +36,9 @@ pub(crate) const CHUNK_LINES: usize = GROUP_ROWS + GROUP_ROWS * BLOCKS_PER_CHUNK
 const SCALE_EXP_MIN: i32 = -125;
 const SCALE_EXP_MAX: i32 = 125;
 /// Batches up to this many rows run the grouped kernel, each weight decoded
-/// once per two x rows; larger ones decode a tile of rows into f32 once and
-/// share it (the linear's buffered plan, through [`decode_span`]). Measured:
-/// passes over fewer group rows with more x rows at once ran slower.
+/// once per pass of up to four x rows; larger ones decode a tile of rows
+/// into f32 once and share it (the linear's buffered plan, through
+/// [`decode_span`]).
 #[cfg(target_arch = "x86_64")]
 const KERNEL_MAX_BATCH: usize = 6;
 
@@ -268,22 +268,41 @@ pub(crate) fn forward_decoded(
 }
 
 /// Every x row's dot products with the eight rows of a group, into
-/// `sums[i * 8 + j]`, two x rows per pass.
+/// `sums[i * 8 + j]`. A pass takes up to four x rows and as many group rows
+/// as their accumulators leave registers for (1 × 8, 2 × 8, 3 × 4, 4 × 2);
+/// six x rows in one pass (6 × 1) spilled and ran slower than two of three.
 ///
 /// # Safety
 /// As [`crate::simd::avx512_groups::group_dot`].
 #[cfg(target_arch = "x86_64")]
 unsafe fn group_sums_into(lines: &[Line], x: &[f32], n: usize, cols: usize, sums: &mut [f32]) {
     use crate::simd::avx512_groups::group_dot;
-    let row = |i: usize| &x[i * cols..][..cols];
-    for i0 in (0..n).step_by(2) {
-        let got: &[[f32; GROUP_ROWS]] = match n - i0 {
-            1 => &group_dot::<1>(lines, [row(i0)]),
-            _ => &group_dot::<2>(lines, [row(i0), row(i0 + 1)]),
+    // Up to four x rows a pass (five and six as 3 + 2 and 3 + 3), each
+    // with as many group rows as its accumulators leave registers for.
+    let mut i0 = 0;
+    while i0 < n {
+        let part = match n - i0 {
+            5 | 6 => 3,
+            left => left.min(4),
         };
-        for (i, s) in got.iter().enumerate() {
-            sums[(i0 + i) * GROUP_ROWS..][..GROUP_ROWS].copy_from_slice(s);
+        let row = |i: usize| &x[(i0 + i) * cols..][..cols];
+        macro_rules! passes {
+            ($mr:literal, $rp:literal) => {{
+                for j0 in (0..GROUP_ROWS).step_by($rp) {
+                    let got = group_dot::<$mr, $rp>(lines, std::array::from_fn(|i| row(i)), j0);
+                    for (i, s) in got.iter().enumerate() {
+                        sums[(i0 + i) * GROUP_ROWS + j0..][..$rp].copy_from_slice(s);
+                    }
+                }
+            }};
         }
+        match part {
+            1 => passes!(1, 8),
+            2 => passes!(2, 8),
+            3 => passes!(3, 4),
+            _ => passes!(4, 2),
+        }
+        i0 += part;
     }
 }
 

@@ -44,34 +44,41 @@ unsafe fn step_ptr(chunk: *const Line, j: usize, k: usize) -> *const i32 {
     chunk.add(GROUP_ROWS).cast::<i32>().add(j * 4 + k)
 }
 
-/// The dot products of `MR` input rows (one or two: their 16 accumulators
-/// and four x registers leave room for the decode within the 32 zmm
-/// registers) with the eight rows of one group: `out[i][j]` for x row `i` and
-/// group row `j`, each with the bits of [`crate::linear::dot`] against the
-/// row's dequantised values.
+/// The dot products of `MR` input rows with rows `j0..j0 + RP` of one
+/// group: `out[i][j]` for x row `i` and group row `j0 + j`, each with the bits
+/// of [`crate::linear::dot`] against the row's dequantised values. The
+/// `MR × RP` accumulators and `2 · MR` x registers must leave room for the
+/// decode within the 32 zmm registers.
 ///
 /// # Safety
-/// The CPU must support AVX-512F and BW; `lines` holds `cols / 128` chunks
-/// and every x row `cols` values.
+/// The CPU must support AVX-512F and BW; `lines` holds `cols / 128` chunks,
+/// every x row `cols` values, and `j0 + RP <= 8`.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(crate) unsafe fn group_dot<const MR: usize>(lines: &[Line], xs: [&[f32]; MR]) -> [[f32; GROUP_ROWS]; MR] {
+pub(crate) unsafe fn group_dot<const MR: usize, const RP: usize>(
+    lines: &[Line],
+    xs: [&[f32]; MR],
+    j0: usize,
+) -> [[f32; RP]; MR] {
     let cols = xs[0].len();
     assert!(cols.is_multiple_of(CHUNK_COLS) && lines.len() == cols / CHUNK_COLS * CHUNK_LINES, "group of {cols}");
-    assert!(xs.iter().all(|x| x.len() == cols), "x rows");
+    assert!(xs.iter().all(|x| x.len() == cols) && j0 + RP <= GROUP_ROWS, "x rows, group rows");
     let table = _mm512_loadu_si512(BF16_TABLE.as_ptr().cast());
-    let mut acc = [[_mm512_setzero_ps(); GROUP_ROWS]; MR];
+    let mut acc = [[_mm512_setzero_ps(); RP]; MR];
     for ch in 0..cols / CHUNK_COLS {
         let chunk = lines.as_ptr().add(ch * CHUNK_LINES);
         macro_rules! block {
             ($k:literal) => {{
                 let c = ch * CHUNK_COLS + $k * SCALE_COLS;
-                let x: [(__m512, __m512); MR] = std::array::from_fn(|i| {
-                    (_mm512_loadu_ps(xs[i].as_ptr().add(c)), _mm512_loadu_ps(xs[i].as_ptr().add(c + 16)))
-                });
-                for j in 0..GROUP_ROWS {
-                    let line = _mm512_load_si512(chunk.add(j).cast());
+                // Plain loops, not closures: a closure would not carry the target
+                // features and would be called out of line.
+                let mut x = [(_mm512_setzero_ps(), _mm512_setzero_ps()); MR];
+                for (xi, row) in x.iter_mut().zip(&xs) {
+                    *xi = (_mm512_loadu_ps(row.as_ptr().add(c)), _mm512_loadu_ps(row.as_ptr().add(c + 16)));
+                }
+                for j in 0..RP {
+                    let line = _mm512_load_si512(chunk.add(j0 + j).cast());
                     let codes = _mm512_srli_epi16::<{ 4 * $k }>(line);
-                    let (low, high) = block_values(table, codes, step_ptr(chunk, j, $k));
+                    let (low, high) = block_values(table, codes, step_ptr(chunk, j0 + j, $k));
                     for i in 0..MR {
                         acc[i][j] = _mm512_fmadd_ps(x[i].0, low, acc[i][j]);
                         acc[i][j] = _mm512_fmadd_ps(x[i].1, high, acc[i][j]);
@@ -84,13 +91,15 @@ pub(crate) unsafe fn group_dot<const MR: usize>(lines: &[Line], xs: [&[f32]; MR]
         block!(2);
         block!(3);
     }
-    std::array::from_fn(|i| {
-        std::array::from_fn(|j| {
+    let mut sums = [[0.0f32; RP]; MR];
+    for (sums_i, acc_i) in sums.iter_mut().zip(&acc) {
+        for (sum, lanes_acc) in sums_i.iter_mut().zip(acc_i) {
             let mut lanes = [0.0f32; 16];
-            _mm512_storeu_ps(lanes.as_mut_ptr(), acc[i][j]);
-            reduce16(&lanes)
-        })
-    })
+            _mm512_storeu_ps(lanes.as_mut_ptr(), *lanes_acc);
+            *sum = reduce16(&lanes);
+        }
+    }
+    sums
 }
 
 /// Columns `k0..k0 + out.len()` of row `j` of a group (`lines`: its chunks),
