@@ -5,8 +5,10 @@
 //! on that row's inputs, never on how many rows were computed together or where
 //! the row sits in the batch. The reduction order of each dot product is fixed.
 //!
-//! The linear kernels choose a code path at run time ([`Isa`]: AVX-512F,
-//! AVX2 + FMA, or portable Rust); every path produces the same bits.
+//! The linear kernels choose a code path at run time ([`Isa`]: AVX-512F with
+//! or without VBMI, AVX2 + FMA, NEON on aarch64, or portable Rust); every path
+//! produces the same bits. Where AVX-512BW decodes them, FP4 weights are
+//! regrouped at load ([`fp4_groups`]) with the same values.
 
 pub mod act_quant;
 pub mod block_scaled;
