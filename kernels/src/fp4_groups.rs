@@ -75,6 +75,20 @@ const WORD_COLUMN: [usize; 32] = {
     column
 };
 
+/// One row's 32 words of a chunk from its 64 bytes of published pairs.
+/// Block `k`'s 16 bytes, read as a little-endian integer, hold its 32 codes
+/// as nibbles in column order.
+fn chunk_words(pairs: &[u8; CHUNK_COLS / 2]) -> [u16; 32] {
+    let mut words = [0u16; 32];
+    for k in 0..BLOCKS_PER_CHUNK {
+        let block = u128::from_le_bytes(pairs[16 * k..][..16].try_into().expect("16 bytes"));
+        for (i, word) in words.iter_mut().enumerate() {
+            *word |= ((block >> (4 * WORD_COLUMN[i])) as u16 & 0xf) << (4 * k);
+        }
+    }
+    words
+}
+
 /// The bf16 exponent step of scale `s`, if `s` is a power of two in range.
 fn scale_step(s: f32) -> Option<u16> {
     let bits = s.to_bits();
@@ -114,11 +128,9 @@ impl Fp4Groups {
                         break;
                     }
                     let pairs = &data[r * cols / 2 + ch * CHUNK_COLS / 2..][..CHUNK_COLS / 2];
-                    let code = |c: usize| (pairs[c / 2] >> (4 * (c % 2))) & 0xf;
-                    for (i, &column) in WORD_COLUMN.iter().enumerate() {
-                        let word = (0..BLOCKS_PER_CHUNK)
-                            .fold(0u16, |w, k| w | (code(SCALE_COLS * k + column) as u16) << (4 * k));
-                        line.0[2 * i..][..2].copy_from_slice(&word.to_le_bytes());
+                    let words = chunk_words(pairs.try_into().expect("a chunk of pairs"));
+                    for (bytes, word) in line.0.chunks_exact_mut(2).zip(words) {
+                        bytes.copy_from_slice(&word.to_le_bytes());
                     }
                     for k in 0..BLOCKS_PER_CHUNK {
                         let step = steps[r * cols / SCALE_COLS + ch * BLOCKS_PER_CHUNK + k] as u32;
