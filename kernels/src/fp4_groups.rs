@@ -75,6 +75,21 @@ const WORD_COLUMN: [usize; 32] = {
     column
 };
 
+/// The word holding column `column` (`0..32`) of each block: the inverse of
+/// [`WORD_COLUMN`].
+fn word_of_column(column: usize) -> usize {
+    if column < 16 {
+        2 * column + 1
+    } else {
+        2 * (column - 16)
+    }
+}
+
+/// Word `i` of a code line.
+fn line_word(line: &[u8; LINE_BYTES], i: usize) -> u16 {
+    u16::from_le_bytes([line[2 * i], line[2 * i + 1]])
+}
+
 /// One row's 32 words of a chunk from its 64 bytes of published pairs.
 /// Block `k`'s 16 bytes, read as a little-endian integer, hold its 32 codes
 /// as nibbles in column order.
@@ -163,33 +178,31 @@ impl Fp4Groups {
         &self.lines[g * per_group..][..per_group]
     }
 
-    /// Row `r`'s code line and scale steps in chunk `ch`.
-    fn row_chunk(&self, r: usize, ch: usize) -> (&[u8; LINE_BYTES], [u16; BLOCKS_PER_CHUNK]) {
-        let (g, j) = (r / GROUP_ROWS, r % GROUP_ROWS);
-        let chunk = &self.group_lines(g)[ch * CHUNK_LINES..][..CHUNK_LINES];
-        let steps = std::array::from_fn(|k| {
-            let at = (j * BLOCKS_PER_CHUNK + k) * 4;
-            let bytes = &chunk[GROUP_ROWS + at / LINE_BYTES].0[at % LINE_BYTES..];
-            u16::from_le_bytes([bytes[0], bytes[1]])
-        });
-        (&chunk[j].0, steps)
+    /// Row `r`'s code line in chunk `ch`.
+    fn row_line(&self, r: usize, ch: usize) -> &[u8; LINE_BYTES] {
+        &self.group_lines(r / GROUP_ROWS)[ch * CHUNK_LINES + r % GROUP_ROWS].0
+    }
+
+    /// Row `r`'s scale step of block `b` (columns `32b..32b + 32`).
+    fn row_step(&self, r: usize, b: usize) -> u16 {
+        let chunk = &self.group_lines(r / GROUP_ROWS)[b / BLOCKS_PER_CHUNK * CHUNK_LINES..][..CHUNK_LINES];
+        let at = (r % GROUP_ROWS * BLOCKS_PER_CHUNK + b % BLOCKS_PER_CHUNK) * 4;
+        let bytes = &chunk[GROUP_ROWS + at / LINE_BYTES].0[at % LINE_BYTES..];
+        u16::from_le_bytes([bytes[0], bytes[1]])
     }
 
     /// The FP4 code of column `c` of row `r`.
     pub fn code(&self, r: usize, c: usize) -> u8 {
         assert!(r < self.rows && c < self.cols, "({r}, {c}) outside {} × {}", self.rows, self.cols);
-        let (line, _) = self.row_chunk(r, c / CHUNK_COLS);
-        let (k, column) = ((c % CHUNK_COLS) / SCALE_COLS, c % SCALE_COLS);
-        let i = if column < 16 { 2 * column + 1 } else { 2 * (column - 16) };
-        let word = u16::from_le_bytes([line[2 * i], line[2 * i + 1]]);
-        ((word >> (4 * k)) & 0xf) as u8
+        let line = self.row_line(r, c / CHUNK_COLS);
+        let k = (c % CHUNK_COLS) / SCALE_COLS;
+        ((line_word(line, word_of_column(c % SCALE_COLS)) >> (4 * k)) & 0xf) as u8
     }
 
     /// The scale of columns `32b..32b + 32` of row `r`.
     pub fn scale(&self, r: usize, b: usize) -> f32 {
         assert!(r < self.rows && b < self.cols / SCALE_COLS, "scale ({r}, {b})");
-        let (_, steps) = self.row_chunk(r, b / BLOCKS_PER_CHUNK);
-        step_scale(steps[b % BLOCKS_PER_CHUNK])
+        step_scale(self.row_step(r, b))
     }
 
     /// Columns `k0..k0 + dst.len()` of row `r`, dequantised to exactly the
@@ -198,14 +211,11 @@ impl Fp4Groups {
         assert!(k0.is_multiple_of(16) && dst.len().is_multiple_of(16) && k0 + dst.len() <= self.cols, "fp4 span");
         for (piece, out) in dst.chunks_exact_mut(16).enumerate() {
             let c0 = k0 + 16 * piece;
-            let (line, steps) = self.row_chunk(r, c0 / CHUNK_COLS);
+            let line = self.row_line(r, c0 / CHUNK_COLS);
             let k = (c0 % CHUNK_COLS) / SCALE_COLS;
-            let scale = step_scale(steps[k]);
-            // Columns 0..16 of a block sit in the odd words, 16..32 in the even ones.
-            let parity = usize::from(c0.is_multiple_of(SCALE_COLS));
+            let scale = step_scale(self.row_step(r, c0 / SCALE_COLS));
             for (m, o) in out.iter_mut().enumerate() {
-                let i = 2 * m + parity;
-                let word = u16::from_le_bytes([line[2 * i], line[2 * i + 1]]);
+                let word = line_word(line, word_of_column(c0 % SCALE_COLS + m));
                 *o = FP4_E2M1_VALUES[((word >> (4 * k)) & 0xf) as usize] * scale;
             }
         }
@@ -223,8 +233,15 @@ impl Fp4Groups {
         let (rows, cols) = (self.rows, self.cols);
         let mut data = vec![0u8; rows * cols / 2];
         for (r, row) in data.chunks_exact_mut(cols / 2).enumerate() {
-            for (p, byte) in row.iter_mut().enumerate() {
-                *byte = self.code(r, 2 * p) | self.code(r, 2 * p + 1) << 4;
+            // The inverse of `chunk_words`: each word's nibbles back to their columns.
+            for (ch, pairs) in row.chunks_exact_mut(CHUNK_COLS / 2).enumerate() {
+                let line = self.row_line(r, ch);
+                for (i, &column) in WORD_COLUMN.iter().enumerate() {
+                    for k in 0..BLOCKS_PER_CHUNK {
+                        let (c, code) = (SCALE_COLS * k + column, (line_word(line, i) >> (4 * k)) as u8 & 0xf);
+                        pairs[c / 2] |= code << (4 * (c % 2));
+                    }
+                }
             }
         }
         let blocks = cols / SCALE_COLS;
