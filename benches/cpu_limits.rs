@@ -163,6 +163,10 @@ fn ceiling_weights() -> Vec<(&'static str, Linear)> {
         ("f32", Linear::from_f32(rows, cols, values.clone())),
         ("bf16", Linear { rows, cols, format: WeightFormat::Bf16(Bytes::from(bf16)) }),
         ("fp8 e4m3, 128 × 128 blocks", quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128)),
+        (
+            "fp8 e4m3, regrouped for this CPU",
+            quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128).into_decode_layout(),
+        ),
         ("fp4 e2m1, 32-column scales", quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32)),
     ]
 }
@@ -174,6 +178,10 @@ fn decode_weights() -> Vec<(&'static str, Linear)> {
     let values = weight_values(rows * cols);
     vec![
         ("fp8 e4m3, 128 × 128 blocks", quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128)),
+        (
+            "fp8 e4m3, regrouped for this CPU",
+            quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128).into_decode_layout(),
+        ),
         ("fp4 e2m1, 32-column scales", quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32)),
         (
             "fp4 e2m1, regrouped for this CPU",
@@ -197,6 +205,7 @@ fn decode_gbs(lin: &Linear) -> f64 {
     let codes = match &lin.format {
         WeightFormat::Fp8 { data, .. } | WeightFormat::Fp4 { data, .. } => data.len(),
         WeightFormat::Fp4Grouped(g) => g.rows() * g.cols() / 2,
+        WeightFormat::Fp8Grouped(g) => g.rows() * g.cols(),
         _ => unreachable!("quantised weights"),
     };
     (CALLS * codes) as f64 / secs / 1e9

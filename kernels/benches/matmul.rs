@@ -1,5 +1,5 @@
 //! Throughput of `Linear::forward` on a 4096 × 4096 weight in every format
-//! (FP4 both as published and regrouped for this CPU).
+//! (FP8 and FP4 both as published and regrouped for this CPU).
 //!
 //! Criterion's element rate is set to 2·n·rows·cols per call, so "elem/s" reads
 //! as FLOP/s. Run with `cargo bench -p deepinfer-kernels --bench matmul`.
@@ -37,8 +37,12 @@ fn weights() -> Vec<(&'static str, Linear)> {
         ("f32", Linear::from_f32(ROWS, COLS, w.clone())),
         ("bf16", Linear { rows: ROWS, cols: COLS, format: WeightFormat::Bf16(Bytes::from(bf16)) }),
         ("fp8", quantize_fp8_blocks(&w, ROWS, COLS, 128).into_fp8_linear(ROWS, COLS, 128)),
+        // The layouts the engine loads FP8 and FP4 in where AVX-512BW decodes them.
+        (
+            "fp8 regrouped",
+            quantize_fp8_blocks(&w, ROWS, COLS, 128).into_fp8_linear(ROWS, COLS, 128).into_decode_layout(),
+        ),
         ("fp4", quantize_fp4_rows(&w, ROWS, COLS, 32).into_fp4_linear(ROWS, COLS, 32)),
-        // The layout the engine loads FP4 in where AVX-512BW decodes it.
         ("fp4 regrouped", quantize_fp4_rows(&w, ROWS, COLS, 32).into_fp4_linear(ROWS, COLS, 32).into_decode_layout()),
     ]
 }
@@ -47,8 +51,8 @@ fn linear_forward(c: &mut Criterion) {
     let mut group = c.benchmark_group("linear_forward_4096x4096");
     group.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
     for (name, lin) in weights() {
-        // FP4 also at the small batches where its decode kernels change.
-        let batches: &[usize] = if name.starts_with("fp4") { &[1, 2, 3, 4, 6, 8, 32, 256] } else { &[1, 32, 256] };
+        // FP8 and FP4 also at the small batches where their decode kernels change.
+        let batches: &[usize] = if name.starts_with("fp") { &[1, 2, 3, 4, 6, 8, 32, 256] } else { &[1, 32, 256] };
         for &n in batches {
             let x = values(n * COLS, 2);
             let mut out = vec![0.0f32; n * ROWS];

@@ -348,19 +348,17 @@ pub fn quantized_linear(w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
 /// if this CPU lacks `path`.
 pub fn quantized_linear_on(path: BlockPath, w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
     assert_eq!(x.len(), n * w.cols, "quantised linear input");
-    match &w.format {
-        WeightFormat::Fp8 { .. } | WeightFormat::Fp4 { .. } | WeightFormat::Fp4Grouped(_) => {
-            assert_eq!(scale_block_cols(w), ACT_BLOCK, "weight scale blocks must be 32 wide along K");
-            let quantized: Vec<Fp8Row> = x.chunks_exact(w.cols).map(fp8_quantize_row).collect();
-            match block_scaled_product(path, w, &quantized) {
-                Some(mut out) => {
-                    round_bf16_all(&mut out);
-                    out
-                }
-                None => reference_product(w, &quantized),
-            }
+    if !w.format.is_quantized() {
+        return quantized_linear_reference(w, x, n);
+    }
+    assert_eq!(scale_block_cols(w), ACT_BLOCK, "weight scale blocks must be 32 wide along K");
+    let quantized: Vec<Fp8Row> = x.chunks_exact(w.cols).map(fp8_quantize_row).collect();
+    match block_scaled_product(path, w, &quantized) {
+        Some(mut out) => {
+            round_bf16_all(&mut out);
+            out
         }
-        WeightFormat::Bf16(_) | WeightFormat::F32(_) => quantized_linear_reference(w, x, n),
+        None => reference_product(w, &quantized),
     }
 }
 
@@ -368,19 +366,15 @@ pub fn quantized_linear_on(path: BlockPath, w: &Linear, x: &[f32], n: usize) -> 
 /// block's exact sum in f64 lanes, then the scaled blocks in K order.
 pub fn quantized_linear_reference(w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
     assert_eq!(x.len(), n * w.cols, "quantised linear input");
-    match &w.format {
-        WeightFormat::Fp8 { .. } | WeightFormat::Fp4 { .. } | WeightFormat::Fp4Grouped(_) => {
-            assert_eq!(scale_block_cols(w), ACT_BLOCK, "weight scale blocks must be 32 wide along K");
-            let quantized: Vec<Fp8Row> = x.chunks_exact(w.cols).map(fp8_quantize_row).collect();
-            reference_product(w, &quantized)
-        }
-        WeightFormat::Bf16(_) | WeightFormat::F32(_) => {
-            let mut out = vec![0.0f32; n * w.rows];
-            plain_linear(w, x, n, &mut out);
-            round_bf16_all(&mut out);
-            out
-        }
+    if !w.format.is_quantized() {
+        let mut out = vec![0.0f32; n * w.rows];
+        plain_linear(w, x, n, &mut out);
+        round_bf16_all(&mut out);
+        return out;
     }
+    assert_eq!(scale_block_cols(w), ACT_BLOCK, "weight scale blocks must be 32 wide along K");
+    let quantized: Vec<Fp8Row> = x.chunks_exact(w.cols).map(fp8_quantize_row).collect();
+    reference_product(w, &quantized)
 }
 
 fn reference_product(w: &Linear, quantized: &[Fp8Row]) -> Vec<f32> {
@@ -436,6 +430,7 @@ fn scale_block_cols(w: &Linear) -> usize {
     match &w.format {
         WeightFormat::Fp8 { block_cols, .. } | WeightFormat::Fp4 { block_cols, .. } => *block_cols,
         WeightFormat::Fp4Grouped(_) => crate::fp4_groups::SCALE_COLS,
+        WeightFormat::Fp8Grouped(groups) => groups.block_cols(),
         _ => unreachable!("only quantised weights have scale blocks"),
     }
 }
@@ -452,6 +447,9 @@ fn block_scales(w: &Linear) -> Vec<f32> {
         WeightFormat::Fp4Grouped(groups) => {
             (0..w.rows * blocks).map(|i| groups.scale(i / blocks, i % blocks)).collect()
         }
+        WeightFormat::Fp8Grouped(groups) => (0..w.rows * blocks)
+            .map(|i| groups.scale(i / blocks, (i % blocks) * ACT_BLOCK / groups.block_cols()))
+            .collect(),
         _ => unreachable!("only quantised weights have block scales"),
     }
 }
@@ -472,6 +470,9 @@ fn unscaled_row(w: &Linear, r: usize, out: &mut [f32]) {
         }
         WeightFormat::Fp4Grouped(groups) => {
             out.iter_mut().enumerate().for_each(|(c, o)| *o = FP4_E2M1_VALUES[groups.code(r, c) as usize]);
+        }
+        WeightFormat::Fp8Grouped(groups) => {
+            out.iter_mut().enumerate().for_each(|(c, o)| *o = fp8_e4m3_to_f32(groups.code(r, c)));
         }
         _ => unreachable!("only quantised weights have unscaled rows"),
     }

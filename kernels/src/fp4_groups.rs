@@ -17,16 +17,14 @@
 use rayon::prelude::*;
 
 use crate::dtype::FP4_E2M1_VALUES;
+pub use crate::row_groups::GROUP_ROWS;
+use crate::row_groups::{Line, LINE_BYTES};
 use crate::simd::Backend;
-
-/// Weight rows per group.
-pub const GROUP_ROWS: usize = 8;
 /// Columns per chunk: one 64-byte line of codes per row.
 pub const CHUNK_COLS: usize = 128;
 /// Columns per scale.
 pub const SCALE_COLS: usize = 32;
 const BLOCKS_PER_CHUNK: usize = CHUNK_COLS / SCALE_COLS;
-const LINE_BYTES: usize = 64;
 /// Lines of one group's chunk: a code line per row, then the 32 (row, block)
 /// scale steps as dwords (the step in both halves, so one 32-bit broadcast
 /// spreads it over every word).
@@ -41,11 +39,6 @@ const SCALE_EXP_MAX: i32 = 125;
 /// [`decode_span`]).
 #[cfg(target_arch = "x86_64")]
 const KERNEL_MAX_BATCH: usize = 6;
-
-/// One cache line; chunks start on line boundaries.
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-pub(crate) struct Line(pub(crate) [u8; LINE_BYTES]);
 
 /// An FP4 weight of `rows × cols` in groups of [`GROUP_ROWS`] rows (the last
 /// group padded with zero codes).
@@ -266,30 +259,11 @@ pub(crate) fn forward_decoded(
     if matches!(backend.isa(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) && n <= KERNEL_MAX_BATCH {
         let (rows, cols) = (groups.rows, groups.cols);
         assert!(x.len() == n * cols && out.len() == n * rows, "grouped fp4 forward");
-        let group_count = rows.div_ceil(GROUP_ROWS);
-        // Sums of group `g`, x row `i`, group row `j` at `(g * n + i) * GROUP_ROWS + j`.
-        let mut sums = vec![0.0f32; group_count * n * GROUP_ROWS];
-        let job = |first_group: usize, part: &mut [f32]| {
-            for (k, group_sums) in part.chunks_exact_mut(n * GROUP_ROWS).enumerate() {
-                let lines = groups.group_lines(first_group + k);
-                // SAFETY: the backend's path has AVX-512F and BW (checked by
-                // `Backend::new`); the group holds `cols / 128` chunks and each x row `cols` values.
-                unsafe { group_sums_into(lines, x, n, cols, group_sums) };
-            }
-        };
-        let threads = rayon::current_num_threads();
-        if threads > 1 && n * rows * cols >= parallel_min_fmas {
-            let per_job = group_count.div_ceil(4 * threads);
-            sums.par_chunks_mut(per_job * n * GROUP_ROWS).enumerate().for_each(|(c, part)| job(c * per_job, part));
-        } else {
-            job(0, &mut sums);
-        }
-        for (g, group_sums) in sums.chunks_exact(n * GROUP_ROWS).enumerate() {
-            let here = GROUP_ROWS.min(rows - g * GROUP_ROWS);
-            for (i, s) in group_sums.chunks_exact(GROUP_ROWS).enumerate() {
-                out[i * rows + g * GROUP_ROWS..][..here].copy_from_slice(&s[..here]);
-            }
-        }
+        crate::row_groups::forward_by_groups(rows, n, out, n * rows * cols >= parallel_min_fmas, |g, sums| {
+            // SAFETY: the backend's path has AVX-512F and BW (checked by
+            // `Backend::new`); the group holds `cols / 128` chunks and each x row `cols` values.
+            unsafe { group_sums_into(groups.group_lines(g), x, n, cols, sums) }
+        });
         return true;
     }
     let _ = (groups, backend, x, n, out, parallel_min_fmas);

@@ -7,17 +7,19 @@
 //!
 //! The linear kernels choose a code path at run time ([`Isa`]: AVX-512F with
 //! or without VBMI, AVX2 + FMA, NEON on aarch64, or portable Rust); every path
-//! produces the same bits. Where AVX-512BW decodes them, FP4 weights are
-//! regrouped at load ([`fp4_groups`]) with the same values.
+//! produces the same bits. Where AVX-512BW decodes them, FP4 and FP8 weights
+//! are regrouped at load ([`fp4_groups`], [`fp8_groups`]) with the same values.
 
 pub mod act_quant;
 pub mod block_scaled;
 pub mod dequantized_dot;
 pub mod dtype;
 pub mod fp4_groups;
+pub mod fp8_groups;
 pub mod linear;
 pub mod ops;
 pub mod quantize;
+mod row_groups;
 mod simd;
 
 pub use linear::{Isa, Linear, WeightFormat};

@@ -12,6 +12,7 @@ use rayon::prelude::*;
 
 use crate::dtype::{bf16_to_f32, fp8_e4m3_to_f32, FP4_E2M1_VALUES};
 use crate::fp4_groups::Fp4Groups;
+use crate::fp8_groups::Fp8Groups;
 pub use crate::simd::Isa;
 use crate::simd::{prefetch, Backend, EncodedRows, Encoding, ScaleRow};
 
@@ -52,9 +53,17 @@ pub enum WeightFormat {
     /// FP4 weights regrouped for the AVX-512 decode kernel (see
     /// [`crate::fp4_groups`]); the same values as the published layout.
     Fp4Grouped(Fp4Groups),
+    /// FP8 weights regrouped for the AVX-512 decode kernel (see
+    /// [`crate::fp8_groups`]); the same values as the published layout.
+    Fp8Grouped(Fp8Groups),
 }
 
 impl WeightFormat {
+    /// Whether the weights are codes with block scales (FP8 or FP4, in any layout).
+    pub fn is_quantized(&self) -> bool {
+        !matches!(self, WeightFormat::F32(_) | WeightFormat::Bf16(_))
+    }
+
     /// FP8 weights, with `nan_free` found by looking at every code once.
     pub fn fp8(data: Bytes, scales: Vec<f32>, block_rows: usize, block_cols: usize) -> Self {
         // A branch-free fold per chunk: the whole matrix is read once, at load.
@@ -86,12 +95,13 @@ impl Linear {
                 data.len() + scales.len() * 4
             }
             WeightFormat::Fp4Grouped(groups) => groups.storage_bytes(),
+            WeightFormat::Fp8Grouped(groups) => groups.storage_bytes(),
         }
     }
 
     /// This weight in the layout the fastest kernel of this CPU reads: FP4
-    /// regrouped ([`Fp4Groups`]) where AVX-512BW decodes it, when its scales
-    /// allow; otherwise unchanged. The values, and every output's bits, stay
+    /// and FP8 regrouped ([`Fp4Groups`], [`Fp8Groups`]) where AVX-512BW
+    /// decodes them, when their shapes and scales allow; otherwise unchanged. The values, and every output's bits, stay
     /// the same.
     pub fn into_decode_layout(self) -> Self {
         let regroup = matches!(Isa::detect(), Isa::Avx512 | Isa::Avx512Vbmi);
@@ -99,6 +109,13 @@ impl Linear {
             WeightFormat::Fp4 { data, scales, block_cols } if regroup => {
                 match Fp4Groups::pack(self.rows, self.cols, data, scales, *block_cols) {
                     Some(groups) => Self { format: WeightFormat::Fp4Grouped(groups), ..self },
+                    None => self,
+                }
+            }
+            WeightFormat::Fp8 { data, scales, block_rows, block_cols, nan_free } if regroup => {
+                let block = (*block_rows, *block_cols);
+                match Fp8Groups::pack(self.rows, self.cols, data, scales, block, *nan_free) {
+                    Some(groups) => Self { format: WeightFormat::Fp8Grouped(groups), ..self },
                     None => self,
                 }
             }
@@ -137,6 +154,7 @@ impl Linear {
                 }
             }
             WeightFormat::Fp4Grouped(groups) => groups.dequantize_row(r, out),
+            WeightFormat::Fp8Grouped(groups) => groups.dequantize_row(r, out),
         }
     }
 
@@ -163,10 +181,17 @@ impl Linear {
         if n == 0 || rows == 0 {
             return;
         }
-        if let WeightFormat::Fp4Grouped(groups) = &self.format {
-            if crate::fp4_groups::forward_decoded(groups, backend, x, n, out, PARALLEL_MIN_FMAS) {
-                return;
+        let decoded = match &self.format {
+            WeightFormat::Fp4Grouped(groups) => {
+                crate::fp4_groups::forward_decoded(groups, backend, x, n, out, PARALLEL_MIN_FMAS)
             }
+            WeightFormat::Fp8Grouped(groups) => {
+                crate::fp8_groups::forward_decoded(groups, backend, x, n, out, PARALLEL_MIN_FMAS)
+            }
+            _ => false,
+        };
+        if decoded {
+            return;
         }
         // Input rows regrouped column block by column block, so the rows a block
         // multiplies are contiguous instead of `cols` apart (a power-of-two stride
@@ -228,6 +253,7 @@ impl Linear {
                 assert!(scales.len() >= rows * (cols / block_cols), "fp4 scales");
             }
             WeightFormat::Fp4Grouped(groups) => assert!(groups.rows() == rows && groups.cols() == cols, "fp4 groups"),
+            WeightFormat::Fp8Grouped(groups) => assert!(groups.rows() == rows && groups.cols() == cols, "fp8 groups"),
         }
     }
 
@@ -342,7 +368,7 @@ impl Linear {
             WeightFormat::Bf16(_) => fused(Encoding::Bf16, 16),
             WeightFormat::Fp8 { block_cols, .. } => fused(Encoding::Fp8, *block_cols),
             WeightFormat::Fp4 { block_cols, .. } => fused(Encoding::Fp4, *block_cols),
-            WeightFormat::Fp4Grouped(_) => Plan::Buffered,
+            WeightFormat::Fp4Grouped(_) | WeightFormat::Fp8Grouped(_) => Plan::Buffered,
         }
     }
 
@@ -352,6 +378,7 @@ impl Linear {
         match &self.format {
             WeightFormat::F32(d) => return dst.copy_from_slice(&d[r * self.cols + k0..][..dst.len()]),
             WeightFormat::Fp4Grouped(groups) => return crate::fp4_groups::decode_span(groups, backend, r, k0, dst),
+            WeightFormat::Fp8Grouped(groups) => return crate::fp8_groups::decode_span(groups, backend, r, k0, dst),
             _ => {}
         }
         let (codes, scales) = RowLayout::of(self).span(r, k0, dst.len());
@@ -386,7 +413,9 @@ impl<'a> RowLayout<'a> {
         let cols = lin.cols;
         let (encoding, codes, scales, scale_block, scales_per_row, rows_per_scale_row): (_, &[u8], &[f32], _, _, _) =
             match &lin.format {
-                WeightFormat::F32(_) | WeightFormat::Fp4Grouped(_) => unreachable!("not read by spans"),
+                WeightFormat::F32(_) | WeightFormat::Fp4Grouped(_) | WeightFormat::Fp8Grouped(_) => {
+                    unreachable!("not read by spans")
+                }
                 WeightFormat::Bf16(d) => (Encoding::Bf16, d, &[], 16, 0, 1),
                 WeightFormat::Fp8 { data, scales, block_rows, block_cols, .. } => {
                     (Encoding::Fp8, data, scales, *block_cols, cols.div_ceil(*block_cols), *block_rows)

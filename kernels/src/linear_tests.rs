@@ -113,3 +113,27 @@ fn fp4_grouped_spans_match_their_rows_on_every_path() {
         }
     }
 }
+
+#[test]
+fn fp8_grouped_spans_match_their_rows_on_every_path() {
+    let (rows, cols) = (11, 320);
+    // Every code but the two NaNs; scales on x's side of the kernel and not.
+    let data: Vec<u8> =
+        (0..rows * cols).map(|i| (i * 7 + i / 16) as u8).map(|b| if b & 0x7f == 0x7f { 0 } else { b }).collect();
+    let scales: Vec<f32> = (0..2 * 5).map(|b| if b % 3 == 0 { 0.3 } else { 2f32.powi(b - 4) }).collect();
+    let groups = Fp8Groups::pack(rows, cols, &data, &scales, (8, 64), true).expect("qualifies");
+    let lin = Linear { rows, cols, format: WeightFormat::Fp8Grouped(groups) };
+    let (mut row, mut span) = (vec![0.0f32; cols], vec![0.0f32; cols]);
+    for backend in available() {
+        for r in 0..rows {
+            lin.dequantize_row(r, &mut row);
+            for k0 in (0..cols).step_by(16) {
+                for len in (16..=cols - k0).step_by(48) {
+                    lin.dequantize_span(backend, r, k0, &mut span[..len]);
+                    let same = span[..len].iter().zip(&row[k0..]).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{backend:?} row {r} columns {k0}..{}", k0 + len);
+                }
+            }
+        }
+    }
+}

@@ -444,11 +444,20 @@ impl Weights {
 /// inside a scale block.
 pub fn split_rows(w: &Linear, groups: usize) -> Vec<Linear> {
     assert!(w.rows.is_multiple_of(groups), "{} rows into {groups} groups", w.rows);
-    if let WeightFormat::Fp4Grouped(grouped) = &w.format {
-        let (data, scales) = grouped.to_published();
-        let block_cols = deepinfer_kernels::fp4_groups::SCALE_COLS;
-        let published =
-            Linear { rows: w.rows, cols: w.cols, format: WeightFormat::Fp4 { data: data.into(), scales, block_cols } };
+    let published = match &w.format {
+        WeightFormat::Fp4Grouped(grouped) => {
+            let (data, scales) = grouped.to_published();
+            let block_cols = deepinfer_kernels::fp4_groups::SCALE_COLS;
+            Some(WeightFormat::Fp4 { data: data.into(), scales, block_cols })
+        }
+        WeightFormat::Fp8Grouped(grouped) => {
+            let (data, scales) = grouped.to_published();
+            Some(WeightFormat::fp8(data.into(), scales, grouped.block_rows(), grouped.block_cols()))
+        }
+        _ => None,
+    };
+    if let Some(format) = published {
+        let published = Linear { rows: w.rows, cols: w.cols, format };
         return split_rows(&published, groups).into_iter().map(Linear::into_decode_layout).collect();
     }
     let rows = w.rows / groups;
@@ -472,7 +481,9 @@ pub fn split_rows(w: &Linear, groups: usize) -> Vec<Linear> {
                         nan_free: *nan_free,
                     }
                 }
-                WeightFormat::Fp4Grouped(_) => unreachable!("regrouped weights are split as published"),
+                WeightFormat::Fp4Grouped(_) | WeightFormat::Fp8Grouped(_) => {
+                    unreachable!("regrouped weights are split as published")
+                }
                 WeightFormat::Fp4 { data, scales, block_cols } => {
                     let per_row = cols / block_cols;
                     WeightFormat::Fp4 {

@@ -180,7 +180,7 @@ pub(super) struct EncodedTile<'a, const NR: usize> {
 }
 
 /// 2^120: e4m3 magnitude bits under the f32 exponent field read as value · 2^-120.
-const POW2_120: f32 = f32::from_bits((127 + 120) << 23);
+pub(super) const POW2_120: f32 = f32::from_bits((127 + 120) << 23);
 /// Largest scale whose product with 2^120 stays finite with room to spare.
 const FOLDABLE_SCALE_MAX: f32 = f32::from_bits((127 + 6) << 23);
 
@@ -341,7 +341,7 @@ fn shared_scale<const NR: usize>(scales: &[ScaleRow; NR], index: usize) -> Optio
 /// power of two at least 1 and no `|x| · f` overflows (UE8M0 scales are
 /// powers of two). The product `x · bits` is exact in the FMA either way.
 #[inline(always)]
-fn scale_on_x(scale: f32, x_abs_max: f32) -> Option<f32> {
+pub(super) fn scale_on_x(scale: f32, x_abs_max: f32) -> Option<f32> {
     let exponent = (scale.to_bits() >> 23) & 0xff;
     let power_of_two = scale.to_bits() & 0x7f_ffff == 0;
     // Biased exponent 7 is 2^-120; below `FOLDABLE_SCALE_MAX` the factor is finite.
@@ -402,7 +402,7 @@ unsafe fn fp8_bits16(p: *const u8) -> __m512 {
 /// # Safety
 /// The CPU must support AVX-512F and `p` must point at 16 readable bytes.
 #[inline(always)]
-unsafe fn fp8_bits16_finite(p: *const u8) -> __m512 {
+pub(super) unsafe fn fp8_bits16_finite(p: *const u8) -> __m512 {
     // Sign-extended codes shifted by 20: bits 31..27 all hold the sign, the
     // magnitude lands on bits 26..20; the mask keeps one sign bit.
     let code = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()));

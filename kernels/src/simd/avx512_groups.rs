@@ -5,7 +5,8 @@
 use std::arch::x86_64::*;
 
 use crate::dtype::FP4_E2M1_VALUES;
-use crate::fp4_groups::{Line, CHUNK_COLS, CHUNK_LINES, GROUP_ROWS, SCALE_COLS};
+use crate::fp4_groups::{CHUNK_COLS, CHUNK_LINES, GROUP_ROWS, SCALE_COLS};
+use crate::row_groups::Line;
 
 use super::reduce16;
 

@@ -1,0 +1,127 @@
+//! AVX-512 kernel over [`crate::fp8_groups`]: each output's 16 lanes
+//! accumulated in the reference order (column `c` into lane `c % 16`, by
+//! fused multiply-adds in column order), codes decoded as in the published
+//! layout's fused kernel, read as one sequential stream per group.
+
+use std::arch::x86_64::*;
+
+use crate::fp8_groups::{CHUNK_COLS, GROUP_ROWS};
+use crate::row_groups::Line;
+
+use super::avx512::{fp8_bits16_finite, scale_on_x, POW2_120};
+use super::reduce16;
+
+/// One group of a [`crate::fp8_groups::Fp8Groups`]: its chunks and its scale
+/// per column block.
+pub(crate) struct GroupRef<'a> {
+    pub lines: &'a [Line],
+    pub scales: &'a [f32],
+    pub block_cols: usize,
+}
+
+/// The dot products of `MR` input rows with rows `j0..j0 + RP` of one
+/// group: `out[i][j]` for x row `i` and group row `j0 + j`, each with the
+/// bits of [`crate::linear::dot`] against the row's dequantised values.
+/// `abs_max[i][b]` bounds `|x|` of row `i` over column block `b`. Where a
+/// block's scale times 2^120 is a power of two that no `x · factor`
+/// overflows, it multiplies x (once for all rows of the pass); otherwise each
+/// decoded weight, as the published layout's kernel does. Both give each
+/// product `x · value · scale` exactly, so the bits are the same.
+///
+/// # Safety
+/// The CPU must support AVX-512F and BW; the group's codes hold no NaN.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn group_dot<const MR: usize, const RP: usize>(
+    group: &GroupRef,
+    xs: [&[f32]; MR],
+    abs_max: [&[f32]; MR],
+    j0: usize,
+) -> [[f32; RP]; MR] {
+    let cols = xs[0].len();
+    let (chunks, blocks) = (cols / CHUNK_COLS, group.scales.len());
+    assert!(cols.is_multiple_of(CHUNK_COLS) && group.lines.len() == chunks * GROUP_ROWS, "group of {cols}");
+    assert!(group.block_cols.is_multiple_of(CHUNK_COLS) && blocks == cols.div_ceil(group.block_cols), "blocks");
+    assert!(xs.iter().all(|x| x.len() == cols) && abs_max.iter().all(|m| m.len() == blocks), "x rows");
+    assert!(j0 + RP <= GROUP_ROWS, "group rows {j0}..{}", j0 + RP);
+    let mut acc = [[_mm512_setzero_ps(); RP]; MR];
+    let chunks_per_block = group.block_cols / CHUNK_COLS;
+    for (b, &scale) in group.scales.iter().enumerate() {
+        let bound = abs_max.iter().fold(0.0f32, |m, row| m.max(row[b]));
+        let chunk_range = b * chunks_per_block..((b + 1) * chunks_per_block).min(chunks);
+        match scale_on_x(scale, bound) {
+            Some(x_factor) => block_dot::<MR, RP, true>(group, &xs, j0, chunk_range, x_factor, &mut acc),
+            None => block_dot::<MR, RP, false>(group, &xs, j0, chunk_range, scale * POW2_120, &mut acc),
+        }
+    }
+    let mut sums = [[0.0f32; RP]; MR];
+    for (sums_i, acc_i) in sums.iter_mut().zip(&acc) {
+        for (sum, lanes_acc) in sums_i.iter_mut().zip(acc_i) {
+            let mut lanes = [0.0f32; 16];
+            _mm512_storeu_ps(lanes.as_mut_ptr(), *lanes_acc);
+            *sum = reduce16(&lanes);
+        }
+    }
+    sums
+}
+
+/// The chunks of one column block: `factor` (the scale times 2^120)
+/// multiplies x when `ON_X`, each decoded weight otherwise.
+///
+/// # Safety
+/// As [`group_dot`], whose checks cover every chunk and x column read here.
+#[inline(always)]
+unsafe fn block_dot<const MR: usize, const RP: usize, const ON_X: bool>(
+    group: &GroupRef,
+    xs: &[&[f32]; MR],
+    j0: usize,
+    chunk_range: std::ops::Range<usize>,
+    factor: f32,
+    acc: &mut [[__m512; RP]; MR],
+) {
+    let factor = _mm512_set1_ps(factor);
+    for ch in chunk_range {
+        let chunk = group.lines.as_ptr().add(ch * GROUP_ROWS).cast::<u8>();
+        for q in 0..CHUNK_COLS / 16 {
+            let c = ch * CHUNK_COLS + 16 * q;
+            let mut x = [_mm512_setzero_ps(); MR];
+            for (xv, row) in x.iter_mut().zip(xs) {
+                let v = _mm512_loadu_ps(row.as_ptr().add(c));
+                *xv = if ON_X { _mm512_mul_ps(v, factor) } else { v };
+            }
+            for j in 0..RP {
+                let bits = fp8_bits16_finite(chunk.add((j0 + j) * CHUNK_COLS + 16 * q));
+                let w = if ON_X { bits } else { _mm512_mul_ps(bits, factor) };
+                for (acc_i, xv) in acc.iter_mut().zip(&x) {
+                    acc_i[j] = _mm512_fmadd_ps(*xv, w, acc_i[j]);
+                }
+            }
+        }
+    }
+}
+
+/// Columns `k0..k0 + out.len()` of row `j` of a group, dequantised; `k0` and
+/// the length are multiples of 16. Each value is the decoded bits times the
+/// scale times 2^120: one rounding of `value · scale`, as published.
+///
+/// # Safety
+/// The CPU must support AVX-512F and BW; the group's codes hold no NaN.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn decode_span(group: &GroupRef, j: usize, k0: usize, out: &mut [f32]) {
+    let end = k0 + out.len();
+    assert!(j < GROUP_ROWS && k0.is_multiple_of(16) && end.is_multiple_of(16), "span {k0}..{end}");
+    assert!(end.div_ceil(CHUNK_COLS) * GROUP_ROWS <= group.lines.len(), "span past the group's chunks");
+    assert!(end.div_ceil(group.block_cols) <= group.scales.len(), "span past the group's scales");
+    let dst = out.as_mut_ptr();
+    let mut c = k0;
+    while c < end {
+        let b = c / group.block_cols;
+        let factor = _mm512_set1_ps(group.scales[b] * POW2_120);
+        let stop = ((b + 1) * group.block_cols).min(end);
+        while c < stop {
+            let line = group.lines.as_ptr().add(c / CHUNK_COLS * GROUP_ROWS + j).cast::<u8>();
+            let values = _mm512_mul_ps(fp8_bits16_finite(line.add(c % CHUNK_COLS)), factor);
+            _mm512_storeu_ps(dst.add(c - k0), values);
+            c += 16;
+        }
+    }
+}
