@@ -5,20 +5,32 @@
 //! rows, and the hardware prefetchers do not run ahead of them: the fused
 //! kernel decodes codes from L2 about half again as fast as from memory.
 //! Here eight rows form a group, stored as one sequential stream of 64-column
-//! chunks (per row one 64-byte line of codes in column order), and a group's
-//! rows share one scale per column block (the published 128 × 128 blocks
-//! hold whole groups), so a block's scale moves onto x once for all eight
-//! rows. The values, the products and their order are those of the
-//! published layout: every output keeps its bits.
+//! chunks (per row one 64-byte line of codes), and a group's rows share one
+//! scale per column block (the published 128 × 128 blocks hold whole
+//! groups), so a block's scale moves onto x once for all eight rows. Each
+//! 32-byte half of a line pairs columns `l` and `16 + l` of its 32 columns,
+//! so one sign-extension to words serves 32 weights: the low words become
+//! columns `0..16` and the high words columns `16..32`, each by a shift and
+//! a mask (the published layout takes a sign-extension per 16). The values,
+//! the products and their order are those of the published layout: every
+//! output keeps its bits.
 
 use rayon::prelude::*;
 
 use crate::dtype::fp8_e4m3_to_f32;
 pub use crate::row_groups::GROUP_ROWS;
 use crate::row_groups::{Line, LINE_BYTES};
-use crate::simd::{Backend, ScaleRow};
+use crate::simd::Backend;
 /// Columns per chunk: one 64-byte line of codes per row.
 pub const CHUNK_COLS: usize = LINE_BYTES;
+/// Columns whose codes one sign-extension to words reads.
+pub(crate) const PAIRED_COLS: usize = 32;
+
+/// The byte of a chunk's line that holds column `c` (`0..64`) of the chunk.
+fn line_byte(c: usize) -> usize {
+    let (half, within) = (c / PAIRED_COLS, c % PAIRED_COLS);
+    PAIRED_COLS * half + if within < 16 { 2 * within } else { 2 * (within - 16) + 1 }
+}
 /// Scales kept are below this: the kernel folds the decode's power of two
 /// (2^120) into the scale, which must stay finite.
 const SCALE_ABS_LIMIT: f32 = 64.0;
@@ -90,7 +102,10 @@ impl Fp8Groups {
         lines.par_chunks_mut(chunks * GROUP_ROWS).enumerate().for_each(|(g, group)| {
             for (ch, chunk) in group.chunks_exact_mut(GROUP_ROWS).enumerate() {
                 for (j, line) in chunk.iter_mut().enumerate().take(rows.saturating_sub(g * GROUP_ROWS)) {
-                    line.0.copy_from_slice(&data[(g * GROUP_ROWS + j) * cols + ch * CHUNK_COLS..][..CHUNK_COLS]);
+                    let codes = &data[(g * GROUP_ROWS + j) * cols + ch * CHUNK_COLS..][..CHUNK_COLS];
+                    for (c, &code) in codes.iter().enumerate() {
+                        line.0[line_byte(c)] = code;
+                    }
                 }
             }
         });
@@ -143,7 +158,7 @@ impl Fp8Groups {
     /// The FP8 code of column `c` of row `r`.
     pub fn code(&self, r: usize, c: usize) -> u8 {
         assert!(r < self.rows && c < self.cols, "({r}, {c}) outside {} × {}", self.rows, self.cols);
-        self.group_lines(r / GROUP_ROWS)[c / CHUNK_COLS * GROUP_ROWS + r % GROUP_ROWS].0[c % CHUNK_COLS]
+        self.group_lines(r / GROUP_ROWS)[c / CHUNK_COLS * GROUP_ROWS + r % GROUP_ROWS].0[line_byte(c % CHUNK_COLS)]
     }
 
     /// The scale of columns `b * block_cols..` of row `r`.
@@ -166,8 +181,8 @@ impl Fp8Groups {
     pub fn to_published(&self) -> (Vec<u8>, Vec<f32>) {
         let mut data = vec![0u8; self.rows * self.cols];
         for (r, row) in data.chunks_exact_mut(self.cols).enumerate() {
-            for (ch, piece) in row.chunks_exact_mut(CHUNK_COLS).enumerate() {
-                piece.copy_from_slice(&self.group_lines(r / GROUP_ROWS)[ch * GROUP_ROWS + r % GROUP_ROWS].0);
+            for (c, code) in row.iter_mut().enumerate() {
+                *code = self.code(r, c);
             }
         }
         let scales = (0..self.published_scale_count())
@@ -258,22 +273,17 @@ unsafe fn group_sums_into(groups: &Fp8Groups, g: usize, x: &[f32], abs_max: &[f3
 pub(crate) fn decode_span(groups: &Fp8Groups, backend: Backend, r: usize, k0: usize, dst: &mut [f32]) {
     let end = k0 + dst.len();
     assert!(r < groups.rows && k0.is_multiple_of(16) && end.is_multiple_of(16) && end <= groups.cols, "fp8 span");
-    let (lines, scales) = (groups.group_lines(r / GROUP_ROWS), groups.group_scales(r / GROUP_ROWS));
     #[cfg(target_arch = "x86_64")]
     if matches!(backend.isa(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
+        let (lines, scales) = (groups.group_lines(r / GROUP_ROWS), groups.group_scales(r / GROUP_ROWS));
         let group = crate::simd::avx512_fp8_groups::GroupRef { lines, scales, block_cols: groups.block_cols };
         // SAFETY: as in `forward_decoded`; the kernel asserts the span's bounds.
         unsafe { crate::simd::avx512_fp8_groups::decode_span(&group, r % GROUP_ROWS, k0, dst) };
         return;
     }
-    // Elsewhere each chunk's piece of the row is a run of published codes.
-    let scale_row = ScaleRow { row: scales, block: groups.block_cols, pairs: false };
-    let mut c = k0;
-    while c < end {
-        let (ch, within) = (c / CHUNK_COLS, c % CHUNK_COLS);
-        let take = (CHUNK_COLS - within).min(end - c);
-        let codes = &lines[ch * GROUP_ROWS + r % GROUP_ROWS].0[within..within + take];
-        backend.fp8_span(codes, c, scale_row, &mut dst[c - k0..][..take]);
-        c += take;
+    // Elsewhere (tests of this layout on every path) one value at a time.
+    let _ = backend;
+    for (c, o) in (k0..end).zip(dst.iter_mut()) {
+        *o = fp8_e4m3_to_f32(groups.code(r, c)) * groups.scale(r, c / groups.block_cols);
     }
 }

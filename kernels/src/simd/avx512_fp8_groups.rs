@@ -1,14 +1,15 @@
 //! AVX-512 kernel over [`crate::fp8_groups`]: each output's 16 lanes
 //! accumulated in the reference order (column `c` into lane `c % 16`, by
-//! fused multiply-adds in column order), codes decoded as in the published
-//! layout's fused kernel, read as one sequential stream per group.
+//! fused multiply-adds in column order), read as one sequential stream per
+//! group. Codes decode to f32 bits worth value · 2^-120 as in the published
+//! layout's kernel, 32 at a time from one sign-extension to words.
 
 use std::arch::x86_64::*;
 
-use crate::fp8_groups::{CHUNK_COLS, GROUP_ROWS};
+use crate::fp8_groups::{CHUNK_COLS, GROUP_ROWS, PAIRED_COLS};
 use crate::row_groups::Line;
 
-use super::avx512::{fp8_bits16_finite, scale_on_x, POW2_120};
+use super::avx512::{scale_on_x, POW2_120};
 use super::reduce16;
 
 /// One group of a [`crate::fp8_groups::Fp8Groups`]: its chunks and its scale
@@ -81,22 +82,43 @@ unsafe fn block_dot<const MR: usize, const RP: usize, const ON_X: bool>(
     let factor = _mm512_set1_ps(factor);
     for ch in chunk_range {
         let chunk = group.lines.as_ptr().add(ch * GROUP_ROWS).cast::<u8>();
-        for q in 0..CHUNK_COLS / 16 {
-            let c = ch * CHUNK_COLS + 16 * q;
-            let mut x = [_mm512_setzero_ps(); MR];
+        for half in 0..CHUNK_COLS / PAIRED_COLS {
+            let c = ch * CHUNK_COLS + PAIRED_COLS * half;
+            let mut x = [(_mm512_setzero_ps(), _mm512_setzero_ps()); MR];
             for (xv, row) in x.iter_mut().zip(xs) {
-                let v = _mm512_loadu_ps(row.as_ptr().add(c));
-                *xv = if ON_X { _mm512_mul_ps(v, factor) } else { v };
+                let (low, high) = (_mm512_loadu_ps(row.as_ptr().add(c)), _mm512_loadu_ps(row.as_ptr().add(c + 16)));
+                *xv = if ON_X { (_mm512_mul_ps(low, factor), _mm512_mul_ps(high, factor)) } else { (low, high) };
             }
             for j in 0..RP {
-                let bits = fp8_bits16_finite(chunk.add((j0 + j) * CHUNK_COLS + 16 * q));
-                let w = if ON_X { bits } else { _mm512_mul_ps(bits, factor) };
+                let (low, high) = paired_bits(chunk.add((j0 + j) * CHUNK_COLS + PAIRED_COLS * half));
+                let (low, high) =
+                    if ON_X { (low, high) } else { (_mm512_mul_ps(low, factor), _mm512_mul_ps(high, factor)) };
                 for (acc_i, xv) in acc.iter_mut().zip(&x) {
-                    acc_i[j] = _mm512_fmadd_ps(*xv, w, acc_i[j]);
+                    acc_i[j] = _mm512_fmadd_ps(xv.0, low, acc_i[j]);
+                    acc_i[j] = _mm512_fmadd_ps(xv.1, high, acc_i[j]);
                 }
             }
         }
     }
+}
+
+/// The 32 codes of a paired half line at `p` (byte `2l` column `l`, byte
+/// `2l + 1` column `16 + l`) as f32 bits worth value · 2^-120: columns
+/// `0..16` and `16..32`. Sign-extended to words, a dword holds column `l` in
+/// its low word and `16 + l` in its high word; shifting a word's code under
+/// the f32 exponent field (by 20 or 4) leaves its sign copies on bits 31..27,
+/// and the mask keeps one sign bit and the magnitude (bits 26..20).
+///
+/// # Safety
+/// The CPU must support AVX-512F and BW, and `p` must point at 32 readable
+/// bytes holding no NaN code.
+#[inline(always)]
+unsafe fn paired_bits(p: *const u8) -> (__m512, __m512) {
+    let words = _mm512_cvtepi8_epi16(_mm256_loadu_si256(p.cast()));
+    let mask = _mm512_set1_epi32(0x87f0_0000u32 as i32);
+    let low = _mm512_and_si512(_mm512_slli_epi32::<20>(words), mask);
+    let high = _mm512_and_si512(_mm512_slli_epi32::<4>(words), mask);
+    (_mm512_castsi512_ps(low), _mm512_castsi512_ps(high))
 }
 
 /// Columns `k0..k0 + out.len()` of row `j` of a group, dequantised; `k0` and
@@ -119,9 +141,21 @@ pub(crate) unsafe fn decode_span(group: &GroupRef, j: usize, k0: usize, out: &mu
         let stop = ((b + 1) * group.block_cols).min(end);
         while c < stop {
             let line = group.lines.as_ptr().add(c / CHUNK_COLS * GROUP_ROWS + j).cast::<u8>();
-            let values = _mm512_mul_ps(fp8_bits16_finite(line.add(c % CHUNK_COLS)), factor);
-            _mm512_storeu_ps(dst.add(c - k0), values);
-            c += 16;
+            let within = c % CHUNK_COLS;
+            let (low, high) = paired_bits(line.add(within / PAIRED_COLS * PAIRED_COLS));
+            let at = dst.add(c - k0);
+            // A span may start or end on the second 16 columns of a pair.
+            if !within.is_multiple_of(PAIRED_COLS) {
+                _mm512_storeu_ps(at, _mm512_mul_ps(high, factor));
+                c += 16;
+            } else if c + PAIRED_COLS <= stop {
+                _mm512_storeu_ps(at, _mm512_mul_ps(low, factor));
+                _mm512_storeu_ps(at.add(16), _mm512_mul_ps(high, factor));
+                c += PAIRED_COLS;
+            } else {
+                _mm512_storeu_ps(at, _mm512_mul_ps(low, factor));
+                c += 16;
+            }
         }
     }
 }
