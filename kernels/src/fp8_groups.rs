@@ -271,19 +271,51 @@ unsafe fn group_sums_into(groups: &Fp8Groups, g: usize, x: &[f32], abs_max: &[f3
 /// Columns `k0..k0 + dst.len()` of row `r` dequantised (multiples of 16), on
 /// the backend's path.
 pub(crate) fn decode_span(groups: &Fp8Groups, backend: Backend, r: usize, k0: usize, dst: &mut [f32]) {
-    let end = k0 + dst.len();
-    assert!(r < groups.rows && k0.is_multiple_of(16) && end.is_multiple_of(16) && end <= groups.cols, "fp8 span");
+    let len = dst.len();
+    decode_rows(groups, backend, r..r + 1, (k0, len), dst, len);
+}
+
+/// Columns `k0..k0 + len` of rows `rows` dequantised (multiples of 16): row
+/// `rows.start + i` at `dst[i * stride..][..len]`. Rows of one group are
+/// decoded together, in the order the group stores its lines.
+pub(crate) fn decode_rows(
+    groups: &Fp8Groups,
+    backend: Backend,
+    rows: std::ops::Range<usize>,
+    (k0, len): (usize, usize),
+    dst: &mut [f32],
+    stride: usize,
+) {
+    let end = k0 + len;
+    assert!(
+        rows.end <= groups.rows && k0.is_multiple_of(16) && end.is_multiple_of(16) && end <= groups.cols,
+        "fp8 span"
+    );
+    assert!(rows.is_empty() || dst.len() >= (rows.len() - 1) * stride + len, "rows past the output");
     #[cfg(target_arch = "x86_64")]
     if matches!(backend.isa(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
-        let (lines, scales) = (groups.group_lines(r / GROUP_ROWS), groups.group_scales(r / GROUP_ROWS));
-        let group = crate::simd::avx512_fp8_groups::GroupRef { lines, scales, block_cols: groups.block_cols };
-        // SAFETY: as in `forward_decoded`; the kernel asserts the span's bounds.
-        unsafe { crate::simd::avx512_fp8_groups::decode_span(&group, r % GROUP_ROWS, k0, dst) };
+        let mut r = rows.start;
+        while r < rows.end {
+            let g = r / GROUP_ROWS;
+            let here = r..rows.end.min((g + 1) * GROUP_ROWS);
+            let group = crate::simd::avx512_fp8_groups::GroupRef {
+                lines: groups.group_lines(g),
+                scales: groups.group_scales(g),
+                block_cols: groups.block_cols,
+            };
+            let within = here.start % GROUP_ROWS..here.start % GROUP_ROWS + here.len();
+            let out = &mut dst[(r - rows.start) * stride..];
+            // SAFETY: as in `forward_decoded`; the kernel asserts the span's bounds.
+            unsafe { crate::simd::avx512_fp8_groups::decode_rows(&group, within, (k0, len), out, stride) };
+            r = here.end;
+        }
         return;
     }
     // Elsewhere (tests of this layout on every path) one value at a time.
     let _ = backend;
-    for (c, o) in (k0..end).zip(dst.iter_mut()) {
-        *o = fp8_e4m3_to_f32(groups.code(r, c)) * groups.scale(r, c / groups.block_cols);
+    for (i, r) in rows.enumerate() {
+        for (c, o) in (k0..end).zip(dst[i * stride..][..len].iter_mut()) {
+            *o = fp8_e4m3_to_f32(groups.code(r, c)) * groups.scale(r, c / groups.block_cols);
+        }
     }
 }

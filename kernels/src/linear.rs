@@ -332,10 +332,17 @@ impl Linear {
                     }
                     continue;
                 }
-                if plan == Plan::Buffered {
-                    for (j, dst) in wbuf.chunks_exact_mut(stride).take(tile).enumerate() {
-                        self.dequantize_span(backend, t0 + j, k0, &mut dst[..kc]);
+                match &self.format {
+                    // A tile's rows are decoded together, in the groups' stored order.
+                    WeightFormat::Fp8Grouped(groups) if plan == Plan::Buffered => {
+                        crate::fp8_groups::decode_rows(groups, backend, t0..t0 + tile, (k0, kc), &mut wbuf, stride);
                     }
+                    _ if plan == Plan::Buffered => {
+                        for (j, dst) in wbuf.chunks_exact_mut(stride).take(tile).enumerate() {
+                            self.dequantize_span(backend, t0 + j, k0, &mut dst[..kc]);
+                        }
+                    }
+                    _ => {}
                 }
                 let mut ws: [&[f32]; TILE_ROWS] = [&[]; TILE_ROWS];
                 for (j, w) in ws.iter_mut().enumerate() {

@@ -122,9 +122,20 @@ fn fp8_grouped_spans_match_their_rows_on_every_path() {
         (0..rows * cols).map(|i| (i * 7 + i / 16) as u8).map(|b| if b & 0x7f == 0x7f { 0 } else { b }).collect();
     let scales: Vec<f32> = (0..2 * 5).map(|b| if b % 3 == 0 { 0.3 } else { 2f32.powi(b - 4) }).collect();
     let groups = Fp8Groups::pack(rows, cols, &data, &scales, (8, 64), true).expect("qualifies");
-    let lin = Linear { rows, cols, format: WeightFormat::Fp8Grouped(groups) };
+    let lin = Linear { rows, cols, format: WeightFormat::Fp8Grouped(groups.clone()) };
     let (mut row, mut span) = (vec![0.0f32; cols], vec![0.0f32; cols]);
     for backend in available() {
+        // Rows decoded together, across a group boundary, into strided rows.
+        let (first, count, stride) = (3, 7, cols + 16);
+        for (k0, len) in [(0, cols), (16, 48), (48, 224), (80, 16)] {
+            let mut tile = vec![f32::NAN; count * stride];
+            crate::fp8_groups::decode_rows(&groups, backend, first..first + count, (k0, len), &mut tile, stride);
+            for i in 0..count {
+                lin.dequantize_row(first + i, &mut row);
+                let same = tile[i * stride..][..len].iter().zip(&row[k0..]).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{backend:?} tile row {i}, columns {k0}..{}", k0 + len);
+            }
+        }
         for r in 0..rows {
             lin.dequantize_row(r, &mut row);
             for k0 in (0..cols).step_by(16) {

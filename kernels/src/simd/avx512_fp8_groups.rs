@@ -121,18 +121,28 @@ unsafe fn paired_bits(p: *const u8) -> (__m512, __m512) {
     (_mm512_castsi512_ps(low), _mm512_castsi512_ps(high))
 }
 
-/// Columns `k0..k0 + out.len()` of row `j` of a group, dequantised; `k0` and
-/// the length are multiples of 16. Each value is the decoded bits times the
-/// scale times 2^120: one rounding of `value · scale`, as published.
+/// Columns `k0..k0 + len` of rows `rows` of a group, dequantised: row
+/// `rows.start + i` at `out[i * stride..][..len]`; `k0` and `len` are
+/// multiples of 16. The rows are walked together, chunk by chunk, so the
+/// group's lines are read in their stored order. Each value is the decoded
+/// bits times the scale times 2^120: one rounding of `value · scale`, as
+/// published.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and BW; the group's codes hold no NaN.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(crate) unsafe fn decode_span(group: &GroupRef, j: usize, k0: usize, out: &mut [f32]) {
-    let end = k0 + out.len();
-    assert!(j < GROUP_ROWS && k0.is_multiple_of(16) && end.is_multiple_of(16), "span {k0}..{end}");
+pub(crate) unsafe fn decode_rows(
+    group: &GroupRef,
+    rows: std::ops::Range<usize>,
+    (k0, len): (usize, usize),
+    out: &mut [f32],
+    stride: usize,
+) {
+    let end = k0 + len;
+    assert!(rows.end <= GROUP_ROWS && k0.is_multiple_of(16) && end.is_multiple_of(16), "span {k0}..{end}");
     assert!(end.div_ceil(CHUNK_COLS) * GROUP_ROWS <= group.lines.len(), "span past the group's chunks");
     assert!(end.div_ceil(group.block_cols) <= group.scales.len(), "span past the group's scales");
+    assert!(rows.is_empty() || out.len() >= (rows.len() - 1) * stride + len, "rows past the output");
     let dst = out.as_mut_ptr();
     let mut c = k0;
     while c < end {
@@ -140,22 +150,24 @@ pub(crate) unsafe fn decode_span(group: &GroupRef, j: usize, k0: usize, out: &mu
         let factor = _mm512_set1_ps(group.scales[b] * POW2_120);
         let stop = ((b + 1) * group.block_cols).min(end);
         while c < stop {
-            let line = group.lines.as_ptr().add(c / CHUNK_COLS * GROUP_ROWS + j).cast::<u8>();
             let within = c % CHUNK_COLS;
-            let (low, high) = paired_bits(line.add(within / PAIRED_COLS * PAIRED_COLS));
-            let at = dst.add(c - k0);
             // A span may start or end on the second 16 columns of a pair.
-            if !within.is_multiple_of(PAIRED_COLS) {
-                _mm512_storeu_ps(at, _mm512_mul_ps(high, factor));
-                c += 16;
-            } else if c + PAIRED_COLS <= stop {
-                _mm512_storeu_ps(at, _mm512_mul_ps(low, factor));
-                _mm512_storeu_ps(at.add(16), _mm512_mul_ps(high, factor));
-                c += PAIRED_COLS;
-            } else {
-                _mm512_storeu_ps(at, _mm512_mul_ps(low, factor));
-                c += 16;
+            let (first_half, second_half) = match within.is_multiple_of(PAIRED_COLS) {
+                false => (false, true),
+                true => (true, c + PAIRED_COLS <= stop),
+            };
+            let chunk = group.lines.as_ptr().add(c / CHUNK_COLS * GROUP_ROWS).cast::<u8>();
+            for (i, j) in rows.clone().enumerate() {
+                let (low, high) = paired_bits(chunk.add(j * CHUNK_COLS + within / PAIRED_COLS * PAIRED_COLS));
+                let at = dst.add(i * stride + c - k0);
+                if first_half {
+                    _mm512_storeu_ps(at, _mm512_mul_ps(low, factor));
+                }
+                if second_half {
+                    _mm512_storeu_ps(at.add(if first_half { 16 } else { 0 }), _mm512_mul_ps(high, factor));
+                }
             }
+            c += if first_half && second_half { PAIRED_COLS } else { 16 };
         }
     }
 }
