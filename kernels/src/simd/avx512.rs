@@ -129,6 +129,25 @@ pub(super) unsafe fn reduce_tile(acc: &[f32; 256]) -> [f32; 16] {
     out
 }
 
+/// [`reduce16`] of each of up to 16 accumulators (x row `i`, weight row `j`)
+/// with one [`reduce_tile`]: the tree's own sums, a few shuffles instead of
+/// a scalar tree per accumulator.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[inline(always)]
+pub(super) unsafe fn reduce_accumulators<const MR: usize, const RP: usize>(
+    acc: &[[__m512; RP]; MR],
+) -> [[f32; RP]; MR] {
+    const { assert!(MR * RP <= 16, "one tile of accumulators") };
+    let mut lanes = [0.0f32; 256];
+    for (k, v) in acc.iter().flatten().enumerate() {
+        _mm512_storeu_ps(lanes.as_mut_ptr().add(16 * k), *v);
+    }
+    let sums = reduce_tile(&lanes);
+    std::array::from_fn(|i| std::array::from_fn(|j| sums[i * RP + j]))
+}
+
 /// Encodings of [`micro_encoded`].
 pub(super) const BF16: u8 = 0;
 pub(super) const FP8: u8 = 1;

@@ -10,7 +10,6 @@ use crate::fp8_groups::{CHUNK_COLS, GROUP_ROWS, PAIRED_COLS};
 use crate::row_groups::Line;
 
 use super::avx512::{scale_on_x, POW2_120};
-use super::reduce16;
 
 /// One group of a [`crate::fp8_groups::Fp8Groups`]: its chunks and its scale
 /// per column block.
@@ -50,19 +49,11 @@ pub(crate) unsafe fn group_dot<const MR: usize, const RP: usize>(
         let bound = abs_max.iter().fold(0.0f32, |m, row| m.max(row[b]));
         let chunk_range = b * chunks_per_block..((b + 1) * chunks_per_block).min(chunks);
         match scale_on_x(scale, bound) {
-            Some(x_factor) => block_dot::<MR, RP, true>(group, &xs, j0, chunk_range, x_factor, &mut acc),
-            None => block_dot::<MR, RP, false>(group, &xs, j0, chunk_range, scale * POW2_120, &mut acc),
+            Some(x_factor) => acc = block_dot::<MR, RP, true>(group, &xs, j0, chunk_range, x_factor, acc),
+            None => acc = block_dot::<MR, RP, false>(group, &xs, j0, chunk_range, scale * POW2_120, acc),
         }
     }
-    let mut sums = [[0.0f32; RP]; MR];
-    for (sums_i, acc_i) in sums.iter_mut().zip(&acc) {
-        for (sum, lanes_acc) in sums_i.iter_mut().zip(acc_i) {
-            let mut lanes = [0.0f32; 16];
-            _mm512_storeu_ps(lanes.as_mut_ptr(), *lanes_acc);
-            *sum = reduce16(&lanes);
-        }
-    }
-    sums
+    super::avx512::reduce_accumulators(&acc)
 }
 
 /// The chunks of one column block: `factor` (the scale times 2^120)
@@ -77,8 +68,8 @@ unsafe fn block_dot<const MR: usize, const RP: usize, const ON_X: bool>(
     j0: usize,
     chunk_range: std::ops::Range<usize>,
     factor: f32,
-    acc: &mut [[__m512; RP]; MR],
-) {
+    mut acc: [[__m512; RP]; MR],
+) -> [[__m512; RP]; MR] {
     let factor = _mm512_set1_ps(factor);
     for ch in chunk_range {
         let chunk = group.lines.as_ptr().add(ch * GROUP_ROWS).cast::<u8>();
@@ -100,6 +91,7 @@ unsafe fn block_dot<const MR: usize, const RP: usize, const ON_X: bool>(
             }
         }
     }
+    acc
 }
 
 /// The 32 codes of a paired half line at `p` (byte `2l` column `l`, byte

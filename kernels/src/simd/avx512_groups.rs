@@ -8,8 +8,6 @@ use crate::dtype::FP4_E2M1_VALUES;
 use crate::fp4_groups::{CHUNK_COLS, CHUNK_LINES, GROUP_ROWS, SCALE_COLS};
 use crate::row_groups::Line;
 
-use super::reduce16;
-
 /// The bf16 of every e2m1 value, twice (`vpermw` reads five index bits; the
 /// nibbles above a code leave its fifth bit arbitrary).
 const BF16_TABLE: [u16; 32] = {
@@ -92,15 +90,7 @@ pub(crate) unsafe fn group_dot<const MR: usize, const RP: usize>(
         block!(2);
         block!(3);
     }
-    let mut sums = [[0.0f32; RP]; MR];
-    for (sums_i, acc_i) in sums.iter_mut().zip(&acc) {
-        for (sum, lanes_acc) in sums_i.iter_mut().zip(acc_i) {
-            let mut lanes = [0.0f32; 16];
-            _mm512_storeu_ps(lanes.as_mut_ptr(), *lanes_acc);
-            *sum = reduce16(&lanes);
-        }
-    }
-    sums
+    super::avx512::reduce_accumulators(&acc)
 }
 
 /// Columns `k0..k0 + out.len()` of row `j` of a group (`lines`: its chunks),
