@@ -105,7 +105,16 @@ pub(super) unsafe fn micro<const MR: usize, const NR: usize>(
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn reduce_tile(acc: &[f32; 256]) -> [f32; 16] {
     let p = acc.as_ptr();
-    let row = |j: usize| _mm512_loadu_ps(p.add(16 * j));
+    reduce_rows(std::array::from_fn(|j| _mm512_loadu_ps(p.add(16 * j))))
+}
+
+/// [`reduce_tile`] of 16 rows held in registers.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[inline(always)]
+unsafe fn reduce_rows(rows: [__m512; 16]) -> [f32; 16] {
+    let row = |j: usize| rows[j];
     // Lanes +8: rows 2k and 2k + 1, eight sums each.
     let b: [__m512; 8] = std::array::from_fn(|k| {
         let (lo, hi) = (row(2 * k), row(2 * k + 1));
@@ -140,11 +149,11 @@ pub(super) unsafe fn reduce_accumulators<const MR: usize, const RP: usize>(
     acc: &[[__m512; RP]; MR],
 ) -> [[f32; RP]; MR] {
     const { assert!(MR * RP <= 16, "one tile of accumulators") };
-    let mut lanes = [0.0f32; 256];
-    for (k, v) in acc.iter().flatten().enumerate() {
-        _mm512_storeu_ps(lanes.as_mut_ptr().add(16 * k), *v);
+    let mut rows = [_mm512_setzero_ps(); 16];
+    for (row, v) in rows.iter_mut().zip(acc.iter().flatten()) {
+        *row = *v;
     }
-    let sums = reduce_tile(&lanes);
+    let sums = reduce_rows(rows);
     std::array::from_fn(|i| std::array::from_fn(|j| sums[i * RP + j]))
 }
 
