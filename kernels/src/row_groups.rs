@@ -2,8 +2,6 @@
 //! [`crate::fp8_groups`]) share: cache-line storage, and running a kernel
 //! over every group of eight weight rows, on threads when the work is large.
 
-use rayon::prelude::*;
-
 /// Weight rows per group in both regrouped layouts.
 pub const GROUP_ROWS: usize = 8;
 pub(crate) const LINE_BYTES: usize = 64;
@@ -17,6 +15,8 @@ pub(crate) struct Line(pub(crate) [u8; LINE_BYTES]);
 /// writes group `g`'s sums as `sums[i * GROUP_ROWS + j]` (x row `i`, group
 /// row `j`). Groups are spread over the pool's threads when `parallel`;
 /// every sum is computed by one call either way, so the bits do not change.
+/// (The kernels that call it are AVX-512's.)
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn forward_by_groups(
     rows: usize,
     n: usize,
@@ -24,6 +24,7 @@ pub(crate) fn forward_by_groups(
     parallel: bool,
     group_sums: impl Fn(usize, &mut [f32]) + Sync,
 ) {
+    use rayon::prelude::*;
     assert_eq!(out.len(), n * rows, "grouped forward output");
     let group_count = rows.div_ceil(GROUP_ROWS);
     // Sums of group `g`, x row `i`, group row `j` at `(g * n + i) * GROUP_ROWS + j`.
