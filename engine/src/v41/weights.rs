@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use deepinfer_kernels::act_quant::round_bf16_all;
-use deepinfer_kernels::{Linear, WeightFormat};
+use deepinfer_kernels::Linear;
 
 use super::config::{LayerPlan, V41Config};
 use super::engram::EngramTable;
@@ -162,7 +162,7 @@ impl Loader<'_> {
     fn moe(&self, prefix: &str, layer: usize, routed: RoutedExperts) -> Result<Moe, CheckpointError> {
         let (e, k) = self.cfg.moe_config(layer);
         let gate = self.linear(&format!("{prefix}.gate"), e, self.cfg.dim)?;
-        if matches!(gate.format, WeightFormat::Fp8 { .. } | WeightFormat::Fp4 { .. }) {
+        if gate.format.is_quantized() {
             return Err(self.ck.get(&format!("{prefix}.gate.weight"))?.error("the router must be BF16 or F32".into()));
         }
         Ok(Moe {
