@@ -279,23 +279,18 @@ pub(crate) fn forward_decoded(
 /// As [`crate::simd::avx512_groups::group_dot`].
 #[cfg(target_arch = "x86_64")]
 unsafe fn group_sums_into(lines: &[Line], x: &[f32], n: usize, cols: usize, sums: &mut [f32]) {
+    use crate::row_groups::{pass_rows, store_pass};
     use crate::simd::avx512_groups::group_dot;
-    // Up to four x rows a pass (five and six as 3 + 2 and 3 + 3), each
-    // with as many group rows as its accumulators leave registers for.
+    // Each pass with as many group rows as its accumulators leave registers for.
     let mut i0 = 0;
     while i0 < n {
-        let part = match n - i0 {
-            5 | 6 => 3,
-            left => left.min(4),
-        };
+        let part = pass_rows(n - i0);
         let row = |i: usize| &x[(i0 + i) * cols..][..cols];
         macro_rules! passes {
             ($mr:literal, $rp:literal) => {{
                 for j0 in (0..GROUP_ROWS).step_by($rp) {
                     let got = group_dot::<$mr, $rp>(lines, std::array::from_fn(|i| row(i)), j0);
-                    for (i, s) in got.iter().enumerate() {
-                        sums[(i0 + i) * GROUP_ROWS + j0..][..$rp].copy_from_slice(s);
-                    }
+                    store_pass(sums, (i0, j0), &got);
                 }
             }};
         }

@@ -31,6 +31,21 @@ fn line_byte(c: usize) -> usize {
     let (half, within) = (c / PAIRED_COLS, c % PAIRED_COLS);
     PAIRED_COLS * half + if within < 16 { 2 * within } else { 2 * (within - 16) + 1 }
 }
+
+/// 32 published codes (column order) as a paired half line: column `l` at
+/// byte `2l`, column `16 + l` at byte `2l + 1`.
+fn pair_half(codes: &[u8], half: &mut [u8]) {
+    for (l, pair) in half.chunks_exact_mut(2).enumerate() {
+        (pair[0], pair[1]) = (codes[l], codes[16 + l]);
+    }
+}
+
+/// The inverse of [`pair_half`].
+fn unpair_half(half: &[u8], codes: &mut [u8]) {
+    for (l, pair) in half.chunks_exact(2).enumerate() {
+        (codes[l], codes[16 + l]) = (pair[0], pair[1]);
+    }
+}
 /// Scales kept are below this: the kernel folds the decode's power of two
 /// (2^120) into the scale, which must stay finite.
 const SCALE_ABS_LIMIT: f32 = 64.0;
@@ -103,8 +118,8 @@ impl Fp8Groups {
             for (ch, chunk) in group.chunks_exact_mut(GROUP_ROWS).enumerate() {
                 for (j, line) in chunk.iter_mut().enumerate().take(rows.saturating_sub(g * GROUP_ROWS)) {
                     let codes = &data[(g * GROUP_ROWS + j) * cols + ch * CHUNK_COLS..][..CHUNK_COLS];
-                    for (c, &code) in codes.iter().enumerate() {
-                        line.0[line_byte(c)] = code;
+                    for (codes, half) in codes.chunks_exact(PAIRED_COLS).zip(line.0.chunks_exact_mut(PAIRED_COLS)) {
+                        pair_half(codes, half);
                     }
                 }
             }
@@ -158,7 +173,12 @@ impl Fp8Groups {
     /// The FP8 code of column `c` of row `r`.
     pub fn code(&self, r: usize, c: usize) -> u8 {
         assert!(r < self.rows && c < self.cols, "({r}, {c}) outside {} × {}", self.rows, self.cols);
-        self.group_lines(r / GROUP_ROWS)[c / CHUNK_COLS * GROUP_ROWS + r % GROUP_ROWS].0[line_byte(c % CHUNK_COLS)]
+        self.row_line(r, c / CHUNK_COLS)[line_byte(c % CHUNK_COLS)]
+    }
+
+    /// Row `r`'s line in chunk `ch`.
+    fn row_line(&self, r: usize, ch: usize) -> &[u8; LINE_BYTES] {
+        &self.group_lines(r / GROUP_ROWS)[ch * GROUP_ROWS + r % GROUP_ROWS].0
     }
 
     /// The scale of columns `b * block_cols..` of row `r`.
@@ -181,8 +201,12 @@ impl Fp8Groups {
     pub fn to_published(&self) -> (Vec<u8>, Vec<f32>) {
         let mut data = vec![0u8; self.rows * self.cols];
         for (r, row) in data.chunks_exact_mut(self.cols).enumerate() {
-            for (c, code) in row.iter_mut().enumerate() {
-                *code = self.code(r, c);
+            for (ch, piece) in row.chunks_exact_mut(CHUNK_COLS).enumerate() {
+                for (half, codes) in
+                    self.row_line(r, ch).chunks_exact(PAIRED_COLS).zip(piece.chunks_exact_mut(PAIRED_COLS))
+                {
+                    unpair_half(half, codes);
+                }
             }
         }
         let scales = (0..self.published_scale_count())
@@ -235,26 +259,21 @@ pub(crate) fn forward_decoded(
 /// As [`crate::simd::avx512_fp8_groups::group_dot`].
 #[cfg(target_arch = "x86_64")]
 unsafe fn group_sums_into(groups: &Fp8Groups, g: usize, x: &[f32], abs_max: &[f32], n: usize, sums: &mut [f32]) {
+    use crate::row_groups::{pass_rows, store_pass};
     use crate::simd::avx512_fp8_groups::{group_dot, GroupRef};
     let (cols, blocks) = (groups.cols, groups.blocks());
     let group =
         GroupRef { lines: groups.group_lines(g), scales: groups.group_scales(g), block_cols: groups.block_cols };
     let mut i0 = 0;
     while i0 < n {
-        let part = match n - i0 {
-            5 | 6 => 3,
-            7 | 8 => 4,
-            left => left.min(4),
-        };
+        let part = pass_rows(n - i0);
         let row = |i: usize| &x[(i0 + i) * cols..][..cols];
         let bound = |i: usize| &abs_max[(i0 + i) * blocks..][..blocks];
         macro_rules! passes {
             ($mr:literal, $rp:literal) => {{
                 for j0 in (0..GROUP_ROWS).step_by($rp) {
                     let got = group_dot::<$mr, $rp>(&group, std::array::from_fn(row), std::array::from_fn(bound), j0);
-                    for (i, s) in got.iter().enumerate() {
-                        sums[(i0 + i) * GROUP_ROWS + j0..][..$rp].copy_from_slice(s);
-                    }
+                    store_pass(sums, (i0, j0), &got);
                 }
             }};
         }

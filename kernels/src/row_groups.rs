@@ -48,3 +48,28 @@ pub(crate) fn forward_by_groups(
         }
     }
 }
+
+/// How many x rows the next pass of a grouped kernel takes when `left`
+/// remain: up to four, five and six as 3 + 2 and 3 + 3, seven and eight as
+/// 4 + 3 and 4 + 4 (more x rows a pass would leave too few registers).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn pass_rows(left: usize) -> usize {
+    match left {
+        5 | 6 => 3,
+        7 | 8 => 4,
+        left => left.min(4),
+    }
+}
+
+/// A pass's sums (x rows `i0..`, group rows `j0..`) into a group's
+/// `sums[i * GROUP_ROWS + j]`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn store_pass<const MR: usize, const RP: usize>(
+    sums: &mut [f32],
+    (i0, j0): (usize, usize),
+    got: &[[f32; RP]; MR],
+) {
+    for (i, s) in got.iter().enumerate() {
+        sums[(i0 + i) * GROUP_ROWS + j0..][..RP].copy_from_slice(s);
+    }
+}
