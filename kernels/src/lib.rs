@@ -21,5 +21,6 @@ pub mod ops;
 pub mod quantize;
 mod row_groups;
 mod simd;
+pub mod workers;
 
 pub use linear::{Isa, Linear, WeightFormat};

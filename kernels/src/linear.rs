@@ -22,8 +22,11 @@ const TILE_ROWS: usize = 16;
 /// all input rows stream past it, and weight rows are read in long sequential
 /// runs; this measured faster than L1-sized blocks.
 const MAX_BLOCK_COLS: usize = 4096;
-/// Below this many multiply-adds a call stays on the calling thread.
-const PARALLEL_MIN_FMAS: usize = 1 << 21;
+/// Below this many multiply-adds a call stays on the calling thread. Called on
+/// a pool worker ([`crate::workers::on_workers`]), a split of 2^18 (a 512 × 512
+/// matrix at batch 1, 128 KiB of FP4 codes) already pays for handing half to
+/// another worker; from outside the pool, waking the workers cost more.
+const PARALLEL_MIN_FMAS: usize = 1 << 18;
 
 /// How a weight matrix of `rows × cols` (out × in, row-major) is stored.
 #[derive(Clone, Debug)]

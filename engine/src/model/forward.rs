@@ -5,6 +5,7 @@
 //! a sequence's logits do not depend on what else is in the batch.
 
 use deepinfer_kernels::ops::rms_norm;
+use deepinfer_kernels::workers::on_workers;
 
 use super::attention::{self, Segment};
 use super::state::{LayerState, SequenceState};
@@ -95,22 +96,24 @@ pub struct MtpChunk<'a> {
 impl Model {
     /// Run the chunks through the model, advancing each state.
     pub fn forward(&self, chunks: &mut [Chunk], wanted: LogitsWanted, keep_streams: bool) -> Vec<ChunkOutput> {
-        let mut pass = self.begin_pass(chunks);
-        while !pass.is_done() {
-            let layer = pass.layer();
-            let dispatch = self.attend(&mut pass, chunks).clone();
-            let outputs = self.run_experts(layer, &dispatch);
-            self.combine(&mut pass, &outputs);
-        }
-        self.finish_pass(pass, chunks, wanted, keep_streams)
+        on_workers(|| {
+            let mut pass = self.begin_pass(chunks);
+            while !pass.is_done() {
+                let layer = pass.layer();
+                let dispatch = self.attend(&mut pass, chunks).clone();
+                let outputs = self.run_experts(layer, &dispatch);
+                self.combine(&mut pass, &outputs);
+            }
+            self.finish_pass(pass, chunks, wanted, keep_streams)
+        })
     }
 
     /// Every routed expert of `layer` for a dispatch, computed here.
     pub fn run_experts(&self, layer: usize, dispatch: &moe::Dispatch) -> moe::ExpertOutputs {
-        match &self.v41 {
+        on_workers(|| match &self.v41 {
             Some(m) => m.run_experts(layer, dispatch),
             None => moe::run_all_experts(&self.weights.blocks[layer].moe, &self.config, dispatch),
-        }
+        })
     }
 
     /// Whether a dispatch carries each row's routing weight to the expert (V4.1
@@ -167,48 +170,54 @@ impl Model {
 
     /// Run the current layer's attention and routing; returns what the routed experts must compute.
     pub fn attend<'p>(&self, pass: &'p mut Pass, chunks: &mut [Chunk]) -> &'p moe::Dispatch {
-        if let Some(m) = &self.v41 {
-            let p = pass.v41.as_mut().expect("a V4.1 pass");
-            let mut states: Vec<&mut crate::v41::V41State> =
-                chunks.iter_mut().map(|c| c.state.v41.as_mut().expect("V4.1 state")).collect();
-            return m.attend(p, &mut states);
-        }
-        assert!(pass.pending.is_none() && !pass.is_done(), "attend once per layer");
-        let l = pass.layer;
-        let mut states: Vec<&mut LayerState> = chunks.iter_mut().map(|c| &mut c.state.layers[l]).collect();
-        let staged = self.attend_and_route(
-            &self.weights.blocks[l],
-            &mut pass.streams,
-            &pass.tokens,
-            &pass.segments,
-            &mut states,
-        );
-        &pass.pending.insert(staged).1
+        on_workers(|| {
+            if let Some(m) = &self.v41 {
+                let p = pass.v41.as_mut().expect("a V4.1 pass");
+                let mut states: Vec<&mut crate::v41::V41State> =
+                    chunks.iter_mut().map(|c| c.state.v41.as_mut().expect("V4.1 state")).collect();
+                return m.attend(p, &mut states);
+            }
+            assert!(pass.pending.is_none() && !pass.is_done(), "attend once per layer");
+            let l = pass.layer;
+            let mut states: Vec<&mut LayerState> = chunks.iter_mut().map(|c| &mut c.state.layers[l]).collect();
+            let staged = self.attend_and_route(
+                &self.weights.blocks[l],
+                &mut pass.streams,
+                &pass.tokens,
+                &pass.segments,
+                &mut states,
+            );
+            &pass.pending.insert(staged).1
+        })
     }
 
     /// Finish the current layer with the routed experts' outputs.
     pub fn combine(&self, pass: &mut Pass, outputs: &moe::ExpertOutputs) {
-        if let (Some(m), Some(p)) = (&self.v41, pass.v41.as_mut()) {
-            m.combine(p, outputs);
-            return;
-        }
-        let (mixes, dispatch) = pass.pending.take().expect("attend before combine");
-        self.finish_block(&self.weights.blocks[pass.layer], &mixes, &dispatch, outputs, &mut pass.streams);
-        pass.layer += 1;
+        on_workers(|| {
+            if let (Some(m), Some(p)) = (&self.v41, pass.v41.as_mut()) {
+                m.combine(p, outputs);
+                return;
+            }
+            let (mixes, dispatch) = pass.pending.take().expect("attend before combine");
+            self.finish_block(&self.weights.blocks[pass.layer], &mixes, &dispatch, outputs, &mut pass.streams);
+            pass.layer += 1;
+        })
     }
 
     /// Outputs `[rows, D]` of routed expert `expert` of layer `layer` for gathered input rows.
     pub fn expert_forward(&self, layer: usize, expert: usize, x_rows: &[f32]) -> Vec<f32> {
-        assert!(self.v41.is_none(), "V4.1 experts take their rows' routing weights");
-        moe::expert_forward(&self.weights.blocks[layer].moe, &self.config, expert, x_rows)
+        on_workers(|| {
+            assert!(self.v41.is_none(), "V4.1 experts take their rows' routing weights");
+            moe::expert_forward(&self.weights.blocks[layer].moe, &self.config, expert, x_rows)
+        })
     }
 
     /// [`Model::expert_forward`] for models whose experts apply the routing weight.
     pub fn expert_forward_weighted(&self, layer: usize, expert: usize, x_rows: &[f32], weights: &[f32]) -> Vec<f32> {
-        match &self.v41 {
+        on_workers(|| match &self.v41 {
             Some(m) => m.expert_forward(layer, expert, x_rows, weights),
             None => self.expert_forward(layer, expert, x_rows),
-        }
+        })
     }
 
     /// After the last layer: logits (and streams) per chunk; advances each state's position.
@@ -219,47 +228,49 @@ impl Model {
         wanted: LogitsWanted,
         keep_streams: bool,
     ) -> Vec<ChunkOutput> {
-        assert!(pass.is_done(), "every layer ran");
-        let starts: Vec<usize> = chunks.iter().map(|c| c.state.position).collect();
-        for c in chunks.iter_mut() {
-            if c.drafts > 0 {
-                c.state.draft_from = Some(c.state.position + c.tokens.len() - c.drafts);
+        on_workers(|| {
+            assert!(pass.is_done(), "every layer ran");
+            let starts: Vec<usize> = chunks.iter().map(|c| c.state.position).collect();
+            for c in chunks.iter_mut() {
+                if c.drafts > 0 {
+                    c.state.draft_from = Some(c.state.position + c.tokens.len() - c.drafts);
+                }
+                c.state.position += c.tokens.len();
             }
-            c.state.position += c.tokens.len();
-        }
-        if let (Some(m), Some(p)) = (&self.v41, pass.v41) {
-            let mut states: Vec<&mut crate::v41::V41State> =
-                chunks.iter_mut().map(|c| c.state.v41.as_mut().expect("V4.1 state")).collect();
-            let results = m.finish(p, &mut states, wanted);
-            return results
-                .into_iter()
-                .zip(chunks.iter_mut().zip(starts))
-                .map(|(r, (c, start))| {
-                    if m.config.dspark.is_some() {
-                        let state = c.state.v41.as_mut().expect("V4.1 state");
-                        m.dspark_follow(&r.main_hidden, start, c.tokens.len() - c.drafts, state);
-                    }
-                    ChunkOutput { logits: r.logits, streams: if keep_streams { r.main_hidden } else { Vec::new() } }
+            if let (Some(m), Some(p)) = (&self.v41, pass.v41) {
+                let mut states: Vec<&mut crate::v41::V41State> =
+                    chunks.iter_mut().map(|c| c.state.v41.as_mut().expect("V4.1 state")).collect();
+                let results = m.finish(p, &mut states, wanted);
+                return results
+                    .into_iter()
+                    .zip(chunks.iter_mut().zip(starts))
+                    .map(|(r, (c, start))| {
+                        if m.config.dspark.is_some() {
+                            let state = c.state.v41.as_mut().expect("V4.1 state");
+                            m.dspark_follow(&r.main_hidden, start, c.tokens.len() - c.drafts, state);
+                        }
+                        ChunkOutput { logits: r.logits, streams: if keep_streams { r.main_hidden } else { Vec::new() } }
+                    })
+                    .collect();
+            }
+            let d = self.config.hidden_size;
+            let hc = self.config.hc_mult;
+            let streams = &pass.streams;
+            pass.segments
+                .iter()
+                .map(|seg| {
+                    let seg_streams = &streams[seg.start * hc * d..(seg.start + seg.len) * hc * d];
+                    let rows = wanted.rows(seg.len);
+                    let logits = self.logits(
+                        &self.weights.hc_head,
+                        &self.weights.norm,
+                        &seg_streams[rows.start * hc * d..rows.end * hc * d],
+                        rows.len(),
+                    );
+                    ChunkOutput { logits, streams: if keep_streams { seg_streams.to_vec() } else { Vec::new() } }
                 })
-                .collect();
-        }
-        let d = self.config.hidden_size;
-        let hc = self.config.hc_mult;
-        let streams = &pass.streams;
-        pass.segments
-            .iter()
-            .map(|seg| {
-                let seg_streams = &streams[seg.start * hc * d..(seg.start + seg.len) * hc * d];
-                let rows = wanted.rows(seg.len);
-                let logits = self.logits(
-                    &self.weights.hc_head,
-                    &self.weights.norm,
-                    &seg_streams[rows.start * hc * d..rows.end * hc * d],
-                    rows.len(),
-                );
-                ChunkOutput { logits, streams: if keep_streams { seg_streams.to_vec() } else { Vec::new() } }
-            })
-            .collect()
+                .collect()
+        })
     }
 
     /// Run the first MTP block: returns, per chunk, logits `[len, vocab]` predicting the token at `t + 2`.
@@ -271,55 +282,57 @@ impl Model {
     /// streams `[len, hc · D]` (a chain of drafts feeds them back as the next
     /// position's streams).
     pub fn mtp_forward_rows(&self, chunks: &mut [MtpChunk], wanted: LogitsWanted) -> Vec<ChunkOutput> {
-        let mtp: &Mtp = self.weights.mtp.first().expect("checkpoint has no MTP block");
-        let cfg = &self.config;
-        let d = cfg.hidden_size;
-        let hc = cfg.hc_mult;
-        let segments = segments(chunks.iter().map(|c| (c.next_tokens.len(), c.state.mtp_position, false, 0)));
-        let tokens: Vec<u32> = chunks.iter().flat_map(|c| c.next_tokens.iter().copied()).collect();
-        let n = tokens.len();
+        on_workers(|| {
+            let mtp: &Mtp = self.weights.mtp.first().expect("checkpoint has no MTP block");
+            let cfg = &self.config;
+            let d = cfg.hidden_size;
+            let hc = cfg.hc_mult;
+            let segments = segments(chunks.iter().map(|c| (c.next_tokens.len(), c.state.mtp_position, false, 0)));
+            let tokens: Vec<u32> = chunks.iter().flat_map(|c| c.next_tokens.iter().copied()).collect();
+            let n = tokens.len();
 
-        // Fuse: e_proj(enorm(embed(next))) added to h_proj(hnorm(stream)) on every stream.
-        let mut embedded = vec![0.0f32; n * d];
-        for (t, &tok) in tokens.iter().enumerate() {
-            let e = &mut embedded[t * d..(t + 1) * d];
-            self.weights.embed.dequantize_row((tok as usize).min(cfg.vocab_size - 1), e);
-            rms_norm(e, Some(&mtp.enorm), cfg.rms_norm_eps);
-        }
-        let mut e_out = vec![0.0f32; n * d];
-        mtp.e_proj.forward(&embedded, n, &mut e_out);
-        let mut prev: Vec<f32> = chunks.iter().flat_map(|c| c.streams.iter().copied()).collect();
-        assert_eq!(prev.len(), n * hc * d, "MTP input streams");
-        for r in prev.chunks_exact_mut(d) {
-            rms_norm(r, Some(&mtp.hnorm), cfg.rms_norm_eps);
-        }
-        let mut streams = vec![0.0f32; n * hc * d];
-        mtp.h_proj.forward(&prev, n * hc, &mut streams);
-        for t in 0..n {
-            for k in 0..hc {
-                let s = &mut streams[(t * hc + k) * d..][..d];
-                s.iter_mut().zip(&e_out[t * d..(t + 1) * d]).for_each(|(v, e)| *v += e);
+            // Fuse: e_proj(enorm(embed(next))) added to h_proj(hnorm(stream)) on every stream.
+            let mut embedded = vec![0.0f32; n * d];
+            for (t, &tok) in tokens.iter().enumerate() {
+                let e = &mut embedded[t * d..(t + 1) * d];
+                self.weights.embed.dequantize_row((tok as usize).min(cfg.vocab_size - 1), e);
+                rms_norm(e, Some(&mtp.enorm), cfg.rms_norm_eps);
             }
-        }
-        let mut states: Vec<&mut LayerState> = chunks.iter_mut().map(|c| &mut c.state.mtp[0]).collect();
-        self.block_forward(&mtp.block, &mut streams, &tokens, &segments, &mut states);
-        for c in chunks.iter_mut() {
-            c.state.mtp_position += c.next_tokens.len();
-        }
-        segments
-            .iter()
-            .map(|seg| {
-                let seg_streams = &streams[seg.start * hc * d..(seg.start + seg.len) * hc * d];
-                let rows = wanted.rows(seg.len);
-                let logits = self.logits(
-                    &mtp.hc_head,
-                    &mtp.norm,
-                    &seg_streams[rows.start * hc * d..rows.end * hc * d],
-                    rows.len(),
-                );
-                ChunkOutput { logits, streams: seg_streams.to_vec() }
-            })
-            .collect()
+            let mut e_out = vec![0.0f32; n * d];
+            mtp.e_proj.forward(&embedded, n, &mut e_out);
+            let mut prev: Vec<f32> = chunks.iter().flat_map(|c| c.streams.iter().copied()).collect();
+            assert_eq!(prev.len(), n * hc * d, "MTP input streams");
+            for r in prev.chunks_exact_mut(d) {
+                rms_norm(r, Some(&mtp.hnorm), cfg.rms_norm_eps);
+            }
+            let mut streams = vec![0.0f32; n * hc * d];
+            mtp.h_proj.forward(&prev, n * hc, &mut streams);
+            for t in 0..n {
+                for k in 0..hc {
+                    let s = &mut streams[(t * hc + k) * d..][..d];
+                    s.iter_mut().zip(&e_out[t * d..(t + 1) * d]).for_each(|(v, e)| *v += e);
+                }
+            }
+            let mut states: Vec<&mut LayerState> = chunks.iter_mut().map(|c| &mut c.state.mtp[0]).collect();
+            self.block_forward(&mtp.block, &mut streams, &tokens, &segments, &mut states);
+            for c in chunks.iter_mut() {
+                c.state.mtp_position += c.next_tokens.len();
+            }
+            segments
+                .iter()
+                .map(|seg| {
+                    let seg_streams = &streams[seg.start * hc * d..(seg.start + seg.len) * hc * d];
+                    let rows = wanted.rows(seg.len);
+                    let logits = self.logits(
+                        &mtp.hc_head,
+                        &mtp.norm,
+                        &seg_streams[rows.start * hc * d..rows.end * hc * d],
+                        rows.len(),
+                    );
+                    ChunkOutput { logits, streams: seg_streams.to_vec() }
+                })
+                .collect()
+        })
     }
 
     fn block_forward(
