@@ -11,6 +11,7 @@
 //! are regrouped at load ([`fp4_groups`], [`fp8_groups`]) with the same values.
 
 pub mod act_quant;
+mod aligned;
 pub mod block_scaled;
 pub mod dequantized_dot;
 pub mod dtype;

@@ -10,6 +10,7 @@ use std::ops::Range;
 use bytes::Bytes;
 use rayon::prelude::*;
 
+use crate::aligned::AlignedF32;
 use crate::dtype::{bf16_to_f32, fp8_e4m3_to_f32, FP4_E2M1_VALUES};
 use crate::fp4_groups::Fp4Groups;
 use crate::fp8_groups::Fp8Groups;
@@ -22,6 +23,12 @@ const TILE_ROWS: usize = 16;
 /// all input rows stream past it, and weight rows are read in long sequential
 /// runs; this measured faster than L1-sized blocks.
 const MAX_BLOCK_COLS: usize = 4096;
+/// Most bytes of input rows one pass over the weight tiles multiplies. Every
+/// tile reads all of its pass's rows, so a batch larger than the core's L2
+/// would stream from L3 or memory once per 16 weight rows (on a core with
+/// 15 GB/s of its own, that alone held a 256-row matmul to half the FMA
+/// rate); larger batches run in panels, each decoding the weight tiles again.
+const PANEL_BYTES: usize = 512 * 1024;
 /// Below this many multiply-adds a call stays on the calling thread. Called on
 /// a pool worker ([`crate::workers::on_workers`]), a split of 2^18 (a 512 × 512
 /// matrix at batch 1, 128 KiB of FP4 codes) already pays for handing half to
@@ -281,12 +288,12 @@ impl Linear {
         // One cache line of padding per row keeps the tile's rows in different cache sets.
         let stride = width + 16;
         let mut wbuf = match plan {
-            Plan::Buffered => vec![0.0f32; TILE_ROWS * stride],
-            _ => Vec::new(),
+            Plan::Buffered => AlignedF32::zeroed(TILE_ROWS * stride),
+            _ => AlignedF32::zeroed(0),
         };
         // Lane accumulators of (input row i, tile row j) at (i * TILE_ROWS + j) * 16.
         let acc_stride = TILE_ROWS * 16;
-        let mut acc = vec![0.0f32; n * acc_stride];
+        let mut acc = AlignedF32::zeroed(panel_rows(n, cols).min(n) * acc_stride);
         let mut xs: Vec<&[f32]> = Vec::with_capacity(n);
         // Largest |x| of each column block, which lets FP8 tiles move their
         // block scale onto x (one pass over x, shared by every tile).
@@ -298,65 +305,70 @@ impl Linear {
                 .collect(),
             _ => vec![f32::INFINITY; cols.div_ceil(width)],
         };
-        for t0 in range.clone().step_by(TILE_ROWS) {
-            let tile = TILE_ROWS.min(range.end - t0);
-            // Rows past the tile's end repeat its first row; their sums are discarded.
-            let row = |j: usize| t0 + if j < tile { j } else { 0 };
-            acc.fill(0.0);
-            for (block, k0) in (0..cols).step_by(width).enumerate() {
-                let kc = width.min(cols - k0);
-                xs.clear();
-                xs.extend(x[n * k0..][..n * kc].chunks_exact(kc));
-                if let (Plan::Fused(encoding), Some(layout)) = (plan, &layout) {
-                    let x_abs_max = x_abs_max[block];
-                    let (_, nr) = backend.fused_shape(n).expect("fused plan");
-                    for g in (0..tile).step_by(nr) {
-                        let mut codes = [&[][..]; TILE_ROWS];
-                        let mut scales = [ScaleRow::NONE; TILE_ROWS];
-                        for j in 0..nr {
-                            (codes[j], scales[j]) = layout.span(row(g + j), k0, kc);
+        let panel = panel_rows(n, cols);
+        for p0 in (0..n).step_by(panel) {
+            let pn = panel.min(n - p0);
+            let acc = &mut acc[..pn * acc_stride];
+            for t0 in range.clone().step_by(TILE_ROWS) {
+                let tile = TILE_ROWS.min(range.end - t0);
+                // Rows past the tile's end repeat its first row; their sums are discarded.
+                let row = |j: usize| t0 + if j < tile { j } else { 0 };
+                acc.fill(0.0);
+                for (block, k0) in (0..cols).step_by(width).enumerate() {
+                    let kc = width.min(cols - k0);
+                    xs.clear();
+                    xs.extend(x[n * k0 + p0 * kc..][..pn * kc].chunks_exact(kc));
+                    if let (Plan::Fused(encoding), Some(layout)) = (plan, &layout) {
+                        let x_abs_max = x_abs_max[block];
+                        let (_, nr) = backend.fused_shape(n).expect("fused plan");
+                        for g in (0..tile).step_by(nr) {
+                            let mut codes = [&[][..]; TILE_ROWS];
+                            let mut scales = [ScaleRow::NONE; TILE_ROWS];
+                            for j in 0..nr {
+                                (codes[j], scales[j]) = layout.span(row(g + j), k0, kc);
+                            }
+                            let (codes, scales) = (&codes[..nr], &scales[..nr]);
+                            // The next group's rows are fetched while this one computes:
+                            // a group's rows are short interleaved streams that the
+                            // hardware prefetchers do not run ahead of.
+                            let next = (t0 + g + nr).min(range.end)..(t0 + g + 2 * nr).min(range.end);
+                            let mut ahead = [&[][..]; TILE_ROWS];
+                            for (slot, r) in ahead.iter_mut().zip(next.clone()) {
+                                let (codes, scales) = layout.span(r, k0, kc);
+                                *slot = codes;
+                                if encoding == Encoding::Fp4 {
+                                    prefetch(scales.row);
+                                }
+                            }
+                            let ahead = &ahead[..next.len()];
+                            let rows = EncodedRows { encoding, codes, scales, k0, ahead, x_abs_max, codes_nan_free };
+                            backend.micro_encoded(&xs, rows, &mut acc[g * 16..], acc_stride);
                         }
-                        let (codes, scales) = (&codes[..nr], &scales[..nr]);
-                        // The next group's rows are fetched while this one computes:
-                        // a group's rows are short interleaved streams that the
-                        // hardware prefetchers do not run ahead of.
-                        let next = (t0 + g + nr).min(range.end)..(t0 + g + 2 * nr).min(range.end);
-                        let mut ahead = [&[][..]; TILE_ROWS];
-                        for (slot, r) in ahead.iter_mut().zip(next.clone()) {
-                            let (codes, scales) = layout.span(r, k0, kc);
-                            *slot = codes;
-                            if encoding == Encoding::Fp4 {
-                                prefetch(scales.row);
+                        continue;
+                    }
+                    match &self.format {
+                        // A tile's rows are decoded together, in the groups' stored order.
+                        WeightFormat::Fp8Grouped(groups) if plan == Plan::Buffered => {
+                            crate::fp8_groups::decode_rows(groups, backend, t0..t0 + tile, (k0, kc), &mut wbuf, stride);
+                        }
+                        _ if plan == Plan::Buffered => {
+                            for (j, dst) in wbuf.chunks_exact_mut(stride).take(tile).enumerate() {
+                                self.dequantize_span(backend, t0 + j, k0, &mut dst[..kc]);
                             }
                         }
-                        let ahead = &ahead[..next.len()];
-                        let rows = EncodedRows { encoding, codes, scales, k0, ahead, x_abs_max, codes_nan_free };
-                        backend.micro_encoded(&xs, rows, &mut acc[g * 16..], acc_stride);
+                        _ => {}
                     }
-                    continue;
-                }
-                match &self.format {
-                    // A tile's rows are decoded together, in the groups' stored order.
-                    WeightFormat::Fp8Grouped(groups) if plan == Plan::Buffered => {
-                        crate::fp8_groups::decode_rows(groups, backend, t0..t0 + tile, (k0, kc), &mut wbuf, stride);
+                    let mut ws: [&[f32]; TILE_ROWS] = [&[]; TILE_ROWS];
+                    for (j, w) in ws.iter_mut().enumerate() {
+                        *w = match &self.format {
+                            WeightFormat::F32(d) if plan == Plan::Direct => &d[row(j) * cols + k0..][..kc],
+                            _ => &wbuf[(row(j) - t0) * stride..][..kc],
+                        };
                     }
-                    _ if plan == Plan::Buffered => {
-                        for (j, dst) in wbuf.chunks_exact_mut(stride).take(tile).enumerate() {
-                            self.dequantize_span(backend, t0 + j, k0, &mut dst[..kc]);
-                        }
-                    }
-                    _ => {}
+                    multiply_tile(backend, &xs, &ws, tile, acc);
                 }
-                let mut ws: [&[f32]; TILE_ROWS] = [&[]; TILE_ROWS];
-                for (j, w) in ws.iter_mut().enumerate() {
-                    *w = match &self.format {
-                        WeightFormat::F32(d) if plan == Plan::Direct => &d[row(j) * cols + k0..][..kc],
-                        _ => &wbuf[(row(j) - t0) * stride..][..kc],
-                    };
-                }
-                multiply_tile(backend, &xs, &ws, tile, &mut acc);
+                store_tile_sums(backend, acc, tile, &mut out[p0 * out_stride + t0 - range.start..], out_stride);
             }
-            store_tile_sums(backend, &acc, tile, &mut out[t0 - range.start..], out_stride);
         }
     }
 
@@ -476,6 +488,14 @@ enum Plan {
     Buffered,
 }
 
+/// Input rows per panel of a batch of `n` rows `cols` wide: equal panels of
+/// at most [`PANEL_BYTES`] (and at least one register tile of rows).
+fn panel_rows(n: usize, cols: usize) -> usize {
+    let most = (PANEL_BYTES / (4 * cols.max(1))).max(6);
+    let panels = n.div_ceil(most).max(1);
+    n.div_ceil(panels)
+}
+
 /// Width of the column blocks of a `cols`-wide matrix: equal blocks of at most
 /// [`MAX_BLOCK_COLS`], each a multiple of 16 so every block starts on lane 0.
 fn block_width(cols: usize) -> usize {
@@ -485,13 +505,15 @@ fn block_width(cols: usize) -> usize {
 
 /// `x[n × cols]` regrouped by column block: block `k0..k0 + kc` of row `i` at
 /// `n * k0 + i * kc`. For `n == 1` this is `x` itself.
-fn pack_blocks(x: &[f32], n: usize, cols: usize) -> Vec<f32> {
-    let mut packed = Vec::with_capacity(n * cols);
+fn pack_blocks(x: &[f32], n: usize, cols: usize) -> AlignedF32 {
+    let mut packed = AlignedF32::zeroed(n * cols);
     let width = block_width(cols);
+    let mut at = 0;
     for k0 in (0..cols).step_by(width) {
         let kc = width.min(cols - k0);
         for i in 0..n {
-            packed.extend_from_slice(&x[i * cols + k0..][..kc]);
+            packed[at..at + kc].copy_from_slice(&x[i * cols + k0..][..kc]);
+            at += kc;
         }
     }
     packed
@@ -518,7 +540,7 @@ pub fn dot_rows(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, out: &
     }
     let backend = Backend::detected();
     let xs: Vec<&[f32]> = x.chunks_exact(cols.max(1)).take(n).collect();
-    let mut acc = vec![0.0f32; n * TILE_ROWS * 16];
+    let mut acc = AlignedF32::zeroed(n * TILE_ROWS * 16);
     for t0 in (0..rows).step_by(TILE_ROWS) {
         let tile = TILE_ROWS.min(rows - t0);
         // Rows past the tile's end repeat its first row; their sums are discarded.

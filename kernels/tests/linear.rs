@@ -118,6 +118,19 @@ fn forward_is_batch_invariant() {
 }
 
 #[test]
+fn batches_split_into_panels_keep_every_rows_bits() {
+    // 8200 columns: at most 15 rows a panel, so 37 rows run as three panels.
+    let (rows, cols, n) = (20, 8200, 37);
+    let mut rng = Rng(6);
+    for (name, lin) in all_formats(rows, cols, &mut rng) {
+        let x = rng.vec(n * cols);
+        let mut out = vec![f32::NAN; n * rows];
+        lin.forward(&x, n, &mut out);
+        assert_bits_eq(&out, &reference(&lin, &x, n), &format!("{name} n={n} in panels"));
+    }
+}
+
+#[test]
 fn thread_count_does_not_change_bits() {
     let (rows, cols, n) = (300, 520, 24);
     let mut rng = Rng(5);
