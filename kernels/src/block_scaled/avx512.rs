@@ -92,6 +92,8 @@ unsafe fn fp4_rows<const M: usize>(
     let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     let scale = _mm512_set1_ps(1.0 / 1024.0);
     for first in (0..groups).step_by(4) {
+        // The weight's rows follow one another: one stream, fetched ahead.
+        crate::simd::fetch_ahead(codes.as_ptr().wrapping_add(first * 64), 4);
         // Per x row, four groups' lanes: lanes 4b..4b + 4 of a group hold its block b.
         let mut lanes = [[_mm512_setzero_si512(); 4]; M];
         for q in 0..4 {
@@ -146,6 +148,8 @@ pub(super) unsafe fn fp8_block_sums(codes: &[u8], wide: &[f64], a_scales: &[f32]
     let restore = _mm512_set1_pd(RESTORE);
     let whole = blocks / NB * NB;
     for first in (0..whole).step_by(NB) {
+        // The weight's rows follow one another: one stream, fetched ahead.
+        crate::simd::fetch_ahead(codes.as_ptr().wrapping_add(first * ACT_BLOCK), NB * ACT_BLOCK / 64);
         // Blocks side by side: each block's four FMAs depend on each other,
         // the blocks do not, so the chains hide the FMA latency.
         let mut acc = [_mm512_setzero_pd(); NB];

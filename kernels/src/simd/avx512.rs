@@ -22,7 +22,7 @@ const FETCH_AHEAD_BYTES: usize = 8192;
 /// `lines`. Safe for any address: a prefetch never faults, and the pointer
 /// is never read.
 #[inline(always)]
-pub(super) fn fetch_ahead(lines: *const u8, count: usize) {
+pub(crate) fn fetch_ahead(lines: *const u8, count: usize) {
     let base = lines.wrapping_add(FETCH_AHEAD_BYTES);
     for l in 0..count {
         // SAFETY: SSE is part of x86-64, and a prefetch of any address is harmless.

@@ -10,6 +10,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
+pub(crate) use avx512::fetch_ahead;
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512_fp8_groups;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512_groups;
