@@ -130,6 +130,55 @@ unsafe fn add_scaled_avx512(out: &mut [f32], p: f32, v: &[f32]) {
     add_scaled_plain(out, p, v);
 }
 
+/// `out += Σ_k weights[k] · rows[k]` over the `weights.len()` rows of `rows`
+/// (each `out.len()` long), one row after another: exactly the bits of
+/// [`add_scaled`] called for each row in turn. AVX-512 keeps 64 columns of
+/// `out` in registers across all rows instead of loading and storing them
+/// once per row (attention's probabilities times its values).
+pub fn add_weighted_rows(out: &mut [f32], weights: &[f32], rows: &[f32]) {
+    let d = out.len();
+    assert_eq!(rows.len(), weights.len() * d, "add_weighted_rows lengths");
+    #[cfg(target_arch = "x86_64")]
+    if matches!(crate::Isa::detect(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
+        // SAFETY: the detected path guarantees AVX-512F; lengths checked above.
+        return unsafe { add_weighted_rows_avx512(out, weights, rows) };
+    }
+    for (&p, v) in weights.iter().zip(rows.chunks_exact(d.max(1))) {
+        add_scaled_plain(out, p, v);
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX-512F; `rows.len() == weights.len() * out.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_weighted_rows_avx512(out: &mut [f32], weights: &[f32], rows: &[f32]) {
+    use std::arch::x86_64::*;
+    const STRIP: usize = 64;
+    let d = out.len();
+    let (po, pv) = (out.as_mut_ptr(), rows.as_ptr());
+    let whole = d / STRIP * STRIP;
+    for j0 in (0..whole).step_by(STRIP) {
+        let mut acc: [__m512; 4] = std::array::from_fn(|u| _mm512_loadu_ps(po.add(j0 + 16 * u)));
+        for (k, &p) in weights.iter().enumerate() {
+            let p = _mm512_set1_ps(p);
+            let v = pv.add(k * d + j0);
+            for (u, a) in acc.iter_mut().enumerate() {
+                // Product rounded, then the sum: `add_scaled`'s two roundings.
+                *a = _mm512_add_ps(*a, _mm512_mul_ps(p, _mm512_loadu_ps(v.add(16 * u))));
+            }
+        }
+        for (u, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(po.add(j0 + 16 * u), *a);
+        }
+    }
+    if whole < d {
+        for (k, &p) in weights.iter().enumerate() {
+            add_scaled_plain(&mut out[whole..], p, &rows[k * d + whole..(k + 1) * d]);
+        }
+    }
+}
+
 /// Plain softmax in place.
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));

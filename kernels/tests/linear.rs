@@ -284,6 +284,25 @@ fn add_scaled_rounds_the_product_before_the_sum() {
 }
 
 #[test]
+fn add_weighted_rows_gives_the_bits_of_add_scaled_row_by_row() {
+    let mut rng = Rng(12);
+    for d in [0, 1, 16, 17, 64, 100, 128, 200, 512] {
+        for rows in [0, 1, 3, 130] {
+            let (weights, values, start) = (rng.vec(rows), rng.vec(rows * d), rng.vec(d));
+            let mut want = start.clone();
+            for k in 0..rows {
+                for j in 0..d {
+                    want[j] += weights[k] * values[k * d + j];
+                }
+            }
+            let mut got = start.clone();
+            deepinfer_kernels::ops::add_weighted_rows(&mut got, &weights, &values);
+            assert_bits_eq(&got, &want, &format!("d {d} rows {rows}"));
+        }
+    }
+}
+
+#[test]
 fn fp8_weights_know_whether_a_code_is_nan() {
     use bytes::Bytes;
     use deepinfer_kernels::WeightFormat;

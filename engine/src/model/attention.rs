@@ -4,7 +4,7 @@
 //! low-rank output projection.
 
 use deepinfer_kernels::linear::{dot, dot_rows};
-use deepinfer_kernels::ops::{add_scaled, rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope};
+use deepinfer_kernels::ops::{add_weighted_rows, rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope};
 use rayon::prelude::*;
 
 use super::state::{CompressorState, LayerState};
@@ -291,9 +291,8 @@ pub fn forward(
                     .chain(&chosen_scores[head * selected.len()..][..selected.len()]);
                 logits.iter_mut().zip(scores).for_each(|(l, s)| *l = s * scale);
                 softmax_with_sink(&mut logits, a.sink[head]);
-                for (&p, v) in logits.iter().zip(window_keys.chunks_exact(hd).chain(chosen.chunks_exact(hd))) {
-                    add_scaled(out, p, v);
-                }
+                add_weighted_rows(out, &logits[..nw], window_keys);
+                add_weighted_rows(out, &logits[nw..], &chosen);
                 angles.apply_inverse(t, out);
             }
         };
