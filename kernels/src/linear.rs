@@ -313,7 +313,11 @@ impl Linear {
                 let tile = TILE_ROWS.min(range.end - t0);
                 // Rows past the tile's end repeat its first row; their sums are discarded.
                 let row = |j: usize| t0 + if j < tile { j } else { 0 };
-                acc.fill(0.0);
+                if layout.is_some() {
+                    // The register tiles start a tile's first column block from zero;
+                    // the fused kernels add to what the buffer holds.
+                    acc.fill(0.0);
+                }
                 for (block, k0) in (0..cols).step_by(width).enumerate() {
                     let kc = width.min(cols - k0);
                     xs.clear();
@@ -365,7 +369,7 @@ impl Linear {
                             _ => &wbuf[(row(j) - t0) * stride..][..kc],
                         };
                     }
-                    multiply_tile(backend, &xs, &ws, tile, acc);
+                    multiply_tile(backend, &xs, &ws, tile, acc, k0 == 0);
                 }
                 store_tile_sums(backend, acc, tile, &mut out[p0 * out_stride + t0 - range.start..], out_stride);
             }
@@ -545,22 +549,22 @@ pub fn dot_rows(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, out: &
         let tile = TILE_ROWS.min(rows - t0);
         // Rows past the tile's end repeat its first row; their sums are discarded.
         let ws: [&[f32]; TILE_ROWS] = std::array::from_fn(|j| &w[(t0 + if j < tile { j } else { 0 }) * cols..][..cols]);
-        acc.fill(0.0);
-        multiply_tile(backend, &xs, &ws, tile, &mut acc);
+
+        multiply_tile(backend, &xs, &ws, tile, &mut acc, true);
         store_tile_sums(backend, &acc, tile, &mut out[t0..], rows);
     }
 }
 
 /// Continue the lane accumulators (`acc[i * TILE_ROWS * 16 + j * 16..][..16]`
 /// for input row `i` and tile row `j`) of every input row in `xs` against the
-/// first `tile` rows of `ws`, in register tiles.
-fn multiply_tile(backend: Backend, xs: &[&[f32]], ws: &[&[f32]; TILE_ROWS], tile: usize, acc: &mut [f32]) {
+/// first `tile` rows of `ws`, in register tiles; `fresh` starts them from zero.
+fn multiply_tile(backend: Backend, xs: &[&[f32]], ws: &[&[f32]; TILE_ROWS], tile: usize, acc: &mut [f32], fresh: bool) {
     let acc_stride = TILE_ROWS * 16;
     let mut i0 = 0;
     while i0 < xs.len() {
         let (mr, nr) = backend.block_shape(xs.len() - i0);
         for g in (0..tile).step_by(nr) {
-            backend.micro(&xs[i0..i0 + mr], &ws[g..g + nr], &mut acc[i0 * acc_stride + g * 16..], acc_stride);
+            backend.micro(&xs[i0..i0 + mr], &ws[g..g + nr], &mut acc[i0 * acc_stride + g * 16..], acc_stride, fresh);
         }
         i0 += mr;
     }

@@ -63,11 +63,13 @@ pub(super) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// See `Backend::micro`.
 ///
+/// With `FRESH` the accumulators start at zero instead of `acc`'s values.
+///
 /// # Safety
 /// The CPU must support AVX-512F; every slice of `xs` and `ws` has the same length
 /// and `acc.len() >= (MR - 1) * acc_stride + NR * 16`.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn micro<const MR: usize, const NR: usize>(
+pub(super) unsafe fn micro<const MR: usize, const NR: usize, const FRESH: bool>(
     xs: &[&[f32]; MR],
     ws: &[&[f32]; NR],
     acc: &mut [f32],
@@ -75,10 +77,13 @@ pub(super) unsafe fn micro<const MR: usize, const NR: usize>(
 ) {
     let len = xs[0].len();
     let pacc = acc.as_mut_ptr();
+    // Fresh accumulators start at +0.0, the bits a zeroed buffer would load.
     let mut a = [[_mm512_setzero_ps(); NR]; MR];
-    for (i, ai) in a.iter_mut().enumerate() {
-        for (j, aij) in ai.iter_mut().enumerate() {
-            *aij = _mm512_loadu_ps(pacc.add(i * acc_stride + j * 16));
+    if !FRESH {
+        for (i, ai) in a.iter_mut().enumerate() {
+            for (j, aij) in ai.iter_mut().enumerate() {
+                *aij = _mm512_loadu_ps(pacc.add(i * acc_stride + j * 16));
+            }
         }
     }
     let mut c = 0;

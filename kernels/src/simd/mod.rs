@@ -182,10 +182,33 @@ impl Backend {
     /// `acc[i * acc_stride + j * 16..][..16]` holds the lanes of pair `(xs[i], ws[j])`.
     /// All of `xs` and `ws` must have the same length; `(xs.len(), ws.len())` must be
     /// a shape returned by [`Backend::block_shape`].
-    pub(crate) fn micro(self, xs: &[&[f32]], ws: &[&[f32]], acc: &mut [f32], acc_stride: usize) {
+    ///
+    /// With `fresh` the pairs start from zero instead of `acc`'s values (the
+    /// first column block of a tile, which then needs no zeroed buffer).
+    pub(crate) fn micro(self, xs: &[&[f32]], ws: &[&[f32]], acc: &mut [f32], acc_stride: usize, fresh: bool) {
         let len = xs[0].len();
         assert!(xs.iter().chain(ws).all(|s| s.len() == len), "ragged tile");
         assert!((xs.len() - 1) * acc_stride + ws.len() * 16 <= acc.len(), "accumulators");
+        #[cfg(target_arch = "x86_64")]
+        if matches!(self.0, Isa::Avx512 | Isa::Avx512Vbmi) {
+            macro_rules! avx512_tiles {
+                ($(($mr:literal, $nr:literal))*) => {
+                    match (xs.len(), ws.len(), fresh) {
+                        // SAFETY: `Backend::new` checked the CPU has AVX-512F, and the
+                        // asserts above are exactly the bounds the loops rely on.
+                        $(($mr, $nr, true) => unsafe { avx512::micro::<$mr, $nr, true>(arr(xs), arr(ws), acc, acc_stride) },
+                        ($mr, $nr, false) => unsafe { avx512::micro::<$mr, $nr, false>(arr(xs), arr(ws), acc, acc_stride) },)*
+                        (m, n, _) => unreachable!("no {m}x{n} tile for {:?}", self.0),
+                    }
+                };
+            }
+            return avx512_tiles!((1, 8)(2, 8)(3, 8)(4, 4)(5, 4)(6, 4));
+        }
+        if fresh {
+            for row in acc.chunks_mut(acc_stride).take(xs.len()) {
+                row[..ws.len() * 16].fill(0.0);
+            }
+        }
         match (self.0, xs.len(), ws.len()) {
             (Isa::Portable, 1, 4) => portable::micro::<1, 4>(arr(xs), arr(ws), acc, acc_stride),
             (Isa::Portable, 2, 4) => portable::micro::<2, 4>(arr(xs), arr(ws), acc, acc_stride),
@@ -199,36 +222,6 @@ impl Backend {
             // SAFETY: as above.
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx2, 3, 2) => unsafe { avx2::micro::<3, 2>(arr(xs), arr(ws), acc, acc_stride) },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512 | Isa::Avx512Vbmi, 1, 8) => unsafe {
-                avx512::micro::<1, 8>(arr(xs), arr(ws), acc, acc_stride)
-            },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512 | Isa::Avx512Vbmi, 2, 8) => unsafe {
-                avx512::micro::<2, 8>(arr(xs), arr(ws), acc, acc_stride)
-            },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512 | Isa::Avx512Vbmi, 3, 8) => unsafe {
-                avx512::micro::<3, 8>(arr(xs), arr(ws), acc, acc_stride)
-            },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512 | Isa::Avx512Vbmi, 4, 4) => unsafe {
-                avx512::micro::<4, 4>(arr(xs), arr(ws), acc, acc_stride)
-            },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512 | Isa::Avx512Vbmi, 5, 4) => unsafe {
-                avx512::micro::<5, 4>(arr(xs), arr(ws), acc, acc_stride)
-            },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512 | Isa::Avx512Vbmi, 6, 4) => unsafe {
-                avx512::micro::<6, 4>(arr(xs), arr(ws), acc, acc_stride)
-            },
             // SAFETY: as above.
             #[cfg(target_arch = "aarch64")]
             (Isa::Neon, 1, 4) => unsafe { neon::micro::<1, 4>(arr(xs), arr(ws), acc, acc_stride) },
