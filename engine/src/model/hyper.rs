@@ -2,6 +2,7 @@
 //! collapsed before each sublayer and mixed back after it.
 
 use deepinfer_kernels::ops::{rms_norm, sigmoid, sinkhorn, softmax};
+use rayon::prelude::*;
 
 use super::weights::{HyperConnection, HyperHead};
 use crate::config::ModelConfig;
@@ -23,8 +24,7 @@ pub fn pre(h: &HyperConnection, cfg: &ModelConfig, streams: &[f32], n: usize) ->
     let mut mixes = vec![0.0f32; n * outputs];
     h.mix.forward(&normed, n, &mut mixes);
     let mut collapsed = vec![0.0f32; n * d];
-    let mut out = Vec::with_capacity(n);
-    for t in 0..n {
+    let token = |t: usize, collapsed: &mut [f32]| {
         let m = &mixes[t * outputs..(t + 1) * outputs];
         let pre: Vec<f32> = (0..hc).map(|j| sigmoid(m[j] * h.scale[0] + h.base[j]) + cfg.hc_eps).collect();
         let post: Vec<f32> = (0..hc).map(|j| 2.0 * sigmoid(m[hc + j] * h.scale[1] + h.base[hc + j])).collect();
@@ -34,9 +34,14 @@ pub fn pre(h: &HyperConnection, cfg: &ModelConfig, streams: &[f32], n: usize) ->
             row.iter_mut().for_each(|v| *v += cfg.hc_eps);
         }
         sinkhorn(&mut comb, hc, cfg.hc_sinkhorn_iters, cfg.hc_eps);
-        collapse(&pre, &streams[t * hc * d..(t + 1) * hc * d], &mut collapsed[t * d..(t + 1) * d]);
-        out.push(Mix { post, comb });
-    }
+        collapse(&pre, &streams[t * hc * d..(t + 1) * hc * d], collapsed);
+        Mix { post, comb }
+    };
+    let out: Vec<Mix> = if spread_tokens(n) {
+        collapsed.par_chunks_exact_mut(d).enumerate().map(|(t, row)| token(t, row)).collect()
+    } else {
+        collapsed.chunks_exact_mut(d).enumerate().map(|(t, row)| token(t, row)).collect()
+    };
     (out, collapsed)
 }
 
@@ -44,9 +49,7 @@ pub fn pre(h: &HyperConnection, cfg: &ModelConfig, streams: &[f32], n: usize) ->
 pub fn post(mixes: &[Mix], cfg: &ModelConfig, output: &[f32], streams: &mut [f32]) {
     let hc = cfg.hc_mult;
     let d = cfg.hidden_size;
-    let mut mixed = vec![0.0f32; hc * d];
-    for (t, mix) in mixes.iter().enumerate() {
-        let s = &mut streams[t * hc * d..(t + 1) * hc * d];
+    let token = |mixed: &mut Vec<f32>, (t, (mix, s)): (usize, (&Mix, &mut [f32]))| {
         let o = &output[t * d..(t + 1) * d];
         for k in 0..hc {
             // Per element: post·o first, then the streams in order (contiguous, so it vectorises).
@@ -57,7 +60,18 @@ pub fn post(mixes: &[Mix], cfg: &ModelConfig, output: &[f32], streams: &mut [f32
                 dst.iter_mut().zip(&s[j * d..(j + 1) * d]).for_each(|(v, &x)| *v += w * x);
             }
         }
-        s.copy_from_slice(&mixed);
+        s.copy_from_slice(mixed);
+    };
+    let streams = &mut streams[..mixes.len() * hc * d];
+    if spread_tokens(mixes.len()) {
+        mixes
+            .par_iter()
+            .zip(streams.par_chunks_exact_mut(hc * d))
+            .enumerate()
+            .for_each_init(|| vec![0.0f32; hc * d], token);
+    } else {
+        let mut mixed = vec![0.0f32; hc * d];
+        mixes.iter().zip(streams.chunks_exact_mut(hc * d)).enumerate().for_each(|item| token(&mut mixed, item));
     }
 }
 
@@ -78,10 +92,25 @@ pub fn head(h: &HyperHead, cfg: &ModelConfig, streams: &[f32], n: usize) -> Vec<
 
 fn normalized_flat(streams: &[f32], n: usize, width: usize, eps: f32) -> Vec<f32> {
     let mut normed = streams[..n * width].to_vec();
-    for row in normed.chunks_exact_mut(width) {
-        rms_norm(row, None, eps);
-    }
+    norm_rows(&mut normed, width, None, eps);
     normed
+}
+
+/// Token counts from which the per-token steps are spread over the pool's
+/// threads (each token's arithmetic is unchanged, so no bit moves).
+const SPREAD_TOKENS_MIN: usize = 16;
+
+fn spread_tokens(n: usize) -> bool {
+    n >= SPREAD_TOKENS_MIN && rayon::current_num_threads() > 1
+}
+
+/// RMSNorm of every `width`-wide row of `rows`, spread over threads for many rows.
+pub fn norm_rows(rows: &mut [f32], width: usize, weight: Option<&[f32]>, eps: f32) {
+    if spread_tokens(rows.len() / width.max(1)) {
+        rows.par_chunks_exact_mut(width).for_each(|row| rms_norm(row, weight, eps));
+    } else {
+        rows.chunks_exact_mut(width).for_each(|row| rms_norm(row, weight, eps));
+    }
 }
 
 fn collapse(pre: &[f32], streams: &[f32], out: &mut [f32]) {
