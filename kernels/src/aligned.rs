@@ -7,33 +7,60 @@ use std::ops::{Deref, DerefMut};
 
 const LINE_FLOATS: usize = 16;
 
-/// `len` floats starting on a 64-byte boundary.
+/// Floats starting on a 64-byte boundary: `buf[start..]`, holding at most
+/// `capacity` floats, which `buf` was made with room for (so it never moves).
 pub struct AlignedF32 {
     buf: Vec<f32>,
     start: usize,
-    len: usize,
+    capacity: usize,
+}
+
+/// Floats from `first` to the next cache line boundary.
+fn lead(first: *const f32) -> usize {
+    (LINE_FLOATS - (first as usize / 4) % LINE_FLOATS) % LINE_FLOATS
 }
 
 impl AlignedF32 {
+    /// `len` zeros.
     pub fn zeroed(len: usize) -> Self {
-        let buf = vec![0.0f32; len + LINE_FLOATS];
-        let misalignment = (buf.as_ptr() as usize / 4) % LINE_FLOATS;
-        let start = (LINE_FLOATS - misalignment) % LINE_FLOATS;
-        assert_eq!((buf[start..].as_ptr() as usize) % 64, 0, "f32 buffers are 4-byte aligned");
-        Self { buf, start, len }
+        // Zeroed by the allocator, which for large buffers costs no writes.
+        let mut buf = vec![0.0f32; len + LINE_FLOATS];
+        let start = lead(buf.as_ptr());
+        buf.truncate(start + len);
+        Self::checked(buf, start, len)
+    }
+
+    /// Empty, with room for `capacity` floats appended by [`Self::extend_from_slice`].
+    pub fn with_capacity(capacity: usize) -> Self {
+        let mut buf = Vec::with_capacity(capacity + LINE_FLOATS);
+        let start = lead(buf.as_ptr());
+        buf.resize(start, 0.0);
+        Self::checked(buf, start, capacity)
+    }
+
+    /// Append `values`; panics past the capacity asked for.
+    pub fn extend_from_slice(&mut self, values: &[f32]) {
+        assert!(self.buf.len() - self.start + values.len() <= self.capacity, "aligned buffer full");
+        self.buf.extend_from_slice(values);
+    }
+
+    fn checked(buf: Vec<f32>, start: usize, capacity: usize) -> Self {
+        assert_eq!((buf.as_ptr() as usize + 4 * start) % 64, 0, "f32 buffers are 4-byte aligned");
+        assert!(buf.capacity() >= start + capacity, "room to append without moving");
+        Self { buf, start, capacity }
     }
 }
 
 impl Deref for AlignedF32 {
     type Target = [f32];
     fn deref(&self) -> &[f32] {
-        &self.buf[self.start..self.start + self.len]
+        &self.buf[self.start..]
     }
 }
 
 impl DerefMut for AlignedF32 {
     fn deref_mut(&mut self) -> &mut [f32] {
-        &mut self.buf[self.start..self.start + self.len]
+        &mut self.buf[self.start..]
     }
 }
 
@@ -51,5 +78,17 @@ mod tests {
             buf.iter_mut().for_each(|v| *v = 1.0);
             assert_eq!(buf.iter().sum::<f32>(), len as f32);
         }
+    }
+
+    #[test]
+    fn appends_on_a_cache_line_up_to_its_capacity() {
+        let mut buf = AlignedF32::with_capacity(40);
+        assert_eq!(buf.len(), 0);
+        buf.extend_from_slice(&[1.0; 17]);
+        buf.extend_from_slice(&[2.0; 23]);
+        assert_eq!(buf.as_ptr() as usize % 64, 0);
+        assert_eq!((buf.len(), buf[16], buf[17], buf[39]), (40, 1.0, 2.0, 2.0));
+        let full = std::panic::catch_unwind(move || buf.extend_from_slice(&[3.0]));
+        assert!(full.is_err(), "no growth past the capacity asked for");
     }
 }

@@ -313,7 +313,7 @@ impl Linear {
                 let tile = TILE_ROWS.min(range.end - t0);
                 // Rows past the tile's end repeat its first row; their sums are discarded.
                 let row = |j: usize| t0 + if j < tile { j } else { 0 };
-                if layout.is_some() {
+                if matches!(plan, Plan::Fused(_)) {
                     // The register tiles start a tile's first column block from zero;
                     // the fused kernels add to what the buffer holds.
                     acc.fill(0.0);
@@ -510,14 +510,12 @@ fn block_width(cols: usize) -> usize {
 /// `x[n × cols]` regrouped by column block: block `k0..k0 + kc` of row `i` at
 /// `n * k0 + i * kc`. For `n == 1` this is `x` itself.
 fn pack_blocks(x: &[f32], n: usize, cols: usize) -> AlignedF32 {
-    let mut packed = AlignedF32::zeroed(n * cols);
+    let mut packed = AlignedF32::with_capacity(n * cols);
     let width = block_width(cols);
-    let mut at = 0;
     for k0 in (0..cols).step_by(width) {
         let kc = width.min(cols - k0);
         for i in 0..n {
-            packed[at..at + kc].copy_from_slice(&x[i * cols + k0..][..kc]);
-            at += kc;
+            packed.extend_from_slice(&x[i * cols + k0..][..kc]);
         }
     }
     packed
@@ -549,7 +547,6 @@ pub fn dot_rows(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, out: &
         let tile = TILE_ROWS.min(rows - t0);
         // Rows past the tile's end repeat its first row; their sums are discarded.
         let ws: [&[f32]; TILE_ROWS] = std::array::from_fn(|j| &w[(t0 + if j < tile { j } else { 0 }) * cols..][..cols]);
-
         multiply_tile(backend, &xs, &ws, tile, &mut acc, true);
         store_tile_sums(backend, &acc, tile, &mut out[t0..], rows);
     }

@@ -7,12 +7,10 @@ use deepinfer_kernels::linear::{dot, dot_rows};
 use deepinfer_kernels::ops::{add_weighted_rows, rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope};
 use rayon::prelude::*;
 
+use super::rows::SPREAD_TOKENS_MIN;
 use super::state::{CompressorState, LayerState};
 use super::weights::{Attention, Compressor};
 use crate::config::ModelConfig;
-
-/// Chunks at least this long attend their tokens in parallel.
-const PARALLEL_TOKENS_MIN: usize = 16;
 
 /// The tokens of one sequence inside the flat batch.
 #[derive(Clone, Copy, Debug)]
@@ -297,7 +295,7 @@ pub fn forward(
             }
         };
         let rows = &mut attn_out[seg.start * h * hd..(seg.start + seg.len) * h * hd];
-        if seg.len >= PARALLEL_TOKENS_MIN {
+        if seg.len >= SPREAD_TOKENS_MIN {
             rows.par_chunks_mut(h * hd).enumerate().for_each(|(i, row)| attend_token(i, row));
         } else {
             rows.chunks_mut(h * hd).enumerate().for_each(|(i, row)| attend_token(i, row));

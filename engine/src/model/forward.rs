@@ -362,13 +362,13 @@ impl Model {
         let d = cfg.hidden_size;
         let n = tokens.len();
         let (mixes, mut x) = hyper::pre(&block.hc_attn, cfg, streams, n);
-        hyper::norm_rows(&mut x, d, Some(&block.attn_norm), cfg.rms_norm_eps);
+        super::rows::norm_rows(&mut x, d, Some(&block.attn_norm), cfg.rms_norm_eps);
         let rope = self.rope_for(block.attn.kind);
         let out = attention::forward(&block.attn, cfg, rope, &x, segments, states);
         hyper::post(&mixes, cfg, &out, streams);
 
         let (mixes, mut x) = hyper::pre(&block.hc_ffn, cfg, streams, n);
-        hyper::norm_rows(&mut x, d, Some(&block.ffn_norm), cfg.rms_norm_eps);
+        super::rows::norm_rows(&mut x, d, Some(&block.ffn_norm), cfg.rms_norm_eps);
         let routes = moe::route(&block.moe, cfg, &x, tokens);
         (mixes, moe::Dispatch { hidden_size: d, x, routes })
     }

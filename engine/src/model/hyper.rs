@@ -1,9 +1,10 @@
 //! Manifold-constrained hyper-connections (mHC): `hc_mult` residual streams,
 //! collapsed before each sublayer and mixed back after it.
 
-use deepinfer_kernels::ops::{rms_norm, sigmoid, sinkhorn, softmax};
+use deepinfer_kernels::ops::{sigmoid, sinkhorn, softmax};
 use rayon::prelude::*;
 
+use super::rows::{norm_rows, spread_tokens};
 use super::weights::{HyperConnection, HyperHead};
 use crate::config::ModelConfig;
 
@@ -94,23 +95,6 @@ fn normalized_flat(streams: &[f32], n: usize, width: usize, eps: f32) -> Vec<f32
     let mut normed = streams[..n * width].to_vec();
     norm_rows(&mut normed, width, None, eps);
     normed
-}
-
-/// Token counts from which the per-token steps are spread over the pool's
-/// threads (each token's arithmetic is unchanged, so no bit moves).
-const SPREAD_TOKENS_MIN: usize = 16;
-
-fn spread_tokens(n: usize) -> bool {
-    n >= SPREAD_TOKENS_MIN && rayon::current_num_threads() > 1
-}
-
-/// RMSNorm of every `width`-wide row of `rows`, spread over threads for many rows.
-pub fn norm_rows(rows: &mut [f32], width: usize, weight: Option<&[f32]>, eps: f32) {
-    if spread_tokens(rows.len() / width.max(1)) {
-        rows.par_chunks_exact_mut(width).for_each(|row| rms_norm(row, weight, eps));
-    } else {
-        rows.chunks_exact_mut(width).for_each(|row| rms_norm(row, weight, eps));
-    }
 }
 
 fn collapse(pre: &[f32], streams: &[f32], out: &mut [f32]) {

@@ -6,6 +6,7 @@ mod forward;
 mod hyper;
 pub mod moe;
 mod routed;
+mod rows;
 pub mod state;
 pub mod weights;
 

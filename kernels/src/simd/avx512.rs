@@ -11,25 +11,6 @@ use crate::dtype::{FP4_E2M1_VALUES, FP8_E4M3_TO_F32};
 
 use super::{reduce16, ScaleRow};
 
-/// How far ahead of the chunk they decode the grouped kernels fetch. Their
-/// weights are one sequential stream, but a core's prefetchers stop at every
-/// 4 KiB page and keep too few lines in flight for one core to draw its share
-/// of memory bandwidth; fetching 8 KiB ahead made batch-1 decode 1.4× faster
-/// on a core with 15 GB/s of its own.
-const FETCH_AHEAD_BYTES: usize = 8192;
-
-/// Fetch into L1 the `count` lines that start [`FETCH_AHEAD_BYTES`] past
-/// `lines`. Safe for any address: a prefetch never faults, and the pointer
-/// is never read.
-#[inline(always)]
-pub(crate) fn fetch_ahead(lines: *const u8, count: usize) {
-    let base = lines.wrapping_add(FETCH_AHEAD_BYTES);
-    for l in 0..count {
-        // SAFETY: SSE is part of x86-64, and a prefetch of any address is harmless.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(l * 64).cast()) };
-    }
-}
-
 /// Lanes `0..n` of a 16-lane mask (`n < 16`).
 #[inline(always)]
 fn tail_mask(n: usize) -> __mmask16 {

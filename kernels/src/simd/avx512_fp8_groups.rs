@@ -73,7 +73,7 @@ unsafe fn block_dot<const MR: usize, const RP: usize, const ON_X: bool>(
     let factor = _mm512_set1_ps(factor);
     for ch in chunk_range {
         let chunk = group.lines.as_ptr().add(ch * GROUP_ROWS).cast::<u8>();
-        super::avx512::fetch_ahead(chunk, GROUP_ROWS);
+        super::fetch_ahead(chunk, GROUP_ROWS);
         for half in 0..CHUNK_COLS / PAIRED_COLS {
             let c = ch * CHUNK_COLS + PAIRED_COLS * half;
             let mut x = [(_mm512_setzero_ps(), _mm512_setzero_ps()); MR];

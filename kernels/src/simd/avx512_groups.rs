@@ -65,7 +65,7 @@ pub(crate) unsafe fn group_dot<const MR: usize, const RP: usize>(
     let mut acc = [[_mm512_setzero_ps(); RP]; MR];
     for ch in 0..cols / CHUNK_COLS {
         let chunk = lines.as_ptr().add(ch * CHUNK_LINES);
-        super::avx512::fetch_ahead(chunk.cast(), CHUNK_LINES);
+        super::fetch_ahead(chunk.cast(), CHUNK_LINES);
         macro_rules! block {
             ($k:literal) => {{
                 let c = ch * CHUNK_COLS + $k * SCALE_COLS;

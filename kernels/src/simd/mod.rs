@@ -10,8 +10,6 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
-pub(crate) use avx512::fetch_ahead;
-#[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512_fp8_groups;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512_groups;
@@ -103,6 +101,29 @@ pub(crate) fn prefetch<T>(data: &[T]) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = data;
+}
+
+/// How far ahead of the chunk they decode the streaming kernels (the
+/// regrouped FP8/FP4 kernels, V4.1's block-scaled ones) fetch. Their weights
+/// are one sequential stream, but a core's prefetchers stop at every 4 KiB
+/// page and keep too few lines in flight for one core to draw its share of
+/// memory bandwidth; fetching 8 KiB ahead made batch-1 decode 1.4× faster on
+/// a core with 15 GB/s of its own.
+#[cfg(target_arch = "x86_64")]
+const FETCH_AHEAD_BYTES: usize = 8192;
+
+/// Fetch into L1 the `count` lines that start [`FETCH_AHEAD_BYTES`] past
+/// `lines`. Safe for any address: a prefetch never faults, and the pointer
+/// is never read.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn fetch_ahead(lines: *const u8, count: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    let base = lines.wrapping_add(FETCH_AHEAD_BYTES);
+    for l in 0..count {
+        // SAFETY: SSE is part of x86-64, and a prefetch of any address is harmless.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(l * 64).cast()) };
+    }
 }
 
 /// An [`Isa`] known to be supported by this CPU: the only way to reach the
