@@ -36,7 +36,7 @@ const SCALE_EXP_MAX: i32 = 125;
 /// Batches up to this many rows run the grouped kernel, each weight decoded
 /// once per pass of up to four x rows; larger ones decode a tile of rows
 /// into f32 once and share it (the linear's buffered plan, through
-/// [`decode_span`]).
+/// [`decode_rows`]).
 #[cfg(target_arch = "x86_64")]
 const KERNEL_MAX_BATCH: usize = 6;
 
@@ -301,6 +301,39 @@ unsafe fn group_sums_into(lines: &[Line], x: &[f32], n: usize, cols: usize, sums
             _ => passes!(4, 2),
         }
         i0 += part;
+    }
+}
+
+/// Columns `k0..k0 + len` of rows `rows` dequantised (multiples of 16): row
+/// `rows.start + i` at `dst[i * stride..][..len]`. On AVX-512 the rows of one
+/// group are decoded together, in the order the group stores its lines.
+pub(crate) fn decode_rows(
+    groups: &Fp4Groups,
+    backend: Backend,
+    rows: std::ops::Range<usize>,
+    (k0, len): (usize, usize),
+    dst: &mut [f32],
+    stride: usize,
+) {
+    assert!(rows.end <= groups.rows, "rows {rows:?} of {}", groups.rows);
+    assert!(rows.is_empty() || dst.len() >= (rows.len() - 1) * stride + len, "rows past the output");
+    #[cfg(target_arch = "x86_64")]
+    if matches!(backend.isa(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
+        assert!(k0.is_multiple_of(16) && len.is_multiple_of(16) && k0 + len <= groups.cols, "fp4 span");
+        let mut r = rows.start;
+        while r < rows.end {
+            let g = r / GROUP_ROWS;
+            let here = r..rows.end.min((g + 1) * GROUP_ROWS);
+            let within = here.start % GROUP_ROWS..here.start % GROUP_ROWS + here.len();
+            let out = &mut dst[(r - rows.start) * stride..];
+            // SAFETY: as in `forward_decoded`; the kernel asserts the span's bounds.
+            unsafe { crate::simd::avx512_groups::decode_rows(groups.group_lines(g), within, (k0, len), out, stride) };
+            r = here.end;
+        }
+        return;
+    }
+    for (i, r) in rows.enumerate() {
+        decode_span(groups, backend, r, k0, &mut dst[i * stride..][..len]);
     }
 }
 

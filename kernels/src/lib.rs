@@ -13,6 +13,7 @@
 pub mod act_quant;
 mod aligned;
 pub mod block_scaled;
+pub mod cache;
 pub mod dequantized_dot;
 pub mod dtype;
 pub mod fp4_groups;

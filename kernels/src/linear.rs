@@ -23,12 +23,17 @@ const TILE_ROWS: usize = 16;
 /// all input rows stream past it, and weight rows are read in long sequential
 /// runs; this measured faster than L1-sized blocks.
 const MAX_BLOCK_COLS: usize = 4096;
-/// Most bytes of input rows one pass over the weight tiles multiplies. Every
-/// tile reads all of its pass's rows, so a batch larger than the core's L2
-/// would stream from L3 or memory once per 16 weight rows (on a core with
-/// 15 GB/s of its own, that alone held a 256-row matmul to half the FMA
-/// rate); larger batches run in panels, each decoding the weight tiles again.
-const PANEL_BYTES: usize = 512 * 1024;
+/// Most bytes of input rows one pass over the weight tiles multiplies: half
+/// the core's L2 ([`crate::cache::l2_bytes`]). Every tile reads all of its
+/// pass's rows, so a batch larger than the L2 would stream from L3 or memory
+/// once per 16 weight rows (on a core with 15 GB/s of its own, that alone held
+/// a 256-row matmul to half the FMA rate); larger batches run in panels, each
+/// decoding the weight tiles again, so panels as large as the L2 allows
+/// decode least (on a 2 MiB L2, 1 MiB panels instead of 512 KiB made a
+/// 256-row f32 matmul 1.2× faster).
+fn panel_bytes() -> usize {
+    crate::cache::l2_bytes() / 2
+}
 /// Below this many multiply-adds a call stays on the calling thread. Called on
 /// a pool worker ([`crate::workers::on_workers`]), a split of 2^18 (a 512 × 512
 /// matrix at batch 1, 128 KiB of FP4 codes) already pays for handing half to
@@ -355,6 +360,9 @@ impl Linear {
                         WeightFormat::Fp8Grouped(groups) if plan == Plan::Buffered => {
                             crate::fp8_groups::decode_rows(groups, backend, t0..t0 + tile, (k0, kc), &mut wbuf, stride);
                         }
+                        WeightFormat::Fp4Grouped(groups) if plan == Plan::Buffered => {
+                            crate::fp4_groups::decode_rows(groups, backend, t0..t0 + tile, (k0, kc), &mut wbuf, stride);
+                        }
                         _ if plan == Plan::Buffered => {
                             for (j, dst) in wbuf.chunks_exact_mut(stride).take(tile).enumerate() {
                                 self.dequantize_span(backend, t0 + j, k0, &mut dst[..kc]);
@@ -493,9 +501,9 @@ enum Plan {
 }
 
 /// Input rows per panel of a batch of `n` rows `cols` wide: equal panels of
-/// at most [`PANEL_BYTES`] (and at least one register tile of rows).
+/// at most [`panel_bytes`] (and at least one register tile of rows).
 fn panel_rows(n: usize, cols: usize) -> usize {
-    let most = (PANEL_BYTES / (4 * cols.max(1))).max(6);
+    let most = (panel_bytes() / (4 * cols.max(1))).max(6);
     let panels = n.div_ceil(most).max(1);
     n.div_ceil(panels)
 }

@@ -98,7 +98,24 @@ fn fp4_grouped_spans_match_their_rows_on_every_path() {
     let data: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 7 + i / 16) as u8).collect();
     let scales: Vec<f32> = (0..rows * cols / 32).map(|b| 2f32.powi(b as i32 % 9 - 4)).collect();
     let groups = Fp4Groups::pack(rows, cols, &data, &scales, 32).expect("qualifies");
-    assert_grouped_spans_match(&Linear { rows, cols, format: WeightFormat::Fp4Grouped(groups) });
+    let lin = Linear { rows, cols, format: WeightFormat::Fp4Grouped(groups.clone()) };
+    assert_grouped_spans_match(&lin);
+    let mut row = vec![0.0f32; cols];
+    for backend in available() {
+        // Rows decoded together, across a group boundary, into strided rows:
+        // whole chunks only, partial chunks at either end or both, and spans
+        // inside one chunk.
+        let (first, count, stride) = (2, 9, cols + 16);
+        for (k0, len) in [(0, cols), (0, 256), (16, 240), (48, 288), (144, 224), (80, 16), (128, 128), (272, 96)] {
+            let mut tile = vec![f32::NAN; count * stride];
+            crate::fp4_groups::decode_rows(&groups, backend, first..first + count, (k0, len), &mut tile, stride);
+            for i in 0..count {
+                lin.dequantize_row(first + i, &mut row);
+                let same = tile[i * stride..][..len].iter().zip(&row[k0..]).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{backend:?} tile row {i}, columns {k0}..{}", k0 + len);
+            }
+        }
+    }
 }
 
 /// Every span (whole 16-column pieces) of every row of a regrouped weight,

@@ -119,8 +119,9 @@ fn forward_is_batch_invariant() {
 
 #[test]
 fn batches_split_into_panels_keep_every_rows_bits() {
-    // 8200 columns: at most 15 rows a panel, so 37 rows run as three panels.
-    let (rows, cols, n) = (20, 8200, 37);
+    // 8200 columns: a panel (half the L2, at most 2 MiB) holds at most 63
+    // rows, so 150 rows run as three panels or more, the last one shorter.
+    let (rows, cols, n) = (20, 8200, 150);
     let mut rng = Rng(6);
     for (name, lin) in all_formats(rows, cols, &mut rng) {
         let x = rng.vec(n * cols);

@@ -127,3 +127,61 @@ pub(crate) unsafe fn decode_span(lines: &[Line], j: usize, k0: usize, out: &mut 
         }
     }
 }
+
+/// Columns `k0..k0 + len` of rows `rows` of a group (`lines`: its chunks),
+/// dequantised: row `rows.start + i` at `out[i * stride..][..len]`; `k0` and
+/// `len` are multiples of 16. The span's whole chunks are walked chunk by
+/// chunk, every row of a chunk in turn, so the group's lines are read once
+/// each in their stored order (row by row, a row's lines are ten apart, and
+/// each is loaded once per block); a partial chunk at either end goes
+/// through [`decode_span`]. The values are [`decode_span`]'s.
+///
+/// # Safety
+/// The CPU must support AVX-512F and BW.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(crate) unsafe fn decode_rows(
+    lines: &[Line],
+    rows: std::ops::Range<usize>,
+    (k0, len): (usize, usize),
+    out: &mut [f32],
+    stride: usize,
+) {
+    let end = k0 + len;
+    assert!(rows.end <= GROUP_ROWS && k0.is_multiple_of(16) && end.is_multiple_of(16), "span {k0}..{end}");
+    assert!(end.div_ceil(CHUNK_COLS) * CHUNK_LINES <= lines.len(), "span past the group's chunks");
+    assert!(rows.is_empty() || out.len() >= (rows.len() - 1) * stride + len, "rows past the output");
+    let whole = k0.next_multiple_of(CHUNK_COLS)..end / CHUNK_COLS * CHUNK_COLS;
+    if whole.start >= whole.end {
+        for (i, j) in rows.enumerate() {
+            decode_span(lines, j, k0, &mut out[i * stride..][..len]);
+        }
+        return;
+    }
+    for (i, j) in rows.clone().enumerate() {
+        let row = &mut out[i * stride..][..len];
+        decode_span(lines, j, k0, &mut row[..whole.start - k0]);
+        decode_span(lines, j, whole.end, &mut row[whole.end - k0..]);
+    }
+    let table = _mm512_loadu_si512(BF16_TABLE.as_ptr().cast());
+    let dst = out.as_mut_ptr();
+    for c in whole.step_by(CHUNK_COLS) {
+        let chunk = lines.as_ptr().add(c / CHUNK_COLS * CHUNK_LINES);
+        super::fetch_ahead(chunk.cast(), CHUNK_LINES);
+        for (i, j) in rows.clone().enumerate() {
+            let line = _mm512_load_si512(chunk.add(j).cast());
+            let at = dst.add(i * stride + c - k0);
+            macro_rules! block {
+                ($k:literal) => {{
+                    let codes = _mm512_srli_epi16::<{ 4 * $k }>(line);
+                    let (low, high) = block_values(table, codes, step_ptr(chunk, j, $k));
+                    _mm512_storeu_ps(at.add($k * SCALE_COLS), low);
+                    _mm512_storeu_ps(at.add($k * SCALE_COLS + 16), high);
+                }};
+            }
+            block!(0);
+            block!(1);
+            block!(2);
+            block!(3);
+        }
+    }
+}
