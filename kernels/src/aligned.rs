@@ -3,9 +3,21 @@
 //! Intel cores pay for on every load (large allocations start 16 bytes into
 //! a page).
 
+use std::cell::Cell;
 use std::ops::{Deref, DerefMut};
 
 const LINE_FLOATS: usize = 16;
+/// Largest buffer a thread keeps for reuse (64 MiB): a larger batch's
+/// buffer is freed rather than held for the life of the thread.
+const SPARE_FLOATS_MAX: usize = 16 << 20;
+
+thread_local! {
+    /// This thread's buffer from its last [`AlignedF32::recycle`]. A fresh
+    /// large allocation is mapped afresh by the system, and every one of its
+    /// pages faults in when first written: packing a prefill's input rows
+    /// into new memory spent twice as long in page faults as in copying.
+    static SPARE: Cell<Option<AlignedF32>> = const { Cell::new(None) };
+}
 
 /// Floats starting on a 64-byte boundary: `buf[start..]`, holding at most
 /// `capacity` floats, which `buf` was made with room for (so it never moves).
@@ -36,6 +48,38 @@ impl AlignedF32 {
         let start = lead(buf.as_ptr());
         buf.resize(start, 0.0);
         Self::checked(buf, start, capacity)
+    }
+
+    /// [`Self::with_capacity`], reusing this thread's recycled buffer when it
+    /// has the room. A call nested in another on the same thread (a pool
+    /// worker runs stolen work while it waits) finds none and allocates.
+    pub fn reused(capacity: usize) -> Self {
+        match SPARE.take() {
+            Some(mut spare) if spare.buf.capacity() >= spare.start + capacity => {
+                spare.buf.truncate(spare.start);
+                spare.capacity = capacity;
+                spare
+            }
+            other => {
+                SPARE.set(other);
+                Self::with_capacity(capacity)
+            }
+        }
+    }
+
+    /// Keep this buffer for the thread's next [`Self::reused`] (the larger
+    /// of it and the one kept, up to 64 MiB).
+    pub fn recycle(self) {
+        let room = self.buf.capacity() - self.start;
+        if room > SPARE_FLOATS_MAX {
+            return;
+        }
+        let kept = SPARE.take();
+        let keep = match kept {
+            Some(kept) if kept.buf.capacity() - kept.start >= room => kept,
+            _ => self,
+        };
+        SPARE.set(Some(keep));
     }
 
     /// Append `values`; panics past the capacity asked for.
@@ -90,5 +134,32 @@ mod tests {
         assert_eq!((buf.len(), buf[16], buf[17], buf[39]), (40, 1.0, 2.0, 2.0));
         let full = std::panic::catch_unwind(move || buf.extend_from_slice(&[3.0]));
         assert!(full.is_err(), "no growth past the capacity asked for");
+    }
+
+    #[test]
+    fn a_recycled_buffer_is_reused_empty_aligned_and_bounded() {
+        let mut first = AlignedF32::reused(1000);
+        first.extend_from_slice(&[5.0; 1000]);
+        let at = first.as_ptr();
+        first.recycle();
+        // The same memory, emptied, for a request it has room for; still
+        // bounded by the new capacity.
+        let mut again = AlignedF32::reused(300);
+        assert_eq!((again.as_ptr(), again.len()), (at, 0));
+        assert_eq!(again.as_ptr() as usize % 64, 0);
+        again.extend_from_slice(&[1.0; 300]);
+        assert_eq!(again[299], 1.0);
+        // While it is out, another request allocates its own.
+        let nested = AlignedF32::reused(10);
+        assert_ne!(nested.as_ptr(), at);
+        nested.recycle();
+        again.recycle();
+        // The larger of the two is kept.
+        assert_eq!(AlignedF32::reused(500).as_ptr(), at);
+        let full = std::panic::catch_unwind(move || {
+            let mut small = AlignedF32::reused(4);
+            small.extend_from_slice(&[0.0; 5]);
+        });
+        assert!(full.is_err(), "a reused buffer holds no more than asked for");
     }
 }

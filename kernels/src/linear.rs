@@ -211,13 +211,17 @@ impl Linear {
         // Input rows regrouped column block by column block, so the rows a block
         // multiplies are contiguous instead of `cols` apart (a power-of-two stride
         // would map them all onto the same cache sets). One row is already in order.
-        let packed;
-        let x = if n == 1 {
-            x
-        } else {
-            packed = pack_blocks(x, n, self.cols);
-            &packed[..]
-        };
+        let packed = (n > 1).then(|| pack_blocks(x, n, self.cols));
+        self.forward_packed(backend, packed.as_deref().unwrap_or(x), n, out);
+        if let Some(packed) = packed {
+            packed.recycle();
+        }
+    }
+
+    /// [`Linear::forward_on`] through the register tiles, on `x` laid out by
+    /// [`pack_blocks`], spread over the pool's threads when large enough.
+    fn forward_packed(&self, backend: Backend, x: &[f32], n: usize, out: &mut [f32]) {
+        let rows = self.rows;
         let threads = rayon::current_num_threads();
         if threads == 1 || rows < 2 * TILE_ROWS || n * rows * self.cols < PARALLEL_MIN_FMAS {
             self.forward_rows(backend, x, n, 0..rows, out, rows);
@@ -518,7 +522,7 @@ fn block_width(cols: usize) -> usize {
 /// `x[n × cols]` regrouped by column block: block `k0..k0 + kc` of row `i` at
 /// `n * k0 + i * kc`. For `n == 1` this is `x` itself.
 fn pack_blocks(x: &[f32], n: usize, cols: usize) -> AlignedF32 {
-    let mut packed = AlignedF32::with_capacity(n * cols);
+    let mut packed = AlignedF32::reused(n * cols);
     let width = block_width(cols);
     for k0 in (0..cols).step_by(width) {
         let kc = width.min(cols - k0);
