@@ -208,6 +208,23 @@ impl Linear {
         if decoded {
             return;
         }
+        let (cols, threads) = (self.cols, rayon::current_num_threads());
+        if threads > 1 && n.div_ceil(panel_rows(n, cols)) >= threads && n * rows * cols >= PARALLEL_MIN_FMAS {
+            // A batch of at least a panel per thread splits by input rows: each
+            // thread packs and multiplies its own rows into its own output rows.
+            // The weights are decoded once per panel either way, and nothing is
+            // packed or copied back on one thread while the others wait.
+            let part = n.div_ceil(threads);
+            out.par_chunks_mut(part * rows).zip(x.par_chunks(part * cols)).for_each(|(out, x)| {
+                self.forward_packed_here(backend, x, x.len() / cols, out);
+            });
+            return;
+        }
+        self.forward_packed_here(backend, x, n, out);
+    }
+
+    /// [`Linear::forward_packed`] of `x` packed by this thread.
+    fn forward_packed_here(&self, backend: Backend, x: &[f32], n: usize, out: &mut [f32]) {
         // Input rows regrouped column block by column block, so the rows a block
         // multiplies are contiguous instead of `cols` apart (a power-of-two stride
         // would map them all onto the same cache sets). One row is already in order.

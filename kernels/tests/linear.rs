@@ -133,9 +133,17 @@ fn batches_split_into_panels_keep_every_rows_bits() {
 
 #[test]
 fn thread_count_does_not_change_bits() {
-    let (rows, cols, n) = (300, 520, 24);
     let mut rng = Rng(5);
-    for (name, lin) in all_formats(rows, cols, &mut rng) {
+    // A batch within one panel splits the weight rows over the threads; one
+    // of 4200 columns (at most 31 rows a 512 KiB panel, 124 at the 2 MiB
+    // most) with 160 rows splits its input rows.
+    for (rows, cols, n) in [(300, 520, 24), (40, 4200, 160)] {
+        assert_thread_count_keeps_bits(rows, cols, n, &mut rng);
+    }
+}
+
+fn assert_thread_count_keeps_bits(rows: usize, cols: usize, n: usize, rng: &mut Rng) {
+    for (name, lin) in all_formats(rows, cols, rng) {
         let x = rng.vec(n * cols);
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
@@ -145,7 +153,7 @@ fn thread_count_does_not_change_bits() {
         };
         let one = run(1);
         for threads in [2, 3, 5] {
-            assert_bits_eq(&run(threads), &one, &format!("{name} threads={threads}"));
+            assert_bits_eq(&run(threads), &one, &format!("{name} {rows}x{cols} n={n} threads={threads}"));
         }
     }
 }
