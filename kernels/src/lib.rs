@@ -22,6 +22,7 @@ pub mod linear;
 pub mod ops;
 pub mod quantize;
 mod row_groups;
+mod row_layout;
 mod simd;
 pub mod workers;
 

@@ -7,7 +7,7 @@ use deepinfer_kernels::linear::{dot, dot_rows};
 use deepinfer_kernels::ops::{add_weighted_rows, rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope};
 use rayon::prelude::*;
 
-use super::rows::SPREAD_TOKENS_MIN;
+use super::rows::{each_token, norm_rows, SPREAD_TOKENS_MIN};
 use super::state::{CompressorState, LayerState};
 use super::weights::{Attention, Compressor};
 use crate::config::ModelConfig;
@@ -194,21 +194,19 @@ pub fn forward(
     let angles = Angles::new(rope, positions.iter().copied());
 
     let mut q_res = project(&a.wq_a, x, n);
-    for row in q_res.chunks_exact_mut(cfg.q_lora_rank) {
-        rms_norm(row, Some(&a.q_norm), eps);
-    }
+    norm_rows(&mut q_res, cfg.q_lora_rank, Some(&a.q_norm), eps);
     let mut q = project(&a.wq_b, &q_res, n);
-    for (t, row) in q.chunks_exact_mut(h * hd).enumerate() {
+    each_token(&mut q, h * hd, |t, row| {
         for head in row.chunks_exact_mut(hd) {
             rms_norm(head, None, eps);
             angles.apply(t, head);
         }
-    }
+    });
     let mut kv = project(&a.wkv, x, n);
-    for (t, row) in kv.chunks_exact_mut(hd).enumerate() {
+    each_token(&mut kv, hd, |t, row| {
         rms_norm(row, Some(&a.kv_norm), eps);
         angles.apply(t, row);
-    }
+    });
 
     if let Some(c) = &a.compressor {
         let mut cs: Vec<&mut CompressorState> =
@@ -223,11 +221,11 @@ pub fn forward(
         run_compressor(&ix.compressor, x, n, segments, &mut cs, rope, eps);
         let ihd = cfg.index_head_dim;
         let mut iq = project(&ix.wq_b, &q_res, n);
-        for (t, row) in iq.chunks_exact_mut(cfg.index_n_heads * ihd).enumerate() {
+        each_token(&mut iq, cfg.index_n_heads * ihd, |t, row| {
             for head in row.chunks_exact_mut(ihd) {
                 angles.apply(t, head);
             }
-        }
+        });
         let mut iw = project(&ix.weights_proj, x, n);
         let scale = (cfg.index_n_heads as f32).powf(-0.5);
         iw.iter_mut().for_each(|v| *v *= scale);

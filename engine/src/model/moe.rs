@@ -4,6 +4,7 @@
 use deepinfer_kernels::ops::{sqrt_softplus, swiglu_clamped, top_k};
 use rayon::prelude::*;
 
+use super::rows::each_token;
 use super::weights::{Mlp, Moe};
 use crate::config::{ModelConfig, RoutingKind};
 
@@ -197,16 +198,16 @@ pub fn combine(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch, outputs: &Expe
     let k = outputs.k;
     let n = dispatch.routes.len();
     let mut out = vec![0.0f32; n * d];
-    for (t, r) in dispatch.routes.iter().enumerate() {
+    each_token(&mut out, d, |t, o| {
+        let r = &dispatch.routes[t];
         let mut order: Vec<usize> = (0..r.experts.len()).collect();
         order.sort_by_key(|&slot| (r.experts[slot], slot));
-        let o = &mut out[t * d..(t + 1) * d];
         for slot in order {
             let y = &outputs.values[(t * k + slot) * d..][..d];
             let w = r.weights[slot];
             o.iter_mut().zip(y).for_each(|(o, v)| *o += v * w);
         }
-    }
+    });
     if let Some(shared) = &moe.shared {
         let y = mlp(shared, cfg.swiglu_limit, &dispatch.x, n);
         out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);

@@ -12,6 +12,15 @@ pub(crate) fn spread_tokens(n: usize) -> bool {
     n >= SPREAD_TOKENS_MIN && rayon::current_num_threads() > 1
 }
 
+/// `step(t, row)` for every `width`-wide row `t` of `rows`.
+pub(crate) fn each_token(rows: &mut [f32], width: usize, step: impl Fn(usize, &mut [f32]) + Sync) {
+    if spread_tokens(rows.len() / width.max(1)) {
+        rows.par_chunks_exact_mut(width).enumerate().for_each(|(t, row)| step(t, row));
+    } else {
+        rows.chunks_exact_mut(width).enumerate().for_each(|(t, row)| step(t, row));
+    }
+}
+
 /// RMSNorm of every `width`-wide row of `rows`.
 pub(crate) fn norm_rows(rows: &mut [f32], width: usize, weight: Option<&[f32]>, eps: f32) {
     if spread_tokens(rows.len() / width.max(1)) {
