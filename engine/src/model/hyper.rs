@@ -1,10 +1,10 @@
 //! Manifold-constrained hyper-connections (mHC): `hc_mult` residual streams,
 //! collapsed before each sublayer and mixed back after it.
 
-use deepinfer_kernels::ops::{sigmoid, sinkhorn, softmax};
+use deepinfer_kernels::ops::{rms_norm, sigmoid, sinkhorn, softmax};
 use rayon::prelude::*;
 
-use super::rows::{norm_rows, spread_tokens};
+use super::rows::{each_token, spread_tokens};
 use super::weights::{HyperConnection, HyperHead};
 use crate::config::ModelConfig;
 
@@ -92,8 +92,13 @@ pub fn head(h: &HyperHead, cfg: &ModelConfig, streams: &[f32], n: usize) -> Vec<
 }
 
 fn normalized_flat(streams: &[f32], n: usize, width: usize, eps: f32) -> Vec<f32> {
-    let mut normed = streams[..n * width].to_vec();
-    norm_rows(&mut normed, width, None, eps);
+    // Copied row by row on the threads that norm them (fresh pages fault in
+    // there too), not copied whole on one thread first.
+    let mut normed = vec![0.0f32; n * width];
+    each_token(&mut normed, width, |t, row| {
+        row.copy_from_slice(&streams[t * width..][..width]);
+        rms_norm(row, None, eps);
+    });
     normed
 }
 
