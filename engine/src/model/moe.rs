@@ -111,39 +111,65 @@ impl Dispatch {
     }
 }
 
-/// Per-slot outputs of the routed experts, `[n, k, D]`, filled as shards answer.
-#[derive(Clone, Debug, PartialEq)]
+/// Per-slot outputs of the routed experts, `[n, k, D]` through
+/// [`ExpertOutputs::slot`], filled as experts or shards answer. Each answer
+/// is kept as it came, so no `[n, k, D]` buffer is zeroed and copied into on
+/// one thread while the others wait (a prefill's is megabytes a layer).
+#[derive(Clone, Debug)]
 pub struct ExpertOutputs {
     k: usize,
     d: usize,
-    values: Vec<f32>,
-    filled: Vec<bool>,
+    /// The answers as stored, `[rows, D]` each.
+    blocks: Vec<Vec<f32>>,
+    /// Where slot `t * k + slot` lives: (answer, row); `None` until answered.
+    at: Vec<Option<(u32, u32)>>,
 }
 
 impl ExpertOutputs {
     pub fn new(dispatch: &Dispatch, k: usize) -> Self {
         let n = dispatch.routes.len();
-        Self { k, d: dispatch.hidden_size, values: vec![0.0; n * k * dispatch.hidden_size], filled: vec![false; n * k] }
+        Self { k, d: dispatch.hidden_size, blocks: Vec::new(), at: vec![None; n * k] }
     }
 
     /// Store `y` `[pairs.len(), D]`, the outputs for `pairs` from `rows_for`.
     pub fn store(&mut self, pairs: &[(usize, usize)], y: &[f32]) {
+        self.store_owned(pairs, y.to_vec());
+    }
+
+    /// [`ExpertOutputs::store`], keeping `y` itself. A slot stored again
+    /// (a replayed answer) reads the later answer.
+    pub fn store_owned(&mut self, pairs: &[(usize, usize)], y: Vec<f32>) {
         assert_eq!(y.len(), pairs.len() * self.d, "expert output rows");
-        for (i, &(t, slot)) in pairs.iter().enumerate() {
-            let at = t * self.k + slot;
-            self.values[at * self.d..(at + 1) * self.d].copy_from_slice(&y[i * self.d..(i + 1) * self.d]);
-            self.filled[at] = true;
+        let block = u32::try_from(self.blocks.len()).expect("answers per step fit u32");
+        for (row, &(t, slot)) in pairs.iter().enumerate() {
+            assert!(slot < self.k && t * self.k + slot < self.at.len(), "slot ({t}, {slot}) outside the dispatch");
+            self.at[t * self.k + slot] = Some((block, row as u32));
         }
+        self.blocks.push(y);
     }
 
     pub fn is_complete(&self) -> bool {
-        self.filled.iter().all(|&f| f)
+        self.at.iter().all(Option::is_some)
     }
 
-    /// The output `[D]` of routing slot `slot` of row `t`.
+    /// The output `[D]` of routing slot `slot` of row `t`. Panics if that
+    /// slot has no answer yet.
     pub fn slot(&self, t: usize, slot: usize) -> &[f32] {
-        let at = t * self.k + slot;
-        &self.values[at * self.d..(at + 1) * self.d]
+        let (block, row) = self.at[t * self.k + slot].unwrap_or_else(|| panic!("slot ({t}, {slot}) has no output"));
+        &self.blocks[block as usize][row as usize * self.d..][..self.d]
+    }
+}
+
+/// Equal when the same slots hold the same values, however they were stored.
+impl PartialEq for ExpertOutputs {
+    fn eq(&self, other: &Self) -> bool {
+        let slots = self.at.len();
+        (self.k, self.d, slots) == (other.k, other.d, other.at.len())
+            && (0..slots).all(|i| match (self.at[i], other.at[i]) {
+                (None, None) => true,
+                (Some(_), Some(_)) => self.slot(i / self.k, i % self.k) == other.slot(i / self.k, i % self.k),
+                _ => false,
+            })
     }
 }
 
@@ -184,7 +210,7 @@ pub(crate) fn run_hit_experts(
         hit.into_par_iter().map(run).collect()
     };
     for (pairs, y) in results {
-        outputs.store(&pairs, &y);
+        outputs.store_owned(&pairs, y);
     }
     outputs
 }
@@ -195,7 +221,6 @@ pub(crate) fn run_hit_experts(
 pub fn combine(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch, outputs: &ExpertOutputs) -> Vec<f32> {
     assert!(outputs.is_complete(), "every routed slot has an output");
     let d = cfg.hidden_size;
-    let k = outputs.k;
     let n = dispatch.routes.len();
     let mut out = vec![0.0f32; n * d];
     each_token(&mut out, d, |t, o| {
@@ -203,7 +228,7 @@ pub fn combine(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch, outputs: &Expe
         let mut order: Vec<usize> = (0..r.experts.len()).collect();
         order.sort_by_key(|&slot| (r.experts[slot], slot));
         for slot in order {
-            let y = &outputs.values[(t * k + slot) * d..][..d];
+            let y = outputs.slot(t, slot);
             let w = r.weights[slot];
             o.iter_mut().zip(y).for_each(|(o, v)| *o += v * w);
         }
@@ -213,4 +238,53 @@ pub fn combine(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch, outputs: &Expe
         out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dispatch(n: usize, d: usize) -> Dispatch {
+        let routes = (0..n).map(|t| Route { experts: vec![t % 3, 3 + t % 2], weights: vec![0.5, 0.5] }).collect();
+        Dispatch { hidden_size: d, x: vec![0.0; n * d], routes }
+    }
+
+    #[test]
+    fn expert_outputs_read_each_slot_from_the_answer_that_filled_it() {
+        let (n, k, d) = (4, 2, 3);
+        let dispatch = dispatch(n, d);
+        let mut outputs = ExpertOutputs::new(&dispatch, k);
+        let value = |t: usize, slot: usize| (0..d).map(|c| (100 * t + 10 * slot + c) as f32).collect::<Vec<f32>>();
+        // Every expert's rows, stored in descending expert order.
+        for e in (0..5).rev() {
+            let pairs = dispatch.rows_for(e);
+            assert!(!outputs.is_complete());
+            outputs.store(&pairs, &pairs.iter().flat_map(|&(t, slot)| value(t, slot)).collect::<Vec<f32>>());
+        }
+        assert!(outputs.is_complete());
+        for t in 0..n {
+            for slot in 0..k {
+                assert_eq!(outputs.slot(t, slot), value(t, slot), "slot ({t}, {slot})");
+            }
+        }
+        // The same values stored one slot at a time compare equal; a replayed
+        // answer with other values replaces the first and compares unequal.
+        let mut one_by_one = ExpertOutputs::new(&dispatch, k);
+        for t in 0..n {
+            for slot in 0..k {
+                one_by_one.store_owned(&[(t, slot)], value(t, slot));
+            }
+        }
+        assert_eq!(one_by_one, outputs);
+        one_by_one.store_owned(&[(2, 1)], vec![-1.0; d]);
+        assert_eq!(one_by_one.slot(2, 1), [-1.0; 3]);
+        assert_ne!(one_by_one, outputs);
+    }
+
+    #[test]
+    #[should_panic(expected = "outside the dispatch")]
+    fn expert_outputs_refuse_a_slot_outside_the_dispatch() {
+        let mut outputs = ExpertOutputs::new(&dispatch(2, 3), 2);
+        outputs.store_owned(&[(2, 0)], vec![0.0; 3]);
+    }
 }

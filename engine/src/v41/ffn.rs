@@ -89,7 +89,7 @@ pub fn forward(cfg: &V41Config, moe: &Moe, x: &[f32], n: usize) -> Vec<f32> {
         let pairs = dispatch.rows_for(e);
         let weights: Vec<f32> = pairs.iter().map(|&(t, slot)| dispatch.routes[t].weights[slot]).collect();
         let out = expert_forward(cfg, &moe.experts[e], &dispatch.gather(&pairs), Some(&weights));
-        outputs.store(&pairs, &out);
+        outputs.store_owned(&pairs, out);
     }
     combine(cfg, moe, &dispatch, &outputs)
 }
