@@ -216,32 +216,34 @@ impl Linear {
             // The weights are decoded once per panel either way, and nothing is
             // packed or copied back on one thread while the others wait.
             let part = n.div_ceil(threads);
+            // Every thread already has its part: no part splits again.
             out.par_chunks_mut(part * rows).zip(x.par_chunks(part * cols)).for_each(|(out, x)| {
-                self.forward_packed_here(backend, x, x.len() / cols, out);
+                self.forward_packed_here(backend, x, x.len() / cols, out, false);
             });
             return;
         }
-        self.forward_packed_here(backend, x, n, out);
+        self.forward_packed_here(backend, x, n, out, true);
     }
 
     /// [`Linear::forward_packed`] of `x` packed by this thread.
-    fn forward_packed_here(&self, backend: Backend, x: &[f32], n: usize, out: &mut [f32]) {
+    fn forward_packed_here(&self, backend: Backend, x: &[f32], n: usize, out: &mut [f32], spread: bool) {
         // Input rows regrouped column block by column block, so the rows a block
         // multiplies are contiguous instead of `cols` apart (a power-of-two stride
         // would map them all onto the same cache sets). One row is already in order.
         let packed = (n > 1).then(|| pack_blocks(x, n, self.cols));
-        self.forward_packed(backend, packed.as_deref().unwrap_or(x), n, out);
+        self.forward_packed(backend, packed.as_deref().unwrap_or(x), n, out, spread);
         if let Some(packed) = packed {
             packed.recycle();
         }
     }
 
     /// [`Linear::forward_on`] through the register tiles, on `x` laid out by
-    /// [`pack_blocks`], spread over the pool's threads when large enough.
-    fn forward_packed(&self, backend: Backend, x: &[f32], n: usize, out: &mut [f32]) {
+    /// [`pack_blocks`], spread over the pool's threads when `spread` and large
+    /// enough.
+    fn forward_packed(&self, backend: Backend, x: &[f32], n: usize, out: &mut [f32], spread: bool) {
         let rows = self.rows;
         let threads = rayon::current_num_threads();
-        if threads == 1 || rows < 2 * TILE_ROWS || n * rows * self.cols < PARALLEL_MIN_FMAS {
+        if !spread || threads == 1 || rows < 2 * TILE_ROWS || n * rows * self.cols < PARALLEL_MIN_FMAS {
             self.forward_rows(backend, x, n, 0..rows, out, rows);
             return;
         }
