@@ -320,16 +320,11 @@ pub(crate) fn decode_rows(
     #[cfg(target_arch = "x86_64")]
     if matches!(backend.isa(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
         assert!(k0.is_multiple_of(16) && len.is_multiple_of(16) && k0 + len <= groups.cols, "fp4 span");
-        let mut r = rows.start;
-        while r < rows.end {
-            let g = r / GROUP_ROWS;
-            let here = r..rows.end.min((g + 1) * GROUP_ROWS);
-            let within = here.start % GROUP_ROWS..here.start % GROUP_ROWS + here.len();
-            let out = &mut dst[(r - rows.start) * stride..];
+        crate::row_groups::by_group(rows, |g, within, first| {
+            let out = &mut dst[first * stride..];
             // SAFETY: as in `forward_decoded`; the kernel asserts the span's bounds.
             unsafe { crate::simd::avx512_groups::decode_rows(groups.group_lines(g), within, (k0, len), out, stride) };
-            r = here.end;
-        }
+        });
         return;
     }
     for (i, r) in rows.enumerate() {

@@ -313,21 +313,16 @@ pub(crate) fn decode_rows(
     assert!(rows.is_empty() || dst.len() >= (rows.len() - 1) * stride + len, "rows past the output");
     #[cfg(target_arch = "x86_64")]
     if matches!(backend.isa(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
-        let mut r = rows.start;
-        while r < rows.end {
-            let g = r / GROUP_ROWS;
-            let here = r..rows.end.min((g + 1) * GROUP_ROWS);
+        crate::row_groups::by_group(rows, |g, within, first| {
             let group = crate::simd::avx512_fp8_groups::GroupRef {
                 lines: groups.group_lines(g),
                 scales: groups.group_scales(g),
                 block_cols: groups.block_cols,
             };
-            let within = here.start % GROUP_ROWS..here.start % GROUP_ROWS + here.len();
-            let out = &mut dst[(r - rows.start) * stride..];
+            let out = &mut dst[first * stride..];
             // SAFETY: as in `forward_decoded`; the kernel asserts the span's bounds.
             unsafe { crate::simd::avx512_fp8_groups::decode_rows(&group, within, (k0, len), out, stride) };
-            r = here.end;
-        }
+        });
         return;
     }
     // Elsewhere (tests of this layout on every path) one value at a time.

@@ -49,6 +49,20 @@ pub(crate) fn forward_by_groups(
     }
 }
 
+/// Rows `rows` split at group boundaries: `visit(g, within, first)` for each
+/// group `g` they touch, with its rows among them (`within`, counted in the
+/// group) and the position of the first of those in `rows`.
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn by_group(rows: std::ops::Range<usize>, mut visit: impl FnMut(usize, std::ops::Range<usize>, usize)) {
+    let mut r = rows.start;
+    while r < rows.end {
+        let g = r / GROUP_ROWS;
+        let here = r..rows.end.min((g + 1) * GROUP_ROWS);
+        visit(g, here.start % GROUP_ROWS..here.start % GROUP_ROWS + here.len(), r - rows.start);
+        r = here.end;
+    }
+}
+
 /// How many x rows the next pass of a grouped kernel takes when `left`
 /// remain: up to four, five and six as 3 + 2 and 3 + 3, seven and eight as
 /// 4 + 3 and 4 + 4 (more x rows a pass would leave too few registers).
