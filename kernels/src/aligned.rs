@@ -55,7 +55,7 @@ impl AlignedF32 {
     /// worker runs stolen work while it waits) finds none and allocates.
     pub fn reused(capacity: usize) -> Self {
         match SPARE.take() {
-            Some(mut spare) if spare.buf.capacity() >= spare.start + capacity => {
+            Some(mut spare) if spare.room() >= capacity => {
                 spare.buf.truncate(spare.start);
                 spare.capacity = capacity;
                 spare
@@ -70,16 +70,19 @@ impl AlignedF32 {
     /// Keep this buffer for the thread's next [`Self::reused`] (the larger
     /// of it and the one kept, up to 64 MiB).
     pub fn recycle(self) {
-        let room = self.buf.capacity() - self.start;
-        if room > SPARE_FLOATS_MAX {
+        if self.room() > SPARE_FLOATS_MAX {
             return;
         }
-        let kept = SPARE.take();
-        let keep = match kept {
-            Some(kept) if kept.buf.capacity() - kept.start >= room => kept,
+        let keep = match SPARE.take() {
+            Some(kept) if kept.room() >= self.room() => kept,
             _ => self,
         };
         SPARE.set(Some(keep));
+    }
+
+    /// Floats the buffer holds without moving.
+    fn room(&self) -> usize {
+        self.buf.capacity() - self.start
     }
 
     /// Append `values`; panics past the capacity asked for.

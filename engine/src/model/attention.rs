@@ -5,9 +5,8 @@
 
 use deepinfer_kernels::linear::{dot, dot_rows};
 use deepinfer_kernels::ops::{add_weighted_rows, rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope};
-use rayon::prelude::*;
 
-use super::rows::{each_token, norm_rows, SPREAD_TOKENS_MIN};
+use super::rows::{each_token, norm_rows};
 use super::state::{CompressorState, LayerState};
 use super::weights::{Attention, Compressor};
 use crate::config::ModelConfig;
@@ -292,12 +291,7 @@ pub fn forward(
                 angles.apply_inverse(t, out);
             }
         };
-        let rows = &mut attn_out[seg.start * h * hd..(seg.start + seg.len) * h * hd];
-        if seg.len >= SPREAD_TOKENS_MIN {
-            rows.par_chunks_mut(h * hd).enumerate().for_each(|(i, row)| attend_token(i, row));
-        } else {
-            rows.chunks_mut(h * hd).enumerate().for_each(|(i, row)| attend_token(i, row));
-        }
+        each_token(&mut attn_out[seg.start * h * hd..(seg.start + seg.len) * h * hd], h * hd, attend_token);
         // Keep the last `window − 1` keys for the next step.
         let total = keys.len() / hd;
         let keep = total.min(window - 1);

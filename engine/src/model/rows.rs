@@ -5,7 +5,7 @@ use deepinfer_kernels::ops::rms_norm;
 use rayon::prelude::*;
 
 /// Tokens from which a pass spreads its per-token steps over threads.
-pub(crate) const SPREAD_TOKENS_MIN: usize = 16;
+const SPREAD_TOKENS_MIN: usize = 16;
 
 /// Whether `n` tokens' per-token steps are spread over the pool's threads.
 pub(crate) fn spread_tokens(n: usize) -> bool {
@@ -23,9 +23,5 @@ pub(crate) fn each_token(rows: &mut [f32], width: usize, step: impl Fn(usize, &m
 
 /// RMSNorm of every `width`-wide row of `rows`.
 pub(crate) fn norm_rows(rows: &mut [f32], width: usize, weight: Option<&[f32]>, eps: f32) {
-    if spread_tokens(rows.len() / width.max(1)) {
-        rows.par_chunks_exact_mut(width).for_each(|row| rms_norm(row, weight, eps));
-    } else {
-        rows.chunks_exact_mut(width).for_each(|row| rms_norm(row, weight, eps));
-    }
+    each_token(rows, width, |_, row| rms_norm(row, weight, eps));
 }
