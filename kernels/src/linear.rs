@@ -540,7 +540,12 @@ fn store_tile_sums(backend: Backend, acc: &[f32], tile: usize, out: &mut [f32], 
     let acc_stride = TILE_ROWS * 16;
     for (i, lanes) in acc.chunks_exact(acc_stride).enumerate() {
         let sums = backend.reduce_tile(lanes.try_into().expect("a tile"));
-        out[i * out_stride..][..tile].copy_from_slice(&sums[..tile]);
+        let dst = &mut out[i * out_stride..][..tile];
+        match <&mut [f32; TILE_ROWS]>::try_from(&mut *dst) {
+            // A whole tile is a fixed-size store, not a call to `memcpy`.
+            Ok(whole) => *whole = sums,
+            Err(_) => dst.copy_from_slice(&sums[..tile]),
+        }
     }
 }
 

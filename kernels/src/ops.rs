@@ -3,10 +3,9 @@
 
 /// RMS normalisation of one row in place: `x · rsqrt(mean(x²) + eps) · weight`.
 pub fn rms_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32) {
-    let mut sum_sq = 0.0f32;
-    for v in x.iter() {
-        sum_sq += v * v;
-    }
+    // The 16-lane order of `dot`: one multiply-add chain per lane instead of
+    // one long serial sum, the same bits on every path.
+    let sum_sq = crate::linear::dot(x, x);
     let inv = 1.0 / (sum_sq / x.len() as f32 + eps).sqrt();
     match weight {
         Some(w) => {
