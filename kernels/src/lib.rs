@@ -16,6 +16,7 @@ pub mod block_scaled;
 pub mod cache;
 pub mod dequantized_dot;
 pub mod dtype;
+pub mod exp;
 pub mod fp4_groups;
 pub mod fp8_groups;
 pub mod linear;

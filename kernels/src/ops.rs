@@ -1,6 +1,8 @@
 //! Element-wise and row-wise primitives of the DeepSeek-V4 forward pass.
 //! All reductions run in a fixed order, so results are batch-invariant.
 
+use crate::exp::{exp, exp_in_place};
+
 /// RMS normalisation of one row in place: `x · rsqrt(mean(x²) + eps) · weight`.
 pub fn rms_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32) {
     // The 16-lane order of `dot`: one multiply-add chain per lane instead of
@@ -95,13 +97,25 @@ impl Rope {
 /// (they sum to less than one). `-inf` entries get probability 0.
 pub fn softmax_with_sink(logits: &mut [f32], sink: f32) {
     let max = logits.iter().fold(sink, |m, &v| m.max(v));
-    let mut sum = (sink - max).exp();
-    for v in logits.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
+    logits.iter_mut().for_each(|v| *v -= max);
+    exp_in_place(logits);
+    let sum = exp(sink - max) + sum_lanes(logits);
     let inv = 1.0 / sum;
     logits.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// Sum in the lane order of [`crate::linear::dot`]: element `i` into lane
+/// `i % 16`, then the fixed pairwise tree. Sixteen independent adds per step
+/// instead of one serial chain, and the same bits on every path.
+pub fn sum_lanes(x: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 16];
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        lanes.iter_mut().zip(chunk).for_each(|(l, &v)| *l += v);
+    }
+    lanes.iter_mut().zip(tail).for_each(|(l, &v)| *l += v);
+    crate::simd::reduce16(&lanes)
 }
 
 /// `out[d] += p * v[d]`, the product rounded before the sum (no fused
@@ -181,18 +195,15 @@ unsafe fn add_weighted_rows_avx512(out: &mut [f32], weights: &[f32], rows: &[f32
 /// Plain softmax in place.
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0.0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
+    x.iter_mut().for_each(|v| *v -= max);
+    exp_in_place(x);
+    let inv = 1.0 / sum_lanes(x);
     x.iter_mut().for_each(|v| *v *= inv);
 }
 
 #[inline]
 pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    1.0 / (1.0 + exp(-x))
 }
 
 #[inline]
@@ -202,8 +213,19 @@ pub fn silu(x: f32) -> f32 {
 
 /// SwiGLU with DeepSeek-V4's clamps: `silu(min(gate, limit)) · clamp(up, −limit, limit)`.
 pub fn swiglu_clamped(gate: &[f32], up: &[f32], limit: f32, out: &mut [f32]) {
-    for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = silu(g.min(limit)) * u.clamp(-limit, limit);
+    assert!(gate.len() == out.len() && up.len() == out.len(), "swiglu lengths");
+    // The exponentials of a chunk at once (vectorised), then the scalar
+    // formula of `silu` on each: the bits of `silu(g) · u` element by element.
+    const CHUNK: usize = 256;
+    let mut e = [0.0f32; CHUNK];
+    for ((o, g), u) in out.chunks_mut(CHUNK).zip(gate.chunks(CHUNK)).zip(up.chunks(CHUNK)) {
+        let e = &mut e[..o.len()];
+        e.iter_mut().zip(g).for_each(|(e, &g)| *e = -g.min(limit));
+        exp_in_place(e);
+        for (((o, &g), &u), &e) in o.iter_mut().zip(g).zip(u).zip(e.iter()) {
+            let g = g.min(limit);
+            *o = g * (1.0 / (1.0 + e)) * u.clamp(-limit, limit);
+        }
     }
 }
 
