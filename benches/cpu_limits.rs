@@ -28,6 +28,7 @@ const CONTEXT_TOKENS: usize = 128;
 const STREAM_BYTES: usize = 1 << 30;
 
 fn main() {
+    deepinfer::allocator::keep_freed_pages();
     let mut wanted: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     if wanted.is_empty() {
         wanted = ["tiny-v4", "small-v4", "medium-v4"].map(String::from).to_vec();

@@ -23,6 +23,7 @@ fn prefilled(model: &Model, batch: usize) -> Vec<SequenceState> {
 }
 
 fn bench_preset(c: &mut Criterion, preset: Preset) {
+    deepinfer::allocator::keep_freed_pages();
     let model = build(preset, 1).expect("preset builds");
     let mut group = c.benchmark_group(preset.name());
     group.sample_size(10);

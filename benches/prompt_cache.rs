@@ -78,6 +78,7 @@ fn dd_read_mb_s(file: &Path, direct: bool) -> Option<f64> {
 }
 
 fn main() {
+    deepinfer::allocator::keep_freed_pages();
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let spec = args.first().cloned().unwrap_or_else(|| "builtin:small-v4".into());
     let dir =

@@ -80,6 +80,7 @@ fn run(model: &Model, tokenizer: &tokenizers::Tokenizer, batch: usize, spec: Spe
 }
 
 fn main() {
+    deepinfer::allocator::keep_freed_pages();
     let args: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
     let models = if args.is_empty() {
         vec!["builtin:tiny-v4-trained".to_string(), "builtin:tiny-v41-trained".to_string()]

@@ -12,6 +12,7 @@ fn prompt(len: usize, salt: usize) -> Vec<u32> {
 }
 
 fn main() {
+    deepinfer::allocator::keep_freed_pages();
     let args: Vec<String> = std::env::args().skip(1).collect();
     let usage = "usage: forward_profile MODEL prefill|decode SIZE [REPS]";
     assert!(args.len() >= 3, "{usage}");

@@ -207,6 +207,7 @@ tpot_ms = 50
 }
 
 fn main() {
+    deepinfer::allocator::keep_freed_pages();
     let only = std::env::args().nth(1);
     let want = |name: &str| only.as_deref().is_none_or(|o| o == name);
     if want("eplb") {

@@ -1,5 +1,6 @@
 //! The deepinfer program: CLI, files users write, launcher.
 
+pub mod allocator;
 pub mod api;
 pub mod backend;
 pub mod cli;

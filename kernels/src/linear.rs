@@ -229,8 +229,12 @@ impl Linear {
     fn forward_packed_here(&self, backend: Backend, x: &[f32], n: usize, out: &mut [f32], spread: bool) {
         // Input rows regrouped column block by column block, so the rows a block
         // multiplies are contiguous instead of `cols` apart (a power-of-two stride
-        // would map them all onto the same cache sets). One row is already in order.
-        let packed = (n > 1).then(|| pack_blocks(x, n, self.cols));
+        // would map them all onto the same cache sets). One row, or rows of one
+        // block that start on a cache line, are already in that order: read in
+        // place (a row that does not start on a line would cross two lines
+        // with every load, which costs more than the copy).
+        let in_order = n == 1 || (block_width(self.cols) >= self.cols && x.as_ptr().cast::<u8>().align_offset(64) == 0);
+        let packed = (!in_order).then(|| pack_blocks(x, n, self.cols));
         self.forward_packed(backend, packed.as_deref().unwrap_or(x), n, out, spread);
         if let Some(packed) = packed {
             packed.recycle();

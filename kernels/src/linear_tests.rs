@@ -162,3 +162,55 @@ fn fp8_grouped_spans_match_their_rows_on_every_path() {
         }
     }
 }
+
+#[test]
+fn input_rows_read_in_place_give_the_bits_of_packed_rows() {
+    // Rows that start on a cache line are read where they are (no packed
+    // copy); the same rows one float off a line are packed. Both must give
+    // every output the bits of its own `dot`, at batch sizes that take the
+    // register tiles, the fused tiles and a single row; rows of two column
+    // blocks are packed wherever they start.
+    for (rows, cols) in [(40, 1000), (20, 4200)] {
+        check_in_place_rows(rows, cols);
+    }
+}
+
+fn check_in_place_rows(rows: usize, cols: usize) {
+    let mut state = 11u64;
+    let mut value = || {
+        state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    };
+    let w: Vec<f32> = (0..rows * cols).map(|_| value()).collect();
+    let f32_weights = Linear::from_f32(rows, cols, w.clone());
+    let bf16 = Linear {
+        rows,
+        cols,
+        format: WeightFormat::Bf16(Bytes::from(
+            w.iter().flat_map(|&v| f32_to_bf16(v).to_le_bytes()).collect::<Vec<u8>>(),
+        )),
+    };
+    for lin in [&f32_weights, &bf16] {
+        for n in [1, 5, 7, 31] {
+            let x: Vec<f32> = (0..n * cols).map(|_| value()).collect();
+            let mut aligned = AlignedF32::with_capacity(n * cols);
+            aligned.extend_from_slice(&x);
+            let mut shifted = AlignedF32::with_capacity(n * cols + 1);
+            shifted.extend_from_slice(&[0.0]);
+            shifted.extend_from_slice(&x);
+            assert_eq!(aligned.as_ptr().cast::<u8>().align_offset(64), 0);
+            let mut row = vec![0.0f32; cols];
+            for backend in available() {
+                let (mut in_place, mut packed) = (vec![0.0f32; n * rows], vec![0.0f32; n * rows]);
+                lin.forward_on(backend, &aligned, n, &mut in_place);
+                lin.forward_on(backend, &shifted[1..], n, &mut packed);
+                for (i, (a, b)) in in_place.iter().zip(&packed).enumerate() {
+                    lin.dequantize_row(i % rows, &mut row);
+                    let want = backend.dot(&x[i / rows * cols..][..cols], &row);
+                    assert_eq!(a.to_bits(), want.to_bits(), "{backend:?} n {n} output {i} in place");
+                    assert_eq!(b.to_bits(), want.to_bits(), "{backend:?} n {n} output {i} packed");
+                }
+            }
+        }
+    }
+}
