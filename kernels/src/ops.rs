@@ -5,10 +5,7 @@ use crate::exp::{exp, exp_in_place};
 
 /// RMS normalisation of one row in place: `x · rsqrt(mean(x²) + eps) · weight`.
 pub fn rms_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32) {
-    // The 16-lane order of `dot`: one multiply-add chain per lane instead of
-    // one long serial sum, the same bits on every path.
-    let sum_sq = crate::linear::dot(x, x);
-    let inv = 1.0 / (sum_sq / x.len() as f32 + eps).sqrt();
+    let inv = inv_rms(x, eps);
     match weight {
         Some(w) => {
             assert_eq!(w.len(), x.len(), "rms_norm weight");
@@ -18,6 +15,14 @@ pub fn rms_norm(x: &mut [f32], weight: Option<&[f32]>, eps: f32) {
         }
         None => x.iter_mut().for_each(|v| *v *= inv),
     }
+}
+
+/// `1 / sqrt(mean(x²) + eps)`, the factor of [`rms_norm`].
+pub fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    // The 16-lane order of `dot`: one multiply-add chain per lane instead of
+    // one long serial sum, the same bits on every path.
+    let sum_sq = crate::linear::dot(x, x);
+    1.0 / (sum_sq / x.len() as f32 + eps).sqrt()
 }
 
 /// Rotate consecutive pairs `(x[2i], x[2i+1])` by the angle whose cosine and sine are

@@ -1,7 +1,8 @@
 //! Manifold-constrained hyper-connections (mHC): `hc_mult` residual streams,
 //! collapsed before each sublayer and mixed back after it.
 
-use deepinfer_kernels::ops::{rms_norm, sigmoid, sinkhorn, softmax};
+use deepinfer_kernels::ops::{inv_rms, sigmoid, sinkhorn, softmax};
+use deepinfer_kernels::Linear;
 use rayon::prelude::*;
 
 use super::rows::{each_token, spread_tokens};
@@ -20,10 +21,8 @@ pub struct Mix {
 pub fn pre(h: &HyperConnection, cfg: &ModelConfig, streams: &[f32], n: usize) -> (Vec<Mix>, Vec<f32>) {
     let hc = cfg.hc_mult;
     let d = cfg.hidden_size;
-    let normed = normalized_flat(streams, n, hc * d, cfg.rms_norm_eps);
     let outputs = (2 + hc) * hc;
-    let mut mixes = vec![0.0f32; n * outputs];
-    h.mix.forward(&normed, n, &mut mixes);
+    let mixes = normed_mix(&h.mix, streams, n, hc * d, cfg.rms_norm_eps);
     let mut collapsed = vec![0.0f32; n * d];
     let token = |t: usize, collapsed: &mut [f32]| {
         let m = &mixes[t * outputs..(t + 1) * outputs];
@@ -80,9 +79,7 @@ pub fn post(mixes: &[Mix], cfg: &ModelConfig, output: &[f32], streams: &mut [f32
 pub fn head(h: &HyperHead, cfg: &ModelConfig, streams: &[f32], n: usize) -> Vec<f32> {
     let hc = cfg.hc_mult;
     let d = cfg.hidden_size;
-    let normed = normalized_flat(streams, n, hc * d, cfg.rms_norm_eps);
-    let mut mixes = vec![0.0f32; n * hc];
-    h.mix.forward(&normed, n, &mut mixes);
+    let mixes = normed_mix(&h.mix, streams, n, hc * d, cfg.rms_norm_eps);
     let mut out = vec![0.0f32; n * d];
     for t in 0..n {
         let pre: Vec<f32> = (0..hc).map(|j| sigmoid(mixes[t * hc + j] * h.scale + h.base[j]) + cfg.hc_eps).collect();
@@ -91,15 +88,19 @@ pub fn head(h: &HyperHead, cfg: &ModelConfig, streams: &[f32], n: usize) -> Vec<
     out
 }
 
-fn normalized_flat(streams: &[f32], n: usize, width: usize, eps: f32) -> Vec<f32> {
-    // Copied row by row on the threads that norm them (fresh pages fault in
-    // there too), not copied whole on one thread first.
-    let mut normed = vec![0.0f32; n * width];
-    each_token(&mut normed, width, |t, row| {
-        row.copy_from_slice(&streams[t * width..][..width]);
-        rms_norm(row, None, eps);
+/// `mix` of each token's streams `[n, width]` RMS-normalised: the linear of
+/// the raw streams, each token's outputs then multiplied by its `1/rms`.
+/// The same product as normalising first, without a normalised copy of the
+/// streams (a handful of outputs per token to scale instead of `width` inputs).
+fn normed_mix(mix: &Linear, streams: &[f32], n: usize, width: usize, eps: f32) -> Vec<f32> {
+    let streams = &streams[..n * width];
+    let mut mixes = vec![0.0f32; n * mix.rows];
+    mix.forward(streams, n, &mut mixes);
+    each_token(&mut mixes, mix.rows, |t, row| {
+        let inv = inv_rms(&streams[t * width..][..width], eps);
+        row.iter_mut().for_each(|v| *v *= inv);
     });
-    normed
+    mixes
 }
 
 fn collapse(pre: &[f32], streams: &[f32], out: &mut [f32]) {
