@@ -135,6 +135,29 @@ pub fn add_scaled(out: &mut [f32], p: f32, v: &[f32]) {
     add_scaled_plain(out, p, v);
 }
 
+/// `out[d] = p * v[d]`, the bits of the plain loop on every path.
+pub fn scale_into(out: &mut [f32], p: f32, v: &[f32]) {
+    assert_eq!(out.len(), v.len(), "scale_into lengths");
+    #[cfg(target_arch = "x86_64")]
+    if matches!(crate::Isa::detect(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
+        // SAFETY: the detected path guarantees AVX-512F.
+        return unsafe { scale_into_avx512(out, p, v) };
+    }
+    scale_into_plain(out, p, v);
+}
+
+#[inline(always)]
+fn scale_into_plain(out: &mut [f32], p: f32, v: &[f32]) {
+    out.iter_mut().zip(v).for_each(|(o, v)| *o = p * v);
+}
+
+/// The plain loop compiled for 16-lane registers.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn scale_into_avx512(out: &mut [f32], p: f32, v: &[f32]) {
+    scale_into_plain(out, p, v);
+}
+
 #[inline(always)]
 fn add_scaled_plain(out: &mut [f32], p: f32, v: &[f32]) {
     out.iter_mut().zip(v).for_each(|(o, v)| *o += p * v);

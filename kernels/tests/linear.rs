@@ -293,6 +293,20 @@ fn add_scaled_rounds_the_product_before_the_sum() {
 }
 
 #[test]
+fn scale_into_gives_the_bits_of_the_plain_product() {
+    let mut rng = Rng(12);
+    for len in [0, 1, 15, 16, 17, 130] {
+        let v = rng.vec(len);
+        let p = -1.7f32;
+        let mut out = vec![f32::NAN; len];
+        deepinfer_kernels::ops::scale_into(&mut out, p, &v);
+        for k in 0..len {
+            assert_eq!(out[k].to_bits(), (p * v[k]).to_bits(), "len {len} element {k}");
+        }
+    }
+}
+
+#[test]
 fn add_weighted_rows_gives_the_bits_of_add_scaled_row_by_row() {
     let mut rng = Rng(12);
     for d in [0, 1, 16, 17, 64, 100, 128, 200, 512] {

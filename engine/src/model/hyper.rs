@@ -1,7 +1,7 @@
 //! Manifold-constrained hyper-connections (mHC): `hc_mult` residual streams,
 //! collapsed before each sublayer and mixed back after it.
 
-use deepinfer_kernels::ops::{inv_rms, sigmoid, sinkhorn, softmax};
+use deepinfer_kernels::ops::{add_scaled, inv_rms, scale_into, sigmoid, sinkhorn, softmax};
 use deepinfer_kernels::Linear;
 use rayon::prelude::*;
 
@@ -52,12 +52,12 @@ pub fn post(mixes: &[Mix], cfg: &ModelConfig, output: &[f32], streams: &mut [f32
     let token = |mixed: &mut Vec<f32>, (t, (mix, s)): (usize, (&Mix, &mut [f32]))| {
         let o = &output[t * d..(t + 1) * d];
         for k in 0..hc {
-            // Per element: post·o first, then the streams in order (contiguous, so it vectorises).
+            // Per element: post·o first, then the streams in order, each
+            // product rounded before its sum (16 lanes where the CPU has them).
             let dst = &mut mixed[k * d..(k + 1) * d];
-            dst.iter_mut().zip(o).for_each(|(v, &x)| *v = mix.post[k] * x);
+            scale_into(dst, mix.post[k], o);
             for j in 0..hc {
-                let w = mix.comb[j * hc + k];
-                dst.iter_mut().zip(&s[j * d..(j + 1) * d]).for_each(|(v, &x)| *v += w * x);
+                add_scaled(dst, mix.comb[j * hc + k], &s[j * d..(j + 1) * d]);
             }
         }
         s.copy_from_slice(mixed);

@@ -1,7 +1,7 @@
 //! The mixture-of-experts feed-forward: sqrt-softplus routing (hash-routed in
 //! the first layers), normalised and scaled top-k weights, and a shared expert.
 
-use deepinfer_kernels::ops::{sqrt_softplus, swiglu_clamped, top_k};
+use deepinfer_kernels::ops::{add_scaled, sqrt_softplus, swiglu_clamped, top_k};
 use rayon::prelude::*;
 
 use super::rows::each_token;
@@ -230,7 +230,7 @@ pub fn combine(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch, outputs: &Expe
         for slot in order {
             let y = outputs.slot(t, slot);
             let w = r.weights[slot];
-            o.iter_mut().zip(y).for_each(|(o, v)| *o += v * w);
+            add_scaled(o, w, y);
         }
     });
     if let Some(shared) = &moe.shared {
