@@ -3,20 +3,24 @@
 //! Intel cores pay for on every load (large allocations start 16 bytes into
 //! a page).
 
-use std::cell::Cell;
+use std::cell::RefCell;
 use std::ops::{Deref, DerefMut};
 
 const LINE_FLOATS: usize = 16;
 /// Largest buffer a thread keeps for reuse (64 MiB): a larger batch's
 /// buffer is freed rather than held for the life of the thread.
 const SPARE_FLOATS_MAX: usize = 16 << 20;
+/// Most buffers a thread keeps: a linear layer has three out at once (packed
+/// rows, decoded weight tile, accumulators).
+const SPARES_MAX: usize = 4;
 
 thread_local! {
-    /// This thread's buffer from its last [`AlignedF32::recycle`]. A fresh
-    /// large allocation is mapped afresh by the system, and every one of its
-    /// pages faults in when first written: packing a prefill's input rows
-    /// into new memory spent twice as long in page faults as in copying.
-    static SPARE: Cell<Option<AlignedF32>> = const { Cell::new(None) };
+    /// This thread's buffers from its last [`AlignedF32::recycle`]s. A fresh
+    /// large allocation is either mapped afresh by the system (every page
+    /// faults in when first written: packing a prefill's input rows into new
+    /// memory spent twice as long in page faults as in copying) or zeroed by
+    /// the allocator; a kept one is neither.
+    static SPARES: RefCell<Vec<AlignedF32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Floats starting on a 64-byte boundary: `buf[start..]`, holding at most
@@ -50,34 +54,59 @@ impl AlignedF32 {
         Self::checked(buf, start, capacity)
     }
 
-    /// [`Self::with_capacity`], reusing this thread's recycled buffer when it
-    /// has the room. A call nested in another on the same thread (a pool
-    /// worker runs stolen work while it waits) finds none and allocates.
+    /// [`Self::with_capacity`], reusing one of this thread's recycled buffers
+    /// when one has the room. A call nested in another on the same thread (a
+    /// pool worker runs stolen work while it waits) finds the others' buffers
+    /// out and allocates.
     pub fn reused(capacity: usize) -> Self {
-        match SPARE.take() {
-            Some(mut spare) if spare.room() >= capacity => {
+        match Self::take_spare(capacity) {
+            Some(mut spare) => {
                 spare.buf.truncate(spare.start);
                 spare.capacity = capacity;
                 spare
             }
-            other => {
-                SPARE.set(other);
-                Self::with_capacity(capacity)
-            }
+            None => Self::with_capacity(capacity),
         }
     }
 
-    /// Keep this buffer for the thread's next [`Self::reused`] (the larger
-    /// of it and the one kept, up to 64 MiB).
+    /// `len` floats whose values are unspecified (whatever a recycled buffer
+    /// held, or zeros): for scratch that is written before it is read, which
+    /// then costs no zeroing when a recycled buffer has the room.
+    pub fn scratch(len: usize) -> Self {
+        match Self::take_spare(len) {
+            Some(mut spare) => {
+                // Only floats past what the buffer ever held are written.
+                spare.buf.resize(spare.start + len, 0.0);
+                spare.capacity = len;
+                spare
+            }
+            None => Self::zeroed(len),
+        }
+    }
+
+    /// The smallest kept buffer with room for `capacity` floats.
+    fn take_spare(capacity: usize) -> Option<Self> {
+        SPARES.with_borrow_mut(|spares| {
+            let (index, _) =
+                spares.iter().enumerate().filter(|(_, s)| s.room() >= capacity).min_by_key(|(_, s)| s.room())?;
+            Some(spares.swap_remove(index))
+        })
+    }
+
+    /// Keep this buffer for the thread's next [`Self::reused`] or
+    /// [`Self::scratch`]: at most [`SPARES_MAX`] buffers of up to 64 MiB each
+    /// are kept, the largest.
     pub fn recycle(self) {
         if self.room() > SPARE_FLOATS_MAX {
             return;
         }
-        let keep = match SPARE.take() {
-            Some(kept) if kept.room() >= self.room() => kept,
-            _ => self,
-        };
-        SPARE.set(Some(keep));
+        SPARES.with_borrow_mut(|spares| {
+            spares.push(self);
+            if spares.len() > SPARES_MAX {
+                let (smallest, _) = spares.iter().enumerate().min_by_key(|(_, s)| s.room()).expect("kept buffers");
+                spares.swap_remove(smallest);
+            }
+        });
     }
 
     /// Floats the buffer holds without moving.
@@ -155,14 +184,42 @@ mod tests {
         // While it is out, another request allocates its own.
         let nested = AlignedF32::reused(10);
         assert_ne!(nested.as_ptr(), at);
+        let nested_at = nested.as_ptr();
         nested.recycle();
         again.recycle();
-        // The larger of the two is kept.
+        // Both are kept; a request takes the smallest with room.
+        assert_eq!(AlignedF32::reused(5).as_ptr(), nested_at);
         assert_eq!(AlignedF32::reused(500).as_ptr(), at);
         let full = std::panic::catch_unwind(move || {
             let mut small = AlignedF32::reused(4);
             small.extend_from_slice(&[0.0; 5]);
         });
         assert!(full.is_err(), "a reused buffer holds no more than asked for");
+    }
+
+    #[test]
+    fn scratch_reuses_kept_buffers_at_the_asked_length_and_keeps_at_most_four() {
+        let mut first = AlignedF32::scratch(64);
+        first.iter_mut().for_each(|v| *v = 7.0);
+        let at = first.as_ptr();
+        first.recycle();
+        // Reused as it was left, shortened or lengthened to the asked length.
+        let shorter = AlignedF32::scratch(10);
+        assert_eq!((shorter.as_ptr(), shorter.len(), shorter[9]), (at, 10, 7.0));
+        shorter.recycle();
+        let none_with_room = AlignedF32::scratch(100_000);
+        assert_ne!(none_with_room.as_ptr(), at);
+        assert_eq!(none_with_room.as_ptr() as usize % 64, 0);
+        // Six kept in turn: the four largest stay, the smallest are dropped.
+        let kept: Vec<AlignedF32> = (1..=6).map(|k| AlignedF32::scratch(k * 1000)).collect();
+        none_with_room.recycle();
+        kept.into_iter().for_each(AlignedF32::recycle);
+        let held = super::SPARES.with_borrow(|s| {
+            let mut rooms: Vec<usize> = s.iter().map(|b| b.room()).collect();
+            rooms.sort();
+            rooms
+        });
+        assert_eq!(held.len(), 4);
+        assert!(held[0] >= 4000 && held[3] >= 100_000, "{held:?}");
     }
 }

@@ -321,12 +321,15 @@ impl Linear {
         // One cache line of padding per row keeps the tile's rows in different cache sets.
         let stride = width + 16;
         let mut wbuf = match plan {
-            Plan::Buffered => AlignedF32::zeroed(TILE_ROWS * stride),
+            // Every span a tile reads is decoded into it first.
+            Plan::Buffered => AlignedF32::scratch(TILE_ROWS * stride),
             _ => AlignedF32::zeroed(0),
         };
         // Lane accumulators of (input row i, tile row j) at (i * TILE_ROWS + j) * 16.
         let acc_stride = TILE_ROWS * 16;
-        let mut acc = AlignedF32::zeroed(panel_rows(n, cols).min(n) * acc_stride);
+        // Each tile's accumulators start fresh (the register tiles' first block,
+        // or zeroed below for the fused kernels).
+        let mut acc = AlignedF32::scratch(panel_rows(n, cols).min(n) * acc_stride);
         let mut xs: Vec<&[f32]> = Vec::with_capacity(n);
         // Largest |x| of each column block, which lets FP8 tiles move their
         // block scale onto x (one pass over x, shared by every tile).
@@ -410,6 +413,8 @@ impl Linear {
                 store_tile_sums(backend, acc, tile, &mut out[p0 * out_stride + t0 - range.start..], out_stride);
             }
         }
+        acc.recycle();
+        wbuf.recycle();
     }
 
     /// How [`Linear::forward_rows`] reads the weights for a batch of `n` rows.
@@ -513,7 +518,8 @@ pub fn dot_rows(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, out: &
     }
     let backend = Backend::detected();
     let xs: Vec<&[f32]> = x.chunks_exact(cols.max(1)).take(n).collect();
-    let mut acc = AlignedF32::zeroed(n * TILE_ROWS * 16);
+    // Every tile starts its accumulators fresh.
+    let mut acc = AlignedF32::scratch(n * TILE_ROWS * 16);
     for t0 in (0..rows).step_by(TILE_ROWS) {
         let tile = TILE_ROWS.min(rows - t0);
         // Rows past the tile's end repeat its first row; their sums are discarded.
@@ -521,6 +527,7 @@ pub fn dot_rows(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, out: &
         multiply_tile(backend, &xs, &ws, tile, &mut acc, true);
         store_tile_sums(backend, &acc, tile, &mut out[t0..], rows);
     }
+    acc.recycle();
 }
 
 /// Continue the lane accumulators (`acc[i * TILE_ROWS * 16 + j * 16..][..16]`
