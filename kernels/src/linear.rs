@@ -534,15 +534,7 @@ pub fn dot_rows(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, out: &
 /// for input row `i` and tile row `j`) of every input row in `xs` against the
 /// first `tile` rows of `ws`, in register tiles; `fresh` starts them from zero.
 fn multiply_tile(backend: Backend, xs: &[&[f32]], ws: &[&[f32]; TILE_ROWS], tile: usize, acc: &mut [f32], fresh: bool) {
-    let acc_stride = TILE_ROWS * 16;
-    let mut i0 = 0;
-    while i0 < xs.len() {
-        let (mr, nr) = backend.block_shape(xs.len() - i0);
-        for g in (0..tile).step_by(nr) {
-            backend.micro(&xs[i0..i0 + mr], &ws[g..g + nr], &mut acc[i0 * acc_stride + g * 16..], acc_stride, fresh);
-        }
-        i0 += mr;
-    }
+    backend.micro_tiles(xs, ws, tile, acc, TILE_ROWS * 16, fresh);
 }
 
 /// Reduce each input row's tile of accumulators and write its first `tile`

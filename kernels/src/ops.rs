@@ -220,6 +220,76 @@ unsafe fn add_weighted_rows_avx512(out: &mut [f32], weights: &[f32], rows: &[f32
     }
 }
 
+/// [`add_weighted_rows`] for `heads` outputs over the same rows: output `h`
+/// (`out[h * d..][..d]`, `d = rows.len() / k`) gets the `k` weights
+/// `weights[h * k..][..k]`, with exactly the bits of its own call. AVX-512
+/// takes four heads at a time, so each row's values are loaded once for four
+/// heads instead of once per head (attention's heads share one key/value head).
+pub fn add_weighted_rows_heads(out: &mut [f32], heads: usize, weights: &[f32], rows: &[f32]) {
+    assert!(heads > 0 && out.len().is_multiple_of(heads) && weights.len().is_multiple_of(heads), "heads");
+    let (d, k) = (out.len() / heads, weights.len() / heads);
+    assert_eq!(rows.len(), k * d, "add_weighted_rows_heads lengths");
+    let mut h0 = 0;
+    #[cfg(target_arch = "x86_64")]
+    if matches!(crate::Isa::detect(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
+        while h0 + 4 <= heads {
+            // SAFETY: the detected path guarantees AVX-512F; four heads of `d`
+            // outputs and `k` weights each start at `h0`, and `rows` is `k × d`.
+            unsafe { add_weighted_rows_4_avx512(&mut out[h0 * d..][..4 * d], &weights[h0 * k..][..4 * k], rows) };
+            h0 += 4;
+        }
+    }
+    for h in h0..heads {
+        add_weighted_rows(&mut out[h * d..][..d], &weights[h * k..][..k], rows);
+    }
+}
+
+/// Four heads of [`add_weighted_rows_heads`]: 64 columns of each head's
+/// output in registers (16 of them) across all rows.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `out.len() == 4 * d`, `weights.len() == 4 * k`
+/// and `rows.len() == k * d`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_weighted_rows_4_avx512(out: &mut [f32], weights: &[f32], rows: &[f32]) {
+    use std::arch::x86_64::*;
+    const STRIP: usize = 64;
+    let (d, k) = (out.len() / 4, weights.len() / 4);
+    let (po, pv, pw) = (out.as_mut_ptr(), rows.as_ptr(), weights.as_ptr());
+    let whole = d / STRIP * STRIP;
+    for j0 in (0..whole).step_by(STRIP) {
+        let mut acc: [[__m512; 4]; 4] =
+            std::array::from_fn(|h| std::array::from_fn(|u| _mm512_loadu_ps(po.add(h * d + j0 + 16 * u))));
+        for r in 0..k {
+            let v: [__m512; 4] = std::array::from_fn(|u| _mm512_loadu_ps(pv.add(r * d + j0 + 16 * u)));
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let p = _mm512_set1_ps(*pw.add(h * k + r));
+                for (a, v) in acc.iter_mut().zip(&v) {
+                    // Product rounded, then the sum: `add_scaled`'s two roundings.
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(p, *v));
+                }
+            }
+        }
+        for (h, acc) in acc.iter().enumerate() {
+            for (u, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(po.add(h * d + j0 + 16 * u), *a);
+            }
+        }
+    }
+    if whole < d {
+        for h in 0..4 {
+            for r in 0..k {
+                add_scaled_plain(
+                    &mut out[h * d + whole..(h + 1) * d],
+                    weights[h * k + r],
+                    &rows[r * d + whole..(r + 1) * d],
+                );
+            }
+        }
+    }
+}
+
 /// Plain softmax in place.
 pub fn softmax(x: &mut [f32]) {
     let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));

@@ -326,6 +326,26 @@ fn add_weighted_rows_gives_the_bits_of_add_scaled_row_by_row() {
 }
 
 #[test]
+fn add_weighted_rows_heads_gives_each_head_the_bits_of_its_own_call() {
+    let mut rng = Rng(13);
+    for heads in [1, 3, 4, 5, 8, 16] {
+        for d in [1, 64, 100, 128] {
+            for rows in [0, 1, 7, 130] {
+                let (weights, values, start) = (rng.vec(heads * rows), rng.vec(rows * d), rng.vec(heads * d));
+                let mut want = start.clone();
+                for h in 0..heads {
+                    let out = &mut want[h * d..(h + 1) * d];
+                    deepinfer_kernels::ops::add_weighted_rows(out, &weights[h * rows..(h + 1) * rows], &values);
+                }
+                let mut got = start.clone();
+                deepinfer_kernels::ops::add_weighted_rows_heads(&mut got, heads, &weights, &values);
+                assert_bits_eq(&got, &want, &format!("heads {heads} d {d} rows {rows}"));
+            }
+        }
+    }
+}
+
+#[test]
 fn fp8_weights_know_whether_a_code_is_nan() {
     use bytes::Bytes;
     use deepinfer_kernels::WeightFormat;

@@ -4,7 +4,9 @@
 //! low-rank output projection.
 
 use deepinfer_kernels::linear::{dot, dot_rows};
-use deepinfer_kernels::ops::{add_weighted_rows, rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope};
+use deepinfer_kernels::ops::{
+    add_weighted_rows_heads, rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope,
+};
 
 use super::rows::{each_token, norm_rows};
 use super::state::{CompressorState, LayerState};
@@ -279,15 +281,23 @@ pub fn forward(
             dot_rows(heads_q, h, window_keys, nw, hd, &mut window_scores);
             let mut chosen_scores = vec![0.0f32; h * selected.len()];
             dot_rows(heads_q, h, &chosen, selected.len(), hd, &mut chosen_scores);
+            // Each head's probabilities over the window and the chosen entries,
+            // then every head's weighted values at once (the same sums per head).
             let mut logits = vec![0.0f32; nk];
-            for (head, out) in out_row.chunks_exact_mut(hd).enumerate() {
-                let scores = window_scores[head * nw..][..nw]
-                    .iter()
-                    .chain(&chosen_scores[head * selected.len()..][..selected.len()]);
-                logits.iter_mut().zip(scores).for_each(|(l, s)| *l = s * scale);
+            let (mut window_probs, mut chosen_probs) = (window_scores, chosen_scores);
+            for head in 0..h {
+                let (window, chosen) = (
+                    &mut window_probs[head * nw..][..nw],
+                    &mut chosen_probs[head * selected.len()..][..selected.len()],
+                );
+                logits.iter_mut().zip(window.iter().chain(chosen.iter())).for_each(|(l, s)| *l = s * scale);
                 softmax_with_sink(&mut logits, a.sink[head]);
-                add_weighted_rows(out, &logits[..nw], window_keys);
-                add_weighted_rows(out, &logits[nw..], &chosen);
+                window.copy_from_slice(&logits[..nw]);
+                chosen.copy_from_slice(&logits[nw..]);
+            }
+            add_weighted_rows_heads(out_row, h, &window_probs, window_keys);
+            add_weighted_rows_heads(out_row, h, &chosen_probs, &chosen);
+            for out in out_row.chunks_exact_mut(hd) {
                 angles.apply_inverse(t, out);
             }
         };

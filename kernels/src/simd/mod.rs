@@ -197,26 +197,69 @@ impl Backend {
         }
     }
 
-    /// Continue the lane accumulators of every (x row, weight row) pair over one
-    /// block of columns that starts at a multiple of 16.
+    /// Continue the lane accumulators of every (x row, weight row) pair of
+    /// `xs` and the first `tile` rows of `ws` over one block of columns that
+    /// starts at a multiple of 16, in the register tiles of
+    /// [`Backend::block_shape`].
     ///
     /// `acc[i * acc_stride + j * 16..][..16]` holds the lanes of pair `(xs[i], ws[j])`.
-    /// All of `xs` and `ws` must have the same length; `(xs.len(), ws.len())` must be
-    /// a shape returned by [`Backend::block_shape`].
+    /// All of `xs` and `ws` must have the same length (checked once here, not
+    /// per register tile: attention's 128-column tiles are short enough for
+    /// per-call checks to cost a fifth of their time).
     ///
     /// With `fresh` the pairs start from zero instead of `acc`'s values (the
     /// first column block of a tile, which then needs no zeroed buffer).
-    pub(crate) fn micro(self, xs: &[&[f32]], ws: &[&[f32]], acc: &mut [f32], acc_stride: usize, fresh: bool) {
-        let len = xs[0].len();
+    pub(crate) fn micro_tiles(
+        self,
+        xs: &[&[f32]],
+        ws: &[&[f32]; 16],
+        tile: usize,
+        acc: &mut [f32],
+        acc_stride: usize,
+        fresh: bool,
+    ) {
+        let Some(len) = xs.first().map(|x| x.len()) else { return };
         assert!(xs.iter().chain(ws).all(|s| s.len() == len), "ragged tile");
-        assert!((xs.len() - 1) * acc_stride + ws.len() * 16 <= acc.len(), "accumulators");
+        assert!(tile <= 16 && acc_stride >= 16 * 16, "tile of 16 weight rows");
+        assert!((xs.len() - 1) * acc_stride + 16 * 16 <= acc.len(), "accumulators");
+        let mut i0 = 0;
+        while i0 < xs.len() {
+            let (mr, nr) = self.block_shape(xs.len() - i0);
+            for g in (0..tile).step_by(nr) {
+                // SAFETY: lengths and the accumulator room were checked above for
+                // every x row and all 16 weight rows; `g + nr <= 16` because `nr`
+                // divides 16; `(mr, nr)` comes from `block_shape`.
+                unsafe {
+                    self.micro(
+                        &xs[i0..i0 + mr],
+                        &ws[g..g + nr],
+                        &mut acc[i0 * acc_stride + g * 16..],
+                        acc_stride,
+                        fresh,
+                    )
+                };
+            }
+            i0 += mr;
+        }
+    }
+
+    /// One register tile of [`Backend::micro_tiles`].
+    ///
+    /// # Safety
+    /// All of `xs` and `ws` have the same length; `(xs.len(), ws.len())` is a
+    /// shape returned by [`Backend::block_shape`];
+    /// `(xs.len() - 1) * acc_stride + ws.len() * 16 <= acc.len()`.
+    #[inline]
+    unsafe fn micro(self, xs: &[&[f32]], ws: &[&[f32]], acc: &mut [f32], acc_stride: usize, fresh: bool) {
+        debug_assert!(xs.iter().chain(ws).all(|s| s.len() == xs[0].len()), "ragged tile");
+        debug_assert!((xs.len() - 1) * acc_stride + ws.len() * 16 <= acc.len(), "accumulators");
         #[cfg(target_arch = "x86_64")]
         if matches!(self.0, Isa::Avx512 | Isa::Avx512Vbmi) {
             macro_rules! avx512_tiles {
                 ($(($mr:literal, $nr:literal))*) => {
                     match (xs.len(), ws.len(), fresh) {
-                        // SAFETY: `Backend::new` checked the CPU has AVX-512F, and the
-                        // asserts above are exactly the bounds the loops rely on.
+                        // SAFETY: `Backend::new` checked the CPU has AVX-512F; the
+                        // caller guarantees the bounds the loops rely on.
                         $(($mr, $nr, true) => unsafe { avx512::micro::<$mr, $nr, true>(arr(xs), arr(ws), acc, acc_stride) },
                         ($mr, $nr, false) => unsafe { avx512::micro::<$mr, $nr, false>(arr(xs), arr(ws), acc, acc_stride) },)*
                         (m, n, _) => unreachable!("no {m}x{n} tile for {:?}", self.0),
@@ -233,8 +276,8 @@ impl Backend {
         match (self.0, xs.len(), ws.len()) {
             (Isa::Portable, 1, 4) => portable::micro::<1, 4>(arr(xs), arr(ws), acc, acc_stride),
             (Isa::Portable, 2, 4) => portable::micro::<2, 4>(arr(xs), arr(ws), acc, acc_stride),
-            // SAFETY: `Backend::new` checked the CPU features, and the asserts above
-            // are exactly the bounds the SIMD loops rely on.
+            // SAFETY: `Backend::new` checked the CPU features; the caller
+            // guarantees the bounds the SIMD loops rely on.
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx2, 1, 4) => unsafe { avx2::micro::<1, 4>(arr(xs), arr(ws), acc, acc_stride) },
             // SAFETY: as above.
