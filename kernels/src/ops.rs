@@ -229,17 +229,19 @@ pub fn add_weighted_rows_heads(out: &mut [f32], heads: usize, weights: &[f32], r
     assert!(heads > 0 && out.len().is_multiple_of(heads) && weights.len().is_multiple_of(heads), "heads");
     let (d, k) = (out.len() / heads, weights.len() / heads);
     assert_eq!(rows.len(), k * d, "add_weighted_rows_heads lengths");
-    let mut h0 = 0;
+    // Heads done four at a time where the CPU has 16-lane registers.
+    let fours = match crate::Isa::detect() {
+        #[cfg(target_arch = "x86_64")]
+        crate::Isa::Avx512 | crate::Isa::Avx512Vbmi => heads / 4,
+        _ => 0,
+    };
     #[cfg(target_arch = "x86_64")]
-    if matches!(crate::Isa::detect(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
-        while h0 + 4 <= heads {
-            // SAFETY: the detected path guarantees AVX-512F; four heads of `d`
-            // outputs and `k` weights each start at `h0`, and `rows` is `k × d`.
-            unsafe { add_weighted_rows_4_avx512(&mut out[h0 * d..][..4 * d], &weights[h0 * k..][..4 * k], rows) };
-            h0 += 4;
-        }
+    for h0 in (0..fours).map(|f| 4 * f) {
+        // SAFETY: the detected path guarantees AVX-512F; four heads of `d`
+        // outputs and `k` weights each start at `h0`, and `rows` is `k × d`.
+        unsafe { add_weighted_rows_4_avx512(&mut out[h0 * d..][..4 * d], &weights[h0 * k..][..4 * k], rows) };
     }
-    for h in h0..heads {
+    for h in 4 * fours..heads {
         add_weighted_rows(&mut out[h * d..][..d], &weights[h * k..][..k], rows);
     }
 }
