@@ -222,22 +222,35 @@ impl Backend {
         assert!(xs.iter().chain(ws).all(|s| s.len() == len), "ragged tile");
         assert!(tile <= 16 && acc_stride >= 16 * 16, "tile of 16 weight rows");
         assert!((xs.len() - 1) * acc_stride + 16 * 16 <= acc.len(), "accumulators");
+        // The x rows of a register tile go through the weight rows 1024
+        // columns at a time: 6 x rows × 4 KiB stay in L1 across the tile's
+        // weight-row groups, where 4096-column rows streamed both sides from
+        // L2 (a 4096² matmul at n = 256, 4–5% faster). The accumulators are
+        // carried over, so every lane's chain is unchanged.
+        const SUB_BLOCK_COLS: usize = 1024;
         let mut i0 = 0;
         while i0 < xs.len() {
             let (mr, nr) = self.block_shape(xs.len() - i0);
-            for g in (0..tile).step_by(nr) {
-                // SAFETY: lengths and the accumulator room were checked above for
-                // every x row and all 16 weight rows; `g + nr <= 16` because `nr`
-                // divides 16; `(mr, nr)` comes from `block_shape`.
-                unsafe {
-                    self.micro(
-                        &xs[i0..i0 + mr],
-                        &ws[g..g + nr],
-                        &mut acc[i0 * acc_stride + g * 16..],
-                        acc_stride,
-                        fresh,
-                    )
-                };
+            for s0 in (0..len).step_by(SUB_BLOCK_COLS) {
+                let sl = SUB_BLOCK_COLS.min(len - s0);
+                let fresh = fresh && s0 == 0;
+                let mut xsub: [&[f32]; 8] = [&[]; 8];
+                for (d, x) in xsub.iter_mut().zip(&xs[i0..i0 + mr]) {
+                    *d = &x[s0..s0 + sl];
+                }
+                for g in (0..tile).step_by(nr) {
+                    let mut wsub: [&[f32]; 8] = [&[]; 8];
+                    for (d, w) in wsub.iter_mut().zip(&ws[g..g + nr]) {
+                        *d = &w[s0..s0 + sl];
+                    }
+                    // SAFETY: lengths and the accumulator room were checked above
+                    // for every x row and all 16 weight rows, and sub-blocks cut
+                    // them all alike; `g + nr <= 16` because `nr` divides 16;
+                    // `(mr, nr)` comes from `block_shape`.
+                    unsafe {
+                        self.micro(&xsub[..mr], &wsub[..nr], &mut acc[i0 * acc_stride + g * 16..], acc_stride, fresh)
+                    };
+                }
             }
             i0 += mr;
         }
