@@ -204,8 +204,8 @@ impl Backend {
     ///
     /// `acc[i * acc_stride + j * 16..][..16]` holds the lanes of pair `(xs[i], ws[j])`.
     /// All of `xs` and `ws` must have the same length (checked once here, not
-    /// per register tile: attention's 128-column tiles are short enough for
-    /// per-call checks to cost a fifth of their time).
+    /// per register tile: attention's 128-column tiles have only eight steps
+    /// to spread per-call checks over).
     ///
     /// With `fresh` the pairs start from zero instead of `acc`'s values (the
     /// first column block of a tile, which then needs no zeroed buffer).
