@@ -52,17 +52,29 @@ fn pow2(n: i32) -> f32 {
 
 /// `xs[i] = exp(xs[i])`, with the bits of [`exp`].
 pub fn exp_in_place(xs: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if matches!(crate::Isa::detect(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
-        // SAFETY: the detected path guarantees AVX-512F.
-        return unsafe { avx512::exp_in_place(xs) };
+    // SAFETY: `Isa::detect` only returns paths this CPU supports.
+    unsafe { exp_in_place_on(crate::Isa::detect(), xs) }
+}
+
+/// [`exp_in_place`] on a chosen path (for tests). Panics if this CPU lacks `isa`.
+pub fn exp_in_place_with(isa: crate::Isa, xs: &mut [f32]) {
+    assert!(isa.is_available(), "{isa:?} is not available");
+    // SAFETY: checked just above.
+    unsafe { exp_in_place_on(isa, xs) }
+}
+
+/// # Safety
+/// The CPU must support `isa`.
+unsafe fn exp_in_place_on(isa: crate::Isa, xs: &mut [f32]) {
+    match isa {
+        // SAFETY: the caller guarantees AVX-512F.
+        #[cfg(target_arch = "x86_64")]
+        crate::Isa::Avx512 | crate::Isa::Avx512Vbmi => unsafe { avx512::exp_in_place(xs) },
+        // SAFETY: the caller guarantees AVX2 and FMA.
+        #[cfg(target_arch = "x86_64")]
+        crate::Isa::Avx2 => unsafe { exp_in_place_fma(xs) },
+        _ => xs.iter_mut().for_each(|x| *x = exp(*x)),
     }
-    #[cfg(target_arch = "x86_64")]
-    if crate::Isa::detect() == crate::Isa::Avx2 {
-        // SAFETY: the detected path guarantees AVX2 and FMA.
-        return unsafe { exp_in_place_fma(xs) };
-    }
-    xs.iter_mut().for_each(|x| *x = exp(*x));
 }
 
 /// The portable loop with the multiply-adds as instructions rather than
@@ -73,22 +85,6 @@ pub fn exp_in_place(xs: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn exp_in_place_fma(xs: &mut [f32]) {
-    xs.iter_mut().for_each(|x| *x = exp(*x));
-}
-
-/// [`exp_in_place`] on a chosen path (for tests). Panics if this CPU lacks `isa`.
-pub fn exp_in_place_with(isa: crate::Isa, xs: &mut [f32]) {
-    assert!(isa.is_available(), "{isa:?} is not available");
-    #[cfg(target_arch = "x86_64")]
-    if matches!(isa, crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
-        // SAFETY: checked just above.
-        return unsafe { avx512::exp_in_place(xs) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if isa == crate::Isa::Avx2 {
-        // SAFETY: checked above.
-        return unsafe { exp_in_place_fma(xs) };
-    }
     xs.iter_mut().for_each(|x| *x = exp(*x));
 }
 

@@ -408,7 +408,7 @@ impl Linear {
                             _ => &wbuf[(row(j) - t0) * stride..][..kc],
                         };
                     }
-                    multiply_tile(backend, &xs, &ws, tile, acc, k0 == 0);
+                    backend.micro_tiles(&xs, &ws, tile, acc, TILE_ROWS * 16, k0 == 0);
                 }
                 store_tile_sums(backend, acc, tile, &mut out[p0 * out_stride + t0 - range.start..], out_stride);
             }
@@ -524,17 +524,10 @@ pub fn dot_rows(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, out: &
         let tile = TILE_ROWS.min(rows - t0);
         // Rows past the tile's end repeat its first row; their sums are discarded.
         let ws: [&[f32]; TILE_ROWS] = std::array::from_fn(|j| &w[(t0 + if j < tile { j } else { 0 }) * cols..][..cols]);
-        multiply_tile(backend, &xs, &ws, tile, &mut acc, true);
+        backend.micro_tiles(&xs, &ws, tile, &mut acc, TILE_ROWS * 16, true);
         store_tile_sums(backend, &acc, tile, &mut out[t0..], rows);
     }
     acc.recycle();
-}
-
-/// Continue the lane accumulators (`acc[i * TILE_ROWS * 16 + j * 16..][..16]`
-/// for input row `i` and tile row `j`) of every input row in `xs` against the
-/// first `tile` rows of `ws`, in register tiles; `fresh` starts them from zero.
-fn multiply_tile(backend: Backend, xs: &[&[f32]], ws: &[&[f32]; TILE_ROWS], tile: usize, acc: &mut [f32], fresh: bool) {
-    backend.micro_tiles(xs, ws, tile, acc, TILE_ROWS * 16, fresh);
 }
 
 /// Reduce each input row's tile of accumulators and write its first `tile`
