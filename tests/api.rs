@@ -193,6 +193,9 @@ async fn a_full_queue_and_too_many_requests_in_flight_get_429() {
     let long = long_stream();
     let first = c.post(s.url(CHAT)).json(&long).send().await.unwrap();
     assert_eq!(first.status(), 200);
+    // A stream's headers come back when it is queued; it takes the one batch
+    // slot a moment later, and until then the second would find the queue full.
+    s.wait_metric(&c, "deepinfer_running_requests", |v| v == 1.0).await;
     let second = c.post(s.url(CHAT)).json(&long).send().await.unwrap();
     assert_eq!(second.status(), 200);
     s.wait_metric(&c, "deepinfer_queue_depth", |v| v == 1.0).await;
