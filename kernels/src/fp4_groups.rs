@@ -33,12 +33,17 @@ pub(crate) const CHUNK_LINES: usize = GROUP_ROWS + GROUP_ROWS * BLOCKS_PER_CHUNK
 /// a normal bf16 after the step.
 const SCALE_EXP_MIN: i32 = -125;
 const SCALE_EXP_MAX: i32 = 125;
-/// Batches up to this many rows run the grouped kernel, each weight decoded
+/// Most rows a batch may have to run the grouped kernel, each weight decoded
 /// once per pass of up to four x rows; larger ones decode a tile of rows
 /// into f32 once and share it (the linear's buffered plan, through
-/// [`decode_rows`]).
+/// [`decode_rows`]). The decoded tile pays off sooner on short rows: on an
+/// Intel Xeon core (one thread, every row count measured against both
+/// plans) the crossover was past 4 rows at 256 columns, past 8 at 512 and
+/// past 12 from 1024 columns on (a 16-row tile then wins).
 #[cfg(target_arch = "x86_64")]
-const KERNEL_MAX_BATCH: usize = 6;
+fn kernel_max_batch(cols: usize) -> usize {
+    (cols / 64).clamp(4, 12)
+}
 
 /// An FP4 weight of `rows × cols` in groups of [`GROUP_ROWS`] rows (the last
 /// group padded with zero codes).
@@ -256,7 +261,7 @@ pub(crate) fn forward_decoded(
     parallel_min_fmas: usize,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if matches!(backend.isa(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) && n <= KERNEL_MAX_BATCH {
+    if matches!(backend.isa(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) && n <= kernel_max_batch(groups.cols) {
         let (rows, cols) = (groups.rows, groups.cols);
         assert!(x.len() == n * cols && out.len() == n * rows, "grouped fp4 forward");
         crate::row_groups::forward_by_groups(rows, n, out, n * rows * cols >= parallel_min_fmas, |g, sums| {

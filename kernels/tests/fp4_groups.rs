@@ -63,9 +63,10 @@ fn grouped_weights_hold_the_published_values() {
 #[test]
 fn grouped_forward_has_the_bits_of_the_published_layout_on_every_path() {
     let mut rng = Rng(12);
-    for (rows, cols) in [(1, 128), (9, 256), (21, 384), (40, 2048)] {
+    // Row counts on both sides of the grouped kernel's crossover at every width.
+    for (rows, cols) in [(1, 128), (9, 256), (21, 384), (17, 512), (24, 1024), (40, 2048)] {
         let (pairs, grouped) = both(rows, cols, &mut rng);
-        for n in 1..=9 {
+        for n in 1..=14 {
             let x = inputs(n * cols, &mut rng);
             let mut want = vec![0.0f32; n * rows];
             pairs.forward_with(Isa::Portable, &x, n, &mut want);
