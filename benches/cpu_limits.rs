@@ -155,20 +155,23 @@ fn weight_values(len: usize) -> Vec<f32> {
     (0..len).map(|i| ((i * 2_654_435_761) % 1000) as f32 / 1000.0 - 0.5).collect()
 }
 
-/// One 4096 × 4096 weight per stored format.
+/// One 4096 × 4096 weight per stored format, laid out for the kernels as a
+/// loaded model's are.
 fn ceiling_weights() -> Vec<(&'static str, Linear)> {
     let (rows, cols) = (4096, 4096);
     let values = weight_values(rows * cols);
     let bf16: Vec<u8> = values.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect();
     vec![
-        ("f32", Linear::from_f32(rows, cols, values.clone())),
-        ("bf16", Linear { rows, cols, format: WeightFormat::Bf16(Bytes::from(bf16)) }),
-        ("fp8 e4m3, 128 × 128 blocks", quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128)),
+        ("f32", Linear::from_f32(rows, cols, values.clone()).into_decode_layout()),
+        ("bf16", Linear { rows, cols, format: WeightFormat::Bf16(Bytes::from(bf16)) }.into_decode_layout()),
         (
-            "fp8 e4m3, regrouped for this CPU",
+            "fp8 e4m3, 128 × 128 blocks",
             quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128).into_decode_layout(),
         ),
-        ("fp4 e2m1, 32-column scales", quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32)),
+        (
+            "fp4 e2m1, 32-column scales",
+            quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32).into_decode_layout(),
+        ),
     ]
 }
 
@@ -178,14 +181,12 @@ fn decode_weights() -> Vec<(&'static str, Linear)> {
     let (rows, cols) = (256, 2048);
     let values = weight_values(rows * cols);
     vec![
-        ("fp8 e4m3, 128 × 128 blocks", quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128)),
         (
-            "fp8 e4m3, regrouped for this CPU",
+            "fp8 e4m3, 128 × 128 blocks",
             quantize_fp8_blocks(&values, rows, cols, 128).into_fp8_linear(rows, cols, 128).into_decode_layout(),
         ),
-        ("fp4 e2m1, 32-column scales", quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32)),
         (
-            "fp4 e2m1, regrouped for this CPU",
+            "fp4 e2m1, 32-column scales",
             quantize_fp4_rows(&values, rows, cols, 32).into_fp4_linear(rows, cols, 32).into_decode_layout(),
         ),
     ]
@@ -203,10 +204,8 @@ fn decode_gbs(lin: &Linear) -> f64 {
         black_box(&out);
         started.elapsed()
     });
-    let codes = match &lin.format {
+    let codes = match &lin.clone().into_published().format {
         WeightFormat::Fp8 { data, .. } | WeightFormat::Fp4 { data, .. } => data.len(),
-        WeightFormat::Fp4Grouped(g) => g.rows() * g.cols() / 2,
-        WeightFormat::Fp8Grouped(g) => g.rows() * g.cols(),
         _ => unreachable!("quantised weights"),
     };
     (CALLS * codes) as f64 / secs / 1e9

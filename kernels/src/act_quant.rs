@@ -348,6 +348,10 @@ pub fn quantized_linear(w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
 /// if this CPU lacks `path`.
 pub fn quantized_linear_on(path: BlockPath, w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
     assert_eq!(x.len(), n * w.cols, "quantised linear input");
+    if let WeightFormat::Panels(_) = &w.format {
+        // These kernels read the published layout.
+        return quantized_linear_on(path, &w.clone().into_published(), x, n);
+    }
     if !w.format.is_quantized() {
         return quantized_linear_reference(w, x, n);
     }
@@ -366,6 +370,9 @@ pub fn quantized_linear_on(path: BlockPath, w: &Linear, x: &[f32], n: usize) -> 
 /// block's exact sum in f64 lanes, then the scaled blocks in K order.
 pub fn quantized_linear_reference(w: &Linear, x: &[f32], n: usize) -> Vec<f32> {
     assert_eq!(x.len(), n * w.cols, "quantised linear input");
+    if let WeightFormat::Panels(_) = &w.format {
+        return quantized_linear_reference(&w.clone().into_published(), x, n);
+    }
     if !w.format.is_quantized() {
         let mut out = vec![0.0f32; n * w.rows];
         plain_linear(w, x, n, &mut out);
@@ -429,8 +436,6 @@ pub fn plain_linear(w: &Linear, x: &[f32], n: usize, out: &mut [f32]) {
 fn scale_block_cols(w: &Linear) -> usize {
     match &w.format {
         WeightFormat::Fp8 { block_cols, .. } | WeightFormat::Fp4 { block_cols, .. } => *block_cols,
-        WeightFormat::Fp4Grouped(_) => crate::fp4_groups::SCALE_COLS,
-        WeightFormat::Fp8Grouped(groups) => groups.block_cols(),
         _ => unreachable!("only quantised weights have scale blocks"),
     }
 }
@@ -444,12 +449,6 @@ fn block_scales(w: &Linear) -> Vec<f32> {
             (0..w.rows).flat_map(|r| (0..blocks).map(move |b| scales[(r / block_rows) * per_row + b])).collect()
         }
         WeightFormat::Fp4 { scales, .. } => scales.clone(),
-        WeightFormat::Fp4Grouped(groups) => {
-            (0..w.rows * blocks).map(|i| groups.scale(i / blocks, i % blocks)).collect()
-        }
-        WeightFormat::Fp8Grouped(groups) => (0..w.rows * blocks)
-            .map(|i| groups.scale(i / blocks, (i % blocks) * ACT_BLOCK / groups.block_cols()))
-            .collect(),
         _ => unreachable!("only quantised weights have block scales"),
     }
 }
@@ -467,12 +466,6 @@ fn unscaled_row(w: &Linear, r: usize, out: &mut [f32]) {
                 pair[0] = FP4_E2M1_VALUES[(b & 0xf) as usize];
                 pair[1] = FP4_E2M1_VALUES[(b >> 4) as usize];
             }
-        }
-        WeightFormat::Fp4Grouped(groups) => {
-            out.iter_mut().enumerate().for_each(|(c, o)| *o = FP4_E2M1_VALUES[groups.code(r, c) as usize]);
-        }
-        WeightFormat::Fp8Grouped(groups) => {
-            out.iter_mut().enumerate().for_each(|(c, o)| *o = fp8_e4m3_to_f32(groups.code(r, c)));
         }
         _ => unreachable!("only quantised weights have unscaled rows"),
     }

@@ -46,29 +46,6 @@ impl AlignedF32 {
         Self::checked(buf, start, len)
     }
 
-    /// Empty, with room for `capacity` floats appended by [`Self::extend_from_slice`].
-    pub fn with_capacity(capacity: usize) -> Self {
-        let mut buf = Vec::with_capacity(capacity + LINE_FLOATS);
-        let start = lead(buf.as_ptr());
-        buf.resize(start, 0.0);
-        Self::checked(buf, start, capacity)
-    }
-
-    /// [`Self::with_capacity`], reusing one of this thread's recycled buffers
-    /// when one has the room. A call nested in another on the same thread (a
-    /// pool worker runs stolen work while it waits) finds the others' buffers
-    /// out and allocates.
-    pub fn reused(capacity: usize) -> Self {
-        match Self::take_spare(capacity) {
-            Some(mut spare) => {
-                spare.buf.truncate(spare.start);
-                spare.capacity = capacity;
-                spare
-            }
-            None => Self::with_capacity(capacity),
-        }
-    }
-
     /// `len` floats whose values are unspecified (whatever a recycled buffer
     /// held, or zeros): for scratch that is written before it is read, which
     /// then costs no zeroing when a recycled buffer has the room.
@@ -93,8 +70,7 @@ impl AlignedF32 {
         })
     }
 
-    /// Keep this buffer for the thread's next [`Self::reused`] or
-    /// [`Self::scratch`]: at most [`SPARES_MAX`] buffers of up to 64 MiB each
+    /// Keep this buffer for the thread's next [`Self::scratch`]: at most [`SPARES_MAX`] buffers of up to 64 MiB each
     /// are kept, the largest.
     pub fn recycle(self) {
         if self.room() > SPARE_FLOATS_MAX {
@@ -112,12 +88,6 @@ impl AlignedF32 {
     /// Floats the buffer holds without moving.
     fn room(&self) -> usize {
         self.buf.capacity() - self.start
-    }
-
-    /// Append `values`; panics past the capacity asked for.
-    pub fn extend_from_slice(&mut self, values: &[f32]) {
-        assert!(self.buf.len() - self.start + values.len() <= self.capacity, "aligned buffer full");
-        self.buf.extend_from_slice(values);
     }
 
     fn checked(buf: Vec<f32>, start: usize, capacity: usize) -> Self {
@@ -154,47 +124,6 @@ mod tests {
             buf.iter_mut().for_each(|v| *v = 1.0);
             assert_eq!(buf.iter().sum::<f32>(), len as f32);
         }
-    }
-
-    #[test]
-    fn appends_on_a_cache_line_up_to_its_capacity() {
-        let mut buf = AlignedF32::with_capacity(40);
-        assert_eq!(buf.len(), 0);
-        buf.extend_from_slice(&[1.0; 17]);
-        buf.extend_from_slice(&[2.0; 23]);
-        assert_eq!(buf.as_ptr() as usize % 64, 0);
-        assert_eq!((buf.len(), buf[16], buf[17], buf[39]), (40, 1.0, 2.0, 2.0));
-        let full = std::panic::catch_unwind(move || buf.extend_from_slice(&[3.0]));
-        assert!(full.is_err(), "no growth past the capacity asked for");
-    }
-
-    #[test]
-    fn a_recycled_buffer_is_reused_empty_aligned_and_bounded() {
-        let mut first = AlignedF32::reused(1000);
-        first.extend_from_slice(&[5.0; 1000]);
-        let at = first.as_ptr();
-        first.recycle();
-        // The same memory, emptied, for a request it has room for; still
-        // bounded by the new capacity.
-        let mut again = AlignedF32::reused(300);
-        assert_eq!((again.as_ptr(), again.len()), (at, 0));
-        assert_eq!(again.as_ptr() as usize % 64, 0);
-        again.extend_from_slice(&[1.0; 300]);
-        assert_eq!(again[299], 1.0);
-        // While it is out, another request allocates its own.
-        let nested = AlignedF32::reused(10);
-        assert_ne!(nested.as_ptr(), at);
-        let nested_at = nested.as_ptr();
-        nested.recycle();
-        again.recycle();
-        // Both are kept; a request takes the smallest with room.
-        assert_eq!(AlignedF32::reused(5).as_ptr(), nested_at);
-        assert_eq!(AlignedF32::reused(500).as_ptr(), at);
-        let full = std::panic::catch_unwind(move || {
-            let mut small = AlignedF32::reused(4);
-            small.extend_from_slice(&[0.0; 5]);
-        });
-        assert!(full.is_err(), "a reused buffer holds no more than asked for");
     }
 
     #[test]

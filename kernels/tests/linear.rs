@@ -1,5 +1,5 @@
 //! `Linear::forward` and `dot`: bit-exactness against the definition, batch
-//! invariance, and agreement of every code path.
+//! invariance, and agreement of every code path and layout.
 
 mod common;
 
@@ -7,8 +7,9 @@ use common::{all_formats, assert_bits_eq, fp8_codes_without_nan, reference, Rng}
 use deepinfer_kernels::linear::{dot, dot_with};
 use deepinfer_kernels::{Isa, Linear};
 
-/// Shapes with columns off the 16-lane grid, rows off the 16-row tile, and rows
-/// long enough to be split into column blocks (whose edges fall inside FP8 scale blocks).
+/// Shapes with columns off the 16-lane grid, rows off the 64-row groups, and
+/// rows long enough to be split into tiles of 512 columns (whose edges fall
+/// inside FP8 scale blocks).
 const SHAPES: &[(usize, usize)] = &[
     (1, 1),
     (1, 2),
@@ -22,6 +23,8 @@ const SHAPES: &[(usize, usize)] = &[
     (40, 130),
     (20, 8200),
     (9, 8256),
+    (64, 512),
+    (129, 1040),
 ];
 
 fn available() -> Vec<Isa> {
@@ -58,15 +61,20 @@ fn dot_follows_the_documented_order_on_every_path() {
 }
 
 #[test]
-fn forward_matches_dequantize_row_and_dot_bit_exactly() {
+fn forward_matches_the_definition_bit_exactly_in_every_layout() {
     let mut rng = Rng(2);
     for &(rows, cols) in SHAPES {
         for (name, lin) in all_formats(rows, cols, &mut rng) {
-            for n in [1, 2, 3, 4, 5, 6, 7, 9] {
+            let laid_out = lin.clone().into_decode_layout();
+            let round_trip = laid_out.clone().into_published();
+            for n in [1, 2, 3, 4, 5, 6, 7, 9, 13] {
                 let x = rng.vec(n * cols);
-                let mut out = vec![f32::NAN; n * rows];
-                lin.forward(&x, n, &mut out);
-                assert_bits_eq(&out, &reference(&lin, &x, n), &format!("{name} {rows}x{cols} n={n}"));
+                let want = reference(&lin, &x, n);
+                for (layout, weights) in [("published", &lin), ("panels", &laid_out), ("round trip", &round_trip)] {
+                    let mut out = vec![f32::NAN; n * rows];
+                    weights.forward(&x, n, &mut out);
+                    assert_bits_eq(&out, &want, &format!("{name} {layout} {rows}x{cols} n={n}"));
+                }
             }
         }
     }
@@ -77,6 +85,7 @@ fn every_path_gives_the_same_bits() {
     let mut rng = Rng(3);
     for &(rows, cols) in SHAPES.iter().chain(&[(70, 1030)]) {
         for (name, lin) in all_formats(rows, cols, &mut rng) {
+            let lin = lin.into_decode_layout();
             for n in [1, 2, 3, 4, 6, 7] {
                 let x = rng.vec(n * cols);
                 let mut portable = vec![0.0f32; n * rows];
@@ -134,16 +143,17 @@ fn batches_split_into_panels_keep_every_rows_bits() {
 #[test]
 fn thread_count_does_not_change_bits() {
     let mut rng = Rng(5);
-    // A batch within one panel splits the weight rows over the threads; one
-    // of 4200 columns (at most 31 rows a 512 KiB panel, 124 at the 2 MiB
-    // most) with 160 rows splits its input rows.
-    for (rows, cols, n) in [(300, 520, 24), (40, 4200, 160)] {
+    // A few rows split the output groups over the threads (one row, and the
+    // fused passes); 24 rows of a 520-column matrix split the groups into
+    // strips; 160 rows split the x rows.
+    for (rows, cols, n) in [(300, 520, 1), (300, 520, 3), (300, 520, 24), (40, 4200, 160)] {
         assert_thread_count_keeps_bits(rows, cols, n, &mut rng);
     }
 }
 
 fn assert_thread_count_keeps_bits(rows: usize, cols: usize, n: usize, rng: &mut Rng) {
     for (name, lin) in all_formats(rows, cols, rng) {
+        let lin = lin.into_decode_layout();
         let x = rng.vec(n * cols);
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
@@ -160,18 +170,15 @@ fn assert_thread_count_keeps_bits(rows: usize, cols: usize, n: usize, rng: &mut 
 
 #[test]
 fn signed_zeros_and_extremes_keep_their_bits() {
-    // Products that underflow to -0.0 leave -0.0 accumulators; a tail lane that
-    // is padded instead of masked would flip them to +0.0.
+    // Products that underflow to -0.0 leave a -0.0 chain; a chain started
+    // from anything but +0.0, or padded columns, would change it.
     for cols in [1, 15, 17, 33, 257] {
         let w: Vec<f32> = (0..2 * cols).map(|c| if c < cols { 1e-30 } else { -3e38 }).collect();
         let lin = Linear::from_f32(2, cols, w);
         let mut x = vec![-1e-30f32; cols];
         x.extend((0..cols).map(|c| [1e-40, -0.0, 7.0, 2e38][c % 4]));
         let want = reference(&lin, &x, 2);
-        if cols >= 16 {
-            // Every lane holds -0.0 (shorter rows leave +0.0 lanes that win the tree).
-            assert_eq!(want[0].to_bits(), (-0.0f32).to_bits(), "definition gives -0.0");
-        }
+        assert_eq!(want[0].to_bits(), (-0.0f32).to_bits(), "definition gives -0.0");
         for isa in available() {
             let mut out = vec![0.0f32; 4];
             lin.forward_with(isa, &x, 2, &mut out);
@@ -192,8 +199,8 @@ fn empty_shapes() {
     lin.forward(&[], 0, &mut []);
 }
 
-/// FP8 weights with NaN codes in some rows only, and scales too large to fold
-/// into one multiply: the fused kernels' fast paths must notice both.
+/// FP8 weights with NaN codes in some rows only, and scales too large for the
+/// AVX-512 decode's `scale · 2^120`: both must take the plain decode.
 #[test]
 fn fp8_nan_codes_and_huge_scales_keep_the_definition() {
     use bytes::Bytes;
@@ -229,12 +236,11 @@ fn fp8_nan_codes_and_huge_scales_keep_the_definition() {
     }
 }
 
-/// FP8 tiles whose rows share a power-of-two scale move it onto x (one
-/// multiply per x row instead of per weight row); inputs large enough that
-/// `x · scale · 2^120` would overflow and scales that are not powers of two
-/// must take the per-row path and keep the definition's bits.
+/// FP8 scales at the edges of the AVX-512 decode (a value times 2^-120,
+/// then times `scale · 2^120`): scales that are not powers of two, products
+/// that are subnormal, and inputs near overflow keep the definition's bits.
 #[test]
-fn fp8_scales_moved_onto_x_keep_the_definition() {
+fn fp8_scales_at_the_edges_of_the_decode_keep_the_definition() {
     use bytes::Bytes;
     use deepinfer_kernels::WeightFormat;
     let (rows, cols, block): (usize, usize, usize) = (48, 290, 32);

@@ -93,8 +93,7 @@ pub(crate) fn stored_bytes(lin: &Linear) -> u64 {
         WeightFormat::F32(d) => d.len() * 4,
         WeightFormat::Bf16(d) => d.len(),
         WeightFormat::Fp8 { data, scales, .. } | WeightFormat::Fp4 { data, scales, .. } => data.len() + scales.len(),
-        WeightFormat::Fp4Grouped(g) => g.rows() * g.cols() / 2 + g.rows() * g.cols() / 32,
-        WeightFormat::Fp8Grouped(g) => g.rows() * g.cols() + g.published_scale_count(),
+        WeightFormat::Panels(p) => p.published_bytes(),
     };
     bytes as u64
 }

@@ -158,7 +158,8 @@ impl Loader<'_> {
         let hc = self.cfg.hc_mult;
         let outputs = (2 + hc) * hc;
         let flat = hc * self.cfg.hidden_size;
-        let mix = Linear::from_f32(outputs, flat, self.ck.f32_tensor(&format!("{prefix}_fn"), &[outputs, flat])?);
+        let mix = Linear::from_f32(outputs, flat, self.ck.f32_tensor(&format!("{prefix}_fn"), &[outputs, flat])?)
+            .into_decode_layout();
         let scale = self.vector(&format!("{prefix}_scale"), 3)?;
         Ok(HyperConnection {
             mix,
@@ -170,7 +171,8 @@ impl Loader<'_> {
     fn hyper_head(&self, prefix: &str) -> Result<HyperHead, CheckpointError> {
         let hc = self.cfg.hc_mult;
         let flat = hc * self.cfg.hidden_size;
-        let mix = Linear::from_f32(hc, flat, self.ck.f32_tensor(&format!("{prefix}hc_head_fn"), &[hc, flat])?);
+        let mix = Linear::from_f32(hc, flat, self.ck.f32_tensor(&format!("{prefix}hc_head_fn"), &[hc, flat])?)
+            .into_decode_layout();
         Ok(HyperHead {
             mix,
             base: self.vector(&format!("{prefix}hc_head_base"), hc)?,
@@ -267,7 +269,7 @@ impl Loader<'_> {
             } else {
                 WeightFormat::Bf16(bytes)
             };
-            Ok(Linear { rows, cols, format })
+            Ok(Linear { rows, cols, format }.into_decode_layout())
         };
         let range = match only {
             Some(i) => i..i + 1,
@@ -444,20 +446,8 @@ impl Weights {
 /// inside a scale block.
 pub fn split_rows(w: &Linear, groups: usize) -> Vec<Linear> {
     assert!(w.rows.is_multiple_of(groups), "{} rows into {groups} groups", w.rows);
-    let published = match &w.format {
-        WeightFormat::Fp4Grouped(grouped) => {
-            let (data, scales) = grouped.to_published();
-            let block_cols = deepinfer_kernels::fp4_groups::SCALE_COLS;
-            Some(WeightFormat::Fp4 { data: data.into(), scales, block_cols })
-        }
-        WeightFormat::Fp8Grouped(grouped) => {
-            let (data, scales) = grouped.to_published();
-            Some(WeightFormat::fp8(data.into(), scales, grouped.block_rows(), grouped.block_cols()))
-        }
-        _ => None,
-    };
-    if let Some(format) = published {
-        let published = Linear { rows: w.rows, cols: w.cols, format };
+    if let WeightFormat::Panels(_) = &w.format {
+        let published = w.clone().into_published();
         return split_rows(&published, groups).into_iter().map(Linear::into_decode_layout).collect();
     }
     let rows = w.rows / groups;
@@ -481,9 +471,7 @@ pub fn split_rows(w: &Linear, groups: usize) -> Vec<Linear> {
                         nan_free: *nan_free,
                     }
                 }
-                WeightFormat::Fp4Grouped(_) | WeightFormat::Fp8Grouped(_) => {
-                    unreachable!("regrouped weights are split as published")
-                }
+                WeightFormat::Panels(_) => unreachable!("laid-out weights are split as published"),
                 WeightFormat::Fp4 { data, scales, block_cols } => {
                     let per_row = cols / block_cols;
                     WeightFormat::Fp4 {

@@ -10,11 +10,10 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
-pub(crate) mod avx512_fp8_groups;
-#[cfg(target_arch = "x86_64")]
-pub(crate) mod avx512_groups;
+pub(crate) mod avx512_panels;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+pub(crate) mod panels_generic;
 mod portable;
 
 /// A code path of the kernels. All paths give bit-identical results; they differ
@@ -85,24 +84,6 @@ pub(crate) fn reduce16(acc: &[f32]) -> f32 {
     a[0]
 }
 
-/// Ask for every cache line of `data` to be brought closer (a hint; no effect
-/// on results, none on targets without one).
-#[inline]
-pub(crate) fn prefetch<T>(data: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let bytes = std::mem::size_of_val(data);
-        let base = data.as_ptr().cast::<i8>();
-        for offset in (0..bytes).step_by(64) {
-            // SAFETY: SSE is part of x86-64; a prefetch never faults, and the
-            // address stays inside `data`.
-            unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(base.add(offset)) };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
-}
-
 /// How far ahead of the chunk they decode the streaming kernels (the
 /// regrouped FP8/FP4 kernels, V4.1's block-scaled ones) fetch. Their weights
 /// are one sequential stream, but a core's prefetchers stop at every 4 KiB
@@ -137,7 +118,6 @@ impl Backend {
         Self(isa)
     }
 
-    #[cfg(target_arch = "x86_64")]
     pub(crate) fn isa(self) -> Isa {
         self.0
     }
@@ -309,217 +289,6 @@ impl Backend {
             #[cfg(target_arch = "aarch64")]
             (Isa::Neon, 3, 2) => unsafe { neon::micro::<3, 2>(arr(xs), arr(ws), acc, acc_stride) },
             (isa, m, n) => unreachable!("no {m}x{n} tile for {isa:?}"),
-        }
-    }
-
-    /// Whether [`Backend::micro_encoded`] can read `encoding` with scale blocks of
-    /// `block` columns (every 16-column chunk must lie inside one block).
-    pub(crate) fn fuses(self, encoding: Encoding, block: usize) -> bool {
-        matches!(self.0, Isa::Avx512 | Isa::Avx512Vbmi) && (encoding == Encoding::Bf16 || block.is_multiple_of(16))
-    }
-
-    /// Register tile `(x rows, weight rows)` of [`Backend::micro_encoded`] for a
-    /// batch of `n` rows, if one tile covers them all.
-    pub(crate) fn fused_shape(self, n: usize) -> Option<(usize, usize)> {
-        match (self.0, n) {
-            (Isa::Avx512 | Isa::Avx512Vbmi, 1..=3) => Some((n, 8)),
-            // 6 × 4 accumulators + 4 w + 1 x registers.
-            (Isa::Avx512 | Isa::Avx512Vbmi, 4..=6) => Some((n, 4)),
-            _ => None,
-        }
-    }
-
-    /// [`Backend::micro`] reading the weight rows in their stored encoding. Each
-    /// weight is decoded once, in registers, and used for every x row, so no
-    /// dequantised copy is written.
-    pub(crate) fn micro_encoded(self, xs: &[&[f32]], rows: EncodedRows, acc: &mut [f32], acc_stride: usize) {
-        let EncodedRows { encoding, codes, scales, k0, ahead, x_abs_max, codes_nan_free } = rows;
-        let len = xs[0].len();
-        assert!(self.fuses(encoding, scales[0].block) && k0.is_multiple_of(16), "not fusable");
-        assert!(xs.iter().all(|s| s.len() == len), "ragged tile");
-        assert!(codes.iter().chain(ahead).all(|c| c.len() == encoding.bytes(len)), "ragged codes");
-        assert!(ahead.len() <= codes.len(), "prefetch rows");
-        assert_eq!(scales.len(), codes.len(), "scale rows");
-        if encoding != Encoding::Bf16 {
-            let block = scales[0].block;
-            assert!(scales.iter().all(|s| s.block == block), "scale blocks differ");
-            scales.iter().for_each(|s| s.check(k0 + len));
-        }
-        assert!((xs.len() - 1) * acc_stride + codes.len() * 16 <= acc.len(), "accumulators");
-        #[cfg(target_arch = "x86_64")]
-        {
-            use avx512::{micro_encoded, micro_encoded_vbmi, EncodedTile, BF16, FP4, FP8};
-            // SAFETY: `fuses` above confirmed the AVX-512F backend, which
-            // `Backend::new` checked the CPU supports, and the asserts above are the
-            // bounds the loops rely on (every arm of the match below).
-            unsafe {
-                macro_rules! tiles {
-                    ($($enc:ident, $e:ident: $(($mr:literal, $nr:literal))*;)*) => {
-                        match (encoding, xs.len(), codes.len()) {
-                            $($((Encoding::$enc, $mr, $nr) => {
-                                let tile = EncodedTile { codes: arr(codes), scales: arr(scales), k0, ahead, x_abs_max, codes_nan_free };
-                                if self.0 == Isa::Avx512Vbmi {
-                                    micro_encoded_vbmi::<$e, $mr, $nr>(arr(xs), tile, acc, acc_stride)
-                                } else {
-                                    micro_encoded::<$e, $mr, $nr>(arr(xs), tile, acc, acc_stride)
-                                }
-                            })*)*
-                            (_, m, n) => unreachable!("no fused {m}x{n} tile"),
-                        }
-                    };
-                }
-                tiles! {
-                    Bf16, BF16: (1, 8) (2, 8) (3, 8) (4, 4) (5, 4) (6, 4);
-                    Fp8, FP8: (1, 8) (2, 8) (3, 8) (4, 4) (5, 4) (6, 4);
-                    Fp4, FP4: (1, 8) (2, 8) (3, 8) (4, 4) (5, 4) (6, 4);
-                }
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            let _ = (x_abs_max, codes_nan_free);
-            unreachable!("no fused kernel on this target");
-        }
-    }
-
-    /// Little-endian bf16 bytes to f32; `src.len() == 2 * dst.len()`.
-    pub(crate) fn bf16_span(self, src: &[u8], dst: &mut [f32]) {
-        assert_eq!(src.len(), 2 * dst.len(), "bf16 span");
-        match self.0 {
-            // SAFETY: CPU features checked by `Backend::new`; lengths asserted above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Vbmi => unsafe { avx512::bf16_span(src, dst) },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { avx2::bf16_span(src, dst) },
-            // SAFETY: as above.
-            #[cfg(target_arch = "aarch64")]
-            Isa::Neon => unsafe { neon::bf16_span(src, dst) },
-            _ => portable::bf16_span(src, dst),
-        }
-    }
-
-    /// FP8 e4m3 codes of columns `k0..k0 + dst.len()`, times their scales;
-    /// `src.len() == dst.len()`.
-    pub(crate) fn fp8_span(self, src: &[u8], k0: usize, scales: ScaleRow, dst: &mut [f32]) {
-        assert_eq!(src.len(), dst.len(), "fp8 span");
-        scales.check(k0 + dst.len());
-        match self.0 {
-            // SAFETY: CPU features checked by `Backend::new`; lengths asserted above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Vbmi => unsafe { avx512::fp8_span(src, k0, scales, dst) },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { avx2::fp8_span(src, k0, scales, dst) },
-            // SAFETY: as above.
-            #[cfg(target_arch = "aarch64")]
-            Isa::Neon => unsafe { neon::fp8_span(src, k0, scales, dst) },
-            _ => portable::fp8_span(src, k0, scales, dst),
-        }
-    }
-
-    /// Packed FP4 e2m1 pairs (even column in the low nibble) of columns
-    /// `k0..k0 + dst.len()`, times their scales; `k0` is even and `2 * src.len() == dst.len()`.
-    pub(crate) fn fp4_span(self, src: &[u8], k0: usize, scales: ScaleRow, dst: &mut [f32]) {
-        assert_eq!(2 * src.len(), dst.len(), "fp4 span");
-        assert!(k0.is_multiple_of(2) && scales.pairs, "fp4 spans start on a byte");
-        scales.check(k0 + dst.len());
-        match self.0 {
-            // SAFETY: CPU features checked by `Backend::new`; lengths asserted above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Vbmi => unsafe { avx512::fp4_span(src, k0, scales, dst) },
-            // SAFETY: as above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => unsafe { avx2::fp4_span(src, k0, scales, dst) },
-            // SAFETY: as above.
-            #[cfg(target_arch = "aarch64")]
-            Isa::Neon => unsafe { neon::fp4_span(src, k0, scales, dst) },
-            _ => portable::fp4_span(src, k0, scales, dst),
-        }
-    }
-}
-
-/// The scales of one weight row: column `c` uses `row[c / block]`; with `pairs`
-/// (FP4) both columns of a byte use the scale of the even one, as
-/// `Linear::dequantize_row` does.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ScaleRow<'a> {
-    pub row: &'a [f32],
-    pub block: usize,
-    pub pairs: bool,
-}
-
-impl ScaleRow<'_> {
-    /// The placeholder of weights without scales (bf16).
-    pub(crate) const NONE: ScaleRow<'static> = ScaleRow { row: &[], block: 16, pairs: false };
-
-    #[inline]
-    fn of(&self, c: usize) -> f32 {
-        let c = if self.pairs { c & !1 } else { c };
-        self.row[c / self.block]
-    }
-
-    /// Panics unless columns `..end` have scales (without a division: the
-    /// fused kernels check every row of every tile).
-    #[inline]
-    fn check(&self, end: usize) {
-        assert!(self.block > 0, "scale block");
-        assert!(self.row.len().saturating_mul(self.block) >= end, "scales end before column {end}");
-    }
-
-    /// The scale of column `c` and how many columns from `c` on share it.
-    #[inline(always)]
-    pub(crate) fn run(&self, c: usize) -> (f32, usize) {
-        let key = if self.pairs { c & !1 } else { c };
-        let index = key / self.block;
-        let mut end = (index + 1) * self.block;
-        if self.pairs {
-            end = end.next_multiple_of(2);
-        }
-        (self.row[index], end - c)
-    }
-
-    /// The scale of each column `c..c + width` (`width <= 16`), for a chunk that
-    /// crosses a block edge.
-    #[cold]
-    pub(crate) fn lanes(&self, c: usize, width: usize) -> [f32; 16] {
-        std::array::from_fn(|l| if l < width { self.of(c + l) } else { 0.0 })
-    }
-}
-
-/// Columns `k0..k0 + len` of a few weight rows as stored: `codes[j]` for row `j`,
-/// with its scales `scales[j]` (placeholders for bf16).
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct EncodedRows<'a> {
-    pub encoding: Encoding,
-    pub codes: &'a [&'a [u8]],
-    pub scales: &'a [ScaleRow<'a>],
-    pub k0: usize,
-    /// Codes of the same columns in the rows computed next, to prefetch (at
-    /// most as many rows as `codes`, each as long).
-    pub ahead: &'a [&'a [u8]],
-    /// No `|x|` of the tile exceeds this (`f32::INFINITY` when unknown).
-    pub x_abs_max: f32,
-    /// The codes hold no FP8 NaN (known from the whole matrix; when false the
-    /// kernel looks).
-    pub codes_nan_free: bool,
-}
-
-/// A stored weight encoding that [`Backend::micro_encoded`] decodes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Encoding {
-    Bf16,
-    Fp8,
-    Fp4,
-}
-
-impl Encoding {
-    /// Bytes holding `cols` columns (`cols` even for FP4).
-    pub(crate) fn bytes(self, cols: usize) -> usize {
-        match self {
-            Encoding::Bf16 => 2 * cols,
-            Encoding::Fp8 => cols,
-            Encoding::Fp4 => cols / 2,
         }
     }
 }

@@ -1,8 +1,6 @@
 //! Plain-Rust reference loops: 16 lane accumulators updated with `mul_add`.
 
-use crate::dtype::{bf16_to_f32, fp8_e4m3_to_f32, FP4_E2M1_VALUES};
-
-use super::{reduce16, ScaleRow};
+use super::reduce16;
 
 /// The reference dot product: column `c` of each 16-column chunk feeds lane
 /// `c % 16`; the tail columns feed lanes `0..`.
@@ -47,37 +45,5 @@ pub(super) fn micro<const MR: usize, const NR: usize>(
         for (j, lij) in li.iter().enumerate() {
             acc[i * acc_stride + j * 16..][..16].copy_from_slice(lij);
         }
-    }
-}
-
-pub(super) fn bf16_span(src: &[u8], dst: &mut [f32]) {
-    for (o, b) in dst.iter_mut().zip(src.chunks_exact(2)) {
-        *o = bf16_to_f32(u16::from_le_bytes([b[0], b[1]]));
-    }
-}
-
-pub(super) fn fp8_span(src: &[u8], k0: usize, scales: ScaleRow, dst: &mut [f32]) {
-    let mut c = 0;
-    while c < dst.len() {
-        let (s, run) = scales.run(k0 + c);
-        let stop = dst.len().min(c + run);
-        for (o, &b) in dst[c..stop].iter_mut().zip(&src[c..stop]) {
-            *o = fp8_e4m3_to_f32(b) * s;
-        }
-        c = stop;
-    }
-}
-
-pub(super) fn fp4_span(src: &[u8], k0: usize, scales: ScaleRow, dst: &mut [f32]) {
-    // Runs of a pair-wise scale row start and end on even columns.
-    let mut c = 0;
-    while c < dst.len() {
-        let (s, run) = scales.run(k0 + c);
-        let stop = dst.len().min(c + run);
-        for (o, &b) in dst[c..stop].chunks_exact_mut(2).zip(&src[c / 2..]) {
-            o[0] = FP4_E2M1_VALUES[(b & 0xf) as usize] * s;
-            o[1] = FP4_E2M1_VALUES[(b >> 4) as usize] * s;
-        }
-        c = stop;
     }
 }

@@ -2,7 +2,7 @@
 #![allow(dead_code)]
 
 use bytes::Bytes;
-use deepinfer_kernels::dtype::f32_to_bf16;
+use deepinfer_kernels::dtype::{f32_to_bf16, FP4_E2M1_VALUES};
 use deepinfer_kernels::quantize::{quantize_fp4_rows, quantize_fp8_blocks};
 use deepinfer_kernels::{Linear, WeightFormat};
 
@@ -92,16 +92,49 @@ pub fn all_formats(rows: usize, cols: usize, rng: &mut Rng) -> Vec<(String, Line
     out
 }
 
-/// Output by definition: `dot` of the input row and the dequantised weight row.
+/// Output by definition, written out longhand: FP4 rows sum each scale block
+/// as a chain of x times the e2m1 values from +0.0 and add the block sums
+/// times their scales in order; every other format is one chain of x times
+/// the dequantised weights from +0.0, column by column. Checks the library's
+/// own `forward_reference` against it on the way.
 pub fn reference(lin: &Linear, x: &[f32], n: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; n * lin.rows];
-    let mut row = vec![0.0f32; lin.cols];
-    for r in 0..lin.rows {
-        lin.dequantize_row(r, &mut row);
+    let published = lin.clone().into_published();
+    let (rows, cols) = (lin.rows, lin.cols);
+    let mut out = vec![0.0f32; n * rows];
+    let mut row = vec![0.0f32; cols];
+    for r in 0..rows {
+        published.dequantize_row(r, &mut row);
         for i in 0..n {
-            out[i * lin.rows + r] = deepinfer_kernels::linear::dot(&x[i * lin.cols..][..lin.cols], &row);
+            let xi = &x[i * cols..][..cols];
+            out[i * rows + r] = match &published.format {
+                WeightFormat::Fp4 { data, scales, block_cols } => {
+                    let value = |c: usize| {
+                        let byte = data[(r * cols + c) / 2];
+                        FP4_E2M1_VALUES[if c.is_multiple_of(2) { byte & 15 } else { byte >> 4 } as usize]
+                    };
+                    let mut total = 0.0f32;
+                    for b in 0..cols / block_cols {
+                        let mut sum = 0.0f32;
+                        for (c, &xc) in xi.iter().enumerate().skip(b * block_cols).take(*block_cols) {
+                            sum = xc.mul_add(value(c), sum);
+                        }
+                        total = sum.mul_add(scales[r * (cols / block_cols) + b], total);
+                    }
+                    total
+                }
+                _ => {
+                    let mut acc = 0.0f32;
+                    for (&xc, &wc) in xi.iter().zip(&row) {
+                        acc = xc.mul_add(wc, acc);
+                    }
+                    acc
+                }
+            };
         }
     }
+    let library = lin.forward_reference(x, n);
+    let same = |a: &f32, b: &f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+    assert!(out.iter().zip(&library).all(|(a, b)| same(a, b)), "forward_reference leaves the definition");
     out
 }
 
