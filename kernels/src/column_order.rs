@@ -270,6 +270,7 @@ pub(crate) fn decode_on(
     kc: usize,
     tile: &mut [f32],
 ) {
+    #[cfg(target_arch = "x86_64")]
     let first = (g * cols + k0) * GROUP_ROWS;
     let tile = &mut tile[..kc * GROUP_ROWS];
     match (backend.isa(), codes) {
