@@ -128,7 +128,7 @@ pub fn dot_f64(a: &[f32], b: &[f32]) -> f64 {
     match Isa::detect() {
         // SAFETY: `detect` returns only instruction sets this CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Vbmi => unsafe { dot_f64_avx512(a, b) },
+        Isa::Avx512 => unsafe { dot_f64_avx512(a, b) },
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { dot_f64_avx2(a, b) },
         // SAFETY: as above (NEON).
@@ -195,7 +195,7 @@ fn dot_f64_with_row<'r>(a: &[f32], row: impl Fn(usize) -> &'r [f32], out: &mut [
     let four_rows: Option<FourRowDots> = match Isa::detect() {
         // SAFETY: `detect` found AVX-512F; the kernel asserts the row lengths.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 | Isa::Avx512Vbmi => Some(|a, rows| unsafe { dot_f64_4rows_avx512(a, rows) }),
+        Isa::Avx512 => Some(|a, rows| unsafe { dot_f64_4rows_avx512(a, rows) }),
         // SAFETY: `detect` found NEON; the kernel asserts the row lengths.
         #[cfg(target_arch = "aarch64")]
         Isa::Neon => Some(|a, rows| unsafe { dot_f64_rows_neon(a, rows) }),

@@ -100,10 +100,11 @@ fn run(
 
 /// Whether a batch of `n` rows runs the fused kernels: AVX-512, few rows,
 /// and weights those kernels decode (FP8 without NaN codes or huge scales,
-/// FP4 blocks of whole column pairs). Beyond these counts one decoded tile
-/// shared by every row costs less than decoding in each pass.
+/// FP4 blocks of whole column pairs). More rows share one decoded tile
+/// instead of decoding every weight once per pass (f32 needs no decoding, so
+/// only one or two rows gain from the fused kernel's two groups at once).
 fn fuses(backend: Backend, p: &Panels, n: usize) -> bool {
-    if !matches!(backend.isa(), Isa::Avx512 | Isa::Avx512Vbmi) {
+    if !matches!(backend.isa(), Isa::Avx512) {
         return false;
     }
     match &p.codes {
@@ -276,17 +277,17 @@ pub(crate) fn decode_on(
     match (backend.isa(), codes) {
         // SAFETY (all three): `Backend::new` checked AVX-512F and BW.
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512 | Isa::Avx512Vbmi, Codes::Bf16(bits)) => unsafe {
+        (Isa::Avx512, Codes::Bf16(bits)) => unsafe {
             avx512_panels::decode_bf16(&bits.u16s()[first..][..kc * GROUP_ROWS], tile)
         },
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512 | Isa::Avx512Vbmi, Codes::Fp8 { codes, scales, block_cols, wide: true, .. }) => unsafe {
+        (Isa::Avx512, Codes::Fp8 { codes, scales, block_cols, wide: true, .. }) => unsafe {
             let col_blocks = cols.div_ceil(*block_cols);
             let lane_scales = |c: usize| scales.as_ptr().add((g * col_blocks + (k0 + c) / block_cols) * GROUP_ROWS);
             avx512_panels::decode_fp8(&codes.bytes()[first..][..kc * GROUP_ROWS], kc, lane_scales, tile)
         },
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512 | Isa::Avx512Vbmi, Codes::Fp4 { codes, .. }) => unsafe {
+        (Isa::Avx512, Codes::Fp4 { codes, .. }) => unsafe {
             avx512_panels::decode_fp4(&codes.bytes()[first / 2..][..kc / 2 * GROUP_ROWS], kc, tile)
         },
         // SAFETY: `Backend::new` checked AVX2 and FMA.
@@ -328,11 +329,9 @@ impl RegisterTile<'_> {
         match (backend.isa(), fp4_scales) {
             // SAFETY (all four): `Backend::new` checked the CPU features.
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512 | Isa::Avx512Vbmi, None) => unsafe {
-                rows!(m; avx512_panels::plain, xs, w, kc, out, stride, fresh)
-            },
+            (Isa::Avx512, None) => unsafe { rows!(m; avx512_panels::plain, xs, w, kc, out, stride, fresh) },
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512 | Isa::Avx512Vbmi, Some((scales, block))) => {
+            (Isa::Avx512, Some((scales, block))) => {
                 // Tiles of up to three rows, the outputs kept in registers.
                 let first = m.min(avx512_panels::BLOCK_SCALED_ROWS);
                 if m == first {

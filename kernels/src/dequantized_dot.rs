@@ -52,7 +52,7 @@ pub fn dot_f64_dequantized_rows(x: &[f32], w: &Linear, first: usize, out: &mut [
 /// finite) rather than decoding the rows first. Either gives the same bits.
 pub fn decodes_codes(x: &[f32], w: &Linear, first: usize, rows: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if matches!(Isa::detect(), Isa::Avx512 | Isa::Avx512Vbmi) {
+    if matches!(Isa::detect(), Isa::Avx512) {
         return fp8_qualifies(x, w, first, rows);
     }
     let _ = (x, w, first, rows);

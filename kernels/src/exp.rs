@@ -69,7 +69,7 @@ unsafe fn exp_in_place_on(isa: crate::Isa, xs: &mut [f32]) {
     match isa {
         // SAFETY: the caller guarantees AVX-512F.
         #[cfg(target_arch = "x86_64")]
-        crate::Isa::Avx512 | crate::Isa::Avx512Vbmi => unsafe { avx512::exp_in_place(xs) },
+        crate::Isa::Avx512 => unsafe { avx512::exp_in_place(xs) },
         // SAFETY: the caller guarantees AVX2 and FMA.
         #[cfg(target_arch = "x86_64")]
         crate::Isa::Avx2 => unsafe { exp_in_place_fma(xs) },

@@ -8,8 +8,8 @@
 //! order ([`Linear::forward_reference`]), a [`linear::dot`] 16 lane chains and
 //! a fixed tree.
 //!
-//! The kernels choose a code path at run time ([`Isa`]: AVX-512F with or
-//! without VBMI, AVX2 + FMA, NEON on aarch64, or portable Rust); every path
+//! The kernels choose a code path at run time ([`Isa`]: AVX-512F and BW,
+//! AVX2 + FMA, NEON on aarch64, or portable Rust); every path
 //! produces the same bits. Linear weights are laid out at load in groups of
 //! 64 rows, column by column ([`panels`]), with the same values.
 

@@ -128,7 +128,7 @@ pub fn sum_lanes(x: &[f32]) -> f32 {
 pub fn add_scaled(out: &mut [f32], p: f32, v: &[f32]) {
     assert_eq!(out.len(), v.len(), "add_scaled lengths");
     #[cfg(target_arch = "x86_64")]
-    if matches!(crate::Isa::detect(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
+    if matches!(crate::Isa::detect(), crate::Isa::Avx512) {
         // SAFETY: the detected path guarantees AVX-512F.
         return unsafe { add_scaled_avx512(out, p, v) };
     }
@@ -139,7 +139,7 @@ pub fn add_scaled(out: &mut [f32], p: f32, v: &[f32]) {
 pub fn scale_into(out: &mut [f32], p: f32, v: &[f32]) {
     assert_eq!(out.len(), v.len(), "scale_into lengths");
     #[cfg(target_arch = "x86_64")]
-    if matches!(crate::Isa::detect(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
+    if matches!(crate::Isa::detect(), crate::Isa::Avx512) {
         // SAFETY: the detected path guarantees AVX-512F.
         return unsafe { scale_into_avx512(out, p, v) };
     }
@@ -180,7 +180,7 @@ pub fn add_weighted_rows(out: &mut [f32], weights: &[f32], rows: &[f32]) {
     let d = out.len();
     assert_eq!(rows.len(), weights.len() * d, "add_weighted_rows lengths");
     #[cfg(target_arch = "x86_64")]
-    if matches!(crate::Isa::detect(), crate::Isa::Avx512 | crate::Isa::Avx512Vbmi) {
+    if matches!(crate::Isa::detect(), crate::Isa::Avx512) {
         // SAFETY: the detected path guarantees AVX-512F; lengths checked above.
         return unsafe { add_weighted_rows_avx512(out, weights, rows) };
     }
@@ -232,7 +232,7 @@ pub fn add_weighted_rows_heads(out: &mut [f32], heads: usize, weights: &[f32], r
     // Heads done four at a time where the CPU has 16-lane registers.
     let fours = match crate::Isa::detect() {
         #[cfg(target_arch = "x86_64")]
-        crate::Isa::Avx512 | crate::Isa::Avx512Vbmi => heads / 4,
+        crate::Isa::Avx512 => heads / 4,
         _ => 0,
     };
     #[cfg(target_arch = "x86_64")]

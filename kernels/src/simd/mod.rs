@@ -1,7 +1,9 @@
-//! Instruction-set specific inner loops of the linear kernels.
+//! Instruction-set specific inner loops of the kernels.
 //!
-//! Every path computes the same 16 lane accumulators in the same order as the
-//! portable reference, so the choice of path never changes a bit of output.
+//! `dot` and `dot_rows` keep 16 lane accumulators in the portable reference's
+//! order on every path; the linears' column-order tiles (`avx512_panels`,
+//! `panels_generic`) keep one chain per output. Either way the choice of path
+//! never changes a bit of output.
 
 use std::sync::OnceLock;
 
@@ -27,9 +29,6 @@ pub enum Isa {
     /// x86-64 AVX-512F and BW (every AVX-512 CPU since Skylake): one 16-lane
     /// register holds the 16 lanes.
     Avx512,
-    /// AVX-512F with VBMI (Ice Lake, Zen 4 and later): FP4 codes reach their
-    /// lanes with one byte shuffle.
-    Avx512Vbmi,
     /// AArch64 NEON (every 64-bit ARM CPU): four 4-lane registers hold the 16
     /// lanes.
     Neon,
@@ -37,7 +36,7 @@ pub enum Isa {
 
 impl Isa {
     /// Every path, fastest last (the x86-64 and AArch64 ones never both run).
-    pub const ALL: [Isa; 5] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Vbmi, Isa::Neon];
+    pub const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Neon];
 
     /// Whether this CPU can run the path.
     pub fn is_available(self) -> bool {
@@ -47,14 +46,8 @@ impl Isa {
             Isa::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512Vbmi => {
-                is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx512bw")
-                    && is_x86_feature_detected!("avx512vbmi")
-            }
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 | Isa::Avx512 | Isa::Avx512Vbmi => false,
+            Isa::Avx2 | Isa::Avx512 => false,
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[cfg(not(target_arch = "aarch64"))]
@@ -134,8 +127,8 @@ impl Backend {
         match self.0 {
             // Up to 24 accumulators + the w and x registers within the 32 zmm
             // registers; 6 × 4 needs the fewest loads per multiply-add.
-            Isa::Avx512 | Isa::Avx512Vbmi if rows_left <= 3 => (rows_left, 8),
-            Isa::Avx512 | Isa::Avx512Vbmi => (rows_left.min(6), 4),
+            Isa::Avx512 if rows_left <= 3 => (rows_left, 8),
+            Isa::Avx512 => (rows_left.min(6), 4),
             // 3 × 2 × 2 accumulators + 2 w + 1 x fit the 16 ymm registers.
             Isa::Avx2 if rows_left >= 3 => (3, 2),
             Isa::Avx2 if rows_left == 2 => (2, 2),
@@ -154,7 +147,7 @@ impl Backend {
         match self.0 {
             // SAFETY: `Backend::new` checked that the CPU has AVX-512F.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Vbmi => unsafe { avx512::reduce_tile(acc) },
+            Isa::Avx512 => unsafe { avx512::reduce_tile(acc) },
             _ => std::array::from_fn(|j| reduce16(&acc[j * 16..][..16])),
         }
     }
@@ -169,7 +162,7 @@ impl Backend {
             Isa::Avx2 => unsafe { avx2::dot(a, b) },
             // SAFETY: `Backend::new` checked that the CPU has AVX-512F; lengths are equal.
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 | Isa::Avx512Vbmi => unsafe { avx512::dot(a, b) },
+            Isa::Avx512 => unsafe { avx512::dot(a, b) },
             // SAFETY: `Backend::new` checked that the CPU has NEON; lengths are equal.
             #[cfg(target_arch = "aarch64")]
             Isa::Neon => unsafe { neon::dot(a, b) },
@@ -247,7 +240,7 @@ impl Backend {
         debug_assert!(xs.iter().chain(ws).all(|s| s.len() == xs[0].len()), "ragged tile");
         debug_assert!((xs.len() - 1) * acc_stride + ws.len() * 16 <= acc.len(), "accumulators");
         #[cfg(target_arch = "x86_64")]
-        if matches!(self.0, Isa::Avx512 | Isa::Avx512Vbmi) {
+        if matches!(self.0, Isa::Avx512) {
             macro_rules! avx512_tiles {
                 ($(($mr:literal, $nr:literal))*) => {
                     match (xs.len(), ws.len(), fresh) {
