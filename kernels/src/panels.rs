@@ -122,6 +122,22 @@ fn carried_by_x(scale: f32) -> bool {
     scale.to_bits() & 0x7f_ffff == 0 && (7..255).contains(&exponent)
 }
 
+/// Fill each group's `columns` runs of 64 (`out` holds them group by group)
+/// with `put(group, column, run)`, the groups spread over the threads. A
+/// run reads one value from each of 64 rows, so consecutive runs reuse the
+/// rows' cache lines and every write is sequential.
+fn by_group<T: Send>(out: &mut [T], columns: usize, put: impl Fn(usize, usize, &mut [T]) + Sync) {
+    use rayon::prelude::*;
+    if columns == 0 {
+        return;
+    }
+    out.par_chunks_mut(columns * GROUP_ROWS).enumerate().for_each(|(g, group)| {
+        for (c, run) in group.chunks_exact_mut(GROUP_ROWS).enumerate() {
+            put(g, c, run);
+        }
+    });
+}
+
 /// Byte of lane `o` within the 64 bytes of an FP8 column or an FP4 column
 /// pair. Each 32-byte half widens to 32 words whose even words are lanes
 /// `0..16` of the half and odd words lanes `16..32`, so two shifts split the
@@ -151,6 +167,7 @@ impl Panels {
         let lanes = groups * GROUP_ROWS;
         // (group, lane, row) of every row; padding lanes keep zero weights.
         let lanes_of_rows = || (0..rows).map(|r| (r / GROUP_ROWS, r % GROUP_ROWS, r));
+        let live = |g: usize| GROUP_ROWS.min(rows - g * GROUP_ROWS);
         let published_bytes = match format {
             WeightFormat::F32(_) => rows * cols * 4,
             WeightFormat::Bf16(_) => rows * cols * 2,
@@ -162,23 +179,22 @@ impl Panels {
             WeightFormat::F32(d) => {
                 assert!(d.len() >= rows * cols, "f32 weight size");
                 let mut values = Lines::zeroed(lanes * cols * 4);
-                let out = values.f32s_mut();
-                for (g, o, r) in lanes_of_rows() {
-                    for (c, &v) in d[r * cols..][..cols].iter().enumerate() {
-                        out[(g * cols + c) * GROUP_ROWS + o] = v;
+                by_group(values.f32s_mut(), cols, |g, c, column| {
+                    for (o, v) in column.iter_mut().enumerate().take(live(g)) {
+                        *v = d[(g * GROUP_ROWS + o) * cols + c];
                     }
-                }
+                });
                 Codes::F32(values)
             }
             WeightFormat::Bf16(d) => {
                 assert!(d.len() >= rows * cols * 2, "bf16 weight size");
                 let mut bits = Lines::zeroed(lanes * cols * 2);
-                let out = bits.u16s_mut();
-                for (g, o, r) in lanes_of_rows() {
-                    for (c, b) in d[r * cols * 2..][..cols * 2].chunks_exact(2).enumerate() {
-                        out[(g * cols + c) * GROUP_ROWS + o] = u16::from_le_bytes([b[0], b[1]]);
+                by_group(bits.u16s_mut(), cols, |g, c, column| {
+                    for (o, v) in column.iter_mut().enumerate().take(live(g)) {
+                        let at = ((g * GROUP_ROWS + o) * cols + c) * 2;
+                        *v = u16::from_le_bytes([d[at], d[at + 1]]);
                     }
-                }
+                });
                 Codes::Bf16(bits)
             }
             WeightFormat::Fp8 { data, scales, block_rows, block_cols, nan_free } => {
@@ -188,11 +204,12 @@ impl Panels {
                 assert!(scales.len() >= rows.div_ceil(block_rows) * col_blocks, "fp8 scale grid");
                 let mut codes = Lines::zeroed(lanes * cols);
                 let mut lane_scales = vec![0.0f32; lanes * col_blocks];
-                let out = codes.bytes_mut();
-                for (g, o, r) in lanes_of_rows() {
-                    for (c, &b) in data[r * cols..][..cols].iter().enumerate() {
-                        out[(g * cols + c) * GROUP_ROWS + lane_slot(o)] = b;
+                by_group(codes.bytes_mut(), cols, |g, c, column| {
+                    for o in 0..live(g) {
+                        column[lane_slot(o)] = data[(g * GROUP_ROWS + o) * cols + c];
                     }
+                });
+                for (g, o, r) in lanes_of_rows() {
                     for b in 0..col_blocks {
                         lane_scales[(g * col_blocks + b) * GROUP_ROWS + o] = scales[(r / block_rows) * col_blocks + b];
                     }
@@ -219,11 +236,12 @@ impl Panels {
                 assert!(data.len() >= rows * cols / 2 && scales.len() >= rows * blocks, "fp4 weight size");
                 let mut codes = Lines::zeroed(lanes * cols / 2);
                 let mut lane_scales = vec![0.0f32; lanes * blocks];
-                let out = codes.bytes_mut();
-                for (g, o, r) in lanes_of_rows() {
-                    for (q, &b) in data[r * cols / 2..][..cols / 2].iter().enumerate() {
-                        out[(g * cols / 2 + q) * GROUP_ROWS + lane_slot(o)] = b;
+                by_group(codes.bytes_mut(), cols / 2, |g, q, pair| {
+                    for o in 0..live(g) {
+                        pair[lane_slot(o)] = data[(g * GROUP_ROWS + o) * cols / 2 + q];
                     }
+                });
+                for (g, o, r) in lanes_of_rows() {
                     for b in 0..blocks {
                         lane_scales[(g * blocks + b) * GROUP_ROWS + o] = scales[r * blocks + b];
                     }
