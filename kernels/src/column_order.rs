@@ -129,10 +129,13 @@ fn run_fused(p: &Panels, x: &[f32], n: usize, gs: Range<usize>, out: &mut [f32],
         let x_abs_max = x[i0 * cols..(i0 + m) * cols].iter().fold(0.0f32, |most, v| most.max(v.abs()));
         let mut g = gs.start;
         while g < gs.end {
-            let pair = m == 1 && g + 1 < gs.end;
+            // Two full groups at once for one row; a last group that is not
+            // full runs alone, on the vectors its rows fill.
+            let pair = m == 1 && g + 1 < gs.end && (g + 2) * GROUP_ROWS <= rows;
+            let vectors = (rows - g * GROUP_ROWS).min(GROUP_ROWS).div_ceil(16);
             let at = FusedGroups { cols, g0: g, x: x_rows, x_abs_max };
             // SAFETY: `fuses` checked AVX-512F and BW; the kernels check their bounds.
-            unsafe { fused(&p.codes, pair, m, &at, &mut res) };
+            unsafe { fused(&p.codes, pair, m, vectors, &at, &mut res) };
             for gi in 0..1 + usize::from(pair) {
                 let width = GROUP_ROWS.min(rows - (g + gi) * GROUP_ROWS);
                 let col0 = (g + gi - gs.start) * GROUP_ROWS;
@@ -147,29 +150,40 @@ fn run_fused(p: &Panels, x: &[f32], n: usize, gs: Range<usize>, out: &mut [f32],
     }
 }
 
-/// One fused kernel call: two groups with one x row, or one group with `m`.
+/// One fused kernel call: two groups with one x row, or one group with `m`;
+/// f32 and bf16 groups on their first `vectors` vectors only.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and BW.
 #[cfg(target_arch = "x86_64")]
-unsafe fn fused(codes: &Codes, pair: bool, m: usize, at: &FusedGroups, res: &mut [f32]) {
+unsafe fn fused(codes: &Codes, pair: bool, m: usize, vectors: usize, at: &FusedGroups, res: &mut [f32]) {
     macro_rules! shapes {
-        ($kernel:ident($($arg:expr),*)) => {
+        ($kernel:ident$(::<$v:literal>)?($($arg:expr),*)) => {
             match (pair, m) {
-                (true, 1) => avx512_panels::$kernel::<2, 1>($($arg,)* at, res),
-                (false, 1) => avx512_panels::$kernel::<1, 1>($($arg,)* at, res),
-                (false, 2) => avx512_panels::$kernel::<1, 2>($($arg,)* at, res),
-                (false, 3) => avx512_panels::$kernel::<1, 3>($($arg,)* at, res),
-                (false, 4) => avx512_panels::$kernel::<1, 4>($($arg,)* at, res),
-                (false, 5) => avx512_panels::$kernel::<1, 5>($($arg,)* at, res),
-                (false, 6) => avx512_panels::$kernel::<1, 6>($($arg,)* at, res),
+                (true, 1) => avx512_panels::$kernel::<2, 1 $(, $v)?>($($arg,)* at, res),
+                (false, 1) => avx512_panels::$kernel::<1, 1 $(, $v)?>($($arg,)* at, res),
+                (false, 2) => avx512_panels::$kernel::<1, 2 $(, $v)?>($($arg,)* at, res),
+                (false, 3) => avx512_panels::$kernel::<1, 3 $(, $v)?>($($arg,)* at, res),
+                (false, 4) => avx512_panels::$kernel::<1, 4 $(, $v)?>($($arg,)* at, res),
+                (false, 5) => avx512_panels::$kernel::<1, 5 $(, $v)?>($($arg,)* at, res),
+                (false, 6) => avx512_panels::$kernel::<1, 6 $(, $v)?>($($arg,)* at, res),
                 _ => unreachable!("no fused pass of {m} rows (pair {pair})"),
             }
         };
     }
+    macro_rules! by_vectors {
+        ($kernel:ident($($arg:expr),*)) => {
+            match vectors {
+                1 => shapes!($kernel::<1>($($arg),*)),
+                2 => shapes!($kernel::<2>($($arg),*)),
+                3 => shapes!($kernel::<3>($($arg),*)),
+                _ => shapes!($kernel::<4>($($arg),*)),
+            }
+        };
+    }
     match codes {
-        Codes::F32(values) => shapes!(fused_f32(values.f32s())),
-        Codes::Bf16(bits) => shapes!(fused_bf16(bits.u16s())),
+        Codes::F32(values) => by_vectors!(fused_f32(values.f32s())),
+        Codes::Bf16(bits) => by_vectors!(fused_bf16(bits.u16s())),
         Codes::Fp8 { codes, scales, x_scales, block_cols, .. } => {
             shapes!(fused_fp8(codes.bytes(), (scales, x_scales), *block_cols))
         }

@@ -250,17 +250,23 @@ pub(crate) struct FusedGroups<'a> {
     pub x_abs_max: f32,
 }
 
-/// `G` groups of f32 weights against `M` x rows over every column:
-/// `res[(gi · M + m) · 64 + o]`.
+/// `G` groups of f32 weights against `M` x rows over every column, the
+/// first `V` vectors of each group (a last group of at most `16 · V` rows
+/// computes no padding): `res[(gi · M + m) · 64 + o]`.
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
 #[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn fused_f32<const G: usize, const M: usize>(values: &[f32], at: &FusedGroups, res: &mut [f32]) {
+pub(crate) unsafe fn fused_f32<const G: usize, const M: usize, const V: usize>(
+    values: &[f32],
+    at: &FusedGroups,
+    res: &mut [f32],
+) {
     let cols = at.cols;
-    assert!(values.len() >= (at.g0 + G) * cols * GROUP_ROWS && res.len() >= G * M * GROUP_ROWS, "fused f32");
+    assert!(V <= VECTORS && values.len() >= (at.g0 + G) * cols * GROUP_ROWS, "fused f32");
+    assert!(res.len() >= G * M * GROUP_ROWS, "fused f32 results");
     assert!(at.x[..M].iter().all(|x| x.len() >= cols), "fused x rows");
-    let mut acc = [[[_mm512_setzero_ps(); VECTORS]; M]; G];
+    let mut acc = [[[_mm512_setzero_ps(); V]; M]; G];
     for c in 0..cols {
         let mut b = [_mm512_setzero_ps(); M];
         for (bm, x) in b.iter_mut().zip(&at.x) {
@@ -268,8 +274,8 @@ pub(crate) unsafe fn fused_f32<const G: usize, const M: usize>(values: &[f32], a
         }
         for (gi, ag) in acc.iter_mut().enumerate() {
             let src = values.as_ptr().add(((at.g0 + gi) * cols + c) * GROUP_ROWS);
-            fetch_ahead(src.cast(), 4);
-            for v in 0..VECTORS {
+            fetch_ahead(src.cast(), V);
+            for v in 0..V {
                 let w = _mm512_load_ps(src.add(16 * v));
                 for (am, bm) in ag.iter_mut().zip(&b) {
                     am[v] = _mm512_fmadd_ps(*bm, w, am[v]);
@@ -285,11 +291,16 @@ pub(crate) unsafe fn fused_f32<const G: usize, const M: usize>(values: &[f32], a
 /// # Safety
 /// The CPU must support AVX-512F.
 #[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn fused_bf16<const G: usize, const M: usize>(bits: &[u16], at: &FusedGroups, res: &mut [f32]) {
+pub(crate) unsafe fn fused_bf16<const G: usize, const M: usize, const V: usize>(
+    bits: &[u16],
+    at: &FusedGroups,
+    res: &mut [f32],
+) {
     let cols = at.cols;
-    assert!(bits.len() >= (at.g0 + G) * cols * GROUP_ROWS && res.len() >= G * M * GROUP_ROWS, "fused bf16");
+    assert!(V <= VECTORS && bits.len() >= (at.g0 + G) * cols * GROUP_ROWS, "fused bf16");
+    assert!(res.len() >= G * M * GROUP_ROWS, "fused bf16 results");
     assert!(at.x[..M].iter().all(|x| x.len() >= cols), "fused x rows");
-    let mut acc = [[[_mm512_setzero_ps(); VECTORS]; M]; G];
+    let mut acc = [[[_mm512_setzero_ps(); V]; M]; G];
     for c in 0..cols {
         let mut b = [_mm512_setzero_ps(); M];
         for (bm, x) in b.iter_mut().zip(&at.x) {
@@ -297,8 +308,8 @@ pub(crate) unsafe fn fused_bf16<const G: usize, const M: usize>(bits: &[u16], at
         }
         for (gi, ag) in acc.iter_mut().enumerate() {
             let src = bits.as_ptr().add(((at.g0 + gi) * cols + c) * GROUP_ROWS);
-            fetch_ahead(src.cast(), 2);
-            for v in 0..VECTORS {
+            fetch_ahead(src.cast(), V.div_ceil(2));
+            for v in 0..V {
                 let w = bf16x16(src.add(16 * v));
                 for (am, bm) in ag.iter_mut().zip(&b) {
                     am[v] = _mm512_fmadd_ps(*bm, w, am[v]);
@@ -449,7 +460,7 @@ pub(crate) unsafe fn fused_fp4<const G: usize, const M: usize>(
 }
 
 #[inline(always)]
-unsafe fn store_groups<const G: usize, const M: usize>(acc: &[[[__m512; VECTORS]; M]; G], res: &mut [f32]) {
+unsafe fn store_groups<const G: usize, const M: usize, const V: usize>(acc: &[[[__m512; V]; M]; G], res: &mut [f32]) {
     for (gi, ag) in acc.iter().enumerate() {
         for (m, am) in ag.iter().enumerate() {
             for (v, av) in am.iter().enumerate() {
