@@ -126,7 +126,11 @@ fn run_fused(p: &Panels, x: &[f32], n: usize, gs: Range<usize>, out: &mut [f32],
     while i0 < n {
         let m = pass_rows.min(n - i0);
         let x_rows: [&[f32]; X_ROWS] = std::array::from_fn(|i| &x[(i0 + i.min(m - 1)) * cols..][..cols]);
-        let x_abs_max = x[i0 * cols..(i0 + m) * cols].iter().fold(0.0f32, |most, v| most.max(v.abs()));
+        // Only FP8's kernel reads it (whether x may carry a block's scale).
+        let x_abs_max = match p.codes {
+            Codes::Fp8 { .. } => x[i0 * cols..(i0 + m) * cols].iter().fold(0.0f32, |most, v| most.max(v.abs())),
+            _ => f32::INFINITY,
+        };
         let mut g = gs.start;
         while g < gs.end {
             // Two full groups at once for one row; a last group that is not
@@ -158,32 +162,32 @@ fn run_fused(p: &Panels, x: &[f32], n: usize, gs: Range<usize>, out: &mut [f32],
 #[cfg(target_arch = "x86_64")]
 unsafe fn fused(codes: &Codes, pair: bool, m: usize, vectors: usize, at: &FusedGroups, res: &mut [f32]) {
     macro_rules! shapes {
-        ($kernel:ident$(::<$v:literal>)?($($arg:expr),*)) => {
+        ($kernel:ident$(::<$($k:tt),*>)?($($arg:expr),*)) => {
             match (pair, m) {
-                (true, 1) => avx512_panels::$kernel::<2, 1 $(, $v)?>($($arg,)* at, res),
-                (false, 1) => avx512_panels::$kernel::<1, 1 $(, $v)?>($($arg,)* at, res),
-                (false, 2) => avx512_panels::$kernel::<1, 2 $(, $v)?>($($arg,)* at, res),
-                (false, 3) => avx512_panels::$kernel::<1, 3 $(, $v)?>($($arg,)* at, res),
-                (false, 4) => avx512_panels::$kernel::<1, 4 $(, $v)?>($($arg,)* at, res),
-                (false, 5) => avx512_panels::$kernel::<1, 5 $(, $v)?>($($arg,)* at, res),
-                (false, 6) => avx512_panels::$kernel::<1, 6 $(, $v)?>($($arg,)* at, res),
+                (true, 1) => avx512_panels::$kernel::<2, 1 $($(, $k)*)?>($($arg,)* at, res),
+                (false, 1) => avx512_panels::$kernel::<1, 1 $($(, $k)*)?>($($arg,)* at, res),
+                (false, 2) => avx512_panels::$kernel::<1, 2 $($(, $k)*)?>($($arg,)* at, res),
+                (false, 3) => avx512_panels::$kernel::<1, 3 $($(, $k)*)?>($($arg,)* at, res),
+                (false, 4) => avx512_panels::$kernel::<1, 4 $($(, $k)*)?>($($arg,)* at, res),
+                (false, 5) => avx512_panels::$kernel::<1, 5 $($(, $k)*)?>($($arg,)* at, res),
+                (false, 6) => avx512_panels::$kernel::<1, 6 $($(, $k)*)?>($($arg,)* at, res),
                 _ => unreachable!("no fused pass of {m} rows (pair {pair})"),
             }
         };
     }
-    macro_rules! by_vectors {
-        ($kernel:ident($($arg:expr),*)) => {
+    macro_rules! dense {
+        ($bf16:literal, $bytes:expr) => {
             match vectors {
-                1 => shapes!($kernel::<1>($($arg),*)),
-                2 => shapes!($kernel::<2>($($arg),*)),
-                3 => shapes!($kernel::<3>($($arg),*)),
-                _ => shapes!($kernel::<4>($($arg),*)),
+                1 => shapes!(fused_dense::<1, $bf16>($bytes)),
+                2 => shapes!(fused_dense::<2, $bf16>($bytes)),
+                3 => shapes!(fused_dense::<3, $bf16>($bytes)),
+                _ => shapes!(fused_dense::<4, $bf16>($bytes)),
             }
         };
     }
     match codes {
-        Codes::F32(values) => by_vectors!(fused_f32(values.f32s())),
-        Codes::Bf16(bits) => by_vectors!(fused_bf16(bits.u16s())),
+        Codes::F32(values) => dense!(false, values.bytes()),
+        Codes::Bf16(bits) => dense!(true, bits.bytes()),
         Codes::Fp8 { codes, scales, x_scales, block_cols, .. } => {
             shapes!(fused_fp8(codes.bytes(), (scales, x_scales), *block_cols))
         }

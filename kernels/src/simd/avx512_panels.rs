@@ -250,21 +250,23 @@ pub(crate) struct FusedGroups<'a> {
     pub x_abs_max: f32,
 }
 
-/// `G` groups of f32 weights against `M` x rows over every column, the
-/// first `V` vectors of each group (a last group of at most `16 · V` rows
-/// computes no padding): `res[(gi · M + m) · 64 + o]`.
+/// `G` groups of f32 (or, with `BF16`, bf16) weights against `M` x rows over
+/// every column, the first `V` vectors of each group (a last group of at most
+/// `16 · V` rows computes no padding): `res[(gi · M + m) · 64 + o]`. `bytes`
+/// are the weights' stored bytes.
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
 #[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn fused_f32<const G: usize, const M: usize, const V: usize>(
-    values: &[f32],
+pub(crate) unsafe fn fused_dense<const G: usize, const M: usize, const V: usize, const BF16: bool>(
+    bytes: &[u8],
     at: &FusedGroups,
     res: &mut [f32],
 ) {
     let cols = at.cols;
-    assert!(V <= VECTORS && values.len() >= (at.g0 + G) * cols * GROUP_ROWS, "fused f32");
-    assert!(res.len() >= G * M * GROUP_ROWS, "fused f32 results");
+    let width = if BF16 { 2 } else { 4 };
+    assert!(V <= VECTORS && bytes.len() >= (at.g0 + G) * cols * GROUP_ROWS * width, "fused weights");
+    assert!(res.len() >= G * M * GROUP_ROWS, "fused results");
     assert!(at.x[..M].iter().all(|x| x.len() >= cols), "fused x rows");
     let mut acc = [[[_mm512_setzero_ps(); V]; M]; G];
     for c in 0..cols {
@@ -273,10 +275,10 @@ pub(crate) unsafe fn fused_f32<const G: usize, const M: usize, const V: usize>(
             *bm = _mm512_set1_ps(*x.get_unchecked(c));
         }
         for (gi, ag) in acc.iter_mut().enumerate() {
-            let src = values.as_ptr().add(((at.g0 + gi) * cols + c) * GROUP_ROWS);
-            fetch_ahead(src.cast(), V);
+            let src = bytes.as_ptr().add(((at.g0 + gi) * cols + c) * GROUP_ROWS * width);
+            fetch_ahead(src, (V * 16 * width).div_ceil(64));
             for v in 0..V {
-                let w = _mm512_load_ps(src.add(16 * v));
+                let w = if BF16 { bf16x16(src.add(32 * v).cast()) } else { _mm512_load_ps(src.add(64 * v).cast()) };
                 for (am, bm) in ag.iter_mut().zip(&b) {
                     am[v] = _mm512_fmadd_ps(*bm, w, am[v]);
                 }
@@ -286,41 +288,7 @@ pub(crate) unsafe fn fused_f32<const G: usize, const M: usize, const V: usize>(
     store_groups(&acc, res);
 }
 
-/// [`fused_f32`] for bf16 weights.
-///
-/// # Safety
-/// The CPU must support AVX-512F.
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn fused_bf16<const G: usize, const M: usize, const V: usize>(
-    bits: &[u16],
-    at: &FusedGroups,
-    res: &mut [f32],
-) {
-    let cols = at.cols;
-    assert!(V <= VECTORS && bits.len() >= (at.g0 + G) * cols * GROUP_ROWS, "fused bf16");
-    assert!(res.len() >= G * M * GROUP_ROWS, "fused bf16 results");
-    assert!(at.x[..M].iter().all(|x| x.len() >= cols), "fused x rows");
-    let mut acc = [[[_mm512_setzero_ps(); V]; M]; G];
-    for c in 0..cols {
-        let mut b = [_mm512_setzero_ps(); M];
-        for (bm, x) in b.iter_mut().zip(&at.x) {
-            *bm = _mm512_set1_ps(*x.get_unchecked(c));
-        }
-        for (gi, ag) in acc.iter_mut().enumerate() {
-            let src = bits.as_ptr().add(((at.g0 + gi) * cols + c) * GROUP_ROWS);
-            fetch_ahead(src.cast(), V.div_ceil(2));
-            for v in 0..V {
-                let w = bf16x16(src.add(16 * v));
-                for (am, bm) in ag.iter_mut().zip(&b) {
-                    am[v] = _mm512_fmadd_ps(*bm, w, am[v]);
-                }
-            }
-        }
-    }
-    store_groups(&acc, res);
-}
-
-/// [`fused_f32`] for FP8 weights (no NaN code, every `scale · 2^120` finite):
+/// [`fused_dense`] for FP8 weights (no NaN code, every `scale · 2^120` finite):
 /// each code decoded as its value times 2^-120 and multiplied by its lane's
 /// `scale · 2^120`, which is the definition's product exactly. Where a
 /// group's rows share their scale over a block (`x_scales`, see
@@ -401,7 +369,7 @@ pub(crate) unsafe fn fused_fp8<const G: usize, const M: usize>(
     store_groups(&acc, res);
 }
 
-/// [`fused_f32`] for FP4 weights with an even `block_cols`: each block is a
+/// [`fused_dense`] for FP4 weights with an even `block_cols`: each block is a
 /// chain of x times the e2m1 values from +0.0, added to the output times the
 /// lane's scale.
 ///
