@@ -349,21 +349,9 @@ impl RegisterTile<'_> {
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx512, None) => unsafe { rows!(m; avx512_panels::plain, xs, w, kc, out, stride, fresh) },
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, Some((scales, block))) => {
-                // Tiles of up to three rows, the outputs kept in registers.
-                let first = m.min(avx512_panels::BLOCK_SCALED_ROWS);
-                if m == first {
-                    unsafe { rows!(m; avx512_panels::block_scaled, xs, w, scales, block, kc, out, stride, fresh) };
-                    return;
-                }
-                let (head, tail) = out.split_at_mut(first * stride);
-                unsafe { rows!(first; avx512_panels::block_scaled, xs, w, scales, block, kc, head, stride, fresh) };
-                let rest: [&[f32]; X_ROWS] = std::array::from_fn(|r| xs[(first + r).min(X_ROWS - 1)]);
-                let rest = &rest;
-                unsafe {
-                    rows!(m - first; avx512_panels::block_scaled, rest, w, scales, block, kc, tail, stride, fresh)
-                };
-            }
+            (Isa::Avx512, Some((scales, block))) => unsafe {
+                rows!(m; avx512_panels::block_scaled, xs, w, scales, block, kc, out, stride, fresh)
+            },
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx2, None) => unsafe { rows!(m; avx2_plain, xs, w, kc, out, stride, fresh) },
             #[cfg(target_arch = "x86_64")]
