@@ -51,3 +51,33 @@ fn a_split_linear_gives_the_same_bits_on_workers_and_outside() {
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
     assert_eq!(bits(&outside), bits(&on_pool), "the same bits wherever the linear runs");
 }
+
+#[test]
+fn concurrent_callers_with_nested_loops_all_finish() {
+    two_worker_pool();
+    // Stand-by workers of one caller may be picked up inside another
+    // caller's jobs; every call must still finish, with its own answer.
+    use rayon::prelude::*;
+    let (sender, receiver) = std::sync::mpsc::channel();
+    for caller in 0..4u64 {
+        let sender = sender.clone();
+        std::thread::spawn(move || {
+            for round in 0..50u64 {
+                let sum = on_workers(|| {
+                    (0..64u64)
+                        .into_par_iter()
+                        .map(|i| (0..32u64).into_par_iter().map(|j| i * j + caller + round).sum::<u64>())
+                        .sum::<u64>()
+                });
+                let expected: u64 = (0..64u64).map(|i| (0..32u64).map(|j| i * j + caller + round).sum::<u64>()).sum();
+                sender.send((caller, round, sum == expected)).expect("the test is listening");
+            }
+        });
+    }
+    drop(sender);
+    let deadline = std::time::Duration::from_secs(120);
+    for _ in 0..4 * 50 {
+        let (caller, round, right) = receiver.recv_timeout(deadline).expect("every call finishes");
+        assert!(right, "caller {caller}, round {round}: the sum of its own loops");
+    }
+}
