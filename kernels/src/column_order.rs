@@ -111,16 +111,16 @@ fn fuses(backend: Backend, p: &Panels, n: usize) -> bool {
         Codes::F32(_) => n <= 2,
         Codes::Bf16(_) => n <= 4,
         Codes::Fp8 { wide, .. } => *wide && n <= FUSED_ROWS_MAX,
-        Codes::Fp4 { block_cols, .. } => block_cols.is_multiple_of(2) && n <= 4,
+        Codes::Fp4 { block_cols, .. } => block_cols.is_multiple_of(2) && n <= FUSED_ROWS_MAX,
     }
 }
 
-/// [`run`] through the fused kernels: passes of up to six x rows (FP4: two),
+/// [`run`] through the fused kernels: passes of up to six x rows,
 /// two groups at once for a single row so that eight chains are in flight.
 #[cfg(target_arch = "x86_64")]
 fn run_fused(p: &Panels, x: &[f32], n: usize, gs: Range<usize>, out: &mut [f32], stride: usize) {
     let (rows, cols) = (p.rows(), p.cols());
-    let pass_rows = if matches!(p.codes, Codes::Fp4 { .. }) { 2 } else { FUSED_ROWS_MAX };
+    let pass_rows = FUSED_ROWS_MAX;
     let mut res = [0.0f32; FUSED_ROWS_MAX * GROUP_ROWS];
     let mut i0 = 0;
     while i0 < n {
@@ -191,12 +191,7 @@ unsafe fn fused(codes: &Codes, pair: bool, m: usize, vectors: usize, at: &FusedG
         Codes::Fp8 { codes, scales, x_scales, block_cols, .. } => {
             shapes!(fused_fp8(codes.bytes(), (scales, x_scales), *block_cols))
         }
-        Codes::Fp4 { codes, scales, block_cols } => match (pair, m) {
-            (true, 1) => avx512_panels::fused_fp4::<2, 1>(codes.bytes(), scales, *block_cols, at, res),
-            (false, 1) => avx512_panels::fused_fp4::<1, 1>(codes.bytes(), scales, *block_cols, at, res),
-            (false, 2) => avx512_panels::fused_fp4::<1, 2>(codes.bytes(), scales, *block_cols, at, res),
-            _ => unreachable!("no fused FP4 pass of {m} rows"),
-        },
+        Codes::Fp4 { codes, scales, block_cols } => shapes!(fused_fp4(codes.bytes(), scales, *block_cols)),
     }
 }
 

@@ -379,7 +379,11 @@ pub(crate) unsafe fn fused_fp8<const G: usize, const M: usize>(
 
 /// [`fused_dense`] for FP4 weights with an even `block_cols`: each block is a
 /// chain of x times the e2m1 values from +0.0, added to the output times the
-/// lane's scale.
+/// lane's scale. Each block runs one half of the group's lanes at a time and
+/// its totals wait in L1, so the registers hold six x rows' block sums and
+/// broadcasts: one decode of the weights serves up to six rows (with totals
+/// in registers, passes held two rows, and a 6-row batch ran 72 against 110
+/// GFLOP/s now).
 ///
 /// # Safety
 /// The CPU must support AVX-512F and BW.
@@ -397,42 +401,51 @@ pub(crate) unsafe fn fused_fp4<const G: usize, const M: usize>(
     assert!(codes.len() >= (at.g0 + G) * cols / 2 * GROUP_ROWS && res.len() >= G * M * GROUP_ROWS, "fused fp4");
     assert!(scales.len() >= (at.g0 + G) * blocks * GROUP_ROWS, "fused fp4 scales");
     assert!(at.x[..M].iter().all(|x| x.len() >= cols), "fused x rows");
+    assert!(G * M <= X_ROWS, "fused fp4 totals");
     let table = _mm512_loadu_si512(BF16_TABLE.as_ptr().cast());
-    let mut total = [[[_mm512_setzero_ps(); VECTORS]; M]; G];
+    // The totals wait in L1, as in `block_scaled`: the registers hold the
+    // block sums of up to six x rows.
+    let mut totals = Totals([0.0; X_ROWS * GROUP_ROWS]);
+    let t = totals.0.as_mut_ptr();
     for blk in 0..blocks {
-        let mut block = [[[_mm512_setzero_ps(); VECTORS]; M]; G];
-        for q in blk * block_cols / 2..(blk + 1) * block_cols / 2 {
-            let mut even_x = [_mm512_setzero_ps(); M];
-            let mut odd_x = [_mm512_setzero_ps(); M];
-            for ((e, o), x) in even_x.iter_mut().zip(odd_x.iter_mut()).zip(&at.x) {
-                *e = _mm512_set1_ps(*x.get_unchecked(2 * q));
-                *o = _mm512_set1_ps(*x.get_unchecked(2 * q + 1));
-            }
-            for (gi, bg) in block.iter_mut().enumerate() {
-                let src = codes.as_ptr().add(((at.g0 + gi) * cols / 2 + q) * GROUP_ROWS);
-                fetch_ahead(src, 1);
-                for half in 0..2 {
+        // One half of the group's lanes at a time: the block sums of six x
+        // rows and their broadcasts then fit the registers.
+        for half in 0..2 {
+            let mut block = [[[_mm512_setzero_ps(); 2]; M]; G];
+            for q in blk * block_cols / 2..(blk + 1) * block_cols / 2 {
+                let mut even_x = [_mm512_setzero_ps(); M];
+                let mut odd_x = [_mm512_setzero_ps(); M];
+                for ((e, o), x) in even_x.iter_mut().zip(odd_x.iter_mut()).zip(&at.x) {
+                    *e = _mm512_set1_ps(*x.get_unchecked(2 * q));
+                    *o = _mm512_set1_ps(*x.get_unchecked(2 * q + 1));
+                }
+                for (gi, bg) in block.iter_mut().enumerate() {
+                    let src = codes.as_ptr().add(((at.g0 + gi) * cols / 2 + q) * GROUP_ROWS);
+                    if half == 0 {
+                        fetch_ahead(src, 1);
+                    }
                     let [e0, e1, o0, o1] = fp4_half(src, half, table);
                     for ((bm, ex), ox) in bg.iter_mut().zip(&even_x).zip(&odd_x) {
-                        bm[2 * half] = _mm512_fmadd_ps(*ex, e0, bm[2 * half]);
-                        bm[2 * half + 1] = _mm512_fmadd_ps(*ex, e1, bm[2 * half + 1]);
-                        bm[2 * half] = _mm512_fmadd_ps(*ox, o0, bm[2 * half]);
-                        bm[2 * half + 1] = _mm512_fmadd_ps(*ox, o1, bm[2 * half + 1]);
+                        bm[0] = _mm512_fmadd_ps(*ex, e0, bm[0]);
+                        bm[1] = _mm512_fmadd_ps(*ex, e1, bm[1]);
+                        bm[0] = _mm512_fmadd_ps(*ox, o0, bm[0]);
+                        bm[1] = _mm512_fmadd_ps(*ox, o1, bm[1]);
+                    }
+                }
+            }
+            for (gi, bg) in block.iter().enumerate() {
+                let s = scales.as_ptr().add(((at.g0 + gi) * blocks + blk) * GROUP_ROWS + 32 * half);
+                for v in 0..2 {
+                    let sv = _mm512_loadu_ps(s.add(16 * v));
+                    for (m, bm) in bg.iter().enumerate() {
+                        let at = t.add((gi * M + m) * GROUP_ROWS + 32 * half + 16 * v);
+                        _mm512_store_ps(at, _mm512_fmadd_ps(bm[v], sv, _mm512_load_ps(at)));
                     }
                 }
             }
         }
-        for (gi, (tg, bg)) in total.iter_mut().zip(&block).enumerate() {
-            let s = scales.as_ptr().add(((at.g0 + gi) * blocks + blk) * GROUP_ROWS);
-            for v in 0..VECTORS {
-                let sv = _mm512_loadu_ps(s.add(16 * v));
-                for (tm, bm) in tg.iter_mut().zip(bg) {
-                    tm[v] = _mm512_fmadd_ps(bm[v], sv, tm[v]);
-                }
-            }
-        }
     }
-    store_groups(&total, res);
+    res[..G * M * GROUP_ROWS].copy_from_slice(&totals.0[..G * M * GROUP_ROWS]);
 }
 
 #[inline(always)]
