@@ -38,11 +38,11 @@ const STAND_BY_IDLE_ROUNDS_MAX: u32 = 20_000;
 
 /// Keeps a worker taking the body's jobs the moment they appear, until the
 /// body is done: between two parallel loops a rayon worker would fall asleep
-/// and the next loop would wait for a wake-up (73 a `small-v4` decode step
-/// on two cores, together about a fifth of the step). A stand-by that finds itself on the body's own
-/// thread returns at once (it would hold the body below it), and any
-/// stand-by leaves after `STAND_BY_IDLE_ROUNDS_MAX` rounds without work, so
-/// one picked up inside another job's wait delays that job only as long.
+/// and the next loop would wait for a wake-up (61 context switches a
+/// `small-v4` decode step on two cores). A stand-by that finds itself on the
+/// body's own thread returns at once (it would hold the body below it); one
+/// picked up inside another job's wait holds that job back only while it
+/// finds other jobs to run, then for `STAND_BY_IDLE_ROUNDS_MAX` rounds.
 fn stand_by(done: &AtomicBool, body: Option<usize>) {
     if rayon::current_thread_index() == body {
         return;

@@ -419,8 +419,8 @@ pub(crate) unsafe fn fused_fp4<const G: usize, const M: usize>(
     assert!(at.x[..M].iter().all(|x| x.len() >= cols), "fused x rows");
     assert!(G * M <= X_ROWS, "fused fp4 totals");
     let table = _mm512_loadu_si512(BF16_TABLE.as_ptr().cast());
-    // The totals wait in L1, as in `block_scaled`: the registers hold the
-    // block sums of up to six x rows.
+    // The totals wait in L1: the registers hold the block sums of up to six
+    // x rows (one half of the lanes), their broadcasts and a decoded half.
     let mut totals = Totals([0.0; X_ROWS * GROUP_ROWS]);
     let t = totals.0.as_mut_ptr();
     for blk in 0..blocks {
