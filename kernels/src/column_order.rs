@@ -123,11 +123,10 @@ fn fuses(backend: Backend, p: &Panels, n: usize) -> bool {
 #[cfg(target_arch = "x86_64")]
 fn run_fused(p: &Panels, x: &[f32], n: usize, gs: Range<usize>, out: &mut [f32], stride: usize) {
     let (rows, cols) = (p.rows(), p.cols());
-    let pass_rows = FUSED_ROWS_MAX;
     let mut res = [0.0f32; FUSED_ROWS_MAX * GROUP_ROWS];
     let mut i0 = 0;
     while i0 < n {
-        let m = pass_rows.min(n - i0);
+        let m = FUSED_ROWS_MAX.min(n - i0);
         let x_rows: [&[f32]; X_ROWS] = std::array::from_fn(|i| &x[(i0 + i.min(m - 1)) * cols..][..cols]);
         // Only FP8's kernel reads it (whether x may carry a block's scale).
         let x_abs_max = match p.codes {

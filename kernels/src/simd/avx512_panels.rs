@@ -83,26 +83,12 @@ pub(crate) unsafe fn block_scaled<const M: usize>(
         let lane0 = 32 * half;
         let mut totals = [[_mm512_setzero_ps(); 2]; M];
         if !fresh {
-            for (r, t) in totals.iter_mut().enumerate() {
-                for (v, tv) in t.iter_mut().enumerate() {
-                    *tv = _mm512_loadu_ps(out.as_ptr().add(r * stride + lane0 + 16 * v));
-                }
-            }
+            load_rows(&mut totals, &out[lane0..], stride);
         }
         for b in 0..kc / block_cols {
             let c0 = b * block_cols;
             let mut block = [[_mm512_setzero_ps(); 2]; M];
-            let xs = x_rows::<M>(xs, c0);
-            let wp = w.as_ptr().add(c0 * GROUP_ROWS + lane0);
-            for c in 0..block_cols {
-                let w0 = _mm512_loadu_ps(wp.add(c * GROUP_ROWS));
-                let w1 = _mm512_loadu_ps(wp.add(c * GROUP_ROWS + 16));
-                for (a, x) in block.iter_mut().zip(&xs) {
-                    let bx = _mm512_set1_ps(*x.add(c));
-                    a[0] = _mm512_fmadd_ps(bx, w0, a[0]);
-                    a[1] = _mm512_fmadd_ps(bx, w1, a[1]);
-                }
-            }
+            chain(&mut block, &x_rows(xs, c0), w.as_ptr().add(c0 * GROUP_ROWS + lane0), block_cols);
             let s = scales.as_ptr().add(b * GROUP_ROWS + lane0);
             for v in 0..2 {
                 let sv = _mm512_loadu_ps(s.add(16 * v));
@@ -111,11 +97,7 @@ pub(crate) unsafe fn block_scaled<const M: usize>(
                 }
             }
         }
-        for (r, t) in totals.iter().enumerate() {
-            for (v, tv) in t.iter().enumerate() {
-                _mm512_storeu_ps(out.as_mut_ptr().add(r * stride + lane0 + 16 * v), *tv);
-            }
-        }
+        store_rows(&totals, &mut out[lane0..], stride);
     }
 }
 
@@ -129,12 +111,18 @@ unsafe fn x_rows<const M: usize>(xs: &[&[f32]; X_ROWS], c0: usize) -> [*const f3
     std::array::from_fn(|r| xs[r].as_ptr().add(c0))
 }
 
-/// Continue `acc` over `kc` columns of x rows and a decoded tile.
+/// Continue `acc` over `kc` columns of x rows and a decoded tile: `V`
+/// vectors of each 64-lane column from `w` on.
 #[inline(always)]
-unsafe fn chain<const M: usize>(acc: &mut [[__m512; VECTORS]; M], xs: &[*const f32; M], w: *const f32, kc: usize) {
+unsafe fn chain<const M: usize, const V: usize>(
+    acc: &mut [[__m512; V]; M],
+    xs: &[*const f32; M],
+    w: *const f32,
+    kc: usize,
+) {
     for c in 0..kc {
         let wp = w.add(c * GROUP_ROWS);
-        let mut wv = [_mm512_setzero_ps(); VECTORS];
+        let mut wv = [_mm512_setzero_ps(); V];
         for (v, wvv) in wv.iter_mut().enumerate() {
             *wvv = _mm512_loadu_ps(wp.add(16 * v));
         }
@@ -148,7 +136,7 @@ unsafe fn chain<const M: usize>(acc: &mut [[__m512; VECTORS]; M], xs: &[*const f
 }
 
 #[inline(always)]
-unsafe fn load_rows<const M: usize>(acc: &mut [[__m512; VECTORS]; M], out: &[f32], stride: usize) {
+unsafe fn load_rows<const M: usize, const V: usize>(acc: &mut [[__m512; V]; M], out: &[f32], stride: usize) {
     for (r, a) in acc.iter_mut().enumerate() {
         for (v, av) in a.iter_mut().enumerate() {
             *av = _mm512_loadu_ps(out.as_ptr().add(r * stride + 16 * v));
@@ -157,7 +145,7 @@ unsafe fn load_rows<const M: usize>(acc: &mut [[__m512; VECTORS]; M], out: &[f32
 }
 
 #[inline(always)]
-unsafe fn store_rows<const M: usize>(acc: &[[__m512; VECTORS]; M], out: &mut [f32], stride: usize) {
+unsafe fn store_rows<const M: usize, const V: usize>(acc: &[[__m512; V]; M], out: &mut [f32], stride: usize) {
     for (r, a) in acc.iter().enumerate() {
         for (v, av) in a.iter().enumerate() {
             _mm512_storeu_ps(out.as_mut_ptr().add(r * stride + 16 * v), *av);
