@@ -2,7 +2,8 @@
 //! (`quantized_linear_reference`), bit for bit: FP4 and FP8 weights, every
 //! code, block scales that are and are not powers of two, activations that
 //! quantise to e4m3 subnormals, shapes with partial digit groups and partial
-//! vectors of blocks, batches of 1 to 9 rows.
+//! vectors of blocks, batches of 1 to 17 rows (partial tiles of weight rows,
+//! columns and x rows on the wide tiles).
 
 mod common;
 
@@ -85,7 +86,7 @@ fn fp4_weights_give_the_definitions_bits() {
     for (rows, cols) in SHAPES {
         for odd in [false, true] {
             let w = fp4(&mut rng, rows, cols, odd);
-            for n in [1, 2, 3, 4, 5, 9] {
+            for n in [1, 2, 3, 4, 5, 9, 17] {
                 let x = activations(&mut rng, n, cols);
                 assert_same(&w, &x, n, &format!("fp4 {rows}x{cols}, n {n}, odd scales {odd}"));
             }
@@ -99,7 +100,7 @@ fn fp8_weights_give_the_definitions_bits() {
     for (rows, cols) in SHAPES {
         for (block_rows, odd) in [(32, false), (1, true), (3, false)] {
             let w = fp8(&mut rng, rows, cols, block_rows, odd);
-            for n in [1, 2, 3, 4, 5, 9] {
+            for n in [1, 2, 3, 4, 5, 9, 17] {
                 let x = activations(&mut rng, n, cols);
                 assert_same(&w, &x, n, &format!("fp8 {rows}x{cols} in {block_rows}-row blocks, n {n}"));
             }
@@ -124,18 +125,26 @@ fn extreme_blocks_stay_exact() {
                 block_cols: 32,
             },
         };
-        assert_same(&fp4, &x, 1, "fp4 at full scale");
+        assert_batches(&fp4, &x, "fp4 at full scale");
         let fp8 = Linear {
             rows: 2,
             cols,
             format: WeightFormat::fp8(Bytes::from(vec![0x7eu8; 2 * cols]), vec![1.0; 8], 32, 32),
         };
-        assert_same(&fp8, &x, 1, "fp8 at full scale");
+        assert_batches(&fp8, &x, "fp8 at full scale");
         // A single huge product beside the smallest ones: the sum needs every bit.
         let mut tiny: Vec<f32> = vec![2f32.powi(-9) * 448.0 / 256.0; cols];
         tiny[0] = 448.0;
-        assert_same(&fp8, &tiny, 1, "fp8 with subnormal activations");
-        assert_same(&fp4, &tiny, 1, "fp4 with subnormal activations");
+        assert_batches(&fp8, &tiny, "fp8 with subnormal activations");
+        assert_batches(&fp4, &tiny, "fp4 with subnormal activations");
+    }
+}
+
+/// `row` repeated as batches of 1, 2 and 17 rows: every kernel shape.
+fn assert_batches(w: &Linear, row: &[f32], what: &str) {
+    for n in [1, 2, 17] {
+        let x: Vec<f32> = row.iter().copied().cycle().take(n * row.len()).collect();
+        assert_same(w, &x, n, &format!("{what}, n {n}"));
     }
 }
 

@@ -133,7 +133,7 @@ unsafe fn fp4_rows<const M: usize>(
 /// Rounded block sums of one FP8 row (`codes`, no NaN) with one x row's
 /// values in f64, times 2^1000, times both block scales, into `sums`: eight
 /// blocks at a time (leftover blocks one by one). Two or more x rows take
-/// [`fp8_tile`], which decodes a column once for all of them.
+/// the wide tiles, which decode a column once for all of them.
 ///
 /// # Safety
 /// The CPU must support AVX-512F and VL; `wide` holds `codes.len()` values,
@@ -176,88 +176,10 @@ pub(super) unsafe fn fp8_block_sums(codes: &[u8], wide: &[f64], a_scales: &[f32]
 /// The weights decode as value · 2^-1016 and the activations arrive as value
 /// · 2^1000 ([`super::WIDE_SCALE`]): their products are the true ones times
 /// 2^-16, normal and exact; this restores them.
-const RESTORE: f64 = 65536.0;
+pub(super) const RESTORE: f64 = 65536.0;
 
-/// Weight rows per [`fp8_tile`]: the f64 lanes of one vector.
-pub(super) const TILE_ROWS: usize = 8;
-
-/// The outputs of up to [`TILE_ROWS`] FP8 weight rows (no NaN code) with `M`
-/// x rows, before the bf16 rounding: `out[t][i]` for x row `t` and weight
-/// row `i`, each the K-order f32 chain of its scaled block sums.
-///
-/// The lanes are weight rows, not columns: column `c` of the eight rows is
-/// decoded into one vector and multiplied by x row `t`'s value at `c`
-/// (broadcast), so a block's eight sums come out of its last FMA with no
-/// horizontal reduction, and one decode serves every x row.
-///
-/// # Safety
-/// The CPU must support AVX-512F and VL; `row_codes[i]` are the rows'
-/// codes, `cols` each (a multiple of 32; rows past those computed repeat
-/// the last); `wide[t]` holds `cols` values times 2^1000; `a_scales[t]`
-/// and `w_scales[i]` hold `cols / 32` block scales.
-#[target_feature(enable = "avx512f,avx512vl")]
-pub(super) unsafe fn fp8_tile<const M: usize>(
-    row_codes: [&[u8]; TILE_ROWS],
-    wide: &[Vec<f64>],
-    a_scales: &[Vec<f32>],
-    w_scales: [&[f32]; TILE_ROWS],
-) -> [[f32; TILE_ROWS]; M] {
-    let cols = row_codes[0].len();
-    let blocks = cols / ACT_BLOCK;
-    assert!(cols.is_multiple_of(ACT_BLOCK) && row_codes.iter().all(|r| r.len() == cols), "code rows");
-    assert!(wide.len() == M && wide.iter().all(|w| w.len() == cols), "wide rows");
-    assert!(a_scales.len() == M && a_scales.iter().all(|s| s.len() >= blocks), "x scales");
-    assert!(w_scales.iter().all(|s| s.len() >= blocks), "weight scales");
-    let rows = row_codes.map(<[u8]>::as_ptr);
-    let restore = _mm512_set1_pd(RESTORE);
-    let mut chains = [_mm256_setzero_ps(); M];
-    for b in 0..blocks {
-        let mut acc = [_mm512_setzero_pd(); M];
-        // Lane i of groups[g]: row i's eight codes at columns 32b + 8g...
-        let groups = transpose_block(&rows, b * ACT_BLOCK);
-        for (group, &packed) in groups.iter().enumerate() {
-            let c = b * ACT_BLOCK + group * 8;
-            macro_rules! column {
-                ($j:literal, $shift:literal) => {{
-                    let w = fp8_lane_byte::<$shift>(packed);
-                    for (t, acc) in acc.iter_mut().enumerate() {
-                        let x = _mm512_set1_pd(*wide[t].get_unchecked(c + $j));
-                        *acc = _mm512_fmadd_pd(w, x, *acc);
-                    }
-                }};
-            }
-            column!(0, 56);
-            column!(1, 48);
-            column!(2, 40);
-            column!(3, 32);
-            column!(4, 24);
-            column!(5, 16);
-            column!(6, 8);
-            column!(7, 0);
-        }
-        let w_scale = _mm256_setr_ps(
-            w_scales[0][b],
-            w_scales[1][b],
-            w_scales[2][b],
-            w_scales[3][b],
-            w_scales[4][b],
-            w_scales[5][b],
-            w_scales[6][b],
-            w_scales[7][b],
-        );
-        for (t, chain) in chains.iter_mut().enumerate() {
-            // The definition's order: the rounded sum, times x's scale, times the weight's.
-            let sums = _mm512_cvtpd_ps(_mm512_mul_pd(acc[t], restore));
-            let scaled = _mm256_mul_ps(_mm256_mul_ps(sums, _mm256_set1_ps(a_scales[t][b])), w_scale);
-            *chain = _mm256_add_ps(*chain, scaled);
-        }
-    }
-    chains.map(|chain| {
-        let mut out = [0.0f32; TILE_ROWS];
-        _mm256_storeu_ps(out.as_mut_ptr(), chain);
-        out
-    })
-}
+/// Rows [`transpose_block`] reads at once: the f64 lanes of one vector.
+const TILE_ROWS: usize = 8;
 
 /// The 32 codes at column `c` of eight rows, as four vectors of eight
 /// quadwords: quadword `i` of vector `g` is row `i`'s codes `c + 8g..`.
@@ -266,7 +188,7 @@ pub(super) unsafe fn fp8_tile<const M: usize>(
 /// AVX-512F; every row holds 32 bytes from `c`.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn transpose_block(rows: &[*const u8; TILE_ROWS], c: usize) -> [__m512i; 4] {
+pub(super) unsafe fn transpose_block(rows: &[*const u8; TILE_ROWS], c: usize) -> [__m512i; 4] {
     let load = |i: usize| _mm256_loadu_si256(rows[i].add(c).cast());
     // Rows k and k + 4 side by side, then quadwords paired across rows.
     let z: [__m512i; 4] =
@@ -292,7 +214,7 @@ const FP8_F64_BITS: i64 = 0x80fe_0000_0000_0000u64 as i64;
 /// lane, then down by 7 with its sign, masked to the sign and the magnitude.
 #[inline]
 #[target_feature(enable = "avx512f")]
-unsafe fn fp8_lane_byte<const SHL: u32>(packed: __m512i) -> __m512d {
+pub(super) unsafe fn fp8_lane_byte<const SHL: u32>(packed: __m512i) -> __m512d {
     let top = _mm512_slli_epi64::<SHL>(packed);
     let bits = _mm512_and_si512(_mm512_srai_epi64::<7>(top), _mm512_set1_epi64(FP8_F64_BITS));
     _mm512_castsi512_pd(bits)

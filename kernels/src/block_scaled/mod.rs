@@ -17,10 +17,13 @@
 //!   `sdot` both sides are signed, so `W` is a signed byte and needs no offset.
 //! - **FP8 weights** use f64: products of two e4m3 values are exact in f64 and
 //!   a block's sum fits 41 bits, so eight f64 lanes sum it exactly. One x row
-//!   puts eight columns in the lanes and adds them up per block; two or more
-//!   put eight weight rows in the lanes (a column of eight rows decoded once
-//!   for up to eight x rows), so a block's sums need no reduction at all.
+//!   puts eight columns in the lanes and adds them up per block.
 //!   NEON decodes a block once for up to four x rows and sums it in f64 pairs.
+//! - **Batches** on AVX-512 (FP8 from two x rows, FP4 from
+//!   [`WIDE_FP4_ROWS_MIN`]) take [`wide_tiles`]: 24 weight rows decoded once
+//!   to f64 per 128 columns, eight weight rows in each vector's lanes, so a
+//!   block's sums need no reduction and every multiply-add serves eight
+//!   products without decoding (FP4's products and sums are exact in f64 too).
 //!
 //! Rows holding a non-finite activation, and FP8 weights holding a NaN code,
 //! take the definition's own loop instead.
@@ -37,6 +40,8 @@ mod avx512;
 pub(crate) use avx512::fp8_decode8;
 #[cfg(target_arch = "aarch64")]
 mod neon;
+#[cfg(target_arch = "x86_64")]
+mod wide_tiles;
 
 /// Columns per FP4 digit group: one 64-byte line of codes.
 const GROUP_COLS: usize = 128;
@@ -156,22 +161,24 @@ pub fn block_scaled_product(path: BlockPath, w: &Linear, acts: &[Fp8Row]) -> Opt
     if n == 0 {
         return Some(Vec::new());
     }
-    let prepared = Prepared::new(path, &weights, acts, cols);
+    let wide = takes_wide_tiles(path, &weights, n);
+    let prepared = Prepared::new(path, &weights, acts, cols, wide);
     let mut by_row = vec![0.0f32; rows * n];
+    let rows_per_job = if wide { WIDE_ROWS_PER_JOB } else { ROWS_PER_JOB };
     // One scratch per worker, not per job.
     let job = |scratch: &mut Scratch, (j, chunk): (usize, &mut [f32])| {
         #[cfg(target_arch = "x86_64")]
-        if path == BlockPath::Avx512Vnni && matches!(weights, Weights::Fp8 { .. }) && n >= 2 {
-            fp8_tiles(&weights, &prepared, j * ROWS_PER_JOB, chunk);
+        if wide {
+            wide_tile_outputs(&weights, &prepared, j * rows_per_job, chunk);
             return;
         }
-        rows_outputs(path, &weights, &prepared, j * ROWS_PER_JOB, cols, scratch, chunk);
+        rows_outputs(path, &weights, &prepared, j * rows_per_job, cols, scratch, chunk);
     };
     if rayon::current_num_threads() > 1 && rows * cols * n >= PARALLEL_MIN_WORK {
-        by_row.par_chunks_mut(ROWS_PER_JOB * n).enumerate().for_each_init(|| Scratch::new(cols), job);
+        by_row.par_chunks_mut(rows_per_job * n).enumerate().for_each_init(|| Scratch::new(cols), job);
     } else {
         let mut scratch = Scratch::new(cols);
-        by_row.chunks_mut(ROWS_PER_JOB * n).enumerate().for_each(|item| job(&mut scratch, item));
+        by_row.chunks_mut(rows_per_job * n).enumerate().for_each(|item| job(&mut scratch, item));
     }
     if n == 1 {
         return Some(by_row);
@@ -217,7 +224,7 @@ struct Prepared<'a> {
 }
 
 impl<'a> Prepared<'a> {
-    fn new(path: BlockPath, weights: &Weights, acts: &'a [Fp8Row], cols: usize) -> Self {
+    fn new(path: BlockPath, weights: &Weights, acts: &'a [Fp8Row], cols: usize, wide_tiles: bool) -> Self {
         let blocks = padded_blocks(cols);
         let a_scales = acts
             .iter()
@@ -229,6 +236,9 @@ impl<'a> Prepared<'a> {
             .collect();
         let mut prepared = Self { acts, ints: vec![], digits: vec![], offsets: vec![], wide: vec![], a_scales };
         match weights {
+            // The wide tiles decode FP4 weights to their values: x's own values meet them.
+            Weights::Fp4 { .. } if wide_tiles => prepared.wide = interleaved(acts, 1.0),
+            Weights::Fp8 { .. } if wide_tiles => prepared.wide = interleaved(acts, WIDE_SCALE),
             Weights::Fp4 { .. } => {
                 prepared.ints = acts.iter().map(|a| a.values.iter().map(|&v| (v * 512.0) as i32).collect()).collect();
                 if path == BlockPath::Avx512Vnni {
@@ -255,6 +265,27 @@ impl<'a> Prepared<'a> {
         }
         prepared
     }
+}
+
+/// The x values times `scale` in f64 for the wide tiles, in groups of up to
+/// eight rows, each group's values column by column (`group[c * m + t]`).
+fn interleaved(acts: &[Fp8Row], scale: f64) -> Vec<Vec<f64>> {
+    #[cfg(target_arch = "x86_64")]
+    let rows_max = wide_tiles::X_ROWS_MAX;
+    #[cfg(not(target_arch = "x86_64"))]
+    let rows_max = 1;
+    acts.chunks(rows_max)
+        .map(|group| {
+            let (m, cols) = (group.len(), group[0].values.len());
+            let mut values = vec![0.0f64; cols * m];
+            for (t, row) in group.iter().enumerate() {
+                for (at, &v) in values[t..].iter_mut().step_by(m).zip(&row.values) {
+                    *at = v as f64 * scale;
+                }
+            }
+            values
+        })
+        .collect()
 }
 
 /// K blocks rounded up to whole vectors of block sums.
@@ -323,49 +354,90 @@ const PAIRS: usize = 16;
 /// x rows whose block sums one kernel call computes from one decoded weight row.
 const X_ROWS_AT_ONCE: usize = 4;
 
-/// The FP8 outputs for weight rows `first..` on AVX-512, as
-/// [`rows_outputs`] lays them out: eight weight rows at a time in the
-/// lanes of [`avx512::fp8_tile`], up to eight x rows per call.
+/// Weight rows per parallel job on the wide tiles: two tiles.
+const WIDE_ROWS_PER_JOB: usize = 48;
+/// Fewest x rows for which FP4 weights take the wide tiles rather than
+/// `vpdpbusd` (FP8 takes them from two rows).
+const WIDE_FP4_ROWS_MIN: usize = 16;
+
+/// Whether a batch of `n` x rows runs on [`wide_tiles`].
+fn takes_wide_tiles(path: BlockPath, weights: &Weights, n: usize) -> bool {
+    path == BlockPath::Avx512Vnni
+        && match weights {
+            Weights::Fp4 { .. } => n >= WIDE_FP4_ROWS_MIN,
+            Weights::Fp8 { .. } => n >= 2,
+        }
+}
+
+/// Every x row's output for weight rows `first..` through [`wide_tiles`],
+/// laid out as [`rows_outputs`] lays them: `outputs[i * n + t]`. Each tile
+/// of 24 rows runs over K in tiles of [`wide_tiles::TILE_COLS`] columns,
+/// every x row's chains carried from one to the next.
 #[cfg(target_arch = "x86_64")]
-fn fp8_tiles(weights: &Weights, prepared: &Prepared, first: usize, outputs: &mut [f32]) {
-    use avx512::TILE_ROWS;
-    let Weights::Fp8 { codes, .. } = weights else { unreachable!("FP8 weights") };
+fn wide_tile_outputs(weights: &Weights, prepared: &Prepared, first: usize, outputs: &mut [f32]) {
+    use std::arch::x86_64::{__m256, _mm256_setzero_ps, _mm256_storeu_ps};
+    use wide_tiles::{Tile, TILE_COLS, TILE_ROWS, X_ROWS_MAX};
     let n = prepared.acts.len();
-    let cols = prepared.wide[0].len();
+    let cols = prepared.acts[0].values.len();
     let (blocks, weight_rows) = (cols / ACT_BLOCK, outputs.len() / n);
+    let mut tile = Tile::new();
+    // SAFETY (every block below): `block_scaled_product` checked the path's
+    // features (AVX-512F and VL among them) and that no FP8 code is NaN; the
+    // rows, x groups and scales hold the columns and blocks the calls read.
+    let mut chains: Vec<[__m256; TILE_ROWS / 8]> = vec![[unsafe { _mm256_setzero_ps() }; TILE_ROWS / 8]; n];
     for i0 in (0..weight_rows).step_by(TILE_ROWS) {
         let here = TILE_ROWS.min(weight_rows - i0);
         // Rows past the end repeat the last one; their outputs are dropped.
         let row = |i: usize| first + i0 + i.min(here - 1);
-        let row_codes: [&[u8]; TILE_ROWS] = std::array::from_fn(|i| &codes[row(i) * cols..][..cols]);
-        let w_scales: [&[f32]; TILE_ROWS] = std::array::from_fn(|i| weights.scale_row(row(i), blocks));
-        for t0 in (0..n).step_by(TILE_ROWS) {
-            let ts = t0..n.min(t0 + TILE_ROWS);
-            let (wide, a_scales) = (&prepared.wide[ts.clone()], &prepared.a_scales[ts.clone()]);
-            let mut store = |t: usize, sums: &[f32; TILE_ROWS]| {
-                for (i, &v) in sums[..here].iter().enumerate() {
-                    outputs[(i0 + i) * n + t] = v;
+        let row_scales: [&[f32]; TILE_ROWS] = std::array::from_fn(|i| weights.scale_row(row(i), blocks));
+        chains.iter_mut().for_each(|c| *c = [unsafe { _mm256_setzero_ps() }; TILE_ROWS / 8]);
+        for k0 in (0..cols).step_by(TILE_COLS) {
+            let kc = TILE_COLS.min(cols - k0);
+            let restore = match weights {
+                Weights::Fp8 { codes, .. } => {
+                    let rows = std::array::from_fn(|i| &codes[row(i) * cols + k0..][..kc]);
+                    unsafe { wide_tiles::decode_fp8(&rows, kc, &mut tile) };
+                    avx512::RESTORE
+                }
+                Weights::Fp4 { codes, .. } => {
+                    let rows = std::array::from_fn(|i| &codes[(row(i) * cols + k0) / 2..][..kc / 2]);
+                    unsafe { wide_tiles::decode_fp4(&rows, kc, &mut tile) };
+                    1.0
                 }
             };
-            macro_rules! tile {
-                ($m:literal) => {{
-                    // SAFETY: `block_scaled_product` checked the path's features
-                    // (AVX-512F and VL among them) and that no code is NaN; the
-                    // rows, x values and scales are the lengths the kernel asserts.
-                    let out = unsafe { avx512::fp8_tile::<$m>(row_codes, wide, a_scales, w_scales) };
-                    out.iter().enumerate().for_each(|(k, sums)| store(t0 + k, sums));
-                }};
+            tile.set_scales(&row_scales, k0 / ACT_BLOCK);
+            for (g, t0) in (0..n).step_by(X_ROWS_MAX).enumerate() {
+                let m = X_ROWS_MAX.min(n - t0);
+                let xs = &prepared.wide[g][k0 * m..];
+                macro_rules! chains {
+                    ($m:literal) => {{
+                        let a_scales: [&[f32]; $m] =
+                            std::array::from_fn(|k| &prepared.a_scales[t0 + k][k0 / ACT_BLOCK..]);
+                        let group: &mut [_; $m] = (&mut chains[t0..t0 + $m]).try_into().expect("a group of x rows");
+                        unsafe { wide_tiles::chains::<$m>(&tile, xs, a_scales, restore, group) };
+                    }};
+                }
+                match m {
+                    1 => chains!(1),
+                    2 => chains!(2),
+                    3 => chains!(3),
+                    4 => chains!(4),
+                    5 => chains!(5),
+                    6 => chains!(6),
+                    7 => chains!(7),
+                    8 => chains!(8),
+                    m => unreachable!("{m} x rows at once"),
+                }
             }
-            match ts.len() {
-                1 => tile!(1),
-                2 => tile!(2),
-                3 => tile!(3),
-                4 => tile!(4),
-                5 => tile!(5),
-                6 => tile!(6),
-                7 => tile!(7),
-                8 => tile!(8),
-                m => unreachable!("{m} x rows at once"),
+        }
+        for (t, vectors) in chains.iter().enumerate() {
+            let mut sums = [0.0f32; TILE_ROWS];
+            for (v, vector) in vectors.iter().enumerate() {
+                // SAFETY: eight floats into the eight at `8 * v`.
+                unsafe { _mm256_storeu_ps(sums.as_mut_ptr().add(8 * v), *vector) };
+            }
+            for (i, &sum) in sums[..here].iter().enumerate() {
+                outputs[(i0 + i) * n + t] = sum;
             }
         }
     }
@@ -510,8 +582,8 @@ fn fp8_block_sums(
 ) {
     #[cfg(target_arch = "x86_64")]
     if path == BlockPath::Avx512Vnni {
-        // Two or more x rows take the tiles (`fp8_tiles`).
-        assert!(ts.len() == 1, "{} x rows: the FP8 tiles take these", ts.len());
+        // Two or more x rows take the wide tiles.
+        assert!(ts.len() == 1, "{} x rows: the wide tiles take these", ts.len());
         let t = ts.start;
         // SAFETY: as in `fp4_block_sums`; the wide row holds `codes.len()` values.
         unsafe { avx512::fp8_block_sums(codes, &prepared.wide[t], &prepared.a_scales[t], w_scales, sums) };

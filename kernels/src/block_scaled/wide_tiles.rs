@@ -1,0 +1,207 @@
+//! Exact block sums for batches: a tile of [`TILE_ROWS`] weight rows is
+//! decoded once to f64, column by column (each column's rows in three
+//! vectors), and every x row of the batch runs through it in register tiles
+//! of up to eight x rows × 24 weight rows. Each f64 multiply-add then serves
+//! eight products with no decoding in the loop, and a block's 24 × 8 sums come
+//! out of the accumulators with no horizontal reduction.
+//!
+//! FP8 weights decode as value · 2^-1016 against x values · 2^1000 (the
+//! [`super::avx512`] trick: a shift and a mask per code); FP4 weights decode
+//! to their e2m1 values through a 16-entry table against x's own values.
+//! Either way each product is exact in f64 and so is each 32-column block's
+//! sum, which then takes the definition's steps: rounded to f32, times x's
+//! block scale, times the weight's, added to the row's K-order chain.
+
+use std::arch::x86_64::*;
+
+use crate::act_quant::ACT_BLOCK;
+use crate::dtype::FP4_E2M1_VALUES;
+
+/// Weight rows a tile holds: three vectors of eight f64 lanes.
+pub(super) const TILE_ROWS: usize = 24;
+/// Vectors of weight rows in a register tile.
+const ROW_VECTORS: usize = TILE_ROWS / 8;
+/// Most x rows in one register tile (24 accumulators, three weight vectors
+/// and a broadcast fill the 32 registers but for a few).
+pub(super) const X_ROWS_MAX: usize = 8;
+
+/// Columns a tile holds: 24 rows of them in f64 (24 KiB) stay in L1 while
+/// every x row of the batch passes.
+pub(super) const TILE_COLS: usize = 128;
+
+/// A weight tile as the register tiles read it: `values[c * 24 + r]` for
+/// column `c` and tile row `r` (each column's rows on whole cache lines), and
+/// `scales[b * 24 + r]` for K block `b`.
+pub(super) struct Tile {
+    buf: Vec<f64>,
+    start: usize,
+    cols: usize,
+    pub scales: Vec<f32>,
+}
+
+impl Tile {
+    pub fn new() -> Self {
+        let buf = vec![0.0f64; TILE_COLS * TILE_ROWS + 8];
+        let start = (8 - (buf.as_ptr() as usize / 8) % 8) % 8;
+        Self { buf, start, cols: 0, scales: vec![0.0; TILE_COLS / ACT_BLOCK * TILE_ROWS] }
+    }
+
+    /// Columns decoded now.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn values(&self) -> &[f64] {
+        &self.buf[self.start..][..self.cols * TILE_ROWS]
+    }
+
+    /// Room for `cols` columns, cache-line aligned.
+    fn values_mut(&mut self, cols: usize) -> &mut [f64] {
+        assert!(cols <= TILE_COLS && cols.is_multiple_of(ACT_BLOCK), "{cols} columns in a tile");
+        self.cols = cols;
+        &mut self.buf[self.start..][..cols * TILE_ROWS]
+    }
+
+    /// Tile rows' block scales from K block `first`: `row_scales[r]` holds row `r`'s.
+    pub fn set_scales(&mut self, row_scales: &[&[f32]; TILE_ROWS], first: usize) {
+        let blocks = self.cols / ACT_BLOCK;
+        for (b, column) in self.scales.chunks_exact_mut(TILE_ROWS).enumerate().take(blocks) {
+            column.iter_mut().zip(row_scales).for_each(|(s, row)| *s = row[first + b]);
+        }
+    }
+}
+
+/// Decode `cols` columns of FP8 rows (`rows[r]`: the tile row's codes from
+/// the tile's first column, no NaN) as value · 2^-1016, eight rows and 32
+/// columns at a time.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn decode_fp8(rows: &[&[u8]; TILE_ROWS], cols: usize, tile: &mut Tile) {
+    assert!(rows.iter().all(|r| r.len() >= cols), "fp8 tile rows");
+    let out = tile.values_mut(cols).as_mut_ptr();
+    for v in 0..ROW_VECTORS {
+        let eight: [*const u8; 8] = std::array::from_fn(|i| rows[8 * v + i].as_ptr());
+        for c0 in (0..cols).step_by(ACT_BLOCK) {
+            // Lane i of groups[g]: row i's eight codes at columns c0 + 8g...
+            let groups = super::avx512::transpose_block(&eight, c0);
+            for (g, &packed) in groups.iter().enumerate() {
+                let at = |j: usize| out.add((c0 + 8 * g + j) * TILE_ROWS + 8 * v);
+                _mm512_storeu_pd(at(0), super::avx512::fp8_lane_byte::<56>(packed));
+                _mm512_storeu_pd(at(1), super::avx512::fp8_lane_byte::<48>(packed));
+                _mm512_storeu_pd(at(2), super::avx512::fp8_lane_byte::<40>(packed));
+                _mm512_storeu_pd(at(3), super::avx512::fp8_lane_byte::<32>(packed));
+                _mm512_storeu_pd(at(4), super::avx512::fp8_lane_byte::<24>(packed));
+                _mm512_storeu_pd(at(5), super::avx512::fp8_lane_byte::<16>(packed));
+                _mm512_storeu_pd(at(6), super::avx512::fp8_lane_byte::<8>(packed));
+                _mm512_storeu_pd(at(7), super::avx512::fp8_lane_byte::<0>(packed));
+            }
+        }
+    }
+}
+
+/// Decode `cols` columns of FP4 rows (`rows[r]`: the tile row's code bytes
+/// from the tile's first column, even columns in the low nibbles) to their
+/// e2m1 values, eight rows and 32 columns at a time.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn decode_fp4(rows: &[&[u8]; TILE_ROWS], cols: usize, tile: &mut Tile) {
+    assert!(rows.iter().all(|r| 2 * r.len() >= cols), "fp4 tile rows");
+    let values: [f64; 16] = std::array::from_fn(|code| FP4_E2M1_VALUES[code] as f64);
+    let (low_codes, high_codes) = (_mm512_loadu_pd(values.as_ptr()), _mm512_loadu_pd(values.as_ptr().add(8)));
+    // Quadwords 2i and 2i + 1 of the two 4-row vectors: row i's first and last eight bytes.
+    let first_halves = _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14);
+    let last_halves = _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15);
+    let out = tile.values_mut(cols).as_mut_ptr();
+    for v in 0..ROW_VECTORS {
+        for c0 in (0..cols).step_by(ACT_BLOCK) {
+            // Sixteen bytes (32 columns) of each of eight rows, four rows a vector.
+            let load = |i: usize| _mm_loadu_si128(rows[8 * v + i].as_ptr().add(c0 / 2).cast());
+            let quad = |i: usize| {
+                let low = _mm512_inserti32x4::<1>(_mm512_castsi128_si512(load(i)), load(i + 1));
+                _mm512_inserti32x4::<3>(_mm512_inserti32x4::<2>(low, load(i + 2)), load(i + 3))
+            };
+            let (first4, last4) = (quad(0), quad(4));
+            let halves = [
+                _mm512_permutex2var_epi64(first4, first_halves, last4),
+                _mm512_permutex2var_epi64(first4, last_halves, last4),
+            ];
+            for (h, &packed) in halves.iter().enumerate() {
+                macro_rules! column {
+                    ($j:literal) => {{
+                        // Column c0 + 16h + j is nibble j of each lane; the
+                        // table reads the index's low four bits only.
+                        let code = _mm512_srli_epi64::<{ 4 * $j }>(packed);
+                        let value = _mm512_permutex2var_pd(low_codes, code, high_codes);
+                        _mm512_storeu_pd(out.add((c0 + 16 * h + $j) * TILE_ROWS + 8 * v), value);
+                    }};
+                }
+                column!(0);
+                column!(1);
+                column!(2);
+                column!(3);
+                column!(4);
+                column!(5);
+                column!(6);
+                column!(7);
+                column!(8);
+                column!(9);
+                column!(10);
+                column!(11);
+                column!(12);
+                column!(13);
+                column!(14);
+                column!(15);
+            }
+        }
+    }
+}
+
+/// The K-order chains of the tile's 24 weight rows with `M` x rows continued
+/// over the tile's columns: lane `l` of `chains[t][v]` is weight row `8v + l`
+/// with x row `t`. `xs[c * M + t]` is x row `t`'s value at the tile's column
+/// `c` in the tile's scale (FP8: times 2^1000): one stream for all `M` rows.
+/// `restore` turns a block's f64 sum into the true one (a power of two),
+/// `a_scales[t]` are x row `t`'s scales of the tile's blocks.
+///
+/// # Safety
+/// The CPU must support AVX-512F and VL.
+#[target_feature(enable = "avx512f,avx512vl")]
+pub(super) unsafe fn chains<const M: usize>(
+    tile: &Tile,
+    xs: &[f64],
+    a_scales: [&[f32]; M],
+    restore: f64,
+    chains: &mut [[__m256; ROW_VECTORS]; M],
+) {
+    let cols = tile.cols();
+    let blocks = cols / ACT_BLOCK;
+    assert!(xs.len() >= cols * M && a_scales.iter().all(|a| a.len() >= blocks), "x rows");
+    assert!(tile.scales.len() >= blocks * TILE_ROWS, "tile scales");
+    let (w, ws, xs) = (tile.values().as_ptr(), tile.scales.as_ptr(), xs.as_ptr());
+    let restore = _mm512_set1_pd(restore);
+    for b in 0..blocks {
+        let mut acc = [[_mm512_setzero_pd(); ROW_VECTORS]; M];
+        for c in b * ACT_BLOCK..(b + 1) * ACT_BLOCK {
+            let column: [__m512d; ROW_VECTORS] = std::array::from_fn(|v| _mm512_loadu_pd(w.add(c * TILE_ROWS + 8 * v)));
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let x = _mm512_set1_pd(*xs.add(c * M + t));
+                for (a, &w) in acc.iter_mut().zip(&column) {
+                    *a = _mm512_fmadd_pd(w, x, *a);
+                }
+            }
+        }
+        let w_scales: [__m256; ROW_VECTORS] = std::array::from_fn(|v| _mm256_loadu_ps(ws.add(b * TILE_ROWS + 8 * v)));
+        for (t, (acc, chain)) in acc.iter().zip(chains.iter_mut()).enumerate() {
+            let a_scale = _mm256_set1_ps(*a_scales[t].get_unchecked(b));
+            for v in 0..ROW_VECTORS {
+                // The definition's order: the rounded sum, times x's scale, times the weight's.
+                let sum = _mm512_cvtpd_ps(_mm512_mul_pd(acc[v], restore));
+                chain[v] = _mm256_add_ps(chain[v], _mm256_mul_ps(_mm256_mul_ps(sum, a_scale), w_scales[v]));
+            }
+        }
+    }
+}
