@@ -54,7 +54,7 @@ fn main() {
         ];
         for (name, lin) in weights.iter().filter(|(name, _)| only.as_deref().is_none_or(|o| o == *name)) {
             let code_bytes = if *name == "fp8" { rows * cols } else { rows * cols / 2 };
-            for n in [1usize, 2, 4, 8, 64] {
+            for n in [1usize, 2, 4, 8, 16, 64] {
                 let x = values(n * cols, 2);
                 let budget = Duration::from_millis(400);
                 let reference = if fastest_only {

@@ -169,7 +169,7 @@ pub fn block_scaled_product(path: BlockPath, w: &Linear, acts: &[Fp8Row]) -> Opt
     let job = |scratch: &mut Scratch, (j, chunk): (usize, &mut [f32])| {
         #[cfg(target_arch = "x86_64")]
         if wide {
-            wide_tile_outputs(&weights, &prepared, j * rows_per_job, chunk);
+            wide_tiles::outputs(&weights, &prepared, j * rows_per_job, chunk);
             return;
         }
         rows_outputs(path, &weights, &prepared, j * rows_per_job, cols, scratch, chunk);
@@ -367,80 +367,6 @@ fn takes_wide_tiles(path: BlockPath, weights: &Weights, n: usize) -> bool {
             Weights::Fp4 { .. } => n >= WIDE_FP4_ROWS_MIN,
             Weights::Fp8 { .. } => n >= 2,
         }
-}
-
-/// Every x row's output for weight rows `first..` through [`wide_tiles`],
-/// laid out as [`rows_outputs`] lays them: `outputs[i * n + t]`. Each tile
-/// of 24 rows runs over K in tiles of [`wide_tiles::TILE_COLS`] columns,
-/// every x row's chains carried from one to the next.
-#[cfg(target_arch = "x86_64")]
-fn wide_tile_outputs(weights: &Weights, prepared: &Prepared, first: usize, outputs: &mut [f32]) {
-    use std::arch::x86_64::{__m256, _mm256_setzero_ps, _mm256_storeu_ps};
-    use wide_tiles::{Tile, TILE_COLS, TILE_ROWS, X_ROWS_MAX};
-    let n = prepared.acts.len();
-    let cols = prepared.acts[0].values.len();
-    let (blocks, weight_rows) = (cols / ACT_BLOCK, outputs.len() / n);
-    let mut tile = Tile::new();
-    // SAFETY (every block below): `block_scaled_product` checked the path's
-    // features (AVX-512F and VL among them) and that no FP8 code is NaN; the
-    // rows, x groups and scales hold the columns and blocks the calls read.
-    let mut chains: Vec<[__m256; TILE_ROWS / 8]> = vec![[unsafe { _mm256_setzero_ps() }; TILE_ROWS / 8]; n];
-    for i0 in (0..weight_rows).step_by(TILE_ROWS) {
-        let here = TILE_ROWS.min(weight_rows - i0);
-        // Rows past the end repeat the last one; their outputs are dropped.
-        let row = |i: usize| first + i0 + i.min(here - 1);
-        let row_scales: [&[f32]; TILE_ROWS] = std::array::from_fn(|i| weights.scale_row(row(i), blocks));
-        chains.iter_mut().for_each(|c| *c = [unsafe { _mm256_setzero_ps() }; TILE_ROWS / 8]);
-        for k0 in (0..cols).step_by(TILE_COLS) {
-            let kc = TILE_COLS.min(cols - k0);
-            let restore = match weights {
-                Weights::Fp8 { codes, .. } => {
-                    let rows = std::array::from_fn(|i| &codes[row(i) * cols + k0..][..kc]);
-                    unsafe { wide_tiles::decode_fp8(&rows, kc, &mut tile) };
-                    avx512::RESTORE
-                }
-                Weights::Fp4 { codes, .. } => {
-                    let rows = std::array::from_fn(|i| &codes[(row(i) * cols + k0) / 2..][..kc / 2]);
-                    unsafe { wide_tiles::decode_fp4(&rows, kc, &mut tile) };
-                    1.0
-                }
-            };
-            tile.set_scales(&row_scales, k0 / ACT_BLOCK);
-            for (g, t0) in (0..n).step_by(X_ROWS_MAX).enumerate() {
-                let m = X_ROWS_MAX.min(n - t0);
-                let xs = &prepared.wide[g][k0 * m..];
-                macro_rules! chains {
-                    ($m:literal) => {{
-                        let a_scales: [&[f32]; $m] =
-                            std::array::from_fn(|k| &prepared.a_scales[t0 + k][k0 / ACT_BLOCK..]);
-                        let group: &mut [_; $m] = (&mut chains[t0..t0 + $m]).try_into().expect("a group of x rows");
-                        unsafe { wide_tiles::chains::<$m>(&tile, xs, a_scales, restore, group) };
-                    }};
-                }
-                match m {
-                    1 => chains!(1),
-                    2 => chains!(2),
-                    3 => chains!(3),
-                    4 => chains!(4),
-                    5 => chains!(5),
-                    6 => chains!(6),
-                    7 => chains!(7),
-                    8 => chains!(8),
-                    m => unreachable!("{m} x rows at once"),
-                }
-            }
-        }
-        for (t, vectors) in chains.iter().enumerate() {
-            let mut sums = [0.0f32; TILE_ROWS];
-            for (v, vector) in vectors.iter().enumerate() {
-                // SAFETY: eight floats into the eight at `8 * v`.
-                unsafe { _mm256_storeu_ps(sums.as_mut_ptr().add(8 * v), *vector) };
-            }
-            for (i, &sum) in sums[..here].iter().enumerate() {
-                outputs[(i0 + i) * n + t] = sum;
-            }
-        }
-    }
 }
 
 /// Every x row's output for weight rows `first..`, `outputs[i * n + t]` for

@@ -14,40 +14,112 @@
 
 use std::arch::x86_64::*;
 
+use super::{Prepared, Weights};
 use crate::act_quant::ACT_BLOCK;
 use crate::dtype::FP4_E2M1_VALUES;
 
 /// Weight rows a tile holds: three vectors of eight f64 lanes.
-pub(super) const TILE_ROWS: usize = 24;
+const TILE_ROWS: usize = 24;
 /// Vectors of weight rows in a register tile.
 const ROW_VECTORS: usize = TILE_ROWS / 8;
 /// Most x rows in one register tile (24 accumulators, three weight vectors
 /// and a broadcast fill the 32 registers but for a few).
 pub(super) const X_ROWS_MAX: usize = 8;
 
+/// Every x row's output for weight rows `first..` through the wide tiles,
+/// laid out as [`super::rows_outputs`] lays them: `outputs[i * n + t]`. Each tile
+/// of 24 rows runs over K in tiles of [`TILE_COLS`] columns,
+/// every x row's chains carried from one to the next.
+pub(super) fn outputs(weights: &Weights, prepared: &Prepared, first: usize, outputs: &mut [f32]) {
+    let n = prepared.acts.len();
+    let cols = prepared.acts[0].values.len();
+    let (blocks, weight_rows) = (cols / ACT_BLOCK, outputs.len() / n);
+    let mut tile = Tile::new();
+    // SAFETY (every block below): `block_scaled_product` checked the path's
+    // features (AVX-512F and VL among them) and that no FP8 code is NaN; the
+    // rows, x groups and scales hold the columns and blocks the calls read.
+    let mut chains: Vec<[__m256; TILE_ROWS / 8]> = vec![[unsafe { _mm256_setzero_ps() }; TILE_ROWS / 8]; n];
+    for i0 in (0..weight_rows).step_by(TILE_ROWS) {
+        let here = TILE_ROWS.min(weight_rows - i0);
+        // Rows past the end repeat the last one; their outputs are dropped.
+        let row = |i: usize| first + i0 + i.min(here - 1);
+        let row_scales: [&[f32]; TILE_ROWS] = std::array::from_fn(|i| weights.scale_row(row(i), blocks));
+        chains.iter_mut().for_each(|c| *c = [unsafe { _mm256_setzero_ps() }; TILE_ROWS / 8]);
+        for k0 in (0..cols).step_by(TILE_COLS) {
+            let kc = TILE_COLS.min(cols - k0);
+            let restore = match weights {
+                Weights::Fp8 { codes, .. } => {
+                    let rows = std::array::from_fn(|i| &codes[row(i) * cols + k0..][..kc]);
+                    unsafe { decode_fp8(&rows, kc, &mut tile) };
+                    super::avx512::RESTORE
+                }
+                Weights::Fp4 { codes, .. } => {
+                    let rows = std::array::from_fn(|i| &codes[(row(i) * cols + k0) / 2..][..kc / 2]);
+                    unsafe { decode_fp4(&rows, kc, &mut tile) };
+                    1.0
+                }
+            };
+            tile.set_scales(&row_scales, k0 / ACT_BLOCK);
+            for (g, t0) in (0..n).step_by(X_ROWS_MAX).enumerate() {
+                let m = X_ROWS_MAX.min(n - t0);
+                let xs = &prepared.wide[g][k0 * m..];
+                macro_rules! chains {
+                    ($m:literal) => {{
+                        let a_scales: [&[f32]; $m] =
+                            std::array::from_fn(|k| &prepared.a_scales[t0 + k][k0 / ACT_BLOCK..]);
+                        let group: &mut [_; $m] = (&mut chains[t0..t0 + $m]).try_into().expect("a group of x rows");
+                        unsafe { continue_chains::<$m>(&tile, xs, a_scales, restore, group) };
+                    }};
+                }
+                match m {
+                    1 => chains!(1),
+                    2 => chains!(2),
+                    3 => chains!(3),
+                    4 => chains!(4),
+                    5 => chains!(5),
+                    6 => chains!(6),
+                    7 => chains!(7),
+                    8 => chains!(8),
+                    m => unreachable!("{m} x rows at once"),
+                }
+            }
+        }
+        for (t, vectors) in chains.iter().enumerate() {
+            let mut sums = [0.0f32; TILE_ROWS];
+            for (v, vector) in vectors.iter().enumerate() {
+                // SAFETY: eight floats into the eight at `8 * v`.
+                unsafe { _mm256_storeu_ps(sums.as_mut_ptr().add(8 * v), *vector) };
+            }
+            for (i, &sum) in sums[..here].iter().enumerate() {
+                outputs[(i0 + i) * n + t] = sum;
+            }
+        }
+    }
+}
+
 /// Columns a tile holds: 24 rows of them in f64 (24 KiB) stay in L1 while
 /// every x row of the batch passes.
-pub(super) const TILE_COLS: usize = 128;
+const TILE_COLS: usize = 128;
 
 /// A weight tile as the register tiles read it: `values[c * 24 + r]` for
 /// column `c` and tile row `r` (each column's rows on whole cache lines), and
 /// `scales[b * 24 + r]` for K block `b`.
-pub(super) struct Tile {
+struct Tile {
     buf: Vec<f64>,
     start: usize,
     cols: usize,
-    pub scales: Vec<f32>,
+    scales: Vec<f32>,
 }
 
 impl Tile {
-    pub fn new() -> Self {
+    fn new() -> Self {
         let buf = vec![0.0f64; TILE_COLS * TILE_ROWS + 8];
         let start = (8 - (buf.as_ptr() as usize / 8) % 8) % 8;
         Self { buf, start, cols: 0, scales: vec![0.0; TILE_COLS / ACT_BLOCK * TILE_ROWS] }
     }
 
     /// Columns decoded now.
-    pub fn cols(&self) -> usize {
+    fn cols(&self) -> usize {
         self.cols
     }
 
@@ -63,7 +135,7 @@ impl Tile {
     }
 
     /// Tile rows' block scales from K block `first`: `row_scales[r]` holds row `r`'s.
-    pub fn set_scales(&mut self, row_scales: &[&[f32]; TILE_ROWS], first: usize) {
+    fn set_scales(&mut self, row_scales: &[&[f32]; TILE_ROWS], first: usize) {
         let blocks = self.cols / ACT_BLOCK;
         for (b, column) in self.scales.chunks_exact_mut(TILE_ROWS).enumerate().take(blocks) {
             column.iter_mut().zip(row_scales).for_each(|(s, row)| *s = row[first + b]);
@@ -78,7 +150,7 @@ impl Tile {
 /// # Safety
 /// The CPU must support AVX-512F.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn decode_fp8(rows: &[&[u8]; TILE_ROWS], cols: usize, tile: &mut Tile) {
+unsafe fn decode_fp8(rows: &[&[u8]; TILE_ROWS], cols: usize, tile: &mut Tile) {
     assert!(rows.iter().all(|r| r.len() >= cols), "fp8 tile rows");
     let out = tile.values_mut(cols).as_mut_ptr();
     for v in 0..ROW_VECTORS {
@@ -108,7 +180,7 @@ pub(super) unsafe fn decode_fp8(rows: &[&[u8]; TILE_ROWS], cols: usize, tile: &m
 /// # Safety
 /// The CPU must support AVX-512F.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn decode_fp4(rows: &[&[u8]; TILE_ROWS], cols: usize, tile: &mut Tile) {
+unsafe fn decode_fp4(rows: &[&[u8]; TILE_ROWS], cols: usize, tile: &mut Tile) {
     assert!(rows.iter().all(|r| 2 * r.len() >= cols), "fp4 tile rows");
     let values: [f64; 16] = std::array::from_fn(|code| FP4_E2M1_VALUES[code] as f64);
     let (low_codes, high_codes) = (_mm512_loadu_pd(values.as_ptr()), _mm512_loadu_pd(values.as_ptr().add(8)));
@@ -170,7 +242,7 @@ pub(super) unsafe fn decode_fp4(rows: &[&[u8]; TILE_ROWS], cols: usize, tile: &m
 /// # Safety
 /// The CPU must support AVX-512F and VL.
 #[target_feature(enable = "avx512f,avx512vl")]
-pub(super) unsafe fn chains<const M: usize>(
+unsafe fn continue_chains<const M: usize>(
     tile: &Tile,
     xs: &[f64],
     a_scales: [&[f32]; M],
