@@ -101,12 +101,46 @@ impl Rope {
 /// has no value: on return `logits` holds the probabilities of the real entries
 /// (they sum to less than one). `-inf` entries get probability 0.
 pub fn softmax_with_sink(logits: &mut [f32], sink: f32) {
-    let max = logits.iter().fold(sink, |m, &v| m.max(v));
+    #[cfg(target_arch = "x86_64")]
+    if matches!(crate::Isa::detect(), crate::Isa::Avx512) {
+        // SAFETY: the detected path guarantees AVX-512F.
+        return unsafe { softmax_with_sink_avx512(logits, sink) };
+    }
+    softmax_with_sink_plain(logits, sink);
+}
+
+#[inline(always)]
+fn softmax_with_sink_plain(logits: &mut [f32], sink: f32) {
+    let max = max_lanes(logits).max(sink);
     logits.iter_mut().for_each(|v| *v -= max);
     exp_in_place(logits);
     let sum = exp(sink - max) + sum_lanes(logits);
     let inv = 1.0 / sum;
     logits.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// The plain steps compiled for 16-lane registers (element-wise operations
+/// and a maximum: the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn softmax_with_sink_avx512(logits: &mut [f32], sink: f32) {
+    softmax_with_sink_plain(logits, sink);
+}
+
+/// The largest of `x` that is not NaN (−inf for none), sixteen lanes at a
+/// time instead of one serial chain. Which maximum is found first changes
+/// nothing the softmaxes compute: the values are the same but for the sign
+/// of a zero, and `v − (±0)` and `exp(±0)` do not see it.
+#[inline(always)]
+fn max_lanes(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        lanes.iter_mut().zip(chunk).for_each(|(l, &v)| *l = l.max(v));
+    }
+    lanes.iter_mut().zip(tail).for_each(|(l, &v)| *l = l.max(v));
+    lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
 }
 
 /// Sum in the lane order of [`crate::linear::dot`]: element `i` into lane
@@ -294,11 +328,28 @@ unsafe fn add_weighted_rows_4_avx512(out: &mut [f32], weights: &[f32], rows: &[f
 
 /// Plain softmax in place.
 pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    #[cfg(target_arch = "x86_64")]
+    if matches!(crate::Isa::detect(), crate::Isa::Avx512) {
+        // SAFETY: the detected path guarantees AVX-512F.
+        return unsafe { softmax_avx512(x) };
+    }
+    softmax_plain(x);
+}
+
+#[inline(always)]
+fn softmax_plain(x: &mut [f32]) {
+    let max = max_lanes(x);
     x.iter_mut().for_each(|v| *v -= max);
     exp_in_place(x);
     let inv = 1.0 / sum_lanes(x);
     x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// The plain steps compiled for 16-lane registers (the same bits).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn softmax_avx512(x: &mut [f32]) {
+    softmax_plain(x);
 }
 
 #[inline]

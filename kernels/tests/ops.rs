@@ -119,6 +119,50 @@ fn softmax_with_sink_matches_formula_and_leaves_mass_to_the_sink() {
     assert_eq!(a, b);
 }
 
+/// The softmaxes give the bits of their serial definition (the maximum
+/// folded in order from the sink) on every length, with `-inf`, zeros of
+/// both signs and ties among the logits.
+#[test]
+fn softmaxes_give_the_bits_of_the_serial_definition() {
+    fn serial(logits: &mut [f32], sink: f32) {
+        let max = logits.iter().fold(sink, |m, &v| m.max(v));
+        logits.iter_mut().for_each(|v| *v -= max);
+        let exps: Vec<f32> = logits.iter().map(|&v| deepinfer_kernels::exp::exp(v)).collect();
+        logits.copy_from_slice(&exps);
+        let sum = deepinfer_kernels::exp::exp(sink - max) + deepinfer_kernels::ops::sum_lanes(logits);
+        let inv = 1.0 / sum;
+        logits.iter_mut().for_each(|v| *v *= inv);
+    }
+    let mut seed = 7u64;
+    let mut next = || {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        seed >> 33
+    };
+    for len in 0..70 {
+        for sink in [f32::NEG_INFINITY, -0.0, 0.0, 1.5] {
+            let logits: Vec<f32> = (0..len)
+                .map(|_| match next() % 9 {
+                    0 => f32::NEG_INFINITY,
+                    1 => 0.0,
+                    2 => -0.0,
+                    3 => 2.0,
+                    r => (r as f32 - 5.0) * 0.37 + (next() % 1000) as f32 * 1e-3,
+                })
+                .collect();
+            let (mut got, mut want) = (logits.clone(), logits.clone());
+            softmax_with_sink(&mut got, sink);
+            serial(&mut want, sink);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            assert_eq!(bits(&got), bits(&want), "softmax_with_sink, length {len}, sink {sink}");
+            if sink == f32::NEG_INFINITY {
+                let mut plain = logits.clone();
+                softmax(&mut plain);
+                assert_eq!(bits(&plain), bits(&want), "softmax, length {len}");
+            }
+        }
+    }
+}
+
 #[test]
 fn sqrt_softplus_matches_torch() {
     // torch.sqrt(torch.nn.functional.softplus(x)) in float32, torch 2.15.0 on CPU.

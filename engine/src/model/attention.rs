@@ -274,7 +274,8 @@ pub fn forward(
             let e = entries.unwrap_or(&[]);
             // Every head scores the same keys (one KV head): all heads' scores
             // at once, each the bits of its own `dot`.
-            let chosen: Vec<f32> = selected.iter().flat_map(|&w| &e[w * hd..(w + 1) * hd]).copied().collect();
+            let mut chosen = Vec::with_capacity(selected.len() * hd);
+            selected.iter().for_each(|&w| chosen.extend_from_slice(&e[w * hd..(w + 1) * hd]));
             let nk = nw + selected.len();
             let heads_q = &q[t * h * hd..(t + 1) * h * hd];
             let mut window_scores = vec![0.0f32; h * nw];
@@ -290,7 +291,9 @@ pub fn forward(
                     &mut window_probs[head * nw..][..nw],
                     &mut chosen_probs[head * selected.len()..][..selected.len()],
                 );
-                logits.iter_mut().zip(window.iter().chain(chosen.iter())).for_each(|(l, s)| *l = s * scale);
+                let (window_logits, chosen_logits) = logits.split_at_mut(nw);
+                window_logits.iter_mut().zip(window.iter()).for_each(|(l, s)| *l = s * scale);
+                chosen_logits.iter_mut().zip(chosen.iter()).for_each(|(l, s)| *l = s * scale);
                 softmax_with_sink(&mut logits, a.sink[head]);
                 window.copy_from_slice(&logits[..nw]);
                 chosen.copy_from_slice(&logits[nw..]);

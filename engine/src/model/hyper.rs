@@ -103,10 +103,12 @@ fn normed_mix(mix: &Linear, streams: &[f32], n: usize, width: usize, eps: f32) -
     mixes
 }
 
+/// `out = Σ_j pre[j] · stream j`, from zero, each product rounded before its
+/// sum (`add_scaled`: 16 lanes where the CPU has them, the same bits).
 fn collapse(pre: &[f32], streams: &[f32], out: &mut [f32]) {
     let d = out.len();
     out.fill(0.0);
     for (j, &p) in pre.iter().enumerate() {
-        out.iter_mut().zip(&streams[j * d..(j + 1) * d]).for_each(|(v, &x)| *v += p * x);
+        add_scaled(out, p, &streams[j * d..(j + 1) * d]);
     }
 }
