@@ -209,16 +209,23 @@ pub fn forward(
         angles.apply(t, row);
     });
 
-    if let Some(c) = &a.compressor {
+    // The compressor and the indexer (its own compressor, queries and
+    // per-head weights, for CSA layers) read the same inputs and write
+    // apart, so they run side by side: each compressor steps its tokens in
+    // order on one thread.
+    let (mut compressors, mut indexers): (Vec<_>, Vec<_>) =
+        states.iter_mut().map(|s| (s.compressor.as_mut(), s.indexer.as_mut())).unzip();
+    let compress = || {
+        if let Some(c) = &a.compressor {
+            let mut cs: Vec<&mut CompressorState> =
+                compressors.iter_mut().map(|s| s.as_deref_mut().expect("compressed layer state")).collect();
+            run_compressor(c, x, n, segments, &mut cs, rope, eps);
+        }
+    };
+    let index = || {
+        let ix = a.indexer.as_ref()?;
         let mut cs: Vec<&mut CompressorState> =
-            states.iter_mut().map(|s| s.compressor.as_mut().expect("compressed layer state")).collect();
-        run_compressor(c, x, n, segments, &mut cs, rope, eps);
-    }
-
-    // Indexer queries and per-head weights, for CSA layers.
-    let index = a.indexer.as_ref().map(|ix| {
-        let mut cs: Vec<&mut CompressorState> =
-            states.iter_mut().map(|s| s.indexer.as_mut().expect("CSA layer state")).collect();
+            indexers.iter_mut().map(|s| s.as_deref_mut().expect("CSA layer state")).collect();
         run_compressor(&ix.compressor, x, n, segments, &mut cs, rope, eps);
         let ihd = cfg.index_head_dim;
         let mut iq = project(&ix.wq_b, &q_res, n);
@@ -230,8 +237,9 @@ pub fn forward(
         let mut iw = project(&ix.weights_proj, x, n);
         let scale = (cfg.index_n_heads as f32).powf(-0.5);
         iw.iter_mut().for_each(|v| *v *= scale);
-        (iq, iw)
-    });
+        Some((iq, iw))
+    };
+    let ((), index) = rayon::join(compress, index);
 
     let window = cfg.sliding_window;
     let scale = (hd as f32).powf(-0.5);
