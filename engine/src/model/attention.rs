@@ -8,7 +8,9 @@ use deepinfer_kernels::ops::{
     add_weighted_rows_heads, rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope,
 };
 
-use super::rows::{each_token, norm_rows};
+use rayon::prelude::*;
+
+use super::rows::{each_token, norm_rows, spread_tokens};
 use super::state::{CompressorState, LayerState};
 use super::weights::{Attention, Compressor};
 use crate::config::ModelConfig;
@@ -36,14 +38,15 @@ struct Angles {
 }
 
 impl Angles {
-    fn new(rope: &Rope, positions: impl Iterator<Item = usize>) -> Self {
+    fn new(rope: &Rope, positions: &[usize]) -> Self {
         let half = rope.inv_freq.len();
-        let (mut cos, mut sin) = (Vec::new(), Vec::new());
-        for p in positions {
-            let at = cos.len();
-            cos.resize(at + half, 0.0);
-            sin.resize(at + half, 0.0);
-            rope.cos_sin(p, &mut cos[at..], &mut sin[at..]);
+        let (mut cos, mut sin) = (vec![0.0f32; positions.len() * half], vec![0.0f32; positions.len() * half]);
+        // Each position's angles alone; a prefill's spread over threads.
+        let fill = |((&p, cos), sin): ((&usize, &mut [f32]), &mut [f32])| rope.cos_sin(p, cos, sin);
+        if half > 0 && spread_tokens(positions.len()) {
+            positions.par_iter().zip(cos.par_chunks_exact_mut(half)).zip(sin.par_chunks_exact_mut(half)).for_each(fill);
+        } else if half > 0 {
+            positions.iter().zip(cos.chunks_exact_mut(half)).zip(sin.chunks_exact_mut(half)).for_each(fill);
         }
         Self { half, cos, sin }
     }
@@ -110,10 +113,10 @@ fn compress_token(c: &Compressor, st: &mut CompressorState, kv: &[f32], gate: &[
     let kvs = std::mem::take(&mut st.pending_kv);
     st.pending_gate.clear();
     let mut entry = vec![0.0f32; dim];
-    let mut logits = Vec::with_capacity(2 * ratio);
+    let (mut logits, mut values) = (Vec::with_capacity(2 * ratio), Vec::with_capacity(2 * ratio));
     for (ch, out) in entry.iter_mut().enumerate() {
         logits.clear();
-        let mut values = Vec::with_capacity(2 * ratio);
+        values.clear();
         if c.overlap {
             // First series of the previous window (none before the first window).
             for j in 0..ratio {
@@ -148,7 +151,7 @@ fn compress_token(c: &Compressor, st: &mut CompressorState, kv: &[f32], gate: &[
         st.overlap_gate = Some(og);
     }
     rms_norm(&mut entry, Some(&c.norm), eps);
-    Angles::new(rope, std::iter::once(window * ratio)).apply(0, &mut entry);
+    Angles::new(rope, &[window * ratio]).apply(0, &mut entry);
     st.entries.extend_from_slice(&entry);
 }
 
@@ -192,7 +195,7 @@ pub fn forward(
     let (h, hd) = (cfg.num_heads, cfg.head_dim);
     let eps = cfg.rms_norm_eps;
     let positions: Vec<usize> = segments.iter().flat_map(|s| s.position..s.position + s.len).collect();
-    let angles = Angles::new(rope, positions.iter().copied());
+    let angles = Angles::new(rope, &positions);
 
     let mut q_res = project(&a.wq_a, x, n);
     norm_rows(&mut q_res, cfg.q_lora_rank, Some(&a.q_norm), eps);

@@ -4,7 +4,7 @@
 use deepinfer_kernels::ops::{add_scaled, sqrt_softplus, swiglu_clamped, top_k};
 use rayon::prelude::*;
 
-use super::rows::each_token;
+use super::rows::{each_token, spread_tokens};
 use super::weights::{Mlp, Moe};
 use crate::config::{ModelConfig, RoutingKind};
 
@@ -22,30 +22,34 @@ pub fn route(moe: &Moe, cfg: &ModelConfig, x: &[f32], tokens: &[u32]) -> Vec<Rou
     let k = cfg.experts_per_token;
     let mut logits = vec![0.0f32; n * e];
     moe.gate.forward(x, n, &mut logits);
-    (0..n)
-        .map(|t| {
-            let scores: Vec<f32> = logits[t * e..(t + 1) * e].iter().map(|&v| sqrt_softplus(v)).collect();
-            let experts = match moe.routing {
-                RoutingKind::Hash => {
-                    let table = moe.tid2eid.as_ref().expect("hash layer has tid2eid");
-                    let id = (tokens[t] as usize).min(cfg.vocab_size - 1);
-                    table[id * k..(id + 1) * k].iter().map(|&x| x as usize).collect()
-                }
-                RoutingKind::TopK => {
-                    let bias = moe.bias.as_ref().expect("top-k layer has a bias");
-                    let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
-                    top_k(&biased, k)
-                }
-            };
-            let mut weights: Vec<f32> = experts.iter().map(|&i| scores[i]).collect();
-            if cfg.norm_topk_prob {
-                let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
-                weights.iter_mut().for_each(|w| *w /= sum);
+    // Each token's route alone; a prefill's spread over threads.
+    let route_token = |t: usize| {
+        let scores: Vec<f32> = logits[t * e..(t + 1) * e].iter().map(|&v| sqrt_softplus(v)).collect();
+        let experts = match moe.routing {
+            RoutingKind::Hash => {
+                let table = moe.tid2eid.as_ref().expect("hash layer has tid2eid");
+                let id = (tokens[t] as usize).min(cfg.vocab_size - 1);
+                table[id * k..(id + 1) * k].iter().map(|&x| x as usize).collect()
             }
-            weights.iter_mut().for_each(|w| *w *= cfg.routed_scaling_factor);
-            Route { experts, weights }
-        })
-        .collect()
+            RoutingKind::TopK => {
+                let bias = moe.bias.as_ref().expect("top-k layer has a bias");
+                let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+                top_k(&biased, k)
+            }
+        };
+        let mut weights: Vec<f32> = experts.iter().map(|&i| scores[i]).collect();
+        if cfg.norm_topk_prob {
+            let sum: f32 = weights.iter().sum::<f32>() + 1e-20;
+            weights.iter_mut().for_each(|w| *w /= sum);
+        }
+        weights.iter_mut().for_each(|w| *w *= cfg.routed_scaling_factor);
+        Route { experts, weights }
+    };
+    if spread_tokens(n) {
+        (0..n).into_par_iter().map(route_token).collect()
+    } else {
+        (0..n).map(route_token).collect()
+    }
 }
 
 /// One SwiGLU MLP over `n` rows.
