@@ -3,7 +3,7 @@
 //! lightning indexer's top-k for CSA), a per-head sink, and the grouped
 //! low-rank output projection.
 
-use deepinfer_kernels::linear::{dot, dot_rows};
+use deepinfer_kernels::linear::dot_rows;
 use deepinfer_kernels::ops::{
     add_weighted_rows_heads, rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope,
 };
@@ -349,12 +349,10 @@ pub fn forward(
 /// Lightning-indexer scores of one query over the first `visible` entries:
 /// `Σ_h w_h · relu(q_h · k) / sqrt(index_head_dim)`.
 fn index_scores(cfg: &ModelConfig, q: &[f32], w: &[f32], entries: &[f32], visible: usize) -> Vec<f32> {
-    let ihd = cfg.index_head_dim;
+    let (heads, ihd) = (cfg.index_n_heads, cfg.index_head_dim);
     let scale = (ihd as f32).powf(-0.5);
-    (0..visible)
-        .map(|e| {
-            let k = &entries[e * ihd..(e + 1) * ihd];
-            (0..cfg.index_n_heads).map(|h| w[h] * (dot(&q[h * ihd..(h + 1) * ihd], k).max(0.0) * scale)).sum()
-        })
-        .collect()
+    // Every head against every entry in register tiles, each the bits of its `dot`.
+    let mut dots = vec![0.0f32; heads * visible];
+    dot_rows(&q[..heads * ihd], heads, &entries[..visible * ihd], visible, ihd, &mut dots);
+    (0..visible).map(|e| (0..heads).map(|h| w[h] * (dots[h * visible + e].max(0.0) * scale)).sum()).collect()
 }

@@ -226,6 +226,7 @@ pub fn combine(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch, outputs: &Expe
     assert!(outputs.is_complete(), "every routed slot has an output");
     let d = cfg.hidden_size;
     let n = dispatch.routes.len();
+    let shared = moe.shared.as_ref().map(|shared| mlp(shared, cfg.swiglu_limit, &dispatch.x, n));
     let mut out = vec![0.0f32; n * d];
     each_token(&mut out, d, |t, o| {
         let r = &dispatch.routes[t];
@@ -236,11 +237,11 @@ pub fn combine(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch, outputs: &Expe
             let w = r.weights[slot];
             add_scaled(o, w, y);
         }
+        if let Some(y) = &shared {
+            // `o += y`: times one is exact, so these are the bits of the plain sum.
+            add_scaled(o, 1.0, &y[t * d..(t + 1) * d]);
+        }
     });
-    if let Some(shared) = &moe.shared {
-        let y = mlp(shared, cfg.swiglu_limit, &dispatch.x, n);
-        out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
-    }
     out
 }
 
