@@ -10,7 +10,7 @@ use deepinfer_kernels::ops::{
 
 use rayon::prelude::*;
 
-use super::rows::{each_token, norm_rows, spread_tokens};
+use super::rows::{each_token, norm_rows, spread_tokens, zeros};
 use super::state::{CompressorState, LayerState};
 use super::weights::{Attention, Compressor};
 use crate::config::ModelConfig;
@@ -72,7 +72,7 @@ impl Angles {
 }
 
 fn project(w: &deepinfer_kernels::Linear, x: &[f32], n: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; n * w.rows];
+    let mut out = zeros(n * w.rows);
     w.forward(x, n, &mut out);
     out
 }
@@ -246,7 +246,7 @@ pub fn forward(
 
     let window = cfg.sliding_window;
     let scale = (hd as f32).powf(-0.5);
-    let mut attn_out = vec![0.0f32; n * h * hd];
+    let mut attn_out = zeros(n * h * hd);
     for (seg, st) in segments.iter().zip(states.iter_mut()) {
         // Keys (= values): the cached tail of the window, then this chunk's.
         let cached = st.window.len() / hd;
@@ -331,7 +331,7 @@ pub fn forward(
     // Grouped low-rank output projection.
     let groups = a.wo_a.len();
     let group_in = h * hd / groups;
-    let mut grouped = vec![0.0f32; n * groups * cfg.o_lora_rank];
+    let mut grouped = zeros(n * groups * cfg.o_lora_rank);
     for (g, w) in a.wo_a.iter().enumerate() {
         let mut input = Vec::with_capacity(n * group_in);
         for t in 0..n {

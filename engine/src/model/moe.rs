@@ -4,7 +4,7 @@
 use deepinfer_kernels::ops::{add_scaled, sqrt_softplus, swiglu_clamped, top_k};
 use rayon::prelude::*;
 
-use super::rows::{each_token, spread_tokens};
+use super::rows::{each_token, spread_tokens, zeros};
 use super::weights::{Mlp, Moe};
 use crate::config::{ModelConfig, RoutingKind};
 
@@ -55,13 +55,19 @@ pub fn route(moe: &Moe, cfg: &ModelConfig, x: &[f32], tokens: &[u32]) -> Vec<Rou
 /// One SwiGLU MLP over `n` rows.
 pub fn mlp(m: &Mlp, limit: f32, x: &[f32], n: usize) -> Vec<f32> {
     let inter = m.w1.rows;
-    let mut gate = vec![0.0f32; n * inter];
-    let mut up = vec![0.0f32; n * inter];
+    let mut gate = zeros(n * inter);
+    let mut up = zeros(n * inter);
     m.w1.forward(x, n, &mut gate);
     m.w3.forward(x, n, &mut up);
-    let mut act = vec![0.0f32; n * inter];
-    swiglu_clamped(&gate, &up, limit, &mut act);
-    let mut out = vec![0.0f32; n * m.w2.rows];
+    let mut act = zeros(n * inter);
+    // Element by element, so a long pass spreads its rows over threads.
+    let swiglu = |(act, (gate, up)): (&mut [f32], (&[f32], &[f32]))| swiglu_clamped(gate, up, limit, act);
+    if spread_tokens(n) {
+        act.par_chunks_mut(inter).zip(gate.par_chunks(inter).zip(up.par_chunks(inter))).for_each(swiglu);
+    } else {
+        swiglu((&mut act, (&gate, &up)));
+    }
+    let mut out = zeros(n * m.w2.rows);
     m.w2.forward(&act, n, &mut out);
     out
 }
@@ -227,7 +233,7 @@ pub fn combine(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch, outputs: &Expe
     let d = cfg.hidden_size;
     let n = dispatch.routes.len();
     let shared = moe.shared.as_ref().map(|shared| mlp(shared, cfg.swiglu_limit, &dispatch.x, n));
-    let mut out = vec![0.0f32; n * d];
+    let mut out = zeros(n * d);
     each_token(&mut out, d, |t, o| {
         let r = &dispatch.routes[t];
         let mut order: Vec<usize> = (0..r.experts.len()).collect();

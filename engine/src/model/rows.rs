@@ -12,6 +12,19 @@ pub(crate) fn spread_tokens(n: usize) -> bool {
     n >= SPREAD_TOKENS_MIN && rayon::current_num_threads() > 1
 }
 
+/// Floats from which a fresh buffer is zeroed by every thread (1 MiB): the
+/// allocator zeroes reused memory on the calling thread while the others wait.
+const SPREAD_ZEROS_MIN: usize = 1 << 18;
+
+/// `len` zeros, written by every thread when the buffer is large.
+pub(crate) fn zeros(len: usize) -> Vec<f32> {
+    if len >= SPREAD_ZEROS_MIN && rayon::current_num_threads() > 1 {
+        (0..len).into_par_iter().map(|_| 0.0f32).collect()
+    } else {
+        vec![0.0f32; len]
+    }
+}
+
 /// `step(t, row)` for every `width`-wide row `t` of `rows`.
 pub(crate) fn each_token(rows: &mut [f32], width: usize, step: impl Fn(usize, &mut [f32]) + Sync) {
     if spread_tokens(rows.len() / width.max(1)) {
