@@ -328,28 +328,8 @@ unsafe fn add_weighted_rows_4_avx512(out: &mut [f32], weights: &[f32], rows: &[f
 
 /// Plain softmax in place.
 pub fn softmax(x: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if matches!(crate::Isa::detect(), crate::Isa::Avx512) {
-        // SAFETY: the detected path guarantees AVX-512F.
-        return unsafe { softmax_avx512(x) };
-    }
-    softmax_plain(x);
-}
-
-#[inline(always)]
-fn softmax_plain(x: &mut [f32]) {
-    let max = max_lanes(x);
-    x.iter_mut().for_each(|v| *v -= max);
-    exp_in_place(x);
-    let inv = 1.0 / sum_lanes(x);
-    x.iter_mut().for_each(|v| *v *= inv);
-}
-
-/// The plain steps compiled for 16-lane registers (the same bits).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn softmax_avx512(x: &mut [f32]) {
-    softmax_plain(x);
+    // A sink of −inf takes no mass: exp(−inf − max) adds zero to the sum.
+    softmax_with_sink(x, f32::NEG_INFINITY);
 }
 
 #[inline]

@@ -217,7 +217,9 @@ struct Prepared<'a> {
     digits: Vec<Vec<i8>>,
     /// FP4 with VNNI: `12 · Σ A` per block, padded to whole vectors.
     offsets: Vec<Vec<i32>>,
-    /// FP8: the values in f64 (times [`WIDE_SCALE`] for the AVX-512 kernel).
+    /// FP8: the values in f64 (times [`WIDE_SCALE`] for the AVX-512 kernel),
+    /// a row each; on the wide tiles (FP8 and FP4) groups of eight rows
+    /// interleaved column by column instead.
     wide: Vec<Vec<f64>>,
     /// Each row's block scales, padded with zeros to whole vectors (every path reads these).
     a_scales: Vec<Vec<f32>>,
@@ -225,6 +227,9 @@ struct Prepared<'a> {
 
 impl<'a> Prepared<'a> {
     fn new(path: BlockPath, weights: &Weights, acts: &'a [Fp8Row], cols: usize, wide_tiles: bool) -> Self {
+        // Only AVX-512 has the wide tiles.
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = wide_tiles;
         let blocks = padded_blocks(cols);
         let a_scales = acts
             .iter()
@@ -237,8 +242,10 @@ impl<'a> Prepared<'a> {
         let mut prepared = Self { acts, ints: vec![], digits: vec![], offsets: vec![], wide: vec![], a_scales };
         match weights {
             // The wide tiles decode FP4 weights to their values: x's own values meet them.
-            Weights::Fp4 { .. } if wide_tiles => prepared.wide = interleaved(acts, 1.0),
-            Weights::Fp8 { .. } if wide_tiles => prepared.wide = interleaved(acts, WIDE_SCALE),
+            #[cfg(target_arch = "x86_64")]
+            Weights::Fp4 { .. } if wide_tiles => prepared.wide = wide_tiles::interleaved(acts, 1.0),
+            #[cfg(target_arch = "x86_64")]
+            Weights::Fp8 { .. } if wide_tiles => prepared.wide = wide_tiles::interleaved(acts, WIDE_SCALE),
             Weights::Fp4 { .. } => {
                 prepared.ints = acts.iter().map(|a| a.values.iter().map(|&v| (v * 512.0) as i32).collect()).collect();
                 if path == BlockPath::Avx512Vnni {
@@ -265,27 +272,6 @@ impl<'a> Prepared<'a> {
         }
         prepared
     }
-}
-
-/// The x values times `scale` in f64 for the wide tiles, in groups of up to
-/// eight rows, each group's values column by column (`group[c * m + t]`).
-fn interleaved(acts: &[Fp8Row], scale: f64) -> Vec<Vec<f64>> {
-    #[cfg(target_arch = "x86_64")]
-    let rows_max = wide_tiles::X_ROWS_MAX;
-    #[cfg(not(target_arch = "x86_64"))]
-    let rows_max = 1;
-    acts.chunks(rows_max)
-        .map(|group| {
-            let (m, cols) = (group.len(), group[0].values.len());
-            let mut values = vec![0.0f64; cols * m];
-            for (t, row) in group.iter().enumerate() {
-                for (at, &v) in values[t..].iter_mut().step_by(m).zip(&row.values) {
-                    *at = v as f64 * scale;
-                }
-            }
-            values
-        })
-        .collect()
 }
 
 /// K blocks rounded up to whole vectors of block sums.

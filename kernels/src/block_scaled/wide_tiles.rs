@@ -15,7 +15,7 @@
 use std::arch::x86_64::*;
 
 use super::{Prepared, Weights};
-use crate::act_quant::ACT_BLOCK;
+use crate::act_quant::{Fp8Row, ACT_BLOCK};
 use crate::dtype::FP4_E2M1_VALUES;
 
 /// Weight rows a tile holds: three vectors of eight f64 lanes.
@@ -24,7 +24,7 @@ const TILE_ROWS: usize = 24;
 const ROW_VECTORS: usize = TILE_ROWS / 8;
 /// Most x rows in one register tile (24 accumulators, three weight vectors
 /// and a broadcast fill the 32 registers but for a few).
-pub(super) const X_ROWS_MAX: usize = 8;
+const X_ROWS_MAX: usize = 8;
 
 /// Every x row's output for weight rows `first..` through the wide tiles,
 /// laid out as [`super::rows_outputs`] lays them: `outputs[i * n + t]`. Each tile
@@ -95,6 +95,23 @@ pub(super) fn outputs(weights: &Weights, prepared: &Prepared, first: usize, outp
             }
         }
     }
+}
+
+/// The x values times `scale` in f64 for the wide tiles, in groups of up to
+/// [`X_ROWS_MAX`] rows, each group's values column by column (`group[c * m + t]`).
+pub(super) fn interleaved(acts: &[Fp8Row], scale: f64) -> Vec<Vec<f64>> {
+    acts.chunks(X_ROWS_MAX)
+        .map(|group| {
+            let (m, cols) = (group.len(), group[0].values.len());
+            let mut values = vec![0.0f64; cols * m];
+            for (t, row) in group.iter().enumerate() {
+                for (at, &v) in values[t..].iter_mut().step_by(m).zip(&row.values) {
+                    *at = v as f64 * scale;
+                }
+            }
+            values
+        })
+        .collect()
 }
 
 /// Columns a tile holds: 24 rows of them in f64 (24 KiB) stay in L1 while
