@@ -48,25 +48,8 @@ impl BlockScales<'_> {
     #[inline]
     #[target_feature(enable = "avx512f")]
     unsafe fn apply16(&self, sums: __m512, row: usize, first: usize) -> __m512 {
-        let valid = self.w.len().saturating_sub(first).min(16);
-        let mask: __mmask16 = ((1u32 << valid) - 1) as u16;
-        let a = _mm512_loadu_ps(self.a[row].as_ptr().add(first));
-        let w = _mm512_maskz_loadu_ps(mask, self.w.as_ptr().add(first));
-        _mm512_mul_ps(_mm512_mul_ps(sums, a), w)
+        apply16(sums, &self.a[row], self.w, first)
     }
-}
-
-/// `sums` (blocks `first..first + 8` of one x row) times the x row's and the
-/// weight's block scales, in the definition's order; blocks past the end
-/// are multiplied by zero.
-#[inline]
-#[target_feature(enable = "avx512f,avx512vl")]
-unsafe fn apply8(sums: __m256, a_scales: &[f32], w_scales: &[f32], first: usize) -> __m256 {
-    let valid = w_scales.len().saturating_sub(first).min(8);
-    let mask: __mmask8 = ((1u32 << valid) - 1) as u8;
-    let a = _mm256_loadu_ps(a_scales.as_ptr().add(first));
-    let w = _mm256_maskz_loadu_ps(mask, w_scales.as_ptr().add(first));
-    _mm256_mul_ps(_mm256_mul_ps(sums, a), w)
 }
 
 #[inline]
@@ -130,47 +113,186 @@ unsafe fn fp4_rows<const M: usize>(
     }
 }
 
-/// Rounded block sums of one FP8 row (`codes`, no NaN) with one x row's
-/// values in f64, times 2^1000, times both block scales, into `sums`: eight
-/// blocks at a time (leftover blocks one by one). Two or more x rows take
-/// the wide tiles, which decode a column once for all of them.
+/// Columns of one FP8 chunk: one 64-byte load of codes, eight f64 vectors.
+const CHUNK_COLS: usize = 64;
+/// Chunks summed side by side: eight independent FMA chains, 16 blocks.
+const CHUNKS_AT_ONCE: usize = 8;
+
+/// One x row's values in f64 times `scale`, laid out as [`fp8_block_sums_vbmi`]
+/// reads them: per 64-column chunk, vector `k` lane `j` holds column
+/// `8j + k` (the code `vpmultishiftqb` puts there), zero past the row and
+/// up to whole groups of [`CHUNKS_AT_ONCE`] chunks.
+pub(super) fn lane_bytes_x(values: &[f32], scale: f64) -> Vec<f64> {
+    let padded = values.len().div_ceil(CHUNK_COLS).next_multiple_of(CHUNKS_AT_ONCE) * CHUNK_COLS;
+    let mut out = vec![0.0; padded];
+    for (c, &v) in values.iter().enumerate() {
+        let (chunk, within) = (c / CHUNK_COLS, c % CHUNK_COLS);
+        let (lane, byte) = (within / 8, within % 8);
+        out[chunk * CHUNK_COLS + byte * 8 + lane] = v as f64 * scale;
+    }
+    out
+}
+
+/// Rounded block sums of one FP8 row (`codes`, no NaN) with one x row in
+/// [`lane_bytes_x`]'s layout (times 2^1000), times both block scales, into
+/// `sums`: 16 blocks at a time. Two or more x rows take the wide tiles,
+/// which decode a column once for all of them.
+///
+/// A chunk's 64 codes are loaded once; `vpmultishiftqb` moves byte `k` of
+/// every quadword under the f64 exponent and a mask keeps its bits, two
+/// operations for eight weights. Lanes 0..4 of a chunk's sums are its first
+/// block's, lanes 4..8 its second's.
 ///
 /// # Safety
-/// The CPU must support AVX-512F and VL; `wide` holds `codes.len()` values,
-/// `a_scales` and `w_scales` the blocks, `sums` the blocks rounded up to 16.
-#[target_feature(enable = "avx512f,avx512vl")]
-pub(super) unsafe fn fp8_block_sums(codes: &[u8], wide: &[f64], a_scales: &[f32], w_scales: &[f32], sums: &mut [f32]) {
-    const NB: usize = 8;
+/// The CPU must support AVX-512F, VL, BW and VBMI; `x` holds [`lane_bytes_x`]'s
+/// padded row for `codes.len()` columns, `a_scales` and `sums` the blocks
+/// rounded up to 16, `w_scales` the blocks.
+#[target_feature(enable = "avx512f,avx512vl,avx512bw,avx512vbmi")]
+pub(super) unsafe fn fp8_block_sums_vbmi(
+    codes: &[u8],
+    x: &[f64],
+    a_scales: &[f32],
+    w_scales: &[f32],
+    sums: &mut [f32],
+) {
+    fp8_block_sums::<true>(codes, x, a_scales, w_scales, sums)
+}
+
+/// [`fp8_block_sums_vbmi`] without VBMI: each byte is shifted into place
+/// and back with its sign (three operations for eight weights).
+///
+/// # Safety
+/// The CPU must support AVX-512F, VL and BW; the slices as for [`fp8_block_sums_vbmi`].
+#[target_feature(enable = "avx512f,avx512vl,avx512bw")]
+pub(super) unsafe fn fp8_block_sums_shifts(
+    codes: &[u8],
+    x: &[f64],
+    a_scales: &[f32],
+    w_scales: &[f32],
+    sums: &mut [f32],
+) {
+    fp8_block_sums::<false>(codes, x, a_scales, w_scales, sums)
+}
+
+#[inline(always)]
+unsafe fn fp8_block_sums<const VBMI: bool>(
+    codes: &[u8],
+    x: &[f64],
+    a_scales: &[f32],
+    w_scales: &[f32],
+    sums: &mut [f32],
+) {
     let cols = codes.len();
     let blocks = cols / ACT_BLOCK;
-    assert!(wide.len() == cols && sums.len() >= blocks.next_multiple_of(16), "wide row and sums");
-    assert!(a_scales.len() >= blocks && w_scales.len() == blocks, "scales");
+    let groups = cols.div_ceil(CHUNK_COLS).div_ceil(CHUNKS_AT_ONCE);
+    assert!(x.len() == groups * CHUNKS_AT_ONCE * CHUNK_COLS, "x in lane-byte layout");
+    assert!(sums.len() >= blocks.next_multiple_of(16) && a_scales.len() >= blocks.next_multiple_of(16), "sums");
+    assert!(w_scales.len() == blocks, "weight scales");
     let restore = _mm512_set1_pd(RESTORE);
-    let whole = blocks / NB * NB;
-    for first in (0..whole).step_by(NB) {
-        // The weight's rows follow one another: one stream, fetched ahead.
-        crate::simd::fetch_ahead(codes.as_ptr().wrapping_add(first * ACT_BLOCK), NB * ACT_BLOCK / 64);
-        // Blocks side by side: each block's four FMAs depend on each other,
-        // the blocks do not, so the chains hide the FMA latency.
-        let mut acc = [_mm512_setzero_pd(); NB];
-        for part in 0..4 {
-            for (b, acc) in acc.iter_mut().enumerate() {
-                let c = (first + b) * ACT_BLOCK + 8 * part;
-                *acc = _mm512_fmadd_pd(_mm512_loadu_pd(wide.as_ptr().add(c)), fp8_decode8(codes.as_ptr().add(c)), *acc);
+    let control = multishift_controls();
+    // Blocks come out of `reduce_chunks` as 0, 2, 1, 3, …; this swaps them back.
+    let order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    for group in 0..groups {
+        let first = group * CHUNKS_AT_ONCE;
+        crate::simd::fetch_ahead(codes.as_ptr().wrapping_add(first * CHUNK_COLS), CHUNKS_AT_ONCE);
+        let packed: [__m512i; CHUNKS_AT_ONCE] = std::array::from_fn(|i| {
+            let start = (first + i) * CHUNK_COLS;
+            let bytes = cols.saturating_sub(start).min(CHUNK_COLS);
+            if bytes == CHUNK_COLS {
+                _mm512_loadu_si512(codes.as_ptr().add(start).cast())
+            } else {
+                // Columns past the row meet zeros in x; no code is read there.
+                let mask: __mmask64 = (1u64 << bytes) - 1;
+                _mm512_maskz_loadu_epi8(mask, codes.as_ptr().wrapping_add(start).cast())
+            }
+        });
+        let mut acc = [_mm512_setzero_pd(); CHUNKS_AT_ONCE];
+        // Byte by byte across the chunks: eight independent chains in flight.
+        for (k, control) in control.iter().enumerate() {
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let weights = if VBMI { lane_byte_vbmi(packed[i], *control) } else { lane_byte_shifts(packed[i], k) };
+                let xs = _mm512_loadu_pd(x.as_ptr().add((first + i) * CHUNK_COLS + 8 * k));
+                *acc = _mm512_fmadd_pd(xs, weights, *acc);
             }
         }
-        let exact = _mm512_mul_pd(reduce8(&acc), restore);
-        _mm256_storeu_ps(sums.as_mut_ptr().add(first), apply8(_mm512_cvtpd_ps(exact), a_scales, w_scales, first));
+        let low = _mm512_cvtpd_ps(_mm512_mul_pd(reduce_chunks(&acc[..4]), restore));
+        let high = _mm512_cvtpd_ps(_mm512_mul_pd(reduce_chunks(&acc[4..]), restore));
+        let rounded = _mm512_permutexvar_ps(order, join_halves(low, high));
+        let scaled = apply16(rounded, a_scales, w_scales, 2 * first);
+        _mm512_storeu_ps(sums.as_mut_ptr().add(2 * first), scaled);
     }
-    for b in whole..blocks {
-        let mut acc = _mm512_setzero_pd();
-        for part in 0..4 {
-            let c = b * ACT_BLOCK + 8 * part;
-            acc = _mm512_fmadd_pd(_mm512_loadu_pd(wide.as_ptr().add(c)), fp8_decode8(codes.as_ptr().add(c)), acc);
-        }
-        let sum = (_mm512_reduce_add_pd(acc) * RESTORE) as f32;
-        sums[b] = sum * a_scales[b] * w_scales[b];
+}
+
+/// For byte `k` of a quadword (0..8), the `vpmultishiftqb` control that
+/// puts bits `8k - 1..8k + 7` under byte 6 (the lowest is masked off) and
+/// bits `8k..8k + 8` under byte 7: the code's magnitude at bits 49..56, its
+/// sign at 63, as [`fp8_decode8`] places them.
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn multishift_controls() -> [__m512i; 8] {
+    std::array::from_fn(|k| _mm512_set1_epi64((((8 * k) as i64) << 56) | ((((8 * k + 63) % 64) as i64) << 48)))
+}
+
+/// The e4m3 codes at one byte of every quadword of `packed`, decoded to
+/// f64 times 2^-1016 (as [`fp8_decode8`]) by `control` from
+/// [`multishift_controls`] and a mask: two operations for eight weights.
+#[inline]
+#[target_feature(enable = "avx512f,avx512vbmi")]
+pub(crate) unsafe fn lane_byte_vbmi(packed: __m512i, control: __m512i) -> __m512d {
+    let bits = _mm512_and_si512(_mm512_multishift_epi64_epi8(control, packed), _mm512_set1_epi64(FP8_F64_BITS));
+    _mm512_castsi512_pd(bits)
+}
+
+/// [`lane_byte_vbmi`] for byte `k` (0..8) by shifts, on AVX-512F alone.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn lane_byte_shifts(packed: __m512i, k: usize) -> __m512d {
+    match k {
+        0 => fp8_lane_byte::<56>(packed),
+        1 => fp8_lane_byte::<48>(packed),
+        2 => fp8_lane_byte::<40>(packed),
+        3 => fp8_lane_byte::<32>(packed),
+        4 => fp8_lane_byte::<24>(packed),
+        5 => fp8_lane_byte::<16>(packed),
+        6 => fp8_lane_byte::<8>(packed),
+        _ => fp8_lane_byte::<0>(packed),
     }
+}
+
+/// `low` in lanes 0..8, `high` in lanes 8..16 (AVX-512F alone).
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn join_halves(low: __m256, high: __m256) -> __m512 {
+    let low = _mm512_castsi256_si512(_mm256_castps_si256(low));
+    _mm512_castsi512_ps(_mm512_inserti64x4::<1>(low, _mm256_castps_si256(high)))
+}
+
+/// The eight block sums of four chunks' lanes (`acc[i]`: lanes 0..4 block
+/// `2i`, lanes 4..8 block `2i + 1`), as blocks 0, 2, 1, 3, 4, 6, 5, 7.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn reduce_chunks(acc: &[__m512d]) -> __m512d {
+    assert!(acc.len() == 4);
+    // Adjacent lanes: s[m] = a01, b01, a23, b23, a45, b45, a67, b67 for a, b = acc[2m], acc[2m + 1].
+    let s: [__m512d; 2] = std::array::from_fn(|m| {
+        let (a, b) = (acc[2 * m], acc[2 * m + 1]);
+        _mm512_add_pd(_mm512_unpacklo_pd(a, b), _mm512_unpackhi_pd(a, b))
+    });
+    // 128-bit lanes 0 + 1 and 2 + 3 of each: a block's four lanes.
+    _mm512_add_pd(_mm512_shuffle_f64x2::<0x88>(s[0], s[1]), _mm512_shuffle_f64x2::<0xdd>(s[0], s[1]))
+}
+
+/// `sums` (blocks `first..first + 16`) times the x row's and the weight's
+/// block scales, in the definition's order; blocks past the end are
+/// multiplied by zero.
+#[inline]
+#[target_feature(enable = "avx512f")]
+unsafe fn apply16(sums: __m512, a_scales: &[f32], w_scales: &[f32], first: usize) -> __m512 {
+    let valid = w_scales.len().saturating_sub(first).min(16);
+    let mask: __mmask16 = ((1u32 << valid) - 1) as u16;
+    let a = _mm512_loadu_ps(a_scales.as_ptr().add(first));
+    let w = _mm512_maskz_loadu_ps(mask, w_scales.as_ptr().add(first));
+    _mm512_mul_ps(_mm512_mul_ps(sums, a), w)
 }
 
 /// The weights decode as value · 2^-1016 and the activations arrive as value
@@ -235,26 +357,6 @@ pub(crate) unsafe fn fp8_decode8(p: *const u8) -> __m512d {
     _mm512_castsi512_pd(bits)
 }
 
-/// The lane sums of eight f64 vectors (the first eight of `v`), vector `k` in lane `k`.
-#[inline]
-#[target_feature(enable = "avx512f")]
-unsafe fn reduce8(v: &[__m512d]) -> __m512d {
-    assert!(v.len() >= 8);
-    // Halves: lanes 0..4 of w[k] are v[2k]'s partial sums, lanes 4..8 v[2k + 1]'s.
-    let w: [__m512d; 4] = std::array::from_fn(|k| {
-        let (a, b) = (v[2 * k], v[2 * k + 1]);
-        _mm512_add_pd(_mm512_shuffle_f64x2::<0x44>(a, b), _mm512_shuffle_f64x2::<0xee>(a, b))
-    });
-    // Quarters: 128-bit lane q of x[k] holds vector 4k + q's two partial sums.
-    let x: [__m512d; 2] = std::array::from_fn(|k| {
-        let (a, b) = (w[2 * k], w[2 * k + 1]);
-        _mm512_add_pd(_mm512_shuffle_f64x2::<0x88>(a, b), _mm512_shuffle_f64x2::<0xdd>(a, b))
-    });
-    // Pairs: lane 2q + h holds vector 4h + q.
-    let y = _mm512_add_pd(_mm512_unpacklo_pd(x[0], x[1]), _mm512_unpackhi_pd(x[0], x[1]));
-    _mm512_permutexvar_pd(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), y)
-}
-
 /// See `chain_sums` in the parent: 16 rows of products, each summed in order.
 ///
 /// # Safety
@@ -313,4 +415,42 @@ unsafe fn transpose16(r: &[__m512; 16]) -> [__m512; 16] {
         columns[12 + c] = _mm512_shuffle_f32x4::<0xdd>(d1, e1);
     }
     columns
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every code at every byte of a quadword decodes to the same bits by
+    /// `vpmultishiftqb` and by shifts, and both to [`fp8_decode8`]'s.
+    #[test]
+    fn lane_byte_decodes_agree() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vbmi")) {
+            return;
+        }
+        for code in 0..=255u8 {
+            // The code at byte `k` of lane `k`, its neighbours all ones to
+            // catch a stray bit.
+            let mut bytes = [0xffu8; 64];
+            (0..8).for_each(|k| bytes[8 * k + k] = code);
+            // SAFETY: the features were checked; every pointer covers its reads.
+            let (by_multishift, by_shifts, reference) = unsafe {
+                let packed = _mm512_loadu_si512(bytes.as_ptr().cast());
+                let control = multishift_controls();
+                let lanes = |v: __m512d| {
+                    let mut out = [0u64; 8];
+                    _mm512_storeu_si512(out.as_mut_ptr().cast(), _mm512_castpd_si512(v));
+                    out
+                };
+                let pick = |f: &dyn Fn(usize) -> __m512d| -> [u64; 8] { std::array::from_fn(|k| lanes(f(k))[k]) };
+                (
+                    pick(&|k| lane_byte_vbmi(packed, control[k])),
+                    pick(&|k| lane_byte_shifts(packed, k)),
+                    lanes(fp8_decode8([code; 8].as_ptr()))[0],
+                )
+            };
+            assert_eq!(by_multishift, [reference; 8], "code {code:#04x} by vpmultishiftqb");
+            assert_eq!(by_shifts, [reference; 8], "code {code:#04x} by shifts");
+        }
+    }
 }

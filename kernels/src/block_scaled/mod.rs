@@ -17,7 +17,9 @@
 //!   `sdot` both sides are signed, so `W` is a signed byte and needs no offset.
 //! - **FP8 weights** use f64: products of two e4m3 values are exact in f64 and
 //!   a block's sum fits 41 bits, so eight f64 lanes sum it exactly. One x row
-//!   puts eight columns in the lanes and adds them up per block.
+//!   loads 64 codes at once and moves each quadword's bytes under the f64
+//!   exponent in turn (`vpmultishiftqb` where the CPU has VBMI), with x laid
+//!   out to match; each block's lanes are added up at the end.
 //!   NEON decodes a block once for up to four x rows and sums it in f64 pairs.
 //! - **Batches** on AVX-512 (FP8 from two x rows, FP4 from
 //!   [`WIDE_FP4_ROWS_MIN`]) take [`wide_tiles`]: 24 weight rows decoded once
@@ -37,7 +39,7 @@ use crate::linear::{Linear, WeightFormat};
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 #[cfg(target_arch = "x86_64")]
-pub(crate) use avx512::fp8_decode8;
+pub(crate) use avx512::{fp8_decode8, lane_byte_vbmi, multishift_controls};
 #[cfg(target_arch = "aarch64")]
 mod neon;
 #[cfg(target_arch = "x86_64")]
@@ -217,9 +219,9 @@ struct Prepared<'a> {
     digits: Vec<Vec<i8>>,
     /// FP4 with VNNI: `12 · Σ A` per block, padded to whole vectors.
     offsets: Vec<Vec<i32>>,
-    /// FP8: the values in f64 (times [`WIDE_SCALE`] for the AVX-512 kernel),
-    /// a row each; on the wide tiles (FP8 and FP4) groups of eight rows
-    /// interleaved column by column instead.
+    /// FP8: the values in f64, a row each (on AVX-512 times [`WIDE_SCALE`]
+    /// and in the one-row kernel's lane-byte order); on the wide tiles (FP8
+    /// and FP4) groups of eight rows interleaved column by column instead.
     wide: Vec<Vec<f64>>,
     /// Each row's block scales, padded with zeros to whole vectors (every path reads these).
     a_scales: Vec<Vec<f32>>,
@@ -265,9 +267,12 @@ impl<'a> Prepared<'a> {
                     prepared.digits = prepared.ints.iter().map(|a| block_digits(a)).collect();
                 }
             }
+            #[cfg(target_arch = "x86_64")]
+            Weights::Fp8 { .. } if path == BlockPath::Avx512Vnni => {
+                prepared.wide = acts.iter().map(|a| avx512::lane_bytes_x(&a.values, WIDE_SCALE)).collect();
+            }
             Weights::Fp8 { .. } => {
-                let scale = if path == BlockPath::Avx512Vnni { WIDE_SCALE } else { 1.0 };
-                prepared.wide = acts.iter().map(|a| a.values.iter().map(|&v| v as f64 * scale).collect()).collect();
+                prepared.wide = acts.iter().map(|a| a.values.iter().map(|&v| v as f64).collect()).collect();
             }
         }
         prepared
@@ -497,8 +502,16 @@ fn fp8_block_sums(
         // Two or more x rows take the wide tiles.
         assert!(ts.len() == 1, "{} x rows: the wide tiles take these", ts.len());
         let t = ts.start;
-        // SAFETY: as in `fp4_block_sums`; the wide row holds `codes.len()` values.
-        unsafe { avx512::fp8_block_sums(codes, &prepared.wide[t], &prepared.a_scales[t], w_scales, sums) };
+        let (x, a_scales) = (&prepared.wide[t], &prepared.a_scales[t]);
+        // SAFETY: as in `fp4_block_sums`, and VBMI where it is called for;
+        // the wide row is in the lane-byte layout for `codes.len()` columns.
+        unsafe {
+            if is_x86_feature_detected!("avx512vbmi") {
+                avx512::fp8_block_sums_vbmi(codes, x, a_scales, w_scales, sums)
+            } else {
+                avx512::fp8_block_sums_shifts(codes, x, a_scales, w_scales, sums)
+            }
+        };
         return;
     }
     #[cfg(target_arch = "aarch64")]
