@@ -46,8 +46,11 @@ pub fn e4m3_round(x: f32) -> f32 {
     let x = x.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX);
     let magnitude = x.abs();
     let rounded = if magnitude < 2f32.powi(-6) {
-        // Subnormals are the multiples of 2^-9.
-        (magnitude * 512.0).round_ties_even() / 512.0
+        // Subnormals are the multiples of 2^-9. Adding and taking off 2^23
+        // rounds a value in [0, 8) to an integer, ties to even, as
+        // `round_ties_even` does without its library call.
+        const ROUNDER: f32 = 8_388_608.0;
+        ((magnitude * 512.0 + ROUNDER) - ROUNDER) / 512.0
     } else {
         // Keep 3 mantissa bits, rounding the 20 dropped bits to nearest even.
         let bits = magnitude.to_bits();

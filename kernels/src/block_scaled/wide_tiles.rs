@@ -85,12 +85,10 @@ pub(super) fn outputs(weights: &Weights, prepared: &Prepared, first: usize, outp
             }
         }
         for (t, vectors) in chains.iter().enumerate() {
-            let mut sums = [0.0f32; TILE_ROWS];
-            for (v, vector) in vectors.iter().enumerate() {
-                // SAFETY: eight floats into the eight at `8 * v`.
-                unsafe { _mm256_storeu_ps(sums.as_mut_ptr().add(8 * v), *vector) };
-            }
-            for (i, &sum) in sums[..here].iter().enumerate() {
+            // SAFETY: a vector of eight f32 lanes has the layout of `[f32; 8]`
+            // (a plain move, where the store intrinsic would be a call here).
+            let sums = vectors.map(|v| unsafe { std::mem::transmute::<__m256, [f32; 8]>(v) });
+            for (i, &sum) in sums.as_flattened()[..here].iter().enumerate() {
                 outputs[(i0 + i) * n + t] = sum;
             }
         }
