@@ -254,6 +254,59 @@ unsafe fn add_weighted_rows_avx512(out: &mut [f32], weights: &[f32], rows: &[f32
     }
 }
 
+/// `out[d] += weights[k] · (rows[k][d] as f64)` for every row in turn, the
+/// product rounded before the sum: the bits of the plain loop on every path.
+/// AVX-512 keeps 32 columns of `out` in registers across all rows instead of
+/// loading and storing them once per row (V4.1's probabilities times its
+/// values, summed in f64).
+pub fn add_weighted_rows_f64(out: &mut [f64], weights: &[f64], rows: &[&[f32]]) {
+    assert_eq!(weights.len(), rows.len(), "add_weighted_rows_f64: one weight per row");
+    assert!(rows.iter().all(|r| r.len() == out.len()), "add_weighted_rows_f64: row lengths");
+    #[cfg(target_arch = "x86_64")]
+    if matches!(crate::Isa::detect(), crate::Isa::Avx512) {
+        // SAFETY: the detected path guarantees AVX-512F; lengths checked above.
+        return unsafe { add_weighted_rows_f64_avx512(out, weights, rows) };
+    }
+    add_weighted_rows_f64_plain(out, weights, rows);
+}
+
+#[inline(always)]
+fn add_weighted_rows_f64_plain(out: &mut [f64], weights: &[f64], rows: &[&[f32]]) {
+    for (&w, row) in weights.iter().zip(rows) {
+        out.iter_mut().zip(*row).for_each(|(o, &v)| *o += w * v as f64);
+    }
+}
+
+/// # Safety
+/// The CPU must support AVX-512F; every row is `out.len()` long.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn add_weighted_rows_f64_avx512(out: &mut [f64], weights: &[f64], rows: &[&[f32]]) {
+    use std::arch::x86_64::*;
+    const STRIP: usize = 32;
+    let d = out.len();
+    let po = out.as_mut_ptr();
+    let whole = d / STRIP * STRIP;
+    for j0 in (0..whole).step_by(STRIP) {
+        let mut acc: [__m512d; 4] = std::array::from_fn(|u| _mm512_loadu_pd(po.add(j0 + 8 * u)));
+        for (&w, row) in weights.iter().zip(rows) {
+            let w = _mm512_set1_pd(w);
+            for (u, a) in acc.iter_mut().enumerate() {
+                let v = _mm512_cvtps_pd(_mm256_loadu_ps(row.as_ptr().add(j0 + 8 * u)));
+                // Product rounded, then the sum: the plain loop's two roundings.
+                *a = _mm512_add_pd(*a, _mm512_mul_pd(w, v));
+            }
+        }
+        for (u, a) in acc.iter().enumerate() {
+            _mm512_storeu_pd(po.add(j0 + 8 * u), *a);
+        }
+    }
+    if whole < d {
+        let tails: Vec<&[f32]> = rows.iter().map(|r| &r[whole..]).collect();
+        add_weighted_rows_f64_plain(&mut out[whole..], weights, &tails);
+    }
+}
+
 /// [`add_weighted_rows`] for `heads` outputs over the same rows: output `h`
 /// (`out[h * d..][..d]`, `d = rows.len() / k`) gets the `k` weights
 /// `weights[h * k..][..k]`, with exactly the bits of its own call. AVX-512

@@ -4,7 +4,8 @@ mod common;
 
 use common::Rng;
 use deepinfer_kernels::ops::{
-    rms_norm, rope_interleaved, sinkhorn, softmax, softmax_with_sink, sqrt_softplus, top_k, Rope, Yarn,
+    add_weighted_rows_f64, rms_norm, rope_interleaved, sinkhorn, softmax, softmax_with_sink, sqrt_softplus, top_k,
+    Rope, Yarn,
 };
 
 fn close(got: f32, want: f64, rel: f64) -> bool {
@@ -212,5 +213,34 @@ fn sinkhorn_makes_rows_and_columns_sum_to_one() {
             assert!((col - 1.0).abs() < 1e-4, "n {n} col {k}: {col}");
         }
         assert!(m.iter().all(|&v| v > 0.0));
+    }
+}
+
+/// The weighted f64 sum of rows gives the bits of the serial loop (product
+/// rounded, then added, row after row) for every length, with values whose
+/// exponents spread far enough that another order or a fused multiply-add
+/// would round differently.
+#[test]
+fn weighted_f64_rows_give_the_bits_of_the_serial_loop() {
+    let mut rng = Rng(31);
+    for d in (0..70).chain([256, 257]) {
+        for rows in [0, 1, 3, 64] {
+            let values: Vec<Vec<f32>> = (0..rows)
+                .map(|_| (0..d).map(|_| rng.uniform() * 2f32.powi((rng.uniform() * 40.0) as i32 - 20)).collect())
+                .collect();
+            let weights: Vec<f64> = (0..rows).map(|_| rng.uniform() as f64 / 3.0).collect();
+            let start: Vec<f64> = (0..d).map(|_| rng.uniform() as f64 * 1e-3).collect();
+            let row_refs: Vec<&[f32]> = values.iter().map(|r| r.as_slice()).collect();
+            let mut want = start.clone();
+            for (&w, row) in weights.iter().zip(&values) {
+                for (o, &v) in want.iter_mut().zip(row) {
+                    *o += w * v as f64;
+                }
+            }
+            let mut got = start.clone();
+            add_weighted_rows_f64(&mut got, &weights, &row_refs);
+            let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "d {d}, {rows} rows");
+        }
     }
 }

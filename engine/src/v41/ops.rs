@@ -250,13 +250,11 @@ fn attend_head(qh: &[f32], keys: &[Option<&[f32]>], sink: f32, scale: f32, out: 
         max = new_max;
         let p: Vec<f32> = scores.iter().map(|s| exp(s - max)).collect();
         sum_exp = sum_exp * rescale + sum(p.iter().copied());
+        // The filled slots' bf16 probabilities against their values, in slot order.
+        let weights: Vec<f64> =
+            block.iter().zip(&p).filter(|(k, _)| k.is_some()).map(|(_, &pk)| round_bf16(pk) as f64).collect();
         let mut weighted = vec![0.0f64; d];
-        for (k, &pk) in block.iter().zip(&p) {
-            if let Some(k) = k {
-                let w = round_bf16(pk) as f64;
-                weighted.iter_mut().zip(*k).for_each(|(a, &v)| *a += w * v as f64);
-            }
-        }
+        deepinfer_kernels::ops::add_weighted_rows_f64(&mut weighted, &weights, &filled);
         acc.iter_mut().zip(&weighted).for_each(|(a, &w)| *a = *a * rescale + w as f32);
     }
     sum_exp += exp(sink - max);
