@@ -47,6 +47,31 @@ pub fn dot_f64_dequantized_rows(x: &[f32], w: &Linear, first: usize, out: &mut [
     decoded_rows(x, w, first, out);
 }
 
+/// Tokens a batch kernel takes at once: eight accumulators, one weight
+/// vector decoded for all of them.
+#[cfg(target_arch = "x86_64")]
+const TOKENS: usize = 8;
+/// Columns of a tile: eight tokens' scaled values (32 KiB) stay in L1 while
+/// a run of weight rows passes.
+#[cfg(target_arch = "x86_64")]
+const TILE_COLS: usize = 512;
+
+/// `out[t * rows + i]` = [`dot_f64_dequantized_rows`] of `xs[t]` with row
+/// `first + i`, for every `t`: the same bits. Where the codes are read
+/// directly and the CPU has VBMI, a weight vector is decoded once for eight
+/// tokens instead of once for each (a prefill's tokens through `wo_a`).
+pub fn dot_f64_dequantized_tokens(xs: &[&[f32]], w: &Linear, first: usize, rows: usize, out: &mut [f64]) {
+    assert_eq!(out.len(), xs.len() * rows, "dot_f64_dequantized_tokens: outputs");
+    #[cfg(target_arch = "x86_64")]
+    if xs.len() > 1 && is_x86_feature_detected!("avx512vbmi") && xs.iter().all(|x| decodes_codes(x, w, first, rows)) {
+        fp8_tokens_avx512(xs, w, first, rows, out);
+        return;
+    }
+    for (x, out) in xs.iter().zip(out.chunks_mut(rows.max(1))) {
+        dot_f64_dequantized_rows(x, w, first, out);
+    }
+}
+
 /// Whether [`dot_f64_dequantized_rows`] reads these rows' codes directly
 /// (AVX-512, FP8 without NaN codes, every scale a power of two in range, `x`
 /// finite) rather than decoding the rows first. Either gives the same bits.
@@ -150,6 +175,75 @@ fn fp8_rows_avx512(x: &[f32], w: &Linear, first: usize, out: &mut [f64]) {
     }
 }
 
+/// [`dot_f64_dequantized_tokens`] on AVX-512 with VBMI: for each run of rows
+/// sharing a row of block scales and each group of [`TOKENS`] tokens, the
+/// tokens' scaled values tile by tile, every row's lanes carried from one
+/// tile to the next (so each lane still sums its columns in order).
+#[cfg(target_arch = "x86_64")]
+fn fp8_tokens_avx512(xs: &[&[f32]], w: &Linear, first: usize, rows: usize, out: &mut [f64]) {
+    let WeightFormat::Fp8 { data, scales, block_rows, block_cols, .. } = &w.format else {
+        unreachable!("checked by fp8_qualifies");
+    };
+    let (cols, block_rows, block_cols) = (w.cols, *block_rows, *block_cols);
+    let per_row = cols.div_ceil(block_cols);
+    let whole = cols / 8 * 8;
+    let x_scale = 2f64.powi(X_SCALE_EXP);
+    let restore = 2f64.powi(WEIGHT_SCALE_EXP - X_SCALE_EXP);
+    for t0 in (0..xs.len()).step_by(TOKENS) {
+        let group = &xs[t0..(t0 + TOKENS).min(xs.len())];
+        let m = group.len();
+        let mut r = first;
+        while r < first + rows {
+            let block = r / block_rows;
+            let end = ((block + 1) * block_rows).min(first + rows);
+            let scale_row = &scales[block * per_row..][..per_row];
+            // Tile by tile, token by token: tile `k0` holds `m` runs of its columns.
+            let mut scaled = vec![0.0f64; m * whole];
+            for k0 in (0..whole).step_by(TILE_COLS) {
+                let kc = TILE_COLS.min(whole - k0);
+                for (t, x) in group.iter().enumerate() {
+                    let at = &mut scaled[m * k0 + t * kc..][..kc];
+                    let mut c = k0;
+                    while c < k0 + kc {
+                        // A scale block's columns within the tile.
+                        let end = ((c / block_cols + 1) * block_cols).min(k0 + kc);
+                        let s = scale_row[c / block_cols] as f64;
+                        for (v, &x) in at[c - k0..end - k0].iter_mut().zip(&x[c..end]) {
+                            *v = x as f64 * s * x_scale;
+                        }
+                        c = end;
+                    }
+                }
+            }
+            let mut lanes = vec![[0.0f64; 8]; (end - r) * m];
+            for k0 in (0..whole).step_by(TILE_COLS) {
+                let kc = TILE_COLS.min(whole - k0);
+                let tile = &scaled[m * k0..][..m * kc];
+                for (i, lanes) in lanes.chunks_exact_mut(m).enumerate() {
+                    let codes = &data[(r + i) * cols + k0..][..kc];
+                    // SAFETY: the caller checked AVX-512F and VBMI; `tile`
+                    // holds `m` runs of `kc` values, `codes` `kc` codes.
+                    unsafe { avx512::token_lanes(tile, codes, lanes) };
+                }
+            }
+            for (i, lanes) in lanes.chunks_exact(m).enumerate() {
+                let row = r + i;
+                let mut tail = [0.0f32; 8];
+                for (c, v) in (whole..cols).zip(tail.iter_mut()) {
+                    *v = round_bf16(crate::dtype::fp8_e4m3_to_f32(data[row * cols + c]) * scale_row[c / block_cols]);
+                }
+                for (t, lanes) in lanes.iter().enumerate() {
+                    let restored = lanes.map(|v| v * restore);
+                    let x_tail = &group[t][whole..];
+                    out[(t0 + t) * rows + row - first] =
+                        crate::act_quant::combine_lanes(&restored, x_tail, &tail[..cols - whole]);
+                }
+            }
+            r = end;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
@@ -188,6 +282,77 @@ mod avx512 {
         lanes::<ROWS, true>(scaled_x, codes, cols)
     }
 
+    /// Continues each token's eight lanes (`lanes[t]`, unrestored) over one
+    /// tile: `tile` holds each token's scaled values for the tile's columns
+    /// in turn, `codes` one weight row's codes for them. Lane `j` adds
+    /// columns `j, j + 8, …` in order, as [`scaled_lanes`] does.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F and VBMI.
+    #[target_feature(enable = "avx512f,avx512vbmi")]
+    pub(super) unsafe fn token_lanes(tile: &[f64], codes: &[u8], lanes: &mut [[f64; 8]]) {
+        macro_rules! tokens {
+            ($m:literal) => {
+                token_lanes_m::<$m>(tile, codes, lanes.try_into().expect("a group of tokens"))
+            };
+        }
+        match lanes.len() {
+            1 => tokens!(1),
+            2 => tokens!(2),
+            3 => tokens!(3),
+            4 => tokens!(4),
+            5 => tokens!(5),
+            6 => tokens!(6),
+            7 => tokens!(7),
+            8 => tokens!(8),
+            m => unreachable!("{m} tokens at once"),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vbmi")]
+    unsafe fn token_lanes_m<const M: usize>(tile: &[f64], codes: &[u8], lanes: &mut [[f64; 8]; M]) {
+        let kc = codes.len();
+        assert!(kc.is_multiple_of(8) && tile.len() == M * kc, "a tile of {M} tokens");
+        let mut acc: [__m512d; M] = std::array::from_fn(|t| _mm512_loadu_pd(lanes[t].as_ptr()));
+        let x = |t: usize, c: usize| _mm512_loadu_pd(tile.as_ptr().add(t * kc + c));
+        let control = multishift_controls();
+        let transpose = eight_by_eight();
+        let mut c = 0;
+        while c + 64 <= kc {
+            let packed = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(codes.as_ptr().add(c).cast()));
+            for (b, control) in control.iter().enumerate() {
+                let weights = lane_byte_vbmi(packed, *control);
+                for (t, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_fmadd_pd(x(t, c + 8 * b), weights, *acc);
+                }
+            }
+            c += 64;
+        }
+        while c < kc {
+            let weights = fp8_decode8(codes.as_ptr().add(c));
+            for (t, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_fmadd_pd(x(t, c), weights, *acc);
+            }
+            c += 8;
+        }
+        for (lanes, acc) in lanes.iter_mut().zip(&acc) {
+            _mm512_storeu_pd(lanes.as_mut_ptr(), *acc);
+        }
+    }
+
+    /// The `vpermb` indices that put byte `8k + j` of 64 at byte `k` of
+    /// quadword `j`: columns `j, j + 8, …` of 64 codes into quadword `j`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn eight_by_eight() -> __m512i {
+        _mm512_set_epi8(
+            63, 55, 47, 39, 31, 23, 15, 7, 62, 54, 46, 38, 30, 22, 14, 6, 61, 53, 45, 37, 29, 21, 13, 5, 60, 52, 44,
+            36, 28, 20, 12, 4, 59, 51, 43, 35, 27, 19, 11, 3, 58, 50, 42, 34, 26, 18, 10, 2, 57, 49, 41, 33, 25, 17, 9,
+            1, 56, 48, 40, 32, 24, 16, 8, 0,
+        )
+    }
+
     #[inline(always)]
     unsafe fn lanes<const ROWS: usize, const VBMI: bool>(
         scaled_x: &[f64],
@@ -200,12 +365,7 @@ mod avx512 {
         let mut start = 0;
         if VBMI {
             let control = multishift_controls();
-            // Byte `k` of quadword `j` from byte `8k + j`: a transpose of eight by eight.
-            let transpose = _mm512_set_epi8(
-                63, 55, 47, 39, 31, 23, 15, 7, 62, 54, 46, 38, 30, 22, 14, 6, 61, 53, 45, 37, 29, 21, 13, 5, 60, 52,
-                44, 36, 28, 20, 12, 4, 59, 51, 43, 35, 27, 19, 11, 3, 58, 50, 42, 34, 26, 18, 10, 2, 57, 49, 41, 33,
-                25, 17, 9, 1, 56, 48, 40, 32, 24, 16, 8, 0,
-            );
+            let transpose = eight_by_eight();
             while start + 64 <= scaled_x.len() {
                 let packed: [__m512i; ROWS] = std::array::from_fn(|k| {
                     let bytes = _mm512_loadu_si512(codes.as_ptr().add(k * cols + start).cast());

@@ -9,7 +9,7 @@ mod common;
 use bytes::Bytes;
 use common::Rng;
 use deepinfer_kernels::act_quant::{dot_f64_rows, round_bf16};
-use deepinfer_kernels::dequantized_dot::{decodes_codes, dot_f64_dequantized_rows};
+use deepinfer_kernels::dequantized_dot::{decodes_codes, dot_f64_dequantized_rows, dot_f64_dequantized_tokens};
 use deepinfer_kernels::{Isa, Linear, WeightFormat};
 
 fn no_nan(code: u8) -> u8 {
@@ -74,6 +74,42 @@ fn decoded_codes_give_the_definitions_bits() {
                 let what = format!("{rows}x{cols} in {block:?} blocks, rows {first}..{}", first + count);
                 assert!(decodes_codes(&x, &w, first, count) == avx512(), "{what}: path");
                 assert_same(&x, &w, first, count, &what);
+            }
+        }
+    }
+}
+
+/// A batch of tokens gives each token's own bits: groups of eight and their
+/// remainders, columns in several tiles with a tail past the whole vectors,
+/// runs of rows cut by the scale blocks, and one token whose input the codes
+/// cannot take (so the batch takes the per-token path).
+#[test]
+fn batches_of_tokens_give_each_tokens_bits() {
+    let mut rng = Rng(62);
+    let power = |rng: &mut Rng| 2f32.powi((rng.next_u64() % 121) as i32 - 100);
+    for (rows, cols, block) in [(5, 8, (32, 32)), (33, 1100, (3, 7)), (20, 2053, (128, 128)), (16, 64, (1, 32))] {
+        let w = fp8(&mut rng, rows, cols, block, power);
+        for tokens in [1, 2, 3, 8, 9, 17] {
+            let xs: Vec<Vec<f32>> = (0..tokens).map(|_| inputs(&mut rng, cols)).collect();
+            let mut with_nan = xs.clone();
+            with_nan[tokens / 2][cols / 2] = f32::NAN;
+            for (xs, what) in [(&xs, "finite"), (&with_nan, "one NaN")] {
+                let refs: Vec<&[f32]> = xs.iter().map(|x| x.as_slice()).collect();
+                for (first, count) in [(0, rows), (rows / 3, rows - rows / 3)] {
+                    let what = format!("{rows}x{cols} in {block:?} blocks, {tokens} tokens ({what}), rows {first}..");
+                    let mut got = vec![f64::NAN; tokens * count];
+                    dot_f64_dequantized_tokens(&refs, &w, first, count, &mut got);
+                    for (t, x) in xs.iter().enumerate() {
+                        let mut want = vec![f64::NAN; count];
+                        dot_f64_dequantized_rows(x, &w, first, &mut want);
+                        let got = &got[t * count..][..count];
+                        let same = got
+                            .iter()
+                            .zip(&want)
+                            .all(|(g, e)| g.to_bits() == e.to_bits() || (g.is_nan() && e.is_nan()));
+                        assert!(same, "{what}: token {t}");
+                    }
+                }
             }
         }
     }

@@ -11,7 +11,7 @@
 use deepinfer_kernels::act_quant::{
     fp4_round_trip, fp8_round_trip, plain_linear, quantized_linear, round_bf16, round_bf16_all, Fp4Scale,
 };
-use deepinfer_kernels::dequantized_dot::dot_f64_dequantized_rows;
+use deepinfer_kernels::dequantized_dot::dot_f64_dequantized_tokens;
 
 use super::config::{CandidateRole, LayerPlan, V41Config};
 use super::ops::{self, RopeTable};
@@ -132,31 +132,43 @@ pub fn forward(
     output_projection(cfg, attn, &out, n)
 }
 
+/// Rows of `wo_a` per parallel part of [`output_projection`]: one FP8 scale
+/// block of the published checkpoints, so a part scales each token's input once.
+const WO_A_ROWS_PER_PART: usize = 128;
+
 /// The grouped low-rank output: each group's heads through its own block of
 /// `wo_a`, then `wo_b`. The reference holds `wo_a` in bf16 (its converter
 /// dequantises the stored FP8); its codes are read here and give the bits of
-/// those bf16 values (`dot_f64_dequantized_rows`), at a quarter of the bytes of f32.
+/// those bf16 values (`dot_f64_dequantized_tokens`), at a quarter of the bytes of f32.
 pub(super) fn output_projection(cfg: &V41Config, attn: &Attention, o: &[f32], n: usize) -> Vec<f32> {
     use rayon::prelude::*;
     let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
     let group_in = cfg.n_heads * cfg.head_dim / groups;
     assert_eq!(o.len(), n * groups * group_in, "output_projection input");
     assert_eq!((attn.wo_a.rows, attn.wo_a.cols), (groups * rank, group_in), "wo_a shape");
-    // One (token, group) per part: each part's rows in one thread, in order.
-    let part = |(k, mid): (usize, &mut [f32])| {
-        let g = k % groups;
-        let input = &o[k * group_in..(k + 1) * group_in];
-        let mut sums = vec![0.0f64; rank];
-        dot_f64_dequantized_rows(input, &attn.wo_a, g * rank, &mut sums);
-        for (m, &s) in mid.iter_mut().zip(&sums) {
-            *m = round_bf16(s as f32);
-        }
+    // One (group, run of rows) per part, every token through it: each
+    // output is one thread's, in the same order as a token alone.
+    let parts: Vec<(usize, usize)> =
+        (0..groups).flat_map(|g| (0..rank).step_by(WO_A_ROWS_PER_PART).map(move |r0| (g, r0))).collect();
+    let part = |&(g, r0): &(usize, usize)| {
+        let rows = WO_A_ROWS_PER_PART.min(rank - r0);
+        let inputs: Vec<&[f32]> = (0..n).map(|t| &o[(t * groups + g) * group_in..][..group_in]).collect();
+        let mut sums = vec![0.0f64; n * rows];
+        dot_f64_dequantized_tokens(&inputs, &attn.wo_a, g * rank + r0, rows, &mut sums);
+        sums
+    };
+    let sums: Vec<Vec<f64>> = if ops::worth_spreading(n * groups * rank * group_in) && parts.len() > 1 {
+        parts.par_iter().map(part).collect()
+    } else {
+        parts.iter().map(part).collect()
     };
     let mut mid = vec![0.0f32; n * groups * rank];
-    if ops::worth_spreading(n * groups * rank * group_in) && n * groups > 1 {
-        mid.par_chunks_mut(rank).enumerate().for_each(part);
-    } else {
-        mid.chunks_mut(rank).enumerate().for_each(part);
+    for (&(g, r0), sums) in parts.iter().zip(&sums) {
+        let rows = sums.len() / n;
+        for (t, sums) in sums.chunks_exact(rows).enumerate() {
+            let at = &mut mid[t * groups * rank + g * rank + r0..][..rows];
+            at.iter_mut().zip(sums).for_each(|(m, &s)| *m = round_bf16(s as f32));
+        }
     }
     quantized_linear(&attn.wo_b, &mid, n)
 }
