@@ -71,14 +71,22 @@ pub struct Fp8Row {
 /// the e4m3 values, not yet multiplied by their scale.
 pub fn fp8_quantize_row(x: &[f32]) -> Fp8Row {
     assert!(x.len().is_multiple_of(ACT_BLOCK), "FP8 activation row of {} is not a multiple of 32", x.len());
+    let (mut values, mut scales) = (vec![0.0f32; x.len()], vec![0.0f32; x.len() / ACT_BLOCK]);
+    #[cfg(target_arch = "x86_64")]
+    let done = match Isa::detect() {
+        // SAFETY: the detected path guarantees AVX-512F; lengths as allocated above.
+        Isa::Avx512 => unsafe { crate::simd::avx512_quantize::fp8_quantize_blocks(x, &mut values, &mut scales) },
+        _ => vec![false; scales.len()],
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = vec![false; scales.len()];
     let max_inv = 1.0f32 / FP8_E4M3_MAX;
-    let mut values = Vec::with_capacity(x.len());
-    let mut scales = Vec::with_capacity(x.len() / ACT_BLOCK);
-    for group in x.chunks_exact(ACT_BLOCK) {
+    for (b, group) in x.chunks_exact(ACT_BLOCK).enumerate().filter(|(b, _)| !done[*b]) {
         let amax = group.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-4);
         let s = power_of_two_scale(amax, max_inv);
-        values.extend(group.iter().map(|&v| e4m3_round(v / s)));
-        scales.push(s);
+        let out = &mut values[b * ACT_BLOCK..][..ACT_BLOCK];
+        out.iter_mut().zip(group).for_each(|(o, &v)| *o = e4m3_round(v / s));
+        scales[b] = s;
     }
     Fp8Row { values, scales }
 }

@@ -13,6 +13,8 @@ mod avx2;
 mod avx512;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512_panels;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512_quantize;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub(crate) mod panels_generic;
