@@ -35,6 +35,47 @@ pub(super) unsafe fn fp4_block_sums(
     }
 }
 
+/// [`super::group_digits`] of `values` (e4m3 values: `A = a · 2^9` is whole)
+/// and `12 · Σ A` per block, padded to whole vectors, 32 columns at a time:
+/// the same digits and offsets as the scalar steps.
+///
+/// # Safety
+/// The CPU must support AVX-512F and BW; `values.len()` is a multiple of 32.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn fp4_digits(values: &[f32]) -> (Vec<i8>, Vec<i32>) {
+    let cols = values.len();
+    assert!(cols.is_multiple_of(ACT_BLOCK), "whole blocks");
+    let groups = cols.div_ceil(GROUP_COLS).next_multiple_of(4);
+    let mut digits = vec![0i8; groups * GROUP_DIGIT_BYTES];
+    let mut offsets = vec![0i32; (cols / ACT_BLOCK).next_multiple_of(16)];
+    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    let (bias, byte) = (_mm512_set1_epi32(128), _mm512_set1_epi32(255));
+    // `a = d + 2^8 · rest` with `d` in -128..128.
+    let split = |a: __m512i| {
+        let d = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(a, bias), byte), bias);
+        (d, _mm512_srai_epi32::<8>(_mm512_sub_epi32(a, d)))
+    };
+    for (b, block) in values.chunks_exact(ACT_BLOCK).enumerate() {
+        let whole = |h: usize| {
+            _mm512_cvttps_epi32(_mm512_mul_ps(_mm512_loadu_ps(block.as_ptr().add(16 * h)), _mm512_set1_ps(512.0)))
+        };
+        let (first, second) = (whole(0), whole(1));
+        offsets[b] = super::FP4_BYTE_OFFSET * _mm512_reduce_add_epi32(_mm512_add_epi32(first, second));
+        let (c, g) = (b * ACT_BLOCK, b * ACT_BLOCK / GROUP_COLS);
+        let at = g * GROUP_DIGIT_BYTES + (c % GROUP_COLS) / 2;
+        for (half, index) in [even, odd].into_iter().enumerate() {
+            let (d0, rest) = split(_mm512_permutex2var_epi32(first, index, second));
+            let (d1, d2) = split(rest);
+            for (k, d) in [d0, d1, d2].into_iter().enumerate() {
+                let out = digits.as_mut_ptr().add(at + (2 * k + half) * 64);
+                _mm_storeu_si128(out.cast(), _mm512_cvtepi32_epi8(d));
+            }
+        }
+    }
+    (digits, offsets)
+}
+
 /// Each x row's block scales (padded to whole vectors) and the weight row's.
 struct BlockScales<'a> {
     a: &'a [Vec<f32>],
@@ -420,6 +461,26 @@ unsafe fn transpose16(r: &[__m512; 16]) -> [__m512; 16] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The vector digits and offsets are the scalar steps' for every e4m3
+    /// value, in whole and partial groups of columns.
+    #[test]
+    fn fp4_digits_are_the_scalar_ones() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")) {
+            return;
+        }
+        let every: Vec<f32> = (0..=255u8).filter(|&c| c & 0x7f != 0x7f).map(crate::dtype::fp8_e4m3_to_f32).collect();
+        for cols in [32, 96, 128, 160, 512, 2080] {
+            let values: Vec<f32> = (0..cols).map(|c| every[(c * 37 + cols) % every.len()]).collect();
+            let ints: Vec<i32> = values.iter().map(|&v| (v * 512.0) as i32).collect();
+            let mut offsets: Vec<i32> =
+                ints.chunks_exact(ACT_BLOCK).map(|b| super::super::FP4_BYTE_OFFSET * b.iter().sum::<i32>()).collect();
+            offsets.resize((cols / ACT_BLOCK).next_multiple_of(16), 0);
+            // SAFETY: the features were checked; `cols` is whole blocks.
+            let got = unsafe { fp4_digits(&values) };
+            assert_eq!(got, (super::super::group_digits(&ints, cols), offsets), "{cols} columns");
+        }
+    }
 
     /// Every code at every byte of a quadword decodes to the same bits by
     /// `vpmultishiftqb` and by shifts, and both to [`fp8_decode8`]'s.

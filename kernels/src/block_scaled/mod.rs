@@ -248,21 +248,14 @@ impl<'a> Prepared<'a> {
             Weights::Fp4 { .. } if wide_tiles => prepared.wide = wide_tiles::interleaved(acts, 1.0),
             #[cfg(target_arch = "x86_64")]
             Weights::Fp8 { .. } if wide_tiles => prepared.wide = wide_tiles::interleaved(acts, WIDE_SCALE),
+            #[cfg(target_arch = "x86_64")]
+            Weights::Fp4 { .. } if path == BlockPath::Avx512Vnni => {
+                // SAFETY: the path's features (AVX-512F and BW among them) were checked.
+                let (digits, offsets) = acts.iter().map(|a| unsafe { avx512::fp4_digits(&a.values) }).unzip();
+                (prepared.digits, prepared.offsets) = (digits, offsets);
+            }
             Weights::Fp4 { .. } => {
                 prepared.ints = acts.iter().map(|a| a.values.iter().map(|&v| (v * 512.0) as i32).collect()).collect();
-                if path == BlockPath::Avx512Vnni {
-                    prepared.digits = prepared.ints.iter().map(|a| group_digits(a, cols)).collect();
-                    prepared.offsets = prepared
-                        .ints
-                        .iter()
-                        .map(|a| {
-                            let mut o: Vec<i32> =
-                                a.chunks_exact(ACT_BLOCK).map(|b| FP4_BYTE_OFFSET * b.iter().sum::<i32>()).collect();
-                            o.resize(blocks, 0);
-                            o
-                        })
-                        .collect();
-                }
                 if path == BlockPath::NeonDotprod {
                     prepared.digits = prepared.ints.iter().map(|a| block_digits(a)).collect();
                 }
@@ -288,6 +281,8 @@ fn padded_blocks(cols: usize) -> usize {
 /// per 128-column group as d0 of the even columns, d0 of the odd ones, then
 /// d1 and d2 likewise: byte `i` of each 64 is column `2i` or `2i + 1`, where
 /// the weight's low and high nibbles land.
+/// (The definition `avx512::fp4_digits` is held to.)
+#[cfg(all(test, target_arch = "x86_64"))]
 fn group_digits(ints: &[i32], cols: usize) -> Vec<i8> {
     // Whole quads of groups: the kernel reads four at a time.
     let groups = cols.div_ceil(GROUP_COLS).next_multiple_of(4);
