@@ -46,8 +46,10 @@ mod neon;
 mod wide_tiles;
 
 /// Columns per FP4 digit group: one 64-byte line of codes.
+#[cfg(target_arch = "x86_64")]
 const GROUP_COLS: usize = 128;
 /// Bytes of activation digits per group: three digits, even and odd columns.
+#[cfg(target_arch = "x86_64")]
 const GROUP_DIGIT_BYTES: usize = 6 * 64;
 /// Block sums are produced 16 at a time; buffers are padded to this.
 const BLOCKS_PER_VECTOR: usize = 16;
@@ -62,6 +64,7 @@ const FP4_DOUBLED: [i32; 16] = {
     doubled
 };
 /// Added to [`FP4_DOUBLED`] to make every weight an unsigned byte.
+#[cfg(target_arch = "x86_64")]
 const FP4_BYTE_OFFSET: i32 = 12;
 /// `2 · e2m1 + 12` for every FP4 code: the unsigned weight byte of the VNNI path.
 #[cfg(target_arch = "x86_64")]
@@ -80,6 +83,7 @@ const BLOCK_DIGIT_BYTES: usize = 3 * ACT_BLOCK;
 /// 2^1000: the AVX-512 FP8 kernel's activations are scaled by it, so that its
 /// weights can be decoded as value · 2^-1016 without a multiply (exact: no
 /// e4m3 value times 2^1000 overflows).
+#[cfg(target_arch = "x86_64")]
 const WIDE_SCALE: f64 = 1.071_508_607_186_267_3e301;
 /// Multiply-adds above which a product is spread over threads (each output is
 /// computed by one thread alone, so the split changes no bit). Handing work
@@ -218,6 +222,7 @@ struct Prepared<'a> {
     ints: Vec<Vec<i32>>,
     digits: Vec<Vec<i8>>,
     /// FP4 with VNNI: `12 · Σ A` per block, padded to whole vectors.
+    #[cfg(target_arch = "x86_64")]
     offsets: Vec<Vec<i32>>,
     /// FP8: the values in f64, a row each (on AVX-512 times [`WIDE_SCALE`]
     /// and in the one-row kernel's lane-byte order); on the wide tiles (FP8
@@ -241,7 +246,15 @@ impl<'a> Prepared<'a> {
                 padded
             })
             .collect();
-        let mut prepared = Self { acts, ints: vec![], digits: vec![], offsets: vec![], wide: vec![], a_scales };
+        let mut prepared = Self {
+            acts,
+            ints: vec![],
+            digits: vec![],
+            #[cfg(target_arch = "x86_64")]
+            offsets: vec![],
+            wide: vec![],
+            a_scales,
+        };
         match weights {
             // The wide tiles decode FP4 weights to their values: x's own values meet them.
             #[cfg(target_arch = "x86_64")]
