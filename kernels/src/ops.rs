@@ -254,6 +254,65 @@ unsafe fn add_weighted_rows_avx512(out: &mut [f32], weights: &[f32], rows: &[f32
     }
 }
 
+/// mHC's post-mix of one token, in place: each of the `hc` streams of
+/// `streams` (`hc × d`) becomes `post[k] · o`, then `+ comb[j · hc + k] ·
+/// stream j` for `j` in order (over the streams as they were), each product
+/// rounded before its sum: the bits of [`scale_into`] then [`add_scaled`]
+/// per stream. AVX-512 with four streams holds a strip of every stream in
+/// registers and writes it back once, where the separate passes loaded and
+/// stored each output stream five times.
+pub fn mix_streams(streams: &mut [f32], o: &[f32], post: &[f32], comb: &[f32]) {
+    let (hc, d) = (post.len(), o.len());
+    assert!(streams.len() == hc * d && comb.len() == hc * hc, "mix_streams shapes");
+    #[cfg(target_arch = "x86_64")]
+    if hc == 4 && matches!(crate::Isa::detect(), crate::Isa::Avx512) {
+        // SAFETY: the detected path guarantees AVX-512F; shapes checked above.
+        return unsafe { mix_four_streams_avx512(streams, o, post, comb) };
+    }
+    let mut mixed = vec![0.0f32; hc * d];
+    for (k, dst) in mixed.chunks_exact_mut(d.max(1)).enumerate() {
+        scale_into(dst, post[k], o);
+        for j in 0..hc {
+            add_scaled(dst, comb[j * hc + k], &streams[j * d..(j + 1) * d]);
+        }
+    }
+    streams.copy_from_slice(&mixed);
+}
+
+/// # Safety
+/// The CPU must support AVX-512F; `streams` is `4 × o.len()`, `post` 4 and `comb` 16 long.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn mix_four_streams_avx512(streams: &mut [f32], o: &[f32], post: &[f32], comb: &[f32]) {
+    use std::arch::x86_64::*;
+    let d = o.len();
+    let whole = d / 16 * 16;
+    let ps = streams.as_mut_ptr();
+    let (post_v, comb_v): ([__m512; 4], [__m512; 16]) =
+        (std::array::from_fn(|k| _mm512_set1_ps(post[k])), std::array::from_fn(|i| _mm512_set1_ps(comb[i])));
+    for c in (0..whole).step_by(16) {
+        let x = _mm512_loadu_ps(o.as_ptr().add(c));
+        let old: [__m512; 4] = std::array::from_fn(|j| _mm512_loadu_ps(ps.add(j * d + c)));
+        for k in 0..4 {
+            let mut acc = _mm512_mul_ps(post_v[k], x);
+            for (j, s) in old.iter().enumerate() {
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(comb_v[j * 4 + k], *s));
+            }
+            _mm512_storeu_ps(ps.add(k * d + c), acc);
+        }
+    }
+    for c in whole..d {
+        let old: [f32; 4] = std::array::from_fn(|j| streams[j * d + c]);
+        for k in 0..4 {
+            let mut acc = post[k] * o[c];
+            for (j, s) in old.iter().enumerate() {
+                acc += comb[j * 4 + k] * s;
+            }
+            streams[k * d + c] = acc;
+        }
+    }
+}
+
 /// `out[d] += weights[k] · (rows[k][d] as f64)` for every row in turn, the
 /// product rounded before the sum: the bits of the plain loop on every path.
 /// AVX-512 keeps 32 columns of `out` in registers across all rows instead of

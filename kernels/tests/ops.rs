@@ -4,8 +4,8 @@ mod common;
 
 use common::Rng;
 use deepinfer_kernels::ops::{
-    add_weighted_rows_f64, rms_norm, rope_interleaved, sinkhorn, softmax, softmax_with_sink, sqrt_softplus, top_k,
-    Rope, Yarn,
+    add_scaled, add_weighted_rows_f64, mix_streams, rms_norm, rope_interleaved, scale_into, sinkhorn, softmax,
+    softmax_with_sink, sqrt_softplus, top_k, Rope, Yarn,
 };
 
 fn close(got: f32, want: f64, rel: f64) -> bool {
@@ -241,6 +241,35 @@ fn weighted_f64_rows_give_the_bits_of_the_serial_loop() {
             add_weighted_rows_f64(&mut got, &weights, &row_refs);
             let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "d {d}, {rows} rows");
+        }
+    }
+}
+
+/// mHC's post-mix gives the bits of its separate passes (each output
+/// stream scaled from the sublayer output, then every old stream added in
+/// order) for four streams and for three, at every length up to 40 and one
+/// past a thousand.
+#[test]
+fn mixed_streams_give_the_bits_of_the_separate_passes() {
+    let mut rng = Rng(32);
+    for hc in [4, 3] {
+        for d in (0..41).chain([1029]) {
+            let spread = |rng: &mut Rng| rng.uniform() * 2f32.powi((rng.uniform() * 30.0) as i32);
+            let streams: Vec<f32> = (0..hc * d).map(|_| spread(&mut rng)).collect();
+            let o: Vec<f32> = (0..d).map(|_| spread(&mut rng)).collect();
+            let post: Vec<f32> = (0..hc).map(|_| rng.uniform()).collect();
+            let comb: Vec<f32> = (0..hc * hc).map(|_| rng.uniform()).collect();
+            let mut want = vec![0.0f32; hc * d];
+            for (k, dst) in want.chunks_exact_mut(d.max(1)).enumerate().take(hc) {
+                scale_into(dst, post[k], &o);
+                for j in 0..hc {
+                    add_scaled(dst, comb[j * hc + k], &streams[j * d..(j + 1) * d]);
+                }
+            }
+            let mut got = streams.clone();
+            mix_streams(&mut got, &o, &post, &comb);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "hc {hc}, d {d}");
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Manifold-constrained hyper-connections (mHC): `hc_mult` residual streams,
 //! collapsed before each sublayer and mixed back after it.
 
-use deepinfer_kernels::ops::{add_scaled, inv_rms, scale_into, sigmoid, sinkhorn, softmax};
+use deepinfer_kernels::ops::{add_scaled, inv_rms, mix_streams, sigmoid, sinkhorn, softmax};
 use deepinfer_kernels::Linear;
 use rayon::prelude::*;
 
@@ -49,29 +49,16 @@ pub fn pre(h: &HyperConnection, cfg: &ModelConfig, streams: &[f32], n: usize) ->
 pub fn post(mixes: &[Mix], cfg: &ModelConfig, output: &[f32], streams: &mut [f32]) {
     let hc = cfg.hc_mult;
     let d = cfg.hidden_size;
-    let token = |mixed: &mut Vec<f32>, (t, (mix, s)): (usize, (&Mix, &mut [f32]))| {
-        let o = &output[t * d..(t + 1) * d];
-        for k in 0..hc {
-            // Per element: post·o first, then the streams in order, each
-            // product rounded before its sum (16 lanes where the CPU has them).
-            let dst = &mut mixed[k * d..(k + 1) * d];
-            scale_into(dst, mix.post[k], o);
-            for j in 0..hc {
-                add_scaled(dst, mix.comb[j * hc + k], &s[j * d..(j + 1) * d]);
-            }
-        }
-        s.copy_from_slice(mixed);
+    // Per element: post·o first, then the streams in order, each product
+    // rounded before its sum (`mix_streams`, every stream's strip at once).
+    let token = |(t, (mix, s)): (usize, (&Mix, &mut [f32]))| {
+        mix_streams(s, &output[t * d..(t + 1) * d], &mix.post[..hc], &mix.comb[..hc * hc]);
     };
     let streams = &mut streams[..mixes.len() * hc * d];
     if spread_tokens(mixes.len()) {
-        mixes
-            .par_iter()
-            .zip(streams.par_chunks_exact_mut(hc * d))
-            .enumerate()
-            .for_each_init(|| vec![0.0f32; hc * d], token);
+        mixes.par_iter().zip(streams.par_chunks_exact_mut(hc * d)).enumerate().for_each(token);
     } else {
-        let mut mixed = vec![0.0f32; hc * d];
-        mixes.iter().zip(streams.chunks_exact_mut(hc * d)).enumerate().for_each(|item| token(&mut mixed, item));
+        mixes.iter().zip(streams.chunks_exact_mut(hc * d)).enumerate().for_each(token);
     }
 }
 
