@@ -269,14 +269,21 @@ pub fn mix_streams(streams: &mut [f32], o: &[f32], post: &[f32], comb: &[f32]) {
         // SAFETY: the detected path guarantees AVX-512F; shapes checked above.
         return unsafe { mix_four_streams_avx512(streams, o, post, comb) };
     }
-    let mut mixed = vec![0.0f32; hc * d];
-    for (k, dst) in mixed.chunks_exact_mut(d.max(1)).enumerate() {
-        scale_into(dst, post[k], o);
-        for j in 0..hc {
-            add_scaled(dst, comb[j * hc + k], &streams[j * d..(j + 1) * d]);
+    // Strips of 16 columns: every stream's old values held while each output is made.
+    let mut old = vec![[0.0f32; 16]; hc];
+    for c0 in (0..d).step_by(16) {
+        let width = 16.min(d - c0);
+        for (j, strip) in old.iter_mut().enumerate() {
+            strip[..width].copy_from_slice(&streams[j * d + c0..][..width]);
+        }
+        for k in 0..hc {
+            let out = &mut streams[k * d + c0..][..width];
+            scale_into(out, post[k], &o[c0..c0 + width]);
+            for (j, strip) in old.iter().enumerate() {
+                add_scaled_plain(out, comb[j * hc + k], &strip[..width]);
+            }
         }
     }
-    streams.copy_from_slice(&mixed);
 }
 
 /// # Safety

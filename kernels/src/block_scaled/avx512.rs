@@ -35,7 +35,7 @@ pub(super) unsafe fn fp4_block_sums(
     }
 }
 
-/// [`super::group_digits`] of `values` (e4m3 values: `A = a · 2^9` is whole)
+/// The scalar `group_digits` of `values` (e4m3 values: `A = a · 2^9` is whole)
 /// and `12 · Σ A` per block, padded to whole vectors, 32 columns at a time:
 /// the same digits and offsets as the scalar steps.
 ///
