@@ -56,25 +56,79 @@ pub fn forward(
     state: &mut V41State,
     shared: &mut Shared,
 ) -> Vec<f32> {
+    let projected = project(cfg, attn, rope, x, &[span]).pop().expect("one chunk");
+    let out = attend_projected(cfg, layer, attn, rope, x, projected, span, state, shared);
+    output_projection(cfg, attn, &out, span.len)
+}
+
+/// One chunk's queries and keys out of the input projections.
+pub struct Projected {
+    /// `[len, q_lora_rank]`: the normed low-rank query (the indexer reads it too).
+    qr: Vec<f32>,
+    /// `[len, heads · head_dim]`, rotated.
+    q: Vec<f32>,
+    /// `[len, head_dim]`: normed, rotated, through FP8 and back.
+    kv: Vec<f32>,
+}
+
+/// The input projections of several chunks' tokens at once (`x`: their
+/// rows one chunk after another, `spans` their positions): each row gets
+/// the bits it gets alone, and the weights are read once for all of them.
+pub fn project(cfg: &V41Config, attn: &Attention, rope: &RopeTable, x: &[f32], spans: &[Span]) -> Vec<Projected> {
+    let (hd, rd, heads) = (cfg.head_dim, cfg.rope_head_dim, cfg.n_heads);
+    let n: usize = spans.iter().map(|s| s.len).sum();
+    assert_eq!(x.len(), n * cfg.dim, "attention input");
+    // Each row's position: its chunk's start plus its place in the chunk.
+    let positions: Vec<usize> = spans.iter().flat_map(|s| s.start..s.start + s.len).collect();
+    let mut qr = quantized_linear(&attn.wq_a, x, n);
+    qr.chunks_exact_mut(cfg.q_lora_rank).for_each(|r| ops::rms_norm(r, &attn.q_norm, cfg.norm_eps));
+    let mut q = quantized_linear(&attn.wq_b, &qr, n);
+    for (row, &p) in q.chunks_exact_mut(heads * hd).zip(&positions) {
+        for head in row.chunks_exact_mut(hd) {
+            rope.apply(&mut head[hd - rd..], p, false);
+        }
+    }
+    let mut kv = quantized_linear(&attn.wkv, x, n);
+    for (row, &p) in kv.chunks_exact_mut(hd).zip(&positions) {
+        ops::rms_norm(row, &attn.kv_norm, cfg.norm_eps);
+        rope.apply(&mut row[hd - rd..], p, false);
+        fp8_round_trip(row);
+    }
+    let mut at = 0;
+    spans
+        .iter()
+        .map(|s| {
+            let rows = at..at + s.len;
+            at += s.len;
+            Projected {
+                qr: qr[rows.start * cfg.q_lora_rank..rows.end * cfg.q_lora_rank].to_vec(),
+                q: q[rows.start * heads * hd..rows.end * heads * hd].to_vec(),
+                kv: kv[rows.start * hd..rows.end * hd].to_vec(),
+            }
+        })
+        .collect()
+}
+
+/// One chunk's attention from its projections (`x` its input rows): the
+/// window and the compressed entries, before the output projection
+/// (`[len, heads · head_dim]`).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_projected(
+    cfg: &V41Config,
+    layer: usize,
+    attn: &Attention,
+    rope: &RopeTable,
+    x: &[f32],
+    projected: Projected,
+    span: Span,
+    state: &mut V41State,
+    shared: &mut Shared,
+) -> Vec<f32> {
     let plan = cfg.layers[layer];
     let (d, hd, rd, heads) = (cfg.dim, cfg.head_dim, cfg.rope_head_dim, cfg.n_heads);
     let n = span.len;
     assert_eq!(x.len(), n * d, "attention input");
-
-    let mut qr = quantized_linear(&attn.wq_a, x, n);
-    qr.chunks_exact_mut(cfg.q_lora_rank).for_each(|r| ops::rms_norm(r, &attn.q_norm, cfg.norm_eps));
-    let mut q = quantized_linear(&attn.wq_b, &qr, n);
-    for (t, row) in q.chunks_exact_mut(heads * hd).enumerate() {
-        for head in row.chunks_exact_mut(hd) {
-            rope.apply(&mut head[hd - rd..], span.start + t, false);
-        }
-    }
-    let mut kv = quantized_linear(&attn.wkv, x, n);
-    for (t, row) in kv.chunks_exact_mut(hd).enumerate() {
-        ops::rms_norm(row, &attn.kv_norm, cfg.norm_eps);
-        rope.apply(&mut row[hd - rd..], span.start + t, false);
-        fp8_round_trip(row);
-    }
+    let Projected { qr, q, kv } = projected;
 
     // Window rows of positions `base..start + len`.
     let mut window = std::mem::take(&mut state.windows[layer]);
@@ -128,8 +182,7 @@ pub fn forward(
         mark.windows[layer] = Some((dropped, rows * hd));
     }
     state.windows[layer] = window.split_off(window.len() - keep);
-
-    output_projection(cfg, attn, &out, n)
+    out
 }
 
 /// Rows of `wo_a` per parallel part of [`output_projection`]: one FP8 scale
@@ -140,7 +193,7 @@ const WO_A_ROWS_PER_PART: usize = 128;
 /// `wo_a`, then `wo_b`. The reference holds `wo_a` in bf16 (its converter
 /// dequantises the stored FP8); its codes are read here and give the bits of
 /// those bf16 values (`dot_f64_dequantized_tokens`), at a quarter of the bytes of f32.
-pub(super) fn output_projection(cfg: &V41Config, attn: &Attention, o: &[f32], n: usize) -> Vec<f32> {
+pub fn output_projection(cfg: &V41Config, attn: &Attention, o: &[f32], n: usize) -> Vec<f32> {
     use rayon::prelude::*;
     let (groups, rank) = (cfg.o_groups, cfg.o_lora_rank);
     let group_in = cfg.n_heads * cfg.head_dim / groups;

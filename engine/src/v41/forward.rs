@@ -154,8 +154,9 @@ impl ModelV41 {
         let (d, hc, l) = (cfg.dim, cfg.hc_mult, pass.layer);
         let block = &self.weights.blocks[l];
         let targets = cfg.dspark.as_ref().map_or(&[][..], |s| &s.target_layer_ids[..]);
-        let mut x_all = Vec::new();
-        for (seq, state) in pass.seqs.iter_mut().zip(states.iter_mut()) {
+        // Per chunk: Engram, the draft layers' hidden, the streams collapsed for attention.
+        let mut inputs: Vec<(Vec<Mix>, Vec<f32>)> = Vec::with_capacity(pass.seqs.len());
+        for seq in pass.seqs.iter_mut() {
             let n = seq.span.len;
             if let (Some(e), Some(slot)) = (&block.engram, cfg.layers[l].engram) {
                 self.apply_engram(e, &seq.engram_rows, slot, &mut seq.streams, n);
@@ -166,10 +167,29 @@ impl ModelV41 {
                     mean_streams(&seq.streams[t * hc * d..(t + 1) * hc * d], hc, out);
                 }
             }
-            let (mixes, x) =
-                self.attention_sublayer(l, block, &mut seq.streams, &seq.pre, seq.span, state, &mut seq.shared);
+            inputs.push(self.attention_input(block, &seq.streams, &seq.pre));
+        }
+        // Every chunk's tokens through the projections together (each row keeps
+        // the bits it gets alone); each chunk's own attention in between.
+        let rope = if cfg.layers[l].ratio > 0 { &self.rope_compress } else { &self.rope_main };
+        let x_cat: Vec<f32> = inputs.iter().flat_map(|(_, x)| x.iter().copied()).collect();
+        let spans: Vec<Span> = pass.seqs.iter().map(|s| s.span).collect();
+        let projected = attention::project(cfg, &block.attn, rope, &x_cat, &spans);
+        let mut attended = Vec::with_capacity(x_cat.len() / d * cfg.n_heads * cfg.head_dim);
+        let chunks = pass.seqs.iter_mut().zip(states.iter_mut()).zip(inputs.iter().zip(projected));
+        for ((seq, state), ((_, x), p)) in chunks {
+            let out = attention::attend_projected(cfg, l, &block.attn, rope, x, p, seq.span, state, &mut seq.shared);
+            attended.extend_from_slice(&out);
+        }
+        let y = attention::output_projection(cfg, &block.attn, &attended, x_cat.len() / d);
+        let mut x_all = Vec::with_capacity(x_cat.len());
+        let mut at = 0;
+        for (seq, (attn_mixes, _)) in pass.seqs.iter_mut().zip(&inputs) {
+            let n = seq.span.len;
+            let (mixes, x) = self.after_attention(block, &mut seq.streams, &y[at * d..(at + n) * d], attn_mixes);
             seq.ffn_mixes = mixes;
             x_all.extend_from_slice(&x);
+            at += n;
         }
         let n_all = x_all.len() / d;
         let routes = ffn::route(cfg, &block.moe, &x_all, n_all);
@@ -246,26 +266,6 @@ impl ModelV41 {
             .collect()
     }
 
-    /// The attention sublayer of a block with its mHC mixing; returns the FFN
-    /// mixes and the FFN's (collapsed, normalised) input.
-    #[allow(clippy::too_many_arguments)]
-    fn attention_sublayer(
-        &self,
-        layer: usize,
-        block: &Block,
-        streams: &mut [f32],
-        pre: &[Vec<f32>],
-        span: Span,
-        state: &mut V41State,
-        shared: &mut Shared,
-    ) -> (Vec<Mix>, Vec<f32>) {
-        let cfg = &self.config;
-        let rope = if cfg.layers[layer].ratio > 0 { &self.rope_compress } else { &self.rope_main };
-        self.mixed_attention(block, streams, pre, |x| {
-            attention::forward(cfg, layer, &block.attn, rope, x, span, state, shared)
-        })
-    }
-
     /// Single-pass mHC around an attention: collapse the streams with the
     /// previous sublayer's `pre`, norm, `attend`, mix back; then the FFN's mixes
     /// and its collapsed, normalised input (collapsed with attention's `pre`).
@@ -276,6 +276,14 @@ impl ModelV41 {
         pre: &[Vec<f32>],
         attend: impl FnOnce(&[f32]) -> Vec<f32>,
     ) -> (Vec<Mix>, Vec<f32>) {
+        let (attn_mixes, x) = self.attention_input(block, streams, pre);
+        let out = attend(&x);
+        self.after_attention(block, streams, &out, &attn_mixes)
+    }
+
+    /// Attention's mixes and its input: the streams collapsed with the
+    /// previous sublayer's `pre`, normed.
+    fn attention_input(&self, block: &Block, streams: &[f32], pre: &[Vec<f32>]) -> (Vec<Mix>, Vec<f32>) {
         let cfg = &self.config;
         let (d, hc, n) = (cfg.dim, cfg.hc_mult, pre.len());
         let attn_mixes = self.mixes(&block.hc_attn, streams, n);
@@ -285,9 +293,23 @@ impl ModelV41 {
             ops::hc_pre(&streams[t * hc * d..(t + 1) * hc * d], &pre[t], out);
             ops::rms_norm(out, &block.attn_norm, cfg.norm_eps);
         }
-        let out = attend(&x);
-        post_all(streams, &out, &attn_mixes);
+        (attn_mixes, x)
+    }
+
+    /// Attention's output `out` mixed back into the streams; then the FFN's
+    /// mixes and its input, collapsed with attention's `pre` and normed.
+    fn after_attention(
+        &self,
+        block: &Block,
+        streams: &mut [f32],
+        out: &[f32],
+        attn_mixes: &[Mix],
+    ) -> (Vec<Mix>, Vec<f32>) {
+        let cfg = &self.config;
+        let (d, hc, n) = (cfg.dim, cfg.hc_mult, attn_mixes.len());
+        post_all(streams, out, attn_mixes);
         let ffn_mixes = self.mixes(&block.hc_ffn, streams, n);
+        let mut x = vec![0.0f32; n * d];
         for t in 0..n {
             let out = &mut x[t * d..(t + 1) * d];
             ops::hc_pre(&streams[t * hc * d..(t + 1) * hc * d], &attn_mixes[t].pre, out);
