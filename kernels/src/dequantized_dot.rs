@@ -63,7 +63,14 @@ const TILE_COLS: usize = 512;
 pub fn dot_f64_dequantized_tokens(xs: &[&[f32]], w: &Linear, first: usize, rows: usize, out: &mut [f64]) {
     assert_eq!(out.len(), xs.len() * rows, "dot_f64_dequantized_tokens: outputs");
     #[cfg(target_arch = "x86_64")]
-    if xs.len() > 1 && is_x86_feature_detected!("avx512vbmi") && xs.iter().all(|x| decodes_codes(x, w, first, rows)) {
+    // The weight qualifies for every token or for none: only the first
+    // token's check reads it; the others need only be finite.
+    let finite = |x: &&[f32]| x.iter().all(|v| v.is_finite());
+    if xs.len() > 1
+        && is_x86_feature_detected!("avx512vbmi")
+        && decodes_codes(xs[0], w, first, rows)
+        && xs[1..].iter().all(finite)
+    {
         fp8_tokens_avx512(xs, w, first, rows, out);
         return;
     }
@@ -128,7 +135,6 @@ fn fp8_rows_avx512(x: &[f32], w: &Linear, first: usize, out: &mut [f64]) {
     let (cols, block_rows, block_cols) = (w.cols, *block_rows, *block_cols);
     let per_row = cols.div_ceil(block_cols);
     let whole = cols / 8 * 8;
-    let x_scale = 2f64.powi(X_SCALE_EXP);
     let mut scaled_x = vec![0.0f64; whole];
     let vbmi = is_x86_feature_detected!("avx512vbmi");
     let mut r = first;
@@ -137,20 +143,9 @@ fn fp8_rows_avx512(x: &[f32], w: &Linear, first: usize, out: &mut [f64]) {
         let block = r / block_rows;
         let end = ((block + 1) * block_rows).min(first + out.len());
         let scale_row = &scales[block * per_row..][..per_row];
-        for ((xs, scaled), &s) in x.chunks(block_cols).zip(scaled_x.chunks_mut(block_cols)).zip(scale_row) {
-            for (v, &x) in scaled.iter_mut().zip(xs) {
-                *v = x as f64 * s as f64 * x_scale;
-            }
-        }
-        let tail_values = |row: usize| -> [f32; 8] {
-            let mut values = [0.0f32; 8];
-            for (c, v) in (whole..cols).zip(values.iter_mut()) {
-                *v = round_bf16(crate::dtype::fp8_e4m3_to_f32(data[row * cols + c]) * scale_row[c / block_cols]);
-            }
-            values
-        };
+        scale_columns(x, 0..whole, scale_row, block_cols, &mut scaled_x);
         let mut finish = |row: usize, lanes: &[f64; 8]| {
-            let tail = tail_values(row);
+            let tail = tail_values(&data[row * cols..][..cols], whole, scale_row, block_cols);
             out[row - first] = crate::act_quant::combine_lanes(lanes, &x[whole..], &tail[..cols - whole]);
         };
         let mut row = r;
@@ -187,7 +182,6 @@ fn fp8_tokens_avx512(xs: &[&[f32]], w: &Linear, first: usize, rows: usize, out: 
     let (cols, block_rows, block_cols) = (w.cols, *block_rows, *block_cols);
     let per_row = cols.div_ceil(block_cols);
     let whole = cols / 8 * 8;
-    let x_scale = 2f64.powi(X_SCALE_EXP);
     let restore = 2f64.powi(WEIGHT_SCALE_EXP - X_SCALE_EXP);
     for t0 in (0..xs.len()).step_by(TOKENS) {
         let group = &xs[t0..(t0 + TOKENS).min(xs.len())];
@@ -203,16 +197,7 @@ fn fp8_tokens_avx512(xs: &[&[f32]], w: &Linear, first: usize, rows: usize, out: 
                 let kc = TILE_COLS.min(whole - k0);
                 for (t, x) in group.iter().enumerate() {
                     let at = &mut scaled[m * k0 + t * kc..][..kc];
-                    let mut c = k0;
-                    while c < k0 + kc {
-                        // A scale block's columns within the tile.
-                        let end = ((c / block_cols + 1) * block_cols).min(k0 + kc);
-                        let s = scale_row[c / block_cols] as f64;
-                        for (v, &x) in at[c - k0..end - k0].iter_mut().zip(&x[c..end]) {
-                            *v = x as f64 * s * x_scale;
-                        }
-                        c = end;
-                    }
+                    scale_columns(x, k0..k0 + kc, scale_row, block_cols, at);
                 }
             }
             let mut lanes = vec![[0.0f64; 8]; (end - r) * m];
@@ -228,10 +213,7 @@ fn fp8_tokens_avx512(xs: &[&[f32]], w: &Linear, first: usize, rows: usize, out: 
             }
             for (i, lanes) in lanes.chunks_exact(m).enumerate() {
                 let row = r + i;
-                let mut tail = [0.0f32; 8];
-                for (c, v) in (whole..cols).zip(tail.iter_mut()) {
-                    *v = round_bf16(crate::dtype::fp8_e4m3_to_f32(data[row * cols + c]) * scale_row[c / block_cols]);
-                }
+                let tail = tail_values(&data[row * cols..][..cols], whole, scale_row, block_cols);
                 for (t, lanes) in lanes.iter().enumerate() {
                     let restored = lanes.map(|v| v * restore);
                     let x_tail = &group[t][whole..];
@@ -242,6 +224,36 @@ fn fp8_tokens_avx512(xs: &[&[f32]], w: &Linear, first: usize, rows: usize, out: 
             r = end;
         }
     }
+}
+
+/// `x[c] · s · 2^X_SCALE_EXP` into `out` for the columns `columns`, `s`
+/// each column's block scale in `scale_row`: what the codes meet.
+#[cfg(target_arch = "x86_64")]
+fn scale_columns(x: &[f32], columns: std::ops::Range<usize>, scale_row: &[f32], block_cols: usize, out: &mut [f64]) {
+    assert_eq!(out.len(), columns.len(), "scaled columns");
+    let x_scale = 2f64.powi(X_SCALE_EXP);
+    let mut c = columns.start;
+    while c < columns.end {
+        // One scale block's columns at a time.
+        let end = ((c / block_cols + 1) * block_cols).min(columns.end);
+        let s = scale_row[c / block_cols] as f64;
+        let at = &mut out[c - columns.start..end - columns.start];
+        for (v, &x) in at.iter_mut().zip(&x[c..end]) {
+            *v = x as f64 * s * x_scale;
+        }
+        c = end;
+    }
+}
+
+/// A row's codes past its whole vectors of eight (`codes[whole..]`) as the
+/// bf16 values they stand for, padded with zeros.
+#[cfg(target_arch = "x86_64")]
+fn tail_values(codes: &[u8], whole: usize, scale_row: &[f32], block_cols: usize) -> [f32; 8] {
+    let mut values = [0.0f32; 8];
+    for (c, v) in (whole..codes.len()).zip(values.iter_mut()) {
+        *v = round_bf16(crate::dtype::fp8_e4m3_to_f32(codes[c]) * scale_row[c / block_cols]);
+    }
+    values
 }
 
 #[cfg(target_arch = "x86_64")]

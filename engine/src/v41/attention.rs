@@ -56,25 +56,46 @@ pub fn forward(
     state: &mut V41State,
     shared: &mut Shared,
 ) -> Vec<f32> {
-    let projected = project(cfg, attn, rope, x, &[span]).pop().expect("one chunk");
-    let out = attend_projected(cfg, layer, attn, rope, x, projected, span, state, shared);
+    let projected = project(cfg, attn, rope, x, &[span]);
+    let out = attend_projected(cfg, layer, attn, rope, x, projected.rows(0..span.len), span, state, shared);
     output_projection(cfg, attn, &out, span.len)
 }
 
-/// One chunk's queries and keys out of the input projections.
+/// Queries and keys of every row out of the input projections.
 pub struct Projected {
-    /// `[len, q_lora_rank]`: the normed low-rank query (the indexer reads it too).
+    /// `[rows, q_lora_rank]`: the normed low-rank query (the indexer reads it too).
     qr: Vec<f32>,
-    /// `[len, heads · head_dim]`, rotated.
+    /// `[rows, heads · head_dim]`, rotated.
     q: Vec<f32>,
-    /// `[len, head_dim]`: normed, rotated, through FP8 and back.
+    /// `[rows, head_dim]`: normed, rotated, through FP8 and back.
     kv: Vec<f32>,
+    rows: usize,
+}
+
+/// One chunk's rows of a [`Projected`].
+pub struct ProjectedRows<'a> {
+    qr: &'a [f32],
+    q: &'a [f32],
+    kv: &'a [f32],
+}
+
+impl Projected {
+    /// Rows `rows` (one chunk's) of every projection.
+    pub fn rows(&self, rows: std::ops::Range<usize>) -> ProjectedRows<'_> {
+        assert!(rows.end <= self.rows, "rows {rows:?} of {}", self.rows);
+        fn part<'a>(v: &'a [f32], rows: &std::ops::Range<usize>, all: usize) -> &'a [f32] {
+            let width = v.len() / all.max(1);
+            &v[rows.start * width..rows.end * width]
+        }
+        let n = self.rows;
+        ProjectedRows { qr: part(&self.qr, &rows, n), q: part(&self.q, &rows, n), kv: part(&self.kv, &rows, n) }
+    }
 }
 
 /// The input projections of several chunks' tokens at once (`x`: their
 /// rows one chunk after another, `spans` their positions): each row gets
 /// the bits it gets alone, and the weights are read once for all of them.
-pub fn project(cfg: &V41Config, attn: &Attention, rope: &RopeTable, x: &[f32], spans: &[Span]) -> Vec<Projected> {
+pub fn project(cfg: &V41Config, attn: &Attention, rope: &RopeTable, x: &[f32], spans: &[Span]) -> Projected {
     let (hd, rd, heads) = (cfg.head_dim, cfg.rope_head_dim, cfg.n_heads);
     let n: usize = spans.iter().map(|s| s.len).sum();
     assert_eq!(x.len(), n * cfg.dim, "attention input");
@@ -94,19 +115,7 @@ pub fn project(cfg: &V41Config, attn: &Attention, rope: &RopeTable, x: &[f32], s
         rope.apply(&mut row[hd - rd..], p, false);
         fp8_round_trip(row);
     }
-    let mut at = 0;
-    spans
-        .iter()
-        .map(|s| {
-            let rows = at..at + s.len;
-            at += s.len;
-            Projected {
-                qr: qr[rows.start * cfg.q_lora_rank..rows.end * cfg.q_lora_rank].to_vec(),
-                q: q[rows.start * heads * hd..rows.end * heads * hd].to_vec(),
-                kv: kv[rows.start * hd..rows.end * hd].to_vec(),
-            }
-        })
-        .collect()
+    Projected { qr, q, kv, rows: n }
 }
 
 /// One chunk's attention from its projections (`x` its input rows): the
@@ -119,7 +128,7 @@ pub fn attend_projected(
     attn: &Attention,
     rope: &RopeTable,
     x: &[f32],
-    projected: Projected,
+    projected: ProjectedRows<'_>,
     span: Span,
     state: &mut V41State,
     shared: &mut Shared,
@@ -128,15 +137,15 @@ pub fn attend_projected(
     let (d, hd, rd, heads) = (cfg.dim, cfg.head_dim, cfg.rope_head_dim, cfg.n_heads);
     let n = span.len;
     assert_eq!(x.len(), n * d, "attention input");
-    let Projected { qr, q, kv } = projected;
+    let ProjectedRows { qr, q, kv } = projected;
 
     // Window rows of positions `base..start + len`.
     let mut window = std::mem::take(&mut state.windows[layer]);
     let base = span.start - window.len() / hd;
-    window.extend_from_slice(&kv);
+    window.extend_from_slice(kv);
 
     let selection = if plan.ratio > 0 {
-        compressed_step(cfg, layer, plan, attn, rope, x, &qr, span, state, shared);
+        compressed_step(cfg, layer, plan, attn, rope, x, qr, span, state, shared);
         shared.selection.clone().unwrap_or_else(|| vec![Vec::new(); n])
     } else {
         vec![Vec::new(); n]

@@ -176,10 +176,12 @@ impl ModelV41 {
         let spans: Vec<Span> = pass.seqs.iter().map(|s| s.span).collect();
         let projected = attention::project(cfg, &block.attn, rope, &x_cat, &spans);
         let mut attended = Vec::with_capacity(x_cat.len() / d * cfg.n_heads * cfg.head_dim);
-        let chunks = pass.seqs.iter_mut().zip(states.iter_mut()).zip(inputs.iter().zip(projected));
-        for ((seq, state), ((_, x), p)) in chunks {
-            let out = attention::attend_projected(cfg, l, &block.attn, rope, x, p, seq.span, state, &mut seq.shared);
+        let mut at = 0;
+        for ((seq, state), (_, x)) in pass.seqs.iter_mut().zip(states.iter_mut()).zip(&inputs) {
+            let rows = projected.rows(at..at + seq.span.len);
+            let out = attention::attend_projected(cfg, l, &block.attn, rope, x, rows, seq.span, state, &mut seq.shared);
             attended.extend_from_slice(&out);
+            at += seq.span.len;
         }
         let y = attention::output_projection(cfg, &block.attn, &attended, x_cat.len() / d);
         let mut x_all = Vec::with_capacity(x_cat.len());
