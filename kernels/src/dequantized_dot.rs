@@ -62,14 +62,13 @@ const TILE_COLS: usize = 512;
 /// tokens instead of once for each (a prefill's tokens through `wo_a`).
 pub fn dot_f64_dequantized_tokens(xs: &[&[f32]], w: &Linear, first: usize, rows: usize, out: &mut [f64]) {
     assert_eq!(out.len(), xs.len() * rows, "dot_f64_dequantized_tokens: outputs");
-    #[cfg(target_arch = "x86_64")]
     // The weight qualifies for every token or for none: only the first
     // token's check reads it; the others need only be finite.
-    let finite = |x: &&[f32]| x.iter().all(|v| v.is_finite());
+    #[cfg(target_arch = "x86_64")]
     if xs.len() > 1
         && is_x86_feature_detected!("avx512vbmi")
         && decodes_codes(xs[0], w, first, rows)
-        && xs[1..].iter().all(finite)
+        && xs[1..].iter().all(|x| x.iter().all(|v| v.is_finite()))
     {
         fp8_tokens_avx512(xs, w, first, rows, out);
         return;
