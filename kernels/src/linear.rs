@@ -174,24 +174,32 @@ impl Linear {
     /// whatever `n`, the row's position in the batch, the number of threads,
     /// or the [`Isa`] in use.
     pub fn forward(&self, x: &[f32], n: usize, out: &mut [f32]) {
-        self.forward_on(Backend::detected(), x, n, out);
+        self.forward_on(Backend::detected(), x, n, out, PARALLEL_MIN_FMAS);
+    }
+
+    /// [`Linear::forward`] on the calling thread alone, for one of many
+    /// products running side by side on the pool (a prefill's routed
+    /// experts): split further, each thread would decode the same weights
+    /// for its share of the rows. The same bits as [`Linear::forward`].
+    pub fn forward_alone(&self, x: &[f32], n: usize, out: &mut [f32]) {
+        self.forward_on(Backend::detected(), x, n, out, usize::MAX);
     }
 
     /// [`Linear::forward`] on a chosen code path (for tests and benchmarks; the
     /// result is the same on every path). Panics if this CPU lacks `isa`.
     pub fn forward_with(&self, isa: Isa, x: &[f32], n: usize, out: &mut [f32]) {
-        self.forward_on(Backend::new(isa), x, n, out);
+        self.forward_on(Backend::new(isa), x, n, out, PARALLEL_MIN_FMAS);
     }
 
-    fn forward_on(&self, backend: Backend, x: &[f32], n: usize, out: &mut [f32]) {
+    fn forward_on(&self, backend: Backend, x: &[f32], n: usize, out: &mut [f32], parallel_min_fmas: usize) {
         assert_eq!(x.len(), n * self.cols, "linear input");
         assert_eq!(out.len(), n * self.rows, "linear output");
         self.check_format();
         match &self.format {
-            WeightFormat::Panels(panels) => crate::column_order::forward(panels, backend, x, n, out, PARALLEL_MIN_FMAS),
+            WeightFormat::Panels(panels) => crate::column_order::forward(panels, backend, x, n, out, parallel_min_fmas),
             published => {
                 let panels = Panels::pack(self.rows, self.cols, published);
-                crate::column_order::forward(&panels, backend, x, n, out, PARALLEL_MIN_FMAS)
+                crate::column_order::forward(&panels, backend, x, n, out, parallel_min_fmas)
             }
         }
     }

@@ -461,20 +461,22 @@ pub fn silu(x: f32) -> f32 {
     x * sigmoid(x)
 }
 
-/// SwiGLU with DeepSeek-V4's clamps: `silu(min(gate, limit)) · clamp(up, −limit, limit)`.
-pub fn swiglu_clamped(gate: &[f32], up: &[f32], limit: f32, out: &mut [f32]) {
-    assert!(gate.len() == out.len() && up.len() == out.len(), "swiglu lengths");
+/// SwiGLU with DeepSeek-V4's clamps, in place of the gate:
+/// `gate ← silu(min(gate, limit)) · clamp(up, −limit, limit)` (the gate's
+/// buffer is dead once read, so the activation takes it instead of a third).
+pub fn swiglu_clamped(gate: &mut [f32], up: &[f32], limit: f32) {
+    assert_eq!(gate.len(), up.len(), "swiglu lengths");
     // The exponentials of a chunk at once (vectorised), then the scalar
     // formula of `silu` on each: the bits of `silu(g) · u` element by element.
     const CHUNK: usize = 256;
     let mut e = [0.0f32; CHUNK];
-    for ((o, g), u) in out.chunks_mut(CHUNK).zip(gate.chunks(CHUNK)).zip(up.chunks(CHUNK)) {
-        let e = &mut e[..o.len()];
-        e.iter_mut().zip(g).for_each(|(e, &g)| *e = -g.min(limit));
+    for (g, u) in gate.chunks_mut(CHUNK).zip(up.chunks(CHUNK)) {
+        let e = &mut e[..g.len()];
+        e.iter_mut().zip(g.iter()).for_each(|(e, &g)| *e = -g.min(limit));
         exp_in_place(e);
-        for (((o, &g), &u), &e) in o.iter_mut().zip(g).zip(u).zip(e.iter()) {
-            let g = g.min(limit);
-            *o = g * (1.0 / (1.0 + e)) * u.clamp(-limit, limit);
+        for ((g, &u), &e) in g.iter_mut().zip(u).zip(e.iter()) {
+            let clamped = g.min(limit);
+            *g = clamped * (1.0 / (1.0 + e)) * u.clamp(-limit, limit);
         }
     }
 }

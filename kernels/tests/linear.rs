@@ -164,6 +164,11 @@ fn assert_thread_count_keeps_bits(rows: usize, cols: usize, n: usize, rng: &mut 
         let one = run(1);
         for threads in [2, 3, 5] {
             assert_bits_eq(&run(threads), &one, &format!("{name} {rows}x{cols} n={n} threads={threads}"));
+            // The same product kept on the calling thread inside a pool.
+            let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+            let mut alone = vec![f32::NAN; n * rows];
+            pool.install(|| lin.forward_alone(&x, n, &mut alone));
+            assert_bits_eq(&alone, &one, &format!("{name} {rows}x{cols} n={n} alone in {threads} threads"));
         }
     }
 }

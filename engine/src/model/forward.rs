@@ -208,7 +208,7 @@ impl Model {
     pub fn expert_forward(&self, layer: usize, expert: usize, x_rows: &[f32]) -> Vec<f32> {
         on_workers(|| {
             assert!(self.v41.is_none(), "V4.1 experts take their rows' routing weights");
-            moe::expert_forward(&self.weights.blocks[layer].moe, &self.config, expert, x_rows)
+            moe::expert_forward(&self.weights.blocks[layer].moe, &self.config, expert, x_rows, moe::Threads::Pool)
         })
     }
 

@@ -2,9 +2,10 @@
 //! the first layers), normalised and scaled top-k weights, and a shared expert.
 
 use deepinfer_kernels::ops::{add_scaled, sqrt_softplus, swiglu_clamped, top_k};
+use deepinfer_kernels::Linear;
 use rayon::prelude::*;
 
-use super::rows::{each_token, spread_tokens, zeros};
+use super::rows::{each_token, spread_tokens, with_scratch, zeros};
 use super::weights::{Mlp, Moe};
 use crate::config::{ModelConfig, RoutingKind};
 
@@ -52,23 +53,44 @@ pub fn route(moe: &Moe, cfg: &ModelConfig, x: &[f32], tokens: &[u32]) -> Vec<Rou
     }
 }
 
-/// One SwiGLU MLP over `n` rows.
-pub fn mlp(m: &Mlp, limit: f32, x: &[f32], n: usize) -> Vec<f32> {
-    let inter = m.w1.rows;
-    let mut gate = zeros(n * inter);
-    let mut up = zeros(n * inter);
-    m.w1.forward(x, n, &mut gate);
-    m.w3.forward(x, n, &mut up);
-    let mut act = zeros(n * inter);
-    // Element by element, so a long pass spreads its rows over threads.
-    let swiglu = |(act, (gate, up)): (&mut [f32], (&[f32], &[f32]))| swiglu_clamped(gate, up, limit, act);
-    if spread_tokens(n) {
-        act.par_chunks_mut(inter).zip(gate.par_chunks(inter).zip(up.par_chunks(inter))).for_each(swiglu);
-    } else {
-        swiglu((&mut act, (&gate, &up)));
+/// Whether one MLP's linears may split over the pool's threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Threads {
+    /// Large products split over the pool.
+    Pool,
+    /// Everything on the calling thread: the MLP is one of many running side
+    /// by side, which keep the threads busy without splitting.
+    Caller,
+}
+
+impl Threads {
+    fn forward(self, linear: &Linear, x: &[f32], n: usize, out: &mut [f32]) {
+        match self {
+            Threads::Pool => linear.forward(x, n, out),
+            Threads::Caller => linear.forward_alone(x, n, out),
+        }
     }
+}
+
+/// One SwiGLU MLP over `n` rows.
+pub fn mlp(m: &Mlp, limit: f32, x: &[f32], n: usize, threads: Threads) -> Vec<f32> {
+    let inter = m.w1.rows;
     let mut out = zeros(n * m.w2.rows);
-    m.w2.forward(&act, n, &mut out);
+    // Gate and up are written whole by their linears and dead after the
+    // down projection, so they live in the thread's scratch.
+    with_scratch(2 * n * inter, |gate_up| {
+        let (gate, up) = gate_up.split_at_mut(n * inter);
+        threads.forward(&m.w1, x, n, gate);
+        threads.forward(&m.w3, x, n, up);
+        // Element by element (the activation takes the gate's place), so a
+        // long pass spreads its rows over threads.
+        if threads == Threads::Pool && spread_tokens(n) {
+            gate.par_chunks_mut(inter).zip(up.par_chunks(inter)).for_each(|(g, u)| swiglu_clamped(g, u, limit));
+        } else {
+            swiglu_clamped(gate, up, limit);
+        }
+        threads.forward(&m.w2, gate, n, &mut out);
+    });
     out
 }
 
@@ -184,37 +206,53 @@ impl PartialEq for ExpertOutputs {
 }
 
 /// Compute `expert`'s outputs for its rows of a dispatch.
-pub fn expert_forward(moe: &Moe, cfg: &ModelConfig, expert: usize, x_rows: &[f32]) -> Vec<f32> {
+pub fn expert_forward(moe: &Moe, cfg: &ModelConfig, expert: usize, x_rows: &[f32], threads: Threads) -> Vec<f32> {
     let n = x_rows.len() / cfg.hidden_size;
-    mlp(&moe.experts[expert], cfg.swiglu_limit, x_rows, n)
+    mlp(&moe.experts[expert], cfg.swiglu_limit, x_rows, n, threads)
 }
 
 /// Run every routed expert locally.
 pub fn run_all_experts(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch) -> ExpertOutputs {
     assert!(!moe.experts.is_empty(), "the routed experts of this model live on expert shards");
-    run_hit_experts(dispatch, cfg.experts_per_token, |e, pairs| expert_forward(moe, cfg, e, &dispatch.gather(pairs)))
+    run_hit_experts(dispatch, cfg.experts_per_token, |e, pairs, threads| {
+        expert_forward(moe, cfg, e, &dispatch.gather(pairs), threads)
+    })
 }
 
 /// One expert's rows `(token, slot)` and their outputs.
 type ExpertRun = (Vec<(usize, usize)>, Vec<f32>);
 
-/// Every expert a dispatch hits, through `expert(e, rows)`: side by side on
-/// the thread pool (a decode step's few rows leave each matmul too small to
-/// split), each output still computed by one thread in its fixed order and
-/// stored in expert order, so threads change no bit.
+/// Hit experts a thread from which each expert runs on one thread: enough
+/// to keep every thread busy without splitting any expert's products.
+const EXPERTS_PER_THREAD_ALONE_MIN: usize = 4;
+
+/// Every expert a dispatch hits, through `expert(e, rows, threads)`: side by
+/// side on the thread pool (a decode step's few rows leave each matmul too
+/// small to split), each output still computed by one thread in its fixed
+/// order and stored in expert order, so threads change no bit. With many
+/// experts and none holding more than a thread's share of the rows, each
+/// runs on one thread ([`Threads::Caller`]); else its products may split.
 pub(crate) fn run_hit_experts(
     dispatch: &Dispatch,
     k: usize,
-    expert: impl Fn(usize, &[(usize, usize)]) -> Vec<f32> + Sync,
+    expert: impl Fn(usize, &[(usize, usize)], Threads) -> Vec<f32> + Sync,
 ) -> ExpertOutputs {
     let mut outputs = ExpertOutputs::new(dispatch, k);
-    let hit = dispatch.experts_hit();
-    let run = |e: usize| {
-        let pairs = dispatch.rows_for(e);
-        let y = expert(e, &pairs);
+    let hit: Vec<(usize, Vec<(usize, usize)>)> =
+        dispatch.experts_hit().into_iter().map(|e| (e, dispatch.rows_for(e))).collect();
+    let pool = rayon::current_num_threads();
+    let rows_total: usize = hit.iter().map(|(_, pairs)| pairs.len()).sum();
+    let rows_most = hit.iter().map(|(_, pairs)| pairs.len()).max().unwrap_or(0);
+    let threads = if pool > 1 && hit.len() >= EXPERTS_PER_THREAD_ALONE_MIN * pool && rows_most * pool <= rows_total {
+        Threads::Caller
+    } else {
+        Threads::Pool
+    };
+    let run = |(e, pairs): (usize, Vec<(usize, usize)>)| {
+        let y = expert(e, &pairs, threads);
         (pairs, y)
     };
-    let results: Vec<ExpertRun> = if rayon::current_num_threads() == 1 || hit.len() == 1 {
+    let results: Vec<ExpertRun> = if pool == 1 || hit.len() == 1 {
         hit.into_iter().map(run).collect()
     } else {
         hit.into_par_iter().map(run).collect()
@@ -232,7 +270,7 @@ pub fn combine(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch, outputs: &Expe
     assert!(outputs.is_complete(), "every routed slot has an output");
     let d = cfg.hidden_size;
     let n = dispatch.routes.len();
-    let shared = moe.shared.as_ref().map(|shared| mlp(shared, cfg.swiglu_limit, &dispatch.x, n));
+    let shared = moe.shared.as_ref().map(|shared| mlp(shared, cfg.swiglu_limit, &dispatch.x, n, Threads::Pool));
     let mut out = zeros(n * d);
     each_token(&mut out, d, |t, o| {
         let r = &dispatch.routes[t];

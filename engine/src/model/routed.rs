@@ -85,7 +85,7 @@ impl Model {
         match (&expert.layers, &self.v41) {
             (ExpertLayers::V4(ls), None) => {
                 let n = x.len() / self.config.hidden_size;
-                super::moe::mlp(&ls[layer], self.config.swiglu_limit, x, n)
+                super::moe::mlp(&ls[layer], self.config.swiglu_limit, x, n, super::moe::Threads::Pool)
             }
             (ExpertLayers::V41(ls), Some(m)) => {
                 let weights_of = ls[layer].as_ref().expect("the layer has this expert");

@@ -25,6 +25,32 @@ pub(crate) fn zeros(len: usize) -> Vec<f32> {
     }
 }
 
+/// Floats a thread keeps between calls of [`with_scratch`] (8 MiB: a
+/// 512-token chunk's gate and up at V4-Flash's expert width); a larger
+/// buffer is freed after its call.
+const SCRATCH_FLOATS_MAX: usize = 1 << 21;
+
+thread_local! {
+    static SCRATCH: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
+/// `f` on `len` floats this thread used before, for a buffer that `f`
+/// writes whole before reading it (a linear's output): no allocation and no
+/// zeroing per call. What the floats hold on entry is unspecified. A call
+/// nested in `f` on the same thread (a task stolen while `f` waits) gets a
+/// fresh buffer.
+pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut buffer = SCRATCH.take();
+    if buffer.len() < len {
+        buffer.resize(len, 0.0);
+    }
+    let result = f(&mut buffer[..len]);
+    if buffer.len() <= SCRATCH_FLOATS_MAX {
+        SCRATCH.set(buffer);
+    }
+    result
+}
+
 /// `step(t, row)` for every `width`-wide row `t` of `rows`.
 pub(crate) fn each_token(rows: &mut [f32], width: usize, step: impl Fn(usize, &mut [f32]) + Sync) {
     if spread_tokens(rows.len() / width.max(1)) {

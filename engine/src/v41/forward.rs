@@ -217,7 +217,9 @@ impl ModelV41 {
     pub fn run_experts(&self, layer: usize, dispatch: &Dispatch) -> ExpertOutputs {
         let moe = &self.weights.blocks[layer].moe;
         assert!(!moe.experts.is_empty(), "the routed experts of this model live on expert shards");
-        crate::model::moe::run_hit_experts(dispatch, moe.n_activated, |e, pairs| {
+        // Block-scaled products split by weight rows, so a split decodes
+        // nothing twice: they keep the pool whatever the experts' count.
+        crate::model::moe::run_hit_experts(dispatch, moe.n_activated, |e, pairs, _threads| {
             let weights: Vec<f32> = pairs.iter().map(|&(t, slot)| dispatch.routes[t].weights[slot]).collect();
             ffn::expert_forward(&self.config, &moe.experts[e], &dispatch.gather(pairs), Some(&weights))
         })
