@@ -284,9 +284,30 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 pub fn dot_rows(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, out: &mut [f32]) {
     assert!(x.len() == n * cols && w.len() == rows * cols, "dot_rows inputs");
     assert_eq!(out.len(), n * rows, "dot_rows output");
+    dot_rows_by(x, n, rows, cols, |r| &w[r * cols..][..cols], out, rows);
+}
+
+/// [`dot_rows`] against rows held apart (a window's keys and the compressed
+/// entries a query chose), pair `(i, r)` written at `out[i * stride + r]`.
+pub fn dot_rows_of(x: &[f32], n: usize, rows: &[&[f32]], out: &mut [f32], stride: usize) {
+    let cols = if n == 0 { 0 } else { x.len() / n };
+    assert!(x.len() == n * cols && rows.iter().all(|r| r.len() == cols), "dot_rows_of inputs");
+    dot_rows_by(x, n, rows.len(), cols, |r| rows[r], out, stride);
+}
+
+fn dot_rows_by<'w>(
+    x: &[f32],
+    n: usize,
+    rows: usize,
+    cols: usize,
+    row: impl Fn(usize) -> &'w [f32],
+    out: &mut [f32],
+    stride: usize,
+) {
     if n == 0 || rows == 0 {
         return;
     }
+    assert!(stride >= rows && out.len() >= (n - 1) * stride + rows, "dot_rows output");
     let backend = Backend::detected();
     let xs: Vec<&[f32]> = x.chunks_exact(cols.max(1)).take(n).collect();
     // Every tile starts its accumulators fresh.
@@ -294,9 +315,9 @@ pub fn dot_rows(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, out: &
     for t0 in (0..rows).step_by(TILE_ROWS) {
         let tile = TILE_ROWS.min(rows - t0);
         // Rows past the tile's end repeat its first row; their sums are discarded.
-        let ws: [&[f32]; TILE_ROWS] = std::array::from_fn(|j| &w[(t0 + if j < tile { j } else { 0 }) * cols..][..cols]);
+        let ws: [&[f32]; TILE_ROWS] = std::array::from_fn(|j| row(t0 + if j < tile { j } else { 0 }));
         backend.micro_tiles(&xs, &ws, tile, &mut acc, TILE_ROWS * 16, true);
-        store_tile_sums(backend, &acc, tile, &mut out[t0..], rows);
+        store_tile_sums(backend, &acc, tile, &mut out[t0..], stride);
     }
     acc.recycle();
 }

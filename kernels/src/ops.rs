@@ -205,42 +205,56 @@ unsafe fn add_scaled_avx512(out: &mut [f32], p: f32, v: &[f32]) {
     add_scaled_plain(out, p, v);
 }
 
-/// `out += Σ_k weights[k] · rows[k]` over the `weights.len()` rows of `rows`
-/// (each `out.len()` long), one row after another: exactly the bits of
-/// [`add_scaled`] called for each row in turn. AVX-512 keeps 64 columns of
-/// `out` in registers across all rows instead of loading and storing them
-/// once per row (attention's probabilities times its values).
-pub fn add_weighted_rows(out: &mut [f32], weights: &[f32], rows: &[f32]) {
-    let d = out.len();
-    assert_eq!(rows.len(), weights.len() * d, "add_weighted_rows lengths");
-    #[cfg(target_arch = "x86_64")]
-    if matches!(crate::Isa::detect(), crate::Isa::Avx512) {
+/// `out[j] = fma(weights[k], rows[k][j], out[j])` for every row in turn:
+/// one fused chain per output, in row order (attention's probabilities
+/// times its values). AVX-512 keeps 64 columns of `out` in registers across
+/// all rows instead of loading and storing them once per row.
+pub fn add_weighted_rows(out: &mut [f32], weights: &[f32], rows: &[&[f32]]) {
+    assert_eq!(weights.len(), rows.len(), "add_weighted_rows: one weight per row");
+    assert!(rows.iter().all(|r| r.len() == out.len()), "add_weighted_rows: row lengths");
+    match crate::Isa::detect() {
+        #[cfg(target_arch = "x86_64")]
         // SAFETY: the detected path guarantees AVX-512F; lengths checked above.
-        return unsafe { add_weighted_rows_avx512(out, weights, rows) };
-    }
-    for (&p, v) in weights.iter().zip(rows.chunks_exact(d.max(1))) {
-        add_scaled_plain(out, p, v);
+        crate::Isa::Avx512 => unsafe { add_weighted_rows_avx512(out, weights, rows) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the detected path guarantees AVX2 and FMA.
+        crate::Isa::Avx2 => unsafe { add_weighted_rows_fma(out, weights, rows) },
+        _ => add_weighted_rows_plain(out, weights, rows),
     }
 }
 
+/// The definition; `mul_add` is one instruction where the CPU fuses (a
+/// library call on x86 paths compiled without FMA).
+#[inline(always)]
+fn add_weighted_rows_plain(out: &mut [f32], weights: &[f32], rows: &[&[f32]]) {
+    for (&w, row) in weights.iter().zip(rows) {
+        out.iter_mut().zip(*row).for_each(|(o, &v)| *o = w.mul_add(v, *o));
+    }
+}
+
+/// The definition compiled with FMA, so `mul_add` is one instruction.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn add_weighted_rows_fma(out: &mut [f32], weights: &[f32], rows: &[&[f32]]) {
+    add_weighted_rows_plain(out, weights, rows);
+}
+
 /// # Safety
-/// The CPU must support AVX-512F; `rows.len() == weights.len() * out.len()`.
+/// The CPU must support AVX-512F; every row is `out.len()` long.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn add_weighted_rows_avx512(out: &mut [f32], weights: &[f32], rows: &[f32]) {
+unsafe fn add_weighted_rows_avx512(out: &mut [f32], weights: &[f32], rows: &[&[f32]]) {
     use std::arch::x86_64::*;
     const STRIP: usize = 64;
     let d = out.len();
-    let (po, pv) = (out.as_mut_ptr(), rows.as_ptr());
+    let po = out.as_mut_ptr();
     let whole = d / STRIP * STRIP;
     for j0 in (0..whole).step_by(STRIP) {
         let mut acc: [__m512; 4] = std::array::from_fn(|u| _mm512_loadu_ps(po.add(j0 + 16 * u)));
-        for (k, &p) in weights.iter().enumerate() {
-            let p = _mm512_set1_ps(p);
-            let v = pv.add(k * d + j0);
+        for (&w, row) in weights.iter().zip(rows) {
+            let w = _mm512_set1_ps(w);
             for (u, a) in acc.iter_mut().enumerate() {
-                // Product rounded, then the sum: `add_scaled`'s two roundings.
-                *a = _mm512_add_ps(*a, _mm512_mul_ps(p, _mm512_loadu_ps(v.add(16 * u))));
+                *a = _mm512_fmadd_ps(w, _mm512_loadu_ps(row.as_ptr().add(j0 + 16 * u)), *a);
             }
         }
         for (u, a) in acc.iter().enumerate() {
@@ -248,9 +262,8 @@ unsafe fn add_weighted_rows_avx512(out: &mut [f32], weights: &[f32], rows: &[f32
         }
     }
     if whole < d {
-        for (k, &p) in weights.iter().enumerate() {
-            add_scaled_plain(&mut out[whole..], p, &rows[k * d + whole..(k + 1) * d]);
-        }
+        let tails: Vec<&[f32]> = rows.iter().map(|r| &r[whole..]).collect();
+        add_weighted_rows_plain(&mut out[whole..], weights, &tails);
     }
 }
 
@@ -374,14 +387,17 @@ unsafe fn add_weighted_rows_f64_avx512(out: &mut [f64], weights: &[f64], rows: &
 }
 
 /// [`add_weighted_rows`] for `heads` outputs over the same rows: output `h`
-/// (`out[h * d..][..d]`, `d = rows.len() / k`) gets the `k` weights
-/// `weights[h * k..][..k]`, with exactly the bits of its own call. AVX-512
-/// takes four heads at a time, so each row's values are loaded once for four
-/// heads instead of once per head (attention's heads share one key/value head).
-pub fn add_weighted_rows_heads(out: &mut [f32], heads: usize, weights: &[f32], rows: &[f32]) {
-    assert!(heads > 0 && out.len().is_multiple_of(heads) && weights.len().is_multiple_of(heads), "heads");
-    let (d, k) = (out.len() / heads, weights.len() / heads);
-    assert_eq!(rows.len(), k * d, "add_weighted_rows_heads lengths");
+/// (`out[h * d..][..d]`, `d` the rows' length) gets the weights
+/// `weights[h * stride..][..rows.len()]`, with exactly the bits of its own
+/// call. AVX-512 takes four heads at a time, so each row's values are loaded
+/// once for four heads instead of once per head (attention's heads share one
+/// key/value head).
+pub fn add_weighted_rows_heads(out: &mut [f32], heads: usize, weights: &[f32], stride: usize, rows: &[&[f32]]) {
+    let k = rows.len();
+    assert!(heads > 0 && out.len().is_multiple_of(heads), "heads");
+    assert!(stride >= k && weights.len() >= (heads - 1) * stride + k, "add_weighted_rows_heads weights");
+    let d = out.len() / heads;
+    assert!(rows.iter().all(|r| r.len() == d), "add_weighted_rows_heads row lengths");
     // Heads done four at a time where the CPU has 16-lane registers.
     let fours = match crate::Isa::detect() {
         #[cfg(target_arch = "x86_64")]
@@ -391,11 +407,12 @@ pub fn add_weighted_rows_heads(out: &mut [f32], heads: usize, weights: &[f32], r
     #[cfg(target_arch = "x86_64")]
     for h0 in (0..fours).map(|f| 4 * f) {
         // SAFETY: the detected path guarantees AVX-512F; four heads of `d`
-        // outputs and `k` weights each start at `h0`, and `rows` is `k × d`.
-        unsafe { add_weighted_rows_4_avx512(&mut out[h0 * d..][..4 * d], &weights[h0 * k..][..4 * k], rows) };
+        // outputs start at `h0`, each with `k` weights `stride` apart, and
+        // every row is `d` long.
+        unsafe { add_weighted_rows_4_avx512(&mut out[h0 * d..][..4 * d], &weights[h0 * stride..], stride, rows) };
     }
     for h in 4 * fours..heads {
-        add_weighted_rows(&mut out[h * d..][..d], &weights[h * k..][..k], rows);
+        add_weighted_rows(&mut out[h * d..][..d], &weights[h * stride..][..k], rows);
     }
 }
 
@@ -403,26 +420,27 @@ pub fn add_weighted_rows_heads(out: &mut [f32], heads: usize, weights: &[f32], r
 /// output in registers (16 of them) across all rows.
 ///
 /// # Safety
-/// The CPU must support AVX-512F; `out.len() == 4 * d`, `weights.len() == 4 * k`
-/// and `rows.len() == k * d`.
+/// The CPU must support AVX-512F; `out.len() == 4 * d` for rows `d` long,
+/// and `weights` holds four heads of `rows.len()` weights `stride` apart.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn add_weighted_rows_4_avx512(out: &mut [f32], weights: &[f32], rows: &[f32]) {
+unsafe fn add_weighted_rows_4_avx512(out: &mut [f32], weights: &[f32], stride: usize, rows: &[&[f32]]) {
     use std::arch::x86_64::*;
     const STRIP: usize = 64;
-    let (d, k) = (out.len() / 4, weights.len() / 4);
-    let (po, pv, pw) = (out.as_mut_ptr(), rows.as_ptr(), weights.as_ptr());
+    let k = rows.len();
+    let d = out.len() / 4;
+    assert!(weights.len() >= 3 * stride + k, "four heads of weights");
+    let (po, pw) = (out.as_mut_ptr(), weights.as_ptr());
     let whole = d / STRIP * STRIP;
     for j0 in (0..whole).step_by(STRIP) {
         let mut acc: [[__m512; 4]; 4] =
             std::array::from_fn(|h| std::array::from_fn(|u| _mm512_loadu_ps(po.add(h * d + j0 + 16 * u))));
-        for r in 0..k {
-            let v: [__m512; 4] = std::array::from_fn(|u| _mm512_loadu_ps(pv.add(r * d + j0 + 16 * u)));
+        for (r, row) in rows.iter().enumerate() {
+            let v: [__m512; 4] = std::array::from_fn(|u| _mm512_loadu_ps(row.as_ptr().add(j0 + 16 * u)));
             for (h, acc) in acc.iter_mut().enumerate() {
-                let p = _mm512_set1_ps(*pw.add(h * k + r));
+                let w = _mm512_set1_ps(*pw.add(h * stride + r));
                 for (a, v) in acc.iter_mut().zip(&v) {
-                    // Product rounded, then the sum: `add_scaled`'s two roundings.
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(p, *v));
+                    *a = _mm512_fmadd_ps(w, *v, *a);
                 }
             }
         }
@@ -433,14 +451,9 @@ unsafe fn add_weighted_rows_4_avx512(out: &mut [f32], weights: &[f32], rows: &[f
         }
     }
     if whole < d {
+        let tails: Vec<&[f32]> = rows.iter().map(|r| &r[whole..]).collect();
         for h in 0..4 {
-            for r in 0..k {
-                add_scaled_plain(
-                    &mut out[h * d + whole..(h + 1) * d],
-                    weights[h * k + r],
-                    &rows[r * d + whole..(r + 1) * d],
-                );
-            }
+            add_weighted_rows_plain(&mut out[h * d + whole..(h + 1) * d], &weights[h * stride..][..k], &tails);
         }
     }
 }

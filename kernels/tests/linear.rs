@@ -289,6 +289,26 @@ fn dot_rows_gives_each_pair_the_bits_of_dot() {
 }
 
 #[test]
+fn dot_rows_of_writes_each_pair_the_bits_of_dot_at_its_stride() {
+    let mut rng = Rng(14);
+    for (n, rows, cols, stride) in [(1, 1, 1, 1), (16, 130, 128, 200), (3, 37, 100, 37), (5, 17, 24, 40)] {
+        let (x, w) = (rng.vec(n * cols), rng.vec(rows * cols));
+        let row_refs: Vec<&[f32]> = (0..rows).rev().map(|r| &w[r * cols..][..cols]).collect();
+        let mut out = vec![f32::NAN; (n - 1) * stride + rows];
+        deepinfer_kernels::linear::dot_rows_of(&x, n, &row_refs, &mut out, stride);
+        for i in 0..n {
+            for (r, row) in row_refs.iter().enumerate() {
+                let want = dot(&x[i * cols..][..cols], row);
+                assert_eq!(out[i * stride + r].to_bits(), want.to_bits(), "n={n} rows={rows} ({i}, {r})");
+            }
+            // Between rows of the output, nothing is written.
+            let gap = if i + 1 < n { stride - rows } else { 0 };
+            assert!(out[i * stride + rows..][..gap].iter().all(|v| v.is_nan()), "n={n} gap after {i}");
+        }
+    }
+}
+
+#[test]
 fn add_scaled_rounds_the_product_before_the_sum() {
     let mut rng = Rng(11);
     for len in [0, 1, 15, 16, 17, 130] {
@@ -318,7 +338,7 @@ fn scale_into_gives_the_bits_of_the_plain_product() {
 }
 
 #[test]
-fn add_weighted_rows_gives_the_bits_of_add_scaled_row_by_row() {
+fn add_weighted_rows_is_one_fused_chain_per_output_in_row_order() {
     let mut rng = Rng(12);
     for d in [0, 1, 16, 17, 64, 100, 128, 200, 512] {
         for rows in [0, 1, 3, 130] {
@@ -326,11 +346,12 @@ fn add_weighted_rows_gives_the_bits_of_add_scaled_row_by_row() {
             let mut want = start.clone();
             for k in 0..rows {
                 for j in 0..d {
-                    want[j] += weights[k] * values[k * d + j];
+                    want[j] = weights[k].mul_add(values[k * d + j], want[j]);
                 }
             }
+            let row_refs: Vec<&[f32]> = (0..rows).map(|k| &values[k * d..(k + 1) * d]).collect();
             let mut got = start.clone();
-            deepinfer_kernels::ops::add_weighted_rows(&mut got, &weights, &values);
+            deepinfer_kernels::ops::add_weighted_rows(&mut got, &weights, &row_refs);
             assert_bits_eq(&got, &want, &format!("d {d} rows {rows}"));
         }
     }
@@ -342,14 +363,17 @@ fn add_weighted_rows_heads_gives_each_head_the_bits_of_its_own_call() {
     for heads in [1, 3, 4, 5, 8, 16] {
         for d in [1, 64, 100, 128] {
             for rows in [0, 1, 7, 130] {
-                let (weights, values, start) = (rng.vec(heads * rows), rng.vec(rows * d), rng.vec(heads * d));
+                // Each head's weights sit in a row of `stride`, past its `rows`.
+                let stride = rows + heads % 3;
+                let (weights, values, start) = (rng.vec(heads * stride), rng.vec(rows * d), rng.vec(heads * d));
+                let row_refs: Vec<&[f32]> = (0..rows).map(|k| &values[k * d..(k + 1) * d]).collect();
                 let mut want = start.clone();
                 for h in 0..heads {
                     let out = &mut want[h * d..(h + 1) * d];
-                    deepinfer_kernels::ops::add_weighted_rows(out, &weights[h * rows..(h + 1) * rows], &values);
+                    deepinfer_kernels::ops::add_weighted_rows(out, &weights[h * stride..][..rows], &row_refs);
                 }
                 let mut got = start.clone();
-                deepinfer_kernels::ops::add_weighted_rows_heads(&mut got, heads, &weights, &values);
+                deepinfer_kernels::ops::add_weighted_rows_heads(&mut got, heads, &weights, stride, &row_refs);
                 assert_bits_eq(&got, &want, &format!("heads {heads} d {d} rows {rows}"));
             }
         }

@@ -3,7 +3,7 @@
 //! lightning indexer's top-k for CSA), a per-head sink, and the grouped
 //! low-rank output projection.
 
-use deepinfer_kernels::linear::dot_rows;
+use deepinfer_kernels::linear::{dot_rows, dot_rows_of};
 use deepinfer_kernels::ops::{
     add_weighted_rows_heads, rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope,
 };
@@ -281,36 +281,22 @@ pub fn forward(
                 }
                 _ => Vec::new(),
             };
-            let nw = window_keys.len() / hd;
             let e = entries.unwrap_or(&[]);
+            // The window's keys, then the chosen entries, read in place.
+            let keys_of_query: Vec<&[f32]> =
+                window_keys.chunks_exact(hd).chain(selected.iter().map(|&w| &e[w * hd..(w + 1) * hd])).collect();
+            let nk = keys_of_query.len();
             // Every head scores the same keys (one KV head): all heads' scores
-            // at once, each the bits of its own `dot`.
-            let mut chosen = Vec::with_capacity(selected.len() * hd);
-            selected.iter().for_each(|&w| chosen.extend_from_slice(&e[w * hd..(w + 1) * hd]));
-            let nk = nw + selected.len();
+            // at once, each the bits of its own `dot`, a row of `nk` a head.
             let heads_q = &q[t * h * hd..(t + 1) * h * hd];
-            let mut window_scores = vec![0.0f32; h * nw];
-            dot_rows(heads_q, h, window_keys, nw, hd, &mut window_scores);
-            let mut chosen_scores = vec![0.0f32; h * selected.len()];
-            dot_rows(heads_q, h, &chosen, selected.len(), hd, &mut chosen_scores);
-            // Each head's probabilities over the window and the chosen entries,
-            // then every head's weighted values at once (the same sums per head).
-            let mut logits = vec![0.0f32; nk];
-            let (mut window_probs, mut chosen_probs) = (window_scores, chosen_scores);
-            for head in 0..h {
-                let (window, chosen) = (
-                    &mut window_probs[head * nw..][..nw],
-                    &mut chosen_probs[head * selected.len()..][..selected.len()],
-                );
-                let (window_logits, chosen_logits) = logits.split_at_mut(nw);
-                window_logits.iter_mut().zip(window.iter()).for_each(|(l, s)| *l = s * scale);
-                chosen_logits.iter_mut().zip(chosen.iter()).for_each(|(l, s)| *l = s * scale);
-                softmax_with_sink(&mut logits, a.sink[head]);
-                window.copy_from_slice(&logits[..nw]);
-                chosen.copy_from_slice(&logits[nw..]);
+            let mut probs = vec![0.0f32; h * nk];
+            dot_rows_of(heads_q, h, &keys_of_query, &mut probs, nk);
+            for (head, row) in probs.chunks_exact_mut(nk.max(1)).enumerate() {
+                row.iter_mut().for_each(|l| *l *= scale);
+                softmax_with_sink(row, a.sink[head]);
             }
-            add_weighted_rows_heads(out_row, h, &window_probs, window_keys);
-            add_weighted_rows_heads(out_row, h, &chosen_probs, &chosen);
+            // Every head's weighted values at once (the same sums per head).
+            add_weighted_rows_heads(out_row, h, &probs, nk, &keys_of_query);
             for out in out_row.chunks_exact_mut(hd) {
                 angles.apply_inverse(t, out);
             }
