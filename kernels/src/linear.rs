@@ -290,7 +290,7 @@ pub fn dot_rows(x: &[f32], n: usize, w: &[f32], rows: usize, cols: usize, out: &
 /// [`dot_rows`] against rows held apart (a window's keys and the compressed
 /// entries a query chose), pair `(i, r)` written at `out[i * stride + r]`.
 pub fn dot_rows_of(x: &[f32], n: usize, rows: &[&[f32]], out: &mut [f32], stride: usize) {
-    let cols = if n == 0 { 0 } else { x.len() / n };
+    let cols = x.len().checked_div(n).unwrap_or(0);
     assert!(x.len() == n * cols && rows.iter().all(|r| r.len() == cols), "dot_rows_of inputs");
     dot_rows_by(x, n, rows.len(), cols, |r| rows[r], out, stride);
 }
