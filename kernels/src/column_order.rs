@@ -256,7 +256,7 @@ fn run_tiles(p: &Panels, backend: Backend, x: &[f32], n: usize, gs: Range<usize>
                         &x[i * cols + k0..][..kc]
                     });
                     let first = (p0 + t * X_ROWS) * stride + col0;
-                    let kernel = RegisterTile { xs: &xt, w, fp4_scales, kc, fresh: k0 == 0 };
+                    let kernel = RegisterTile { xs: &xt, w, fp4_scales, kc, fresh: k0 == 0, width };
                     if width == GROUP_ROWS {
                         kernel.run(backend, m, &mut out[first..][..(m - 1) * stride + GROUP_ROWS], stride);
                         continue;
@@ -321,12 +321,16 @@ struct RegisterTile<'a> {
     fp4_scales: Option<(&'a [f32], usize)>,
     kc: usize,
     fresh: bool,
+    /// Outputs of the 64 that are real (a last group's rows); the lanes past
+    /// them are the caller's to drop.
+    width: usize,
 }
 
 impl RegisterTile<'_> {
     /// Continue `m` rows of outputs `out[r · stride..][..64]`.
     fn run(&self, backend: Backend, m: usize, out: &mut [f32], stride: usize) {
-        let Self { xs, w, fp4_scales, kc, fresh } = *self;
+        let Self { xs, w, fp4_scales, kc, fresh, width } = *self;
+        let _ = width; // read by the AVX-512 arms only
         macro_rules! rows {
             ($m:expr; $kernel:path, $($arg:expr),*) => {{
                 use $kernel as kernel;
@@ -343,6 +347,15 @@ impl RegisterTile<'_> {
         }
         match (backend.isa(), fp4_scales) {
             // SAFETY (all four): `Backend::new` checked the CPU features.
+            #[cfg(target_arch = "x86_64")]
+            // A narrow last group computes only the vectors its rows fill.
+            (Isa::Avx512, None) if width <= 16 => unsafe {
+                rows!(m; avx512_panels::plain_16, xs, w, kc, out, stride, fresh)
+            },
+            #[cfg(target_arch = "x86_64")]
+            (Isa::Avx512, None) if width <= 32 => unsafe {
+                rows!(m; avx512_panels::plain_32, xs, w, kc, out, stride, fresh)
+            },
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx512, None) => unsafe { rows!(m; avx512_panels::plain, xs, w, kc, out, stride, fresh) },
             #[cfg(target_arch = "x86_64")]

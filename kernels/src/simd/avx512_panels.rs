@@ -42,10 +42,56 @@ pub(crate) unsafe fn plain<const M: usize>(
     stride: usize,
     fresh: bool,
 ) {
+    plain_vectors::<M, VECTORS>(xs, w, kc, out, stride, fresh);
+}
+
+/// [`plain`] on the first 32 of the tile's 64 outputs, for a last group of
+/// 32 rows or fewer (mHC's 24-row mixes): half the multiply-adds.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn plain_32<const M: usize>(
+    xs: &[&[f32]; X_ROWS],
+    w: &[f32],
+    kc: usize,
+    out: &mut [f32],
+    stride: usize,
+    fresh: bool,
+) {
+    plain_vectors::<M, 2>(xs, w, kc, out, stride, fresh);
+}
+
+/// [`plain`] on the first 16 of the tile's 64 outputs.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn plain_16<const M: usize>(
+    xs: &[&[f32]; X_ROWS],
+    w: &[f32],
+    kc: usize,
+    out: &mut [f32],
+    stride: usize,
+    fresh: bool,
+) {
+    plain_vectors::<M, 1>(xs, w, kc, out, stride, fresh);
+}
+
+/// The first `16 · V` outputs of [`plain`]'s tile.
+#[inline(always)]
+unsafe fn plain_vectors<const M: usize, const V: usize>(
+    xs: &[&[f32]; X_ROWS],
+    w: &[f32],
+    kc: usize,
+    out: &mut [f32],
+    stride: usize,
+    fresh: bool,
+) {
     assert!((1..=X_ROWS).contains(&M) && xs[..M].iter().all(|x| x.len() >= kc), "tile x rows");
-    assert!(w.len() >= kc * GROUP_ROWS, "tile weights");
-    assert!(out.len() >= (M - 1) * stride + GROUP_ROWS, "tile outputs");
-    let mut acc = [[_mm512_setzero_ps(); VECTORS]; M];
+    assert!((1..=VECTORS).contains(&V) && w.len() >= kc * GROUP_ROWS, "tile weights");
+    assert!(out.len() >= (M - 1) * stride + 16 * V, "tile outputs");
+    let mut acc = [[_mm512_setzero_ps(); V]; M];
     if !fresh {
         load_rows(&mut acc, out, stride);
     }
