@@ -327,7 +327,8 @@ struct RegisterTile<'a> {
 }
 
 impl RegisterTile<'_> {
-    /// Continue `m` rows of outputs `out[r · stride..][..64]`.
+    /// Continue `m` rows of outputs `out[r · stride..][..64]` (of which the
+    /// AVX-512 tiles of a narrow last group write only the first 16 or 32).
     fn run(&self, backend: Backend, m: usize, out: &mut [f32], stride: usize) {
         let Self { xs, w, fp4_scales, kc, fresh, width } = *self;
         let _ = width; // read by the AVX-512 arms only
@@ -346,7 +347,7 @@ impl RegisterTile<'_> {
             }};
         }
         match (backend.isa(), fp4_scales) {
-            // SAFETY (all four): `Backend::new` checked the CPU features.
+            // SAFETY (every arm below): `Backend::new` checked the CPU features.
             #[cfg(target_arch = "x86_64")]
             // A narrow last group computes only the vectors its rows fill.
             (Isa::Avx512, None) if width <= 16 => unsafe {

@@ -308,6 +308,11 @@ fn dot_rows_by<'w>(
         return;
     }
     assert!(stride >= rows && out.len() >= (n - 1) * stride + rows, "dot_rows output");
+    if cols == 0 {
+        // A dot product over no column is +0.0.
+        (0..n).for_each(|i| out[i * stride..][..rows].fill(0.0));
+        return;
+    }
     let backend = Backend::detected();
     let xs: Vec<&[f32]> = x.chunks_exact(cols.max(1)).take(n).collect();
     // Every tile starts its accumulators fresh.

@@ -430,6 +430,7 @@ unsafe fn add_weighted_rows_4_avx512(out: &mut [f32], weights: &[f32], stride: u
     let k = rows.len();
     let d = out.len() / 4;
     assert!(weights.len() >= 3 * stride + k, "four heads of weights");
+    assert!(out.len() == 4 * d && rows.iter().all(|r| r.len() == d), "four heads of rows");
     let (po, pw) = (out.as_mut_ptr(), weights.as_ptr());
     let whole = d / STRIP * STRIP;
     for j0 in (0..whole).step_by(STRIP) {

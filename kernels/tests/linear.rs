@@ -291,7 +291,8 @@ fn dot_rows_gives_each_pair_the_bits_of_dot() {
 #[test]
 fn dot_rows_of_writes_each_pair_the_bits_of_dot_at_its_stride() {
     let mut rng = Rng(14);
-    for (n, rows, cols, stride) in [(1, 1, 1, 1), (16, 130, 128, 200), (3, 37, 100, 37), (5, 17, 24, 40)] {
+    for (n, rows, cols, stride) in [(1, 1, 1, 1), (16, 130, 128, 200), (3, 37, 100, 37), (5, 17, 24, 40), (2, 3, 0, 5)]
+    {
         let (x, w) = (rng.vec(n * cols), rng.vec(rows * cols));
         let row_refs: Vec<&[f32]> = (0..rows).rev().map(|r| &w[r * cols..][..cols]).collect();
         let mut out = vec![f32::NAN; (n - 1) * stride + rows];

@@ -222,8 +222,8 @@ pub fn run_all_experts(moe: &Moe, cfg: &ModelConfig, dispatch: &Dispatch) -> Exp
 /// One expert's rows `(token, slot)` and their outputs.
 type ExpertRun = (Vec<(usize, usize)>, Vec<f32>);
 
-/// Hit experts a thread from which each expert runs on one thread: enough
-/// to keep every thread busy without splitting any expert's products.
+/// Hit experts per thread from which each expert runs whole on one thread:
+/// enough to keep every thread busy without splitting any expert's products.
 const EXPERTS_PER_THREAD_ALONE_MIN: usize = 4;
 
 /// Every expert a dispatch hits, through `expert(e, rows, threads)`: side by

@@ -38,16 +38,19 @@ thread_local! {
 /// writes whole before reading it (a linear's output): no allocation and no
 /// zeroing per call. What the floats hold on entry is unspecified. A call
 /// nested in `f` on the same thread (a task stolen while `f` waits) gets a
-/// fresh buffer.
+/// fresh buffer. Each thread keeps at most [`SCRATCH_FLOATS_MAX`] floats for
+/// its lifetime; a longer buffer is fresh zeros (spread over the threads),
+/// freed after the call.
 pub(crate) fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    if len > SCRATCH_FLOATS_MAX {
+        return f(&mut zeros(len));
+    }
     let mut buffer = SCRATCH.take();
     if buffer.len() < len {
         buffer.resize(len, 0.0);
     }
     let result = f(&mut buffer[..len]);
-    if buffer.len() <= SCRATCH_FLOATS_MAX {
-        SCRATCH.set(buffer);
-    }
+    SCRATCH.set(buffer);
     result
 }
 
