@@ -257,6 +257,13 @@ impl ModelConfig {
                 "DeepSeek-V4 always renormalises the top-k weights; false is not this architecture",
             ));
         }
+        // A compressor pools `ratio` slots (twice that with overlap) per entry.
+        let ratio_max = deepinfer_kernels::pooling::POOL_ROWS_MAX / 2;
+        if let Some(ratio) =
+            attention.iter().filter_map(|a| a.compress_ratio()).find(|&n| !(1..=ratio_max).contains(&n))
+        {
+            return Err(r.invalid("compress_ratios", format!("a ratio of {ratio}: must be 1 to {ratio_max}")));
+        }
         let index_head_dim = r.positive("index_head_dim")?;
         if attention.iter().any(|a| matches!(a, AttentionKind::Csa { .. })) && index_head_dim < rope_dim {
             return Err(r.invalid("index_head_dim", "must be at least qk_rope_head_dim"));
@@ -565,6 +572,15 @@ mod tests {
         let text = FLASH_LIKE.replace("\"o_groups\": 8", "\"o_groups\": 7");
         let err = ModelConfig::from_json_str(&text, "config.json").unwrap_err().to_string();
         assert!(err.contains("key `o_groups`") && err.contains("does not divide"), "{err}");
+    }
+
+    #[test]
+    fn a_compress_ratio_past_the_pooling_limit_is_refused() {
+        let text = FLASH_LIKE.replace("[0, 0, 4, 128, 0]", "[0, 0, 4, 4096, 0]");
+        let err = ModelConfig::from_json_str(&text, "config.json").unwrap_err().to_string();
+        assert!(err.contains("key `compress_ratios`") && err.contains("4096"), "{err}");
+        let text = FLASH_LIKE.replace("[0, 0, 4, 128, 0]", "[0, 0, 4, 2048, 0]");
+        assert!(ModelConfig::from_json_str(&text, "config.json").is_ok(), "2048 is within the limit");
     }
 
     #[test]

@@ -89,7 +89,7 @@ unsafe fn exp_in_place_fma(xs: &mut [f32]) {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(crate) mod avx512 {
     use std::arch::x86_64::*;
 
     use super::{INPUT_MAX, INPUT_MIN, LN2_HI, LN2_LO, LOG2E, POLY};
@@ -106,6 +106,31 @@ mod avx512 {
             _mm512_mask_storeu_ps(p.add(i), m, exp16(x));
             i += 16;
         }
+    }
+
+    /// `xs[i] = exp(xs[i] − shift)` (the difference rounded first, as a
+    /// plain loop subtracting then calling [`super::exp`]), returning the
+    /// 16 lane sums of the results in `ops::sum_lanes`' order: element `i`
+    /// added into lane `i % 16` from +0.0. One pass where a softmax made three.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn exp_shifted_lane_sums(xs: &mut [f32], shift: f32) -> [f32; 16] {
+        let p = xs.as_mut_ptr();
+        let shift = _mm512_set1_ps(shift);
+        let mut sums = _mm512_setzero_ps();
+        let mut i = 0;
+        while i < xs.len() {
+            let m: __mmask16 = if xs.len() - i >= 16 { 0xffff } else { (1u16 << (xs.len() - i)) - 1 };
+            let y = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.add(i)), shift));
+            _mm512_mask_storeu_ps(p.add(i), m, y);
+            sums = _mm512_mask_add_ps(sums, m, sums, y);
+            i += 16;
+        }
+        let mut lanes = [0.0f32; 16];
+        _mm512_storeu_ps(lanes.as_mut_ptr(), sums);
+        lanes
     }
 
     /// [`super::exp`] of 16 lanes, operation for operation.

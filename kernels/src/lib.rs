@@ -24,6 +24,7 @@ pub mod exp;
 pub mod linear;
 pub mod ops;
 pub mod panels;
+pub mod pooling;
 pub mod quantize;
 mod simd;
 pub mod workers;

@@ -119,12 +119,17 @@ fn softmax_with_sink_plain(logits: &mut [f32], sink: f32) {
     logits.iter_mut().for_each(|v| *v *= inv);
 }
 
-/// The plain steps compiled for 16-lane registers (element-wise operations
-/// and a maximum: the same bits).
+/// The plain steps on 16-lane registers: the shift, the exponentials and
+/// the lane sums in one pass (the same operations in the same order, so
+/// the same bits).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn softmax_with_sink_avx512(logits: &mut [f32], sink: f32) {
-    softmax_with_sink_plain(logits, sink);
+    let max = max_lanes(logits).max(sink);
+    let lanes = crate::exp::avx512::exp_shifted_lane_sums(logits, max);
+    let sum = exp(sink - max) + crate::simd::reduce16(&lanes);
+    let inv = 1.0 / sum;
+    logits.iter_mut().for_each(|v| *v *= inv);
 }
 
 /// The largest of `x` that is not NaN (−inf for none), sixteen lanes at a
@@ -525,6 +530,9 @@ pub fn top_k(values: &[f32], k: usize) -> Vec<usize> {
 /// the divisor.
 pub fn sinkhorn(m: &mut [f32], n: usize, iters: usize, eps: f32) {
     assert_eq!(m.len(), n * n);
+    if let Ok(four) = <&mut [f32; 16]>::try_from(&mut *m) {
+        return sinkhorn4(four, iters, eps);
+    }
     let normalize_columns = |m: &mut [f32]| {
         for c in 0..n {
             let mut s = 0.0f32;
@@ -545,5 +553,34 @@ pub fn sinkhorn(m: &mut [f32], n: usize, iters: usize, eps: f32) {
             row.iter_mut().for_each(|v| *v /= d);
         }
         normalize_columns(m);
+    }
+}
+
+/// [`sinkhorn`] of a 4 × 4 matrix (mHC's four streams), its rows held as
+/// four-lane arrays so that each normalisation divides four lanes at once:
+/// every element sees the same sums and divisions in the same order.
+fn sinkhorn4(m: &mut [f32; 16], iters: usize, eps: f32) {
+    let mut rows: [[f32; 4]; 4] = std::array::from_fn(|r| std::array::from_fn(|c| m[4 * r + c]));
+    let normalize_columns = |rows: &mut [[f32; 4]; 4]| {
+        // Each column's sum from +0.0 in row order, as the general loop.
+        let mut sums = [0.0f32; 4];
+        for row in rows.iter() {
+            sums.iter_mut().zip(row).for_each(|(s, v)| *s += v);
+        }
+        let divisors = sums.map(|s| s + eps);
+        for row in rows.iter_mut() {
+            row.iter_mut().zip(&divisors).for_each(|(v, d)| *v /= d);
+        }
+    };
+    normalize_columns(&mut rows);
+    for _ in 1..iters {
+        for row in rows.iter_mut() {
+            let divisor = row.iter().sum::<f32>() + eps;
+            row.iter_mut().for_each(|v| *v /= divisor);
+        }
+        normalize_columns(&mut rows);
+    }
+    for (r, row) in rows.iter().enumerate() {
+        m[4 * r..4 * r + 4].copy_from_slice(row);
     }
 }

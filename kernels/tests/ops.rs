@@ -216,6 +216,52 @@ fn sinkhorn_makes_rows_and_columns_sum_to_one() {
     }
 }
 
+/// The 4 × 4 path (mHC's streams) against the general loop written out:
+/// a column pass, then rows and columns in turn, sums from +0.0 in order.
+#[test]
+fn sinkhorn_of_four_streams_gives_the_bits_of_the_general_loop() {
+    let definition = |m: &mut [f32], iters: usize, eps: f32| {
+        let n = 4;
+        let columns = |m: &mut [f32]| {
+            for c in 0..n {
+                let mut s = 0.0f32;
+                for r in 0..n {
+                    s += m[r * n + c];
+                }
+                for r in 0..n {
+                    m[r * n + c] /= s + eps;
+                }
+            }
+        };
+        columns(m);
+        for _ in 1..iters {
+            for r in 0..n {
+                let mut s = 0.0f32;
+                for c in 0..n {
+                    s += m[r * n + c];
+                }
+                for c in 0..n {
+                    m[r * n + c] /= s + eps;
+                }
+            }
+            columns(m);
+        }
+    };
+    let mut rng = Rng(23);
+    for iters in [0, 1, 2, 7, 20] {
+        for eps in [0.0, 1e-6, 0.3] {
+            for spread in [1.0f32, 30.0] {
+                let start: Vec<f32> = (0..16).map(|_| (rng.uniform() * spread).exp()).collect();
+                let (mut got, mut want) = (start.clone(), start.clone());
+                sinkhorn(&mut got, 4, iters, eps);
+                definition(&mut want, iters, eps);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+                assert_eq!(bits(&got), bits(&want), "iters {iters} eps {eps} spread {spread}");
+            }
+        }
+    }
+}
+
 /// The weighted f64 sum of rows gives the bits of the serial loop (product
 /// rounded, then added, row after row) for every length, with values whose
 /// exponents spread far enough that another order or a fused multiply-add

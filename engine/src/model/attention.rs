@@ -4,9 +4,8 @@
 //! low-rank output projection.
 
 use deepinfer_kernels::linear::{dot_rows, dot_rows_of};
-use deepinfer_kernels::ops::{
-    add_weighted_rows_heads, rms_norm, rope_interleaved, softmax, softmax_with_sink, top_k, Rope,
-};
+use deepinfer_kernels::ops::{add_weighted_rows_heads, rms_norm, rope_interleaved, softmax_with_sink, top_k, Rope};
+use deepinfer_kernels::pooling::softmax_pool_columns;
 
 use rayon::prelude::*;
 
@@ -112,34 +111,34 @@ fn compress_token(c: &Compressor, st: &mut CompressorState, kv: &[f32], gate: &[
     let gates: Vec<f32> = st.pending_gate.iter().zip(&c.ape).map(|(g, a)| g + a).collect();
     let kvs = std::mem::take(&mut st.pending_kv);
     st.pending_gate.clear();
-    let mut entry = vec![0.0f32; dim];
-    let (mut logits, mut values) = (Vec::with_capacity(2 * ratio), Vec::with_capacity(2 * ratio));
-    for (ch, out) in entry.iter_mut().enumerate() {
-        logits.clear();
-        values.clear();
-        if c.overlap {
-            // First series of the previous window (none before the first window).
-            for j in 0..ratio {
-                match (&st.overlap_kv, &st.overlap_gate) {
-                    (Some(pk), Some(pg)) => {
-                        values.push(pk[j * dim + ch]);
-                        logits.push(pg[j * dim + ch]);
-                    }
-                    _ => {
-                        values.push(0.0);
-                        logits.push(f32::NEG_INFINITY);
-                    }
+    // Each channel's softmax over the window's slots (the previous window's
+    // first series first, with overlap), then its values weighted by it:
+    // whole rows of channels at a time.
+    let (no_values, no_logits) = (vec![0.0f32; dim], vec![f32::NEG_INFINITY; dim]);
+    let mut logit_rows: Vec<&[f32]> = Vec::with_capacity(2 * ratio);
+    let mut value_rows: Vec<&[f32]> = Vec::with_capacity(2 * ratio);
+    if c.overlap {
+        for j in 0..ratio {
+            match (&st.overlap_kv, &st.overlap_gate) {
+                (Some(pk), Some(pg)) => {
+                    value_rows.push(&pk[j * dim..(j + 1) * dim]);
+                    logit_rows.push(&pg[j * dim..(j + 1) * dim]);
+                }
+                // No window before the first: slots that take no weight.
+                _ => {
+                    value_rows.push(&no_values);
+                    logit_rows.push(&no_logits);
                 }
             }
         }
-        let offset = if c.overlap { dim } else { 0 };
-        for j in 0..ratio {
-            values.push(kvs[j * width + offset + ch]);
-            logits.push(gates[j * width + offset + ch]);
-        }
-        softmax(&mut logits);
-        *out = logits.iter().zip(&values).map(|(p, v)| p * v).sum();
     }
+    let offset = if c.overlap { dim } else { 0 };
+    for j in 0..ratio {
+        value_rows.push(&kvs[j * width + offset..][..dim]);
+        logit_rows.push(&gates[j * width + offset..][..dim]);
+    }
+    let mut entry = vec![0.0f32; dim];
+    softmax_pool_columns(&logit_rows, &value_rows, &mut entry);
     if c.overlap {
         let mut ok = Vec::with_capacity(ratio * dim);
         let mut og = Vec::with_capacity(ratio * dim);
