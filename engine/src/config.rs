@@ -262,7 +262,12 @@ impl ModelConfig {
         if let Some(ratio) =
             attention.iter().filter_map(|a| a.compress_ratio()).find(|&n| !(1..=ratio_max).contains(&n))
         {
-            return Err(r.invalid("compress_ratios", format!("a ratio of {ratio}: must be 1 to {ratio_max}")));
+            // The key the ratios came from: a per-layer list, else the rates.
+            let key = ["compress_ratios", "compress_rates", "compress_rate_csa", "compress_rate_hca"]
+                .into_iter()
+                .find(|k| r.get(k).is_some())
+                .unwrap_or("compress_ratios");
+            return Err(r.invalid(key, format!("a compress ratio of {ratio}: must be 1 to {ratio_max}")));
         }
         let index_head_dim = r.positive("index_head_dim")?;
         if attention.iter().any(|a| matches!(a, AttentionKind::Csa { .. })) && index_head_dim < rope_dim {

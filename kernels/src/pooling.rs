@@ -6,7 +6,10 @@
 use crate::exp::{exp, exp_in_place};
 use crate::simd::reduce16;
 
-/// Most rows of one window (a compressor's ratio, twice with overlap).
+/// Most rows of one window (a compressor's ratio, twice with overlap): a
+/// call holds `rows × columns` floats of probabilities, so a configuration
+/// cannot make one window take unbounded memory. DeepSeek's compressors pool
+/// 4 and 128 slots; loaders refuse ratios past half this.
 pub const POOL_ROWS_MAX: usize = 1 << 12;
 
 /// `out[c] = Σ_r softmax(logits[·][c])[r] · values[r][c]` for every column

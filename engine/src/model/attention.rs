@@ -111,25 +111,23 @@ fn compress_token(c: &Compressor, st: &mut CompressorState, kv: &[f32], gate: &[
     let gates: Vec<f32> = st.pending_gate.iter().zip(&c.ape).map(|(g, a)| g + a).collect();
     let kvs = std::mem::take(&mut st.pending_kv);
     st.pending_gate.clear();
-    // Each channel's softmax over the window's slots (the previous window's
-    // first series first, with overlap), then its values weighted by it:
-    // whole rows of channels at a time.
-    let (no_values, no_logits) = (vec![0.0f32; dim], vec![f32::NEG_INFINITY; dim]);
+    // Each channel's softmax over the window's slots, then its values
+    // weighted by it, whole rows of channels at a time. With overlap, the
+    // previous window's first series comes first; before the first window,
+    // slots that take no weight stand in for it.
+    let earlier = st.overlap_kv.as_deref().zip(st.overlap_gate.as_deref());
+    let first_window = (c.overlap && earlier.is_none()).then(|| (vec![0.0f32; dim], vec![f32::NEG_INFINITY; dim]));
     let mut logit_rows: Vec<&[f32]> = Vec::with_capacity(2 * ratio);
     let mut value_rows: Vec<&[f32]> = Vec::with_capacity(2 * ratio);
     if c.overlap {
         for j in 0..ratio {
-            match (&st.overlap_kv, &st.overlap_gate) {
-                (Some(pk), Some(pg)) => {
-                    value_rows.push(&pk[j * dim..(j + 1) * dim]);
-                    logit_rows.push(&pg[j * dim..(j + 1) * dim]);
-                }
-                // No window before the first: slots that take no weight.
-                _ => {
-                    value_rows.push(&no_values);
-                    logit_rows.push(&no_logits);
-                }
-            }
+            let (values, logits) = match (earlier, &first_window) {
+                (Some((pk, pg)), _) => (&pk[j * dim..(j + 1) * dim], &pg[j * dim..(j + 1) * dim]),
+                (None, Some((no_values, no_logits))) => (&no_values[..], &no_logits[..]),
+                (None, None) => unreachable!("a first window has its empty slots"),
+            };
+            value_rows.push(values);
+            logit_rows.push(logits);
         }
     }
     let offset = if c.overlap { dim } else { 0 };
