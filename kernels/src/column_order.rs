@@ -332,16 +332,17 @@ impl RegisterTile<'_> {
     fn run(&self, backend: Backend, m: usize, out: &mut [f32], stride: usize) {
         let Self { xs, w, fp4_scales, kc, fresh, width } = *self;
         let _ = width; // read by the AVX-512 arms only
+                       // `kernel::<M>` for the `m` rows (`kernel::<M, V>` after `vectors V`).
         macro_rules! rows {
-            ($m:expr; $kernel:path, $($arg:expr),*) => {{
+            ($m:expr $(, vectors $v:literal)?; $kernel:path, $($arg:expr),*) => {{
                 use $kernel as kernel;
                 match $m {
-                    1 => kernel::<1>($($arg),*),
-                    2 => kernel::<2>($($arg),*),
-                    3 => kernel::<3>($($arg),*),
-                    4 => kernel::<4>($($arg),*),
-                    5 => kernel::<5>($($arg),*),
-                    6 => kernel::<6>($($arg),*),
+                    1 => kernel::<1 $(, $v)?>($($arg),*),
+                    2 => kernel::<2 $(, $v)?>($($arg),*),
+                    3 => kernel::<3 $(, $v)?>($($arg),*),
+                    4 => kernel::<4 $(, $v)?>($($arg),*),
+                    5 => kernel::<5 $(, $v)?>($($arg),*),
+                    6 => kernel::<6 $(, $v)?>($($arg),*),
                     rows => unreachable!("a register tile of {rows} rows"),
                 }
             }};
@@ -351,14 +352,14 @@ impl RegisterTile<'_> {
             #[cfg(target_arch = "x86_64")]
             // A narrow last group computes only the vectors its rows fill.
             (Isa::Avx512, None) if width <= 16 => unsafe {
-                rows!(m; avx512_panels::plain_16, xs, w, kc, out, stride, fresh)
+                rows!(m, vectors 1; avx512_panels::plain, xs, w, kc, out, stride, fresh)
             },
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx512, None) if width <= 32 => unsafe {
-                rows!(m; avx512_panels::plain_32, xs, w, kc, out, stride, fresh)
+                rows!(m, vectors 2; avx512_panels::plain, xs, w, kc, out, stride, fresh)
             },
             #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, None) => unsafe { rows!(m; avx512_panels::plain, xs, w, kc, out, stride, fresh) },
+            (Isa::Avx512, None) => unsafe { rows!(m, vectors 4; avx512_panels::plain, xs, w, kc, out, stride, fresh) },
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx512, Some((scales, block))) => unsafe {
                 rows!(m; avx512_panels::block_scaled, xs, w, scales, block, kc, out, stride, fresh)

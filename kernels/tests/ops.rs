@@ -220,31 +220,24 @@ fn sinkhorn_makes_rows_and_columns_sum_to_one() {
 /// a column pass, then rows and columns in turn, sums from +0.0 in order.
 #[test]
 fn sinkhorn_of_four_streams_gives_the_bits_of_the_general_loop() {
+    // Each line (a column when `at(line, k) = k * 4 + line`, a row when
+    // `line * 4 + k`) summed from +0.0 in order, then divided by its sum + eps.
+    let normalize = |m: &mut [f32], eps: f32, at: fn(usize, usize) -> usize| {
+        for line in 0..4 {
+            let mut s = 0.0f32;
+            for k in 0..4 {
+                s += m[at(line, k)];
+            }
+            for k in 0..4 {
+                m[at(line, k)] /= s + eps;
+            }
+        }
+    };
     let definition = |m: &mut [f32], iters: usize, eps: f32| {
-        let n = 4;
-        let columns = |m: &mut [f32]| {
-            for c in 0..n {
-                let mut s = 0.0f32;
-                for r in 0..n {
-                    s += m[r * n + c];
-                }
-                for r in 0..n {
-                    m[r * n + c] /= s + eps;
-                }
-            }
-        };
-        columns(m);
+        normalize(m, eps, |column, k| k * 4 + column);
         for _ in 1..iters {
-            for r in 0..n {
-                let mut s = 0.0f32;
-                for c in 0..n {
-                    s += m[r * n + c];
-                }
-                for c in 0..n {
-                    m[r * n + c] /= s + eps;
-                }
-            }
-            columns(m);
+            normalize(m, eps, |row, k| row * 4 + k);
+            normalize(m, eps, |column, k| k * 4 + column);
         }
     };
     let mut rng = Rng(23);

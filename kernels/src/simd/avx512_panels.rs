@@ -27,60 +27,16 @@ const BF16_TABLE: [u16; 32] = {
 /// left by 4 (after sign extension to 16 bits): its value times 2^-120.
 const FP8_FIELDS: i16 = 0x87f0u16 as i16;
 
-/// The first `M` x rows (`xs[r][c]`) against the 64 outputs of a tile
-/// (`w[c · 64 + o]`) over `kc` columns, continuing `out[r · stride + o]`
-/// (from +0.0 when `fresh`): each x value broadcast against four vectors.
+/// The first `M` x rows (`xs[r][c]`) against the first `16 · V` of a
+/// tile's 64 outputs (`w[c · 64 + o]`) over `kc` columns, continuing
+/// `out[r · stride + o]` (from +0.0 when `fresh`): each x value broadcast
+/// against `V` vectors. `V` is 4 but for a last group of 32 rows or fewer
+/// (mHC's 24-row mixes), which computes only the vectors its rows fill.
 ///
 /// # Safety
 /// The CPU must support AVX-512F.
 #[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn plain<const M: usize>(
-    xs: &[&[f32]; X_ROWS],
-    w: &[f32],
-    kc: usize,
-    out: &mut [f32],
-    stride: usize,
-    fresh: bool,
-) {
-    plain_vectors::<M, VECTORS>(xs, w, kc, out, stride, fresh);
-}
-
-/// [`plain`] on the first 32 of the tile's 64 outputs, for a last group of
-/// 32 rows or fewer (mHC's 24-row mixes): half the multiply-adds.
-///
-/// # Safety
-/// The CPU must support AVX-512F.
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn plain_32<const M: usize>(
-    xs: &[&[f32]; X_ROWS],
-    w: &[f32],
-    kc: usize,
-    out: &mut [f32],
-    stride: usize,
-    fresh: bool,
-) {
-    plain_vectors::<M, 2>(xs, w, kc, out, stride, fresh);
-}
-
-/// [`plain`] on the first 16 of the tile's 64 outputs.
-///
-/// # Safety
-/// The CPU must support AVX-512F.
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn plain_16<const M: usize>(
-    xs: &[&[f32]; X_ROWS],
-    w: &[f32],
-    kc: usize,
-    out: &mut [f32],
-    stride: usize,
-    fresh: bool,
-) {
-    plain_vectors::<M, 1>(xs, w, kc, out, stride, fresh);
-}
-
-/// The first `16 · V` outputs of [`plain`]'s tile.
-#[inline(always)]
-unsafe fn plain_vectors<const M: usize, const V: usize>(
+pub(crate) unsafe fn plain<const M: usize, const V: usize>(
     xs: &[&[f32]; X_ROWS],
     w: &[f32],
     kc: usize,
