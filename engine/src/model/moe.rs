@@ -119,6 +119,19 @@ impl Dispatch {
         rows
     }
 
+    /// Every hit expert, ascending, with its `(row, slot)` pairs in row then
+    /// slot order ([`Dispatch::rows_for`] of each), from one pass over the routes.
+    pub fn rows_by_expert(&self) -> Vec<(usize, Vec<(usize, usize)>)> {
+        let experts = self.routes.iter().flat_map(|r| r.experts.iter()).max().map_or(0, |&e| e + 1);
+        let mut rows: Vec<Vec<(usize, usize)>> = vec![Vec::new(); experts];
+        for (t, r) in self.routes.iter().enumerate() {
+            for (slot, &e) in r.experts.iter().enumerate() {
+                rows[e].push((t, slot));
+            }
+        }
+        rows.into_iter().enumerate().filter(|(_, pairs)| !pairs.is_empty()).collect()
+    }
+
     /// The input rows of `pairs`, gathered `[pairs.len(), D]`.
     pub fn gather(&self, pairs: &[(usize, usize)]) -> Vec<f32> {
         let d = self.hidden_size;
@@ -238,8 +251,7 @@ pub(crate) fn run_hit_experts(
     expert: impl Fn(usize, &[(usize, usize)], Threads) -> Vec<f32> + Sync,
 ) -> ExpertOutputs {
     let mut outputs = ExpertOutputs::new(dispatch, k);
-    let hit: Vec<(usize, Vec<(usize, usize)>)> =
-        dispatch.experts_hit().into_iter().map(|e| (e, dispatch.rows_for(e))).collect();
+    let hit = dispatch.rows_by_expert();
     let pool = rayon::current_num_threads();
     let rows_total: usize = hit.iter().map(|(_, pairs)| pairs.len()).sum();
     let rows_most = hit.iter().map(|(_, pairs)| pairs.len()).max().unwrap_or(0);
@@ -296,6 +308,15 @@ mod tests {
     fn dispatch(n: usize, d: usize) -> Dispatch {
         let routes = (0..n).map(|t| Route { experts: vec![t % 3, 3 + t % 2], weights: vec![0.5, 0.5] }).collect();
         Dispatch { hidden_size: d, x: vec![0.0; n * d], routes }
+    }
+
+    #[test]
+    fn rows_by_expert_are_each_hit_experts_rows_for() {
+        let mut d = dispatch(7, 2);
+        d.routes[3].experts = vec![9, 0];
+        let want: Vec<(usize, Vec<(usize, usize)>)> = d.experts_hit().into_iter().map(|e| (e, d.rows_for(e))).collect();
+        assert_eq!(d.rows_by_expert(), want);
+        assert!(Dispatch { hidden_size: 2, x: vec![], routes: vec![] }.rows_by_expert().is_empty());
     }
 
     #[test]

@@ -85,8 +85,7 @@ pub fn combine(cfg: &V41Config, moe: &Moe, dispatch: &Dispatch, outputs: &Expert
 pub fn forward(cfg: &V41Config, moe: &Moe, x: &[f32], n: usize) -> Vec<f32> {
     let dispatch = Dispatch { hidden_size: cfg.dim, x: x.to_vec(), routes: route(cfg, moe, x, n) };
     let mut outputs = ExpertOutputs::new(&dispatch, moe.n_activated);
-    for e in dispatch.experts_hit() {
-        let pairs = dispatch.rows_for(e);
+    for (e, pairs) in dispatch.rows_by_expert() {
         let weights: Vec<f32> = pairs.iter().map(|&(t, slot)| dispatch.routes[t].weights[slot]).collect();
         let out = expert_forward(cfg, &moe.experts[e], &dispatch.gather(&pairs), Some(&weights));
         outputs.store_owned(&pairs, out);

@@ -154,8 +154,10 @@ impl ModelV41 {
         let (d, hc, l) = (cfg.dim, cfg.hc_mult, pass.layer);
         let block = &self.weights.blocks[l];
         let targets = cfg.dspark.as_ref().map_or(&[][..], |s| &s.target_layer_ids[..]);
-        // Per chunk: Engram, the draft layers' hidden, the streams collapsed for attention.
-        let mut inputs: Vec<(Vec<Mix>, Vec<f32>)> = Vec::with_capacity(pass.seqs.len());
+        // Per chunk: Engram, the draft layers' hidden, the streams collapsed for
+        // attention (every chunk's rows one after another in `x_cat`).
+        let mut attn_mixes: Vec<Vec<Mix>> = Vec::with_capacity(pass.seqs.len());
+        let mut x_cat: Vec<f32> = Vec::new();
         for seq in pass.seqs.iter_mut() {
             let n = seq.span.len;
             if let (Some(e), Some(slot)) = (&block.engram, cfg.layers[l].engram) {
@@ -167,17 +169,19 @@ impl ModelV41 {
                     mean_streams(&seq.streams[t * hc * d..(t + 1) * hc * d], hc, out);
                 }
             }
-            inputs.push(self.attention_input(block, &seq.streams, &seq.pre));
+            let (mixes, x) = self.attention_input(block, &seq.streams, &seq.pre);
+            attn_mixes.push(mixes);
+            x_cat.extend_from_slice(&x);
         }
         // Every chunk's tokens through the projections together (each row keeps
         // the bits it gets alone); each chunk's own attention in between.
         let rope = if cfg.layers[l].ratio > 0 { &self.rope_compress } else { &self.rope_main };
-        let x_cat: Vec<f32> = inputs.iter().flat_map(|(_, x)| x.iter().copied()).collect();
         let spans: Vec<Span> = pass.seqs.iter().map(|s| s.span).collect();
         let projected = attention::project(cfg, &block.attn, rope, &x_cat, &spans);
         let mut attended = Vec::with_capacity(x_cat.len() / d * cfg.n_heads * cfg.head_dim);
         let mut at = 0;
-        for ((seq, state), (_, x)) in pass.seqs.iter_mut().zip(states.iter_mut()).zip(&inputs) {
+        for (seq, state) in pass.seqs.iter_mut().zip(states.iter_mut()) {
+            let x = &x_cat[at * d..(at + seq.span.len) * d];
             let rows = projected.rows(at..at + seq.span.len);
             let out = attention::attend_projected(cfg, l, &block.attn, rope, x, rows, seq.span, state, &mut seq.shared);
             attended.extend_from_slice(&out);
@@ -186,7 +190,7 @@ impl ModelV41 {
         let y = attention::output_projection(cfg, &block.attn, &attended, x_cat.len() / d);
         let mut x_all = Vec::with_capacity(x_cat.len());
         let mut at = 0;
-        for (seq, (attn_mixes, _)) in pass.seqs.iter_mut().zip(&inputs) {
+        for (seq, attn_mixes) in pass.seqs.iter_mut().zip(&attn_mixes) {
             let n = seq.span.len;
             let (mixes, x) = self.after_attention(block, &mut seq.streams, &y[at * d..(at + n) * d], attn_mixes);
             seq.ffn_mixes = mixes;

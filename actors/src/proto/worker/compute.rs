@@ -320,9 +320,9 @@ impl WorkerMachine {
             ctx.model.attend(&mut run.pass, &mut chunks).clone()
         };
         let mut by_device: BTreeMap<u32, BTreeMap<u32, Vec<(usize, usize)>>> = BTreeMap::new();
-        for e in dispatch.experts_hit() {
-            *run.loads.entry((layer, e as u32)).or_default() += dispatch.rows_for(e).len() as u32;
-            for pair in dispatch.rows_for(e) {
+        for (e, pairs) in dispatch.rows_by_expert() {
+            *run.loads.entry((layer, e as u32)).or_default() += pairs.len() as u32;
+            for pair in pairs {
                 let dev = base + run.placement.choose(e as u32, run.row_keys[pair.0]);
                 by_device.entry(dev).or_default().entry(e as u32).or_default().push(pair);
             }
