@@ -1,0 +1,34 @@
+//! deepinfer's NVIDIA device.
+//!
+//! The kernels are `.cu` files in `cuda/kernels/`. They run in one of two
+//! places behind one launch interface ([`Gpu`]):
+//!
+//! - a real GPU through cudarc, with libcuda loaded at run time (a machine
+//!   without CUDA builds and runs everything else, and asking it for a GPU
+//!   is one clear error); kernels come from NVRTC at first use (`nvrtc.rs`);
+//! - the emulated device: the same sources compiled for the host by the C++
+//!   compiler (`emu/`), device memory being host memory, so that `cargo
+//!   test` runs every kernel and the executor above them without a GPU.
+//!
+//! `ops/` are the typed launches the model's forward pass calls.
+
+mod device;
+mod driver;
+pub mod nvrtc;
+pub mod ops;
+mod table;
+
+pub use device::{Arg, DeviceBuffer, DeviceError, DeviceValue, Gpu, GpuKind};
+pub use table::{kernel, KernelInfo, ParamKind, KERNELS};
+
+/// The source of one kernel file as NVRTC compiles it: `common.cuh` inlined
+/// where the file includes it (NVRTC is given no include path).
+pub fn nvrtc_source(file: &str) -> Option<String> {
+    let source = table::SOURCES.iter().find(|(stem, _)| *stem == file)?.1;
+    Some(source.replace("#include \"common.cuh\"", table::COMMON))
+}
+
+/// Every kernel file's stem.
+pub fn kernel_files() -> impl Iterator<Item = &'static str> {
+    table::SOURCES.iter().map(|(stem, _)| *stem)
+}
