@@ -44,6 +44,7 @@ fn main() {
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-unused-function")
         .flag_if_supported("-Wno-unused-variable")
+        .flag_if_supported("-Wno-unknown-pragmas")
         .file(emu_dir.join("emu.cpp"));
     for file in &files {
         println!("cargo:rerun-if-changed={}", file.display());
@@ -120,23 +121,24 @@ fn main() {
     std::fs::write(out.join("kernels.rs"), table).unwrap();
 }
 
-/// Every `extern "C" __global__ void name(params)` of a source.
+/// Every `extern "C" __global__ void name(params)` of a source
+/// (`__launch_bounds__(...)` may sit anywhere before the name).
 fn parse_kernels(source: &str, file: &str) -> Vec<Kernel> {
     let mut found = Vec::new();
     let mut rest = source;
-    while let Some(at) = rest.find("__global__") {
-        let after = &rest[at + "__global__".len()..];
-        let open = after.find('(').unwrap_or_else(|| panic!("{file}.cu: a __global__ without parameters"));
-        let head = after[..open].trim();
-        // `void name`, possibly after __launch_bounds__(...): the name is the last word.
-        let head = head.rsplit_once(')').map_or(head, |(_, h)| h).trim();
-        let head = head.strip_prefix("void").unwrap_or(head).trim();
-        let name = head.split_whitespace().last().expect("kernel name").to_string();
-        // __launch_bounds__(..) sits before `void`: skip to the parameter list after the name.
-        let name_at = after.find(&format!("{name}(")).unwrap_or_else(|| panic!("{file}.cu: kernel {name}"));
-        let params_start = name_at + name.len() + 1;
-        let close = after[params_start..].find(')').expect("closing parenthesis") + params_start;
-        let params = after[params_start..close]
+    const MARK: &str = "extern \"C\" __global__";
+    while let Some(at) = rest.find(MARK) {
+        let after = &rest[at + MARK.len()..];
+        let body = after.find('{').unwrap_or_else(|| panic!("{file}.cu: a __global__ without a body"));
+        let mut signature = after[..body].to_string();
+        while let Some(b) = signature.find("__launch_bounds__") {
+            let close = signature[b..].find(')').expect("__launch_bounds__(...)") + b;
+            signature.replace_range(b..=close, " ");
+        }
+        let open = signature.find('(').unwrap_or_else(|| panic!("{file}.cu: a __global__ without parameters"));
+        let close = signature.rfind(')').expect("closing parenthesis");
+        let name = signature[..open].split_whitespace().last().expect("kernel name").to_string();
+        let params = signature[open + 1..close]
             .split(',')
             .map(str::trim)
             .filter(|p| !p.is_empty())
@@ -147,7 +149,7 @@ fn parse_kernels(source: &str, file: &str) -> Vec<Kernel> {
             })
             .collect();
         found.push(Kernel { name, file: file.to_string(), params });
-        rest = &after[close..];
+        rest = &after[body..];
     }
     found
 }

@@ -32,3 +32,14 @@ pub fn nvrtc_source(file: &str) -> Option<String> {
 pub fn kernel_files() -> impl Iterator<Item = &'static str> {
     table::SOURCES.iter().map(|(stem, _)| *stem)
 }
+
+/// The device tests run on: the emulated device, or GPU 0 when
+/// `DEEPINFER_TEST_DEVICE=cuda` (how `tools/gpu/check.sh` runs the same test
+/// binaries on a real GPU).
+pub fn test_gpu() -> Gpu {
+    match std::env::var("DEEPINFER_TEST_DEVICE").as_deref() {
+        Ok("cuda") => Gpu::cuda(0).unwrap_or_else(|e| panic!("DEEPINFER_TEST_DEVICE=cuda: {e}")),
+        Ok("emulated") | Err(_) => Gpu::emulated(),
+        Ok(other) => panic!("DEEPINFER_TEST_DEVICE={other}: expected cuda or emulated"),
+    }
+}

@@ -1,8 +1,7 @@
-use deepinfer_cuda::Gpu;
 
 #[test]
 fn rms_norm_rows_matches_the_cpu_bit_for_bit() {
-    let gpu = Gpu::emulated();
+    let gpu = deepinfer_cuda::test_gpu();
     for dim in [1usize, 7, 16, 64, 100, 1024] {
         let rows = 3;
         let x: Vec<f32> = (0..rows * dim).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();

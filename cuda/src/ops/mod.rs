@@ -12,6 +12,7 @@ pub mod linear;
 pub mod moe;
 pub mod norm;
 pub mod sampling;
+pub mod v41;
 
 /// Rows of f32 values in a device buffer: row `r` starts at element
 /// `offset + r * stride`.
