@@ -124,8 +124,9 @@ fn main() {
 /// Every `extern "C" __global__ void name(params)` of a source
 /// (`__launch_bounds__(...)` may sit anywhere before the name).
 fn parse_kernels(source: &str, file: &str) -> Vec<Kernel> {
+    let source = strip_comments(source);
     let mut found = Vec::new();
-    let mut rest = source;
+    let mut rest = source.as_str();
     const MARK: &str = "extern \"C\" __global__";
     while let Some(at) = rest.find(MARK) {
         let after = &rest[at + MARK.len()..];
@@ -152,6 +153,32 @@ fn parse_kernels(source: &str, file: &str) -> Vec<Kernel> {
         rest = &after[body..];
     }
     found
+}
+
+/// `source` without its `//` and `/* */` comments (string literals hold none).
+fn strip_comments(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    loop {
+        let line = rest.find("//");
+        let block = rest.find("/*");
+        match (line, block) {
+            (None, None) => {
+                out.push_str(rest);
+                return out;
+            }
+            (Some(l), b) if b.is_none_or(|b| l < b) => {
+                out.push_str(&rest[..l]);
+                rest = rest[l..].find('\n').map_or("", |e| &rest[l + e..]);
+            }
+            (_, Some(b)) => {
+                out.push_str(&rest[..b]);
+                out.push(' ');
+                rest = rest[b + 2..].find("*/").map_or("", |e| &rest[b + 2 + e + 2..]);
+            }
+            (Some(_), None) => unreachable!("handled above"),
+        }
+    }
 }
 
 fn param_kind(ty: &str, kernel: &str) -> &'static str {

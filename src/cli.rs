@@ -159,6 +159,10 @@ pub struct ModelArgs {
     /// tokenizer.json to use instead of the model directory's (or the built-in one).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Where the forward pass runs: `cpu`, `cuda` (NVIDIA GPU 0 through the
+    /// CUDA driver) or `emulated` (the CUDA kernels compiled for this CPU).
+    #[arg(long, default_value = "cpu")]
+    pub device: crate::generation::DeviceChoice,
 }
 
 #[derive(Args, Debug, Clone)]

@@ -105,8 +105,11 @@ impl ClusterPlan {
             return Err(err(n.name.span(), format!("node `{}` serves no instance", n.name.get_ref())));
         }
         for n in &topology.nodes {
-            if n.backend != Backend::Cpu {
-                return Err(err(n.name.span(), "only `backend = \"cpu\"` nodes can be launched".into()));
+            if !matches!(n.backend, Backend::Cpu | Backend::Cuda) {
+                return Err(err(
+                    n.name.span(),
+                    "only `backend = \"cpu\"` and `backend = \"cuda\"` nodes can be launched".into(),
+                ));
             }
         }
         let (_, ep, redundant) = shape.expect("a topology has instances");
@@ -337,6 +340,16 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
     let plan = ClusterPlan::load(&opts.topology)?;
     let me = plan.node_index(&opts.node)?;
     let name = opts.node.clone();
+    if plan.topology.nodes[me as usize].backend == Backend::Cuda {
+        // The node's own machine answers whether it has a GPU, before anything loads.
+        let gpu =
+            deepinfer_cuda::Gpu::cuda(0).map_err(|e| anyhow::anyhow!("node `{name}`: backend = \"cuda\": {e}"))?;
+        anyhow::bail!(
+            "node `{name}`: backend = \"cuda\" found {}, but cluster workers run layer by layer beside expert \
+             shards, which the device model does not do yet; one GPU serves with `deepinfer serve --device cuda`",
+            gpu.name()
+        );
+    }
     let identity = tls::load_identity(&plan.certs_dir(opts.certs.as_deref())?, &name)
         .with_context(|| format!("certificates of node `{name}`"))?;
     // Workers need the dense weights; each shard reads the routed experts placed on it.

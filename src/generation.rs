@@ -23,6 +23,40 @@ use tokenizers::Tokenizer;
 use crate::backend::Backend;
 use crate::tokenizer::{builtin_tokenizer, load_tokenizer};
 
+/// Where a model's forward pass runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum DeviceChoice {
+    /// This machine's CPU cores (the engine's own kernels).
+    #[default]
+    Cpu,
+    /// NVIDIA GPU 0, through the CUDA driver (libcuda, loaded at run time).
+    Cuda,
+    /// The CUDA kernels compiled for this CPU: the GPU's code path without a GPU.
+    Emulated,
+}
+
+/// The device `choice` names, opened before any model is loaded, so that a
+/// machine without CUDA fails at once with one line.
+pub fn open_device(choice: DeviceChoice) -> anyhow::Result<Option<deepinfer_cuda::Gpu>> {
+    match choice {
+        DeviceChoice::Cpu => Ok(None),
+        DeviceChoice::Emulated => Ok(Some(deepinfer_cuda::Gpu::emulated())),
+        DeviceChoice::Cuda => match deepinfer_cuda::Gpu::cuda(0) {
+            Ok(gpu) => Ok(Some(gpu)),
+            Err(e) => bail!("--device cuda: {e}"),
+        },
+    }
+}
+
+/// `model` with its forward pass on `gpu` (none: as it is, on the CPU).
+pub fn place_model(model: Model, gpu: Option<&deepinfer_cuda::Gpu>) -> anyhow::Result<Model> {
+    let Some(gpu) = gpu else { return Ok(model) };
+    let name = gpu.name();
+    let model = model.on_device(gpu).with_context(|| format!("placing the model on {name}"))?;
+    eprintln!("device: {name}, {:.1} MiB of weights", gpu.memory_in_use() as f64 / (1 << 20) as f64);
+    Ok(model)
+}
+
 /// A model ready to generate: weights plus the tokenizer that matches them.
 pub struct LoadedModel {
     pub name: String,

@@ -37,6 +37,11 @@ pub fn restore_state(model: &Model, blocks: &[&BlockValues], position: usize) ->
         state.position = position;
         return state;
     }
+    // A device model's state is rebuilt in the CPU's form, then uploaded.
+    let device = state.device.take();
+    if device.is_some() {
+        state.layers = SequenceState::new(&model.config).layers;
+    }
     if let Some(last) = blocks.last() {
         for (l, layer) in state.layers.iter_mut().enumerate() {
             let rebuild = |c: &mut CompressorState, part: fn(&BlockValues, usize) -> Option<&CompressorBlock>| {
@@ -55,6 +60,12 @@ pub fn restore_state(model: &Model, blocks: &[&BlockValues], position: usize) ->
             }
         }
     }
+    if let (Some(d), Some(_)) = (&model.device, device) {
+        let layers = std::mem::take(&mut state.layers);
+        state.device = Some(
+            d.upload_state(&layers).unwrap_or_else(|e| panic!("restoring a cached prefix on {}: {e}", d.gpu().name())),
+        );
+    }
     state.position = position;
     state
 }
@@ -65,6 +76,7 @@ fn snapshot(model: &Model, state: &SequenceState, k: usize, bt: usize) -> BlockV
         return BlockValues { layers: Vec::new(), v41: Some(s.snapshot(&m.config, k, bt)) };
     }
     let cfg = &model.config;
+    let state = &*model.host_state(state);
     debug_assert_eq!(state.position, (k + 1) * bt);
     let part = |c: &CompressorState, ratio: usize, dim: usize| {
         let per = bt / ratio * dim;

@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod constraint;
 pub mod cost;
+pub mod device;
 pub mod engine;
 pub mod engine_tiers;
 pub mod eplb;

@@ -155,10 +155,18 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     let input = args.input.as_deref().context("--input is required in batch mode")?;
     let output = args.output.as_deref().context("--output is required with --input")?;
     crate::commands::generate::check_devices(args)?;
+    let gpu = crate::generation::open_device(args.source.device)?;
+    if gpu.is_some() && (args.devices > 1 || args.topology.is_some()) {
+        anyhow::bail!(
+            "--device {:?} runs one engine in this process: not with --devices or --topology",
+            args.source.device
+        );
+    }
     let spec = crate::commands::generate::model_spec(args)?;
     // A client of a running cluster computes nothing: the shards hold the routed experts.
     let routed = if args.topology.is_some() { RoutedExperts::Elsewhere } else { RoutedExperts::Resident };
-    let loaded = load_model_with(&spec, args.source.model_seed, args.source.tokenizer.as_deref(), routed)?;
+    let mut loaded = load_model_with(&spec, args.source.model_seed, args.source.tokenizer.as_deref(), routed)?;
+    loaded.model = crate::generation::place_model(loaded.model, gpu.as_ref())?;
     let name = loaded.name.clone();
     let summary = run_batch(loaded, args, input, output, true)?;
     let secs = summary.elapsed.as_secs_f64().max(1e-9);

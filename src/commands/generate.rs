@@ -15,6 +15,13 @@ use deepinfer_engine::model::RoutedExperts;
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     check_devices(args)?;
+    let gpu = crate::generation::open_device(args.source.device)?;
+    if gpu.is_some() && (args.devices > 1 || args.topology.is_some()) {
+        anyhow::bail!(
+            "--device {:?} runs one engine in this process: not with --devices or --topology",
+            args.source.device
+        );
+    }
     let speculative = args.engine.speculative()?;
     if speculative.max_drafts() > 0 && args.topology.is_some() {
         anyhow::bail!(
@@ -23,7 +30,9 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<()> {
     }
     // A client of a running cluster computes nothing: the shards hold the routed experts.
     let routed = if args.topology.is_some() { RoutedExperts::Elsewhere } else { RoutedExperts::Resident };
-    let loaded = load_model_with(&model_spec(args)?, args.source.model_seed, args.source.tokenizer.as_deref(), routed)?;
+    let mut loaded =
+        load_model_with(&model_spec(args)?, args.source.model_seed, args.source.tokenizer.as_deref(), routed)?;
+    loaded.model = crate::generation::place_model(loaded.model, gpu.as_ref())?;
     let text = args.prompt.as_deref().unwrap_or_default();
     let prompt = encode_prompt(&loaded.tokenizer, &loaded.model, text)?;
     let params = SamplingParams {

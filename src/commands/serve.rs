@@ -116,6 +116,10 @@ impl CacheArgs {
 }
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
+    let gpu = crate::generation::open_device(args.source.device)?;
+    if gpu.is_some() && args.topology.is_some() {
+        bail!("--device {:?} serves from this process's engine: not with --topology", args.source.device);
+    }
     let default_listen = || SocketAddr::from(([127, 0, 0, 1], 8000));
     // A one-device topology is served by this process's engine, drafting as its table says.
     let mut topology_drafting = None;
@@ -133,7 +137,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
     };
     // A front end of a cluster computes nothing: the shards hold the routed experts.
     let routed = if plan.is_some() { RoutedExperts::Elsewhere } else { RoutedExperts::Resident };
-    let loaded = load_model_with(&model_spec, args.source.model_seed, args.source.tokenizer.as_deref(), routed)?;
+    let mut loaded = load_model_with(&model_spec, args.source.model_seed, args.source.tokenizer.as_deref(), routed)?;
+    loaded.model = crate::generation::place_model(loaded.model, gpu.as_ref())?;
     let context = loaded.model.config.max_position_embeddings;
     let mut config = serve_config(args, &loaded.name, context, (&model_spec, args.source.model_seed))?;
     if let Some(speculative) = topology_drafting {

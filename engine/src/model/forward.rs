@@ -96,6 +96,11 @@ pub struct MtpChunk<'a> {
 impl Model {
     /// Run the chunks through the model, advancing each state.
     pub fn forward(&self, chunks: &mut [Chunk], wanted: LogitsWanted, keep_streams: bool) -> Vec<ChunkOutput> {
+        if let Some(d) = &self.device {
+            return d
+                .forward(chunks, wanted, keep_streams)
+                .unwrap_or_else(|e| panic!("a step on {}: {e}", d.gpu().name()));
+        }
         on_workers(|| {
             let mut pass = self.begin_pass(chunks);
             while !pass.is_done() {
@@ -125,6 +130,7 @@ impl Model {
     /// Start a forward pass that the caller drives layer by layer: `attend`,
     /// run the routed experts wherever they live, `combine`; then `finish_pass`.
     pub fn begin_pass(&self, chunks: &[Chunk]) -> Pass {
+        assert!(self.device.is_none(), "a device model runs whole passes (Model::forward), not layer by layer");
         if let Some(m) = &self.v41 {
             let inputs: Vec<crate::v41::ChunkInput> = chunks
                 .iter()
@@ -282,6 +288,7 @@ impl Model {
     /// streams `[len, hc · D]` (a chain of drafts feeds them back as the next
     /// position's streams).
     pub fn mtp_forward_rows(&self, chunks: &mut [MtpChunk], wanted: LogitsWanted) -> Vec<ChunkOutput> {
+        assert!(self.device.is_none(), "a device model runs no MTP drafts");
         on_workers(|| {
             let mtp: &Mtp = self.weights.mtp.first().expect("checkpoint has no MTP block");
             let cfg = &self.config;

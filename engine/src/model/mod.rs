@@ -41,9 +41,12 @@ pub enum LoadError {
 pub struct Model {
     pub config: ModelConfig,
     pub weights: Weights,
-    rope_main: Rope,
-    rope_compress: Rope,
+    pub(crate) rope_main: Rope,
+    pub(crate) rope_compress: Rope,
     pub v41: Option<Box<ModelV41>>,
+    /// The model on an accelerator: its forward pass runs there, on the
+    /// device states `new_state` makes (see [`crate::device`]).
+    pub device: Option<Box<crate::device::DeviceModel>>,
     /// Where the main layers' routed experts are read from when they are not
     /// in `weights` ([`RoutedExperts::Elsewhere`]).
     expert_source: Option<std::sync::Arc<Checkpoint>>,
@@ -71,7 +74,7 @@ impl Model {
             attention_factor: y.attention_factor,
         });
         let rope_compress = Rope::new(config.rope_dim, config.compress_rope_theta, yarn);
-        Self { config, weights, rope_main, rope_compress, v41: None, expert_source: None }
+        Self { config, weights, rope_main, rope_compress, v41: None, device: None, expert_source: None }
     }
 
     /// Wrap a DeepSeek-V4.1 model.
@@ -84,6 +87,7 @@ impl Model {
             rope_main: rope.clone(),
             rope_compress: rope,
             v41: Some(Box::new(model)),
+            device: None,
             expert_source: None,
         }
     }
@@ -99,7 +103,39 @@ impl Model {
             state.layers.clear();
             state.v41 = Some(m.new_state());
         }
+        if let Some(d) = &self.device {
+            state.layers.clear();
+            state.device =
+                Some(d.new_state().unwrap_or_else(|e| panic!("a sequence's state on {}: {e}", d.gpu().name())));
+        }
         state
+    }
+
+    /// This model with its forward pass on `gpu` (weights uploaded once).
+    pub fn on_device(mut self, gpu: &deepinfer_cuda::Gpu) -> Result<Self, crate::device::DeviceModelError> {
+        self.device = Some(Box::new(crate::device::DeviceModel::upload(gpu, &self)?));
+        Ok(self)
+    }
+
+    pub fn is_on_device(&self) -> bool {
+        self.device.is_some()
+    }
+
+    /// `state` in the CPU's form: a device state's values brought back
+    /// (for capturing a prefix-cache block or moving the state), any
+    /// other state as it is.
+    pub fn host_state<'s>(&self, state: &'s SequenceState) -> std::borrow::Cow<'s, SequenceState> {
+        match (&self.device, &state.device) {
+            (Some(d), Some(dev)) => {
+                let mut host = state.clone();
+                host.device = None;
+                host.layers = d
+                    .download_state(dev)
+                    .unwrap_or_else(|e| panic!("reading a sequence's state from {}: {e}", d.gpu().name()));
+                std::borrow::Cow::Owned(host)
+            }
+            _ => std::borrow::Cow::Borrowed(state),
+        }
     }
 
     /// Whether the checkpoint carried an MTP block.

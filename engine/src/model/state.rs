@@ -130,6 +130,8 @@ pub struct SequenceState {
     pub mtp: Vec<LayerState>,
     /// The whole state of a DeepSeek-V4.1 sequence (its layers share compressed KV).
     pub v41: Option<crate::v41::V41State>,
+    /// The state on a device, for a model that runs there (`layers` is then empty).
+    pub device: Option<crate::device::DeviceState>,
     /// The position where the last chunk's draft tokens began, until they are
     /// accepted or rejected.
     pub draft_from: Option<usize>,
@@ -143,6 +145,7 @@ impl SequenceState {
             mtp_position: 0,
             mtp: (0..cfg.num_mtp_layers).map(|_| LayerState::new(AttentionKind::Window)).collect(),
             v41: None,
+            device: None,
             draft_from: None,
         }
     }

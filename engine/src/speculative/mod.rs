@@ -93,6 +93,11 @@ impl SpeculativeConfig {
     pub fn check(&self, model: &crate::model::Model) -> Result<(), String> {
         match self.method {
             DraftMethod::Off => Ok(()),
+            _ if model.is_on_device() => Err(format!(
+                "speculative method {:?} does not run on a device yet; drafts run on the CPU engine",
+                self.method
+            )
+            .to_lowercase()),
             DraftMethod::Mtp if model.is_v41() => {
                 Err("speculative method mtp needs a DeepSeek-V4 model with an MTP block; V4.1 drafts with dspark"
                     .into())

@@ -1,0 +1,90 @@
+//! The model on the emulated device (the CUDA kernels compiled for this CPU,
+//! run by the same executor as on a GPU) against the CPU engine: the same
+//! greedy tokens over 64 steps and the same logits bit for bit, for each
+//! built-in model that runs on a device, alone and in a batch. On a GPU,
+//! `DEEPINFER_TEST_DEVICE=cuda` runs this file there (`tools/gpu/check.sh`).
+
+use std::collections::BTreeMap;
+
+use deepinfer::generation::load_model;
+use deepinfer_engine::engine::{Engine, EngineConfig};
+use deepinfer_engine::model::Model;
+use deepinfer_engine::request::Request;
+
+/// Greedy steps per prompt.
+const STEPS: usize = 64;
+
+/// Three prompts of 10 to 300 tokens inside `vocab`, from a fixed stream.
+fn prompts(vocab: usize) -> Vec<Vec<u32>> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    [10usize, 97, 300]
+        .iter()
+        .map(|&len| {
+            (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    (x % (vocab as u64 - 3)) as u32 + 3
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Every request's tokens and logits rows, run together in one engine.
+fn run(model: &Model, prompts: &[Vec<u32>], config: EngineConfig) -> Vec<(Vec<u32>, Vec<Vec<u32>>)> {
+    let mut engine = Engine::new(model, config).expect("engine");
+    let mut ids = Vec::new();
+    for p in prompts {
+        let mut r = Request::new(p.clone(), STEPS);
+        r.ignore_eos = true;
+        r.return_logits = true;
+        ids.push(engine.add_request(r).expect("request"));
+    }
+    let done: BTreeMap<_, _> = engine.run_to_completion();
+    ids.iter()
+        .map(|id| {
+            let c = &done[id];
+            let logits = c
+                .tokens
+                .iter()
+                .map(|t| t.logits.as_ref().expect("logits").iter().map(|v| v.to_bits()).collect())
+                .collect();
+            (c.token_ids(), logits)
+        })
+        .collect()
+}
+
+fn check_model(spec: &str) {
+    let cpu = load_model(spec, 0, None).unwrap().model;
+    let gpu = deepinfer_cuda::test_gpu();
+    let device = load_model(spec, 0, None).unwrap().model.on_device(&gpu).expect("the model goes on the device");
+    let prompts = prompts(cpu.config.vocab_size);
+    let config = EngineConfig::default();
+    let want = run(&cpu, &prompts, config.clone());
+    // Each prompt alone on the device, then all three in one batch.
+    for (i, p) in prompts.iter().enumerate() {
+        let got = run(&device, std::slice::from_ref(p), config.clone());
+        assert_eq!(got[0].0, want[i].0, "{spec}: prompt {i} ({} tokens): greedy tokens", p.len());
+        for (step, (g, w)) in got[0].1.iter().zip(&want[i].1).enumerate() {
+            assert!(g == w, "{spec}: prompt {i}: logits of step {step} differ from the CPU engine's");
+        }
+        assert_eq!(got[0].0.len(), STEPS);
+    }
+    let batched = run(&device, &prompts, config);
+    for (i, (got, w)) in batched.iter().zip(&want).enumerate() {
+        assert_eq!(got.0, w.0, "{spec}: prompt {i} in a batch of 3: greedy tokens");
+        assert!(got.1 == w.1, "{spec}: prompt {i} in a batch of 3: logits differ from alone");
+    }
+}
+
+#[test]
+fn tiny_v4_on_the_device_gives_the_cpu_engines_tokens_and_logits() {
+    check_model("builtin:tiny-v4");
+}
+
+#[test]
+fn trained_tiny_v4_on_the_device_gives_the_cpu_engines_tokens_and_logits() {
+    check_model("builtin:tiny-v4-trained");
+}
