@@ -63,7 +63,18 @@ fn assert_close(what: &str, got: &[f32], want: &[f32]) {
 
 #[test]
 fn prefill_and_decode_logits_match_transformers() {
+    check_preset(&Model::load(&fixture_dir()).expect("fixture checkpoint loads"));
+}
+
+/// The same checks with the forward pass on the device (the emulated one, or
+/// the GPU `DEEPINFER_TEST_DEVICE=cuda` names).
+#[test]
+fn on_the_device_prefill_and_decode_logits_match_transformers() {
     let model = Model::load(&fixture_dir()).expect("fixture checkpoint loads");
+    check_preset(&model.on_device(&deepinfer_cuda::test_gpu()).expect("the model goes on the device"));
+}
+
+fn check_preset(model: &Model) {
     let reference = Reference::load();
     let mut prompts = 0;
     for i in 0.. {
@@ -125,10 +136,27 @@ fn sweep_of_configs_matches_transformers() {
         .collect();
     dirs.sort();
     assert!(dirs.len() >= 8, "the sweep has {} configs", dirs.len());
+    check_sweep(&dirs, false);
+}
+
+/// The sweep with the forward pass on the device.
+#[test]
+fn on_the_device_sweep_of_configs_matches_transformers() {
+    let root = oracle_root().join("sweep");
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("{}: {e}", root.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("reference.safetensors").exists())
+        .collect();
+    dirs.sort();
+    check_sweep(&dirs, true);
+}
+
+fn check_sweep(dirs: &[PathBuf], on_device: bool) {
     let mut failures = Vec::new();
-    for dir in &dirs {
+    for dir in dirs {
         let name = dir.file_name().unwrap().to_string_lossy().to_string();
-        let result = std::panic::catch_unwind(|| check_sweep_config(dir));
+        let result = std::panic::catch_unwind(|| check_sweep_config(dir, on_device));
         if result.is_err() {
             failures.push(name);
         }
@@ -140,9 +168,12 @@ fn oracle_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/oracle")
 }
 
-fn check_sweep_config(dir: &Path) {
+fn check_sweep_config(dir: &Path, on_device: bool) {
     let name = dir.file_name().unwrap().to_string_lossy().to_string();
-    let model = Model::load(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    let mut model = Model::load(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+    if on_device {
+        model = model.on_device(&deepinfer_cuda::test_gpu()).unwrap_or_else(|e| panic!("{name} on the device: {e}"));
+    }
     check_against_reference(&model, &Reference::load_from(dir), &name);
 }
 
