@@ -80,24 +80,44 @@ __device__ __forceinline__ float di_exp(float x) {
 // The CPU's reduction of 16 lane accumulators (kernels/src/simd/mod.rs
 // `reduce16`): halves folded onto the lower lanes, 8, 4, 2, 1.
 __device__ __forceinline__ float di_reduce16(float* acc) {
+#pragma unroll
     for (int width = 8; width >= 1; width /= 2)
+#pragma unroll
         for (int l = 0; l < width; ++l) acc[l] = __fadd_rn(acc[l], acc[l + width]);
     return acc[0];
 }
 
 // The CPU's `dot` (kernels/src/simd/portable.rs): column c feeds lane c % 16
 // as a fused multiply-add chain, the tail columns lanes 0.., then reduce16.
+// The lanes are unrolled so that they stay in registers (an array indexed
+// by `c % 16` would live in local memory).
 __device__ __forceinline__ float di_dot16(const float* a, const float* b, int n) {
     float acc[16];
+#pragma unroll
     for (int l = 0; l < 16; ++l) acc[l] = 0.0f;
-    for (int c = 0; c < n; ++c) acc[c % 16] = __fmaf_rn(a[c], b[c], acc[c % 16]);
+    int c = 0;
+    for (; c + 16 <= n; c += 16) {
+#pragma unroll
+        for (int l = 0; l < 16; ++l) acc[l] = __fmaf_rn(a[c + l], b[c + l], acc[l]);
+    }
+#pragma unroll
+    for (int l = 0; l < 16; ++l)
+        if (c + l < n) acc[l] = __fmaf_rn(a[c + l], b[c + l], acc[l]);
     return di_reduce16(acc);
 }
 
 // The same with `a` strided (a column of a row-major matrix and the like).
 __device__ __forceinline__ float di_dot16_strided(const float* a, int a_stride, const float* b, int n) {
     float acc[16];
+#pragma unroll
     for (int l = 0; l < 16; ++l) acc[l] = 0.0f;
-    for (int c = 0; c < n; ++c) acc[c % 16] = __fmaf_rn(a[c * a_stride], b[c], acc[c % 16]);
+    int c = 0;
+    for (; c + 16 <= n; c += 16) {
+#pragma unroll
+        for (int l = 0; l < 16; ++l) acc[l] = __fmaf_rn(a[(c + l) * a_stride], b[c + l], acc[l]);
+    }
+#pragma unroll
+    for (int l = 0; l < 16; ++l)
+        if (c + l < n) acc[l] = __fmaf_rn(a[(c + l) * a_stride], b[c + l], acc[l]);
     return di_reduce16(acc);
 }
