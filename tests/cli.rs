@@ -137,3 +137,31 @@ fn v41_builtin_and_initialised_directory_agree() {
     assert!(!out.trim().is_empty());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--device cuda` on a machine without the CUDA driver: one line, a failing
+/// exit, before any model loads. (On a GPU machine the driver is there and
+/// the run is `tools/gpu/check.sh`'s to test.)
+#[test]
+fn device_cuda_without_a_driver_fails_at_once_with_one_line() {
+    if deepinfer_cuda::Gpu::cuda(0).is_ok() {
+        eprintln!("a CUDA device is present: the missing-driver message cannot be shown here");
+        return;
+    }
+    let o = deepinfer(&["generate", "--model", "builtin:tiny-v4", "--device", "cuda", "--prompt", "Hello"]);
+    assert!(!o.status.success(), "a run without a GPU must fail");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line: {stderr}");
+    assert!(lines[0].contains("--device cuda") && lines[0].contains("no CUDA driver"), "{stderr}");
+    assert!(o.stdout.is_empty(), "nothing generated");
+}
+
+/// The emulated device prints the CPU's text and tokens (the engine's bits).
+#[test]
+fn device_emulated_generates_the_cpus_tokens() {
+    let args = ["generate", "--model", "builtin:tiny-v4-trained", "--prompt", "fn main() {", "--max-tokens", "16"];
+    let cpu = stdout(&deepinfer(&[&args[..], &["--show-tokens"]].concat()));
+    let o = deepinfer(&[&args[..], &["--show-tokens", "--device", "emulated"]].concat());
+    assert_eq!(stdout(&o), cpu);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("device: emulated device"));
+}
