@@ -26,11 +26,17 @@ pub const DISK_WRITES_DROPPED: &str = "deepinfer_prompt_cache_disk_writes_droppe
 pub const DISK_BAD_FILES: &str = "deepinfer_prompt_cache_disk_bad_files_total";
 pub const DISK_INDEXED_AT_START: &str = "deepinfer_prompt_cache_disk_indexed_at_start_blocks";
 pub const LOAD: &str = "deepinfer_prompt_cache_load_seconds";
+/// Device memory this process's buffers hold (weights and sequence states), on a device model.
+pub const DEVICE_MEMORY: &str = "deepinfer_device_memory_bytes";
+/// The device's total memory (a GPU's; none for the emulated device).
+pub const DEVICE_MEMORY_TOTAL: &str = "deepinfer_device_memory_total_bytes";
 
 pub fn describe() {
     describe_counter!(HIT_TOKENS, "Prompt tokens served by the prompt cache, by the tier they were found in");
     describe_counter!(MISS_TOKENS, "Prompt tokens looked up and not served by any tier");
     describe_gauge!(BLOCKS, "Blocks held by each tier");
+    describe_gauge!(DEVICE_MEMORY, Unit::Bytes, "Device memory held by this process (weights and sequence states)");
+    describe_gauge!(DEVICE_MEMORY_TOTAL, Unit::Bytes, "The device's total memory");
     describe_gauge!(BYTES, Unit::Bytes, "Bytes held by each tier");
     describe_gauge!(CAPACITY_BYTES, Unit::Bytes, "Byte budget of each tier");
     describe_counter!(EVICTIONS, "Blocks evicted from each tier for room");
@@ -92,6 +98,13 @@ fn update_engine(engine: &Engine) {
     counter!(EXPIRIES, "tier" => Tier::Host.name()).absolute(host.stats.expired_blocks);
     counter!(DISK_QUEUED).absolute(tc.persist_blocks);
     counter!(DISK_WRITES_DROPPED, "queue" => "engine").absolute(tc.persist_dropped);
+    if let Some(device) = &engine.model().device {
+        let gpu = device.gpu();
+        gauge!(DEVICE_MEMORY, "device" => gpu.name()).set(gpu.memory_in_use() as f64);
+        if let Some(total) = gpu.total_memory() {
+            gauge!(DEVICE_MEMORY_TOTAL, "device" => gpu.name()).set(total as f64);
+        }
+    }
 }
 
 /// The disk tier's own counters; also read when `/metrics` is scraped, as
