@@ -1,7 +1,7 @@
 //! The model on the emulated device (the CUDA kernels compiled for this CPU,
 //! run by the same executor as on a GPU) against the CPU engine: the same
 //! greedy tokens over 64 steps and the same logits bit for bit, for each
-//! built-in model that runs on a device, alone and in a batch. On a GPU,
+//! built-in model that runs on a device (V4 and V4.1), alone and in a batch. On a GPU,
 //! `DEEPINFER_TEST_DEVICE=cuda` runs this file there (`tools/gpu/check.sh`).
 
 use std::collections::BTreeMap;
@@ -87,4 +87,14 @@ fn tiny_v4_on_the_device_gives_the_cpu_engines_tokens_and_logits() {
 #[test]
 fn trained_tiny_v4_on_the_device_gives_the_cpu_engines_tokens_and_logits() {
     check_model("builtin:tiny-v4-trained");
+}
+
+#[test]
+fn tiny_v41_on_the_device_gives_the_cpu_engines_tokens_and_logits() {
+    check_model("builtin:tiny-v41");
+}
+
+#[test]
+fn trained_tiny_v41_on_the_device_gives_the_cpu_engines_tokens_and_logits() {
+    check_model("builtin:tiny-v41-trained");
 }

@@ -30,10 +30,20 @@ pub struct BlockValues {
 /// positioned at `position` (the start of the replay).
 pub fn restore_state(model: &Model, blocks: &[&BlockValues], position: usize) -> SequenceState {
     let mut state = model.new_state();
-    if let (Some(m), Some(v)) = (&model.v41, state.v41.as_mut()) {
+    if let Some(m) = &model.v41 {
         let snapshots: Vec<&crate::v41::state::BlockSnapshot> =
             blocks.iter().map(|b| b.v41.as_ref().expect("a V4.1 block")).collect();
-        *v = crate::v41::V41State::restore(&m.config, &snapshots, position);
+        let restored = crate::v41::V41State::restore(&m.config, &snapshots, position);
+        match &model.device {
+            // A device model's state is rebuilt in the CPU's form, then uploaded.
+            Some(d) => {
+                state.device = Some(
+                    d.upload_state_v41(&restored)
+                        .unwrap_or_else(|e| panic!("restoring a cached prefix on {}: {e}", d.gpu().name())),
+                );
+            }
+            None => state.v41 = Some(restored),
+        }
         state.position = position;
         return state;
     }
@@ -72,11 +82,12 @@ pub fn restore_state(model: &Model, blocks: &[&BlockValues], position: usize) ->
 
 /// Copy the compressed state of block `k` out of a state whose position is its end.
 fn snapshot(model: &Model, state: &SequenceState, k: usize, bt: usize) -> BlockValues {
+    // A device state's values come back to the host first.
+    let state = &*model.host_state(state);
     if let (Some(m), Some(s)) = (&model.v41, &state.v41) {
         return BlockValues { layers: Vec::new(), v41: Some(s.snapshot(&m.config, k, bt)) };
     }
     let cfg = &model.config;
-    let state = &*model.host_state(state);
     debug_assert_eq!(state.position, (k + 1) * bt);
     let part = |c: &CompressorState, ratio: usize, dim: usize| {
         let per = bt / ratio * dim;

@@ -13,6 +13,7 @@ pub mod moe;
 pub mod norm;
 pub mod sampling;
 pub mod v41;
+pub mod v41_model;
 
 /// Rows of f32 values in a device buffer: row `r` starts at element
 /// `offset + r * stride`.

@@ -26,6 +26,8 @@ pub(crate) struct DeviceLayer {
 
 pub(crate) struct DeviceSequence {
     pub layers: Vec<DeviceLayer>,
+    /// A DeepSeek-V4.1 sequence (`layers` is then empty).
+    pub v41: Option<Box<super::v41::V41Sequence>>,
 }
 
 /// A sequence's state on a device, shared by clones of its
@@ -123,7 +125,7 @@ pub(crate) fn upload(
         };
         out.push(DeviceLayer { window, window_rows: rows, compressor, indexer });
     }
-    Ok(DeviceSequence { layers: out })
+    Ok(DeviceSequence { layers: out, v41: None })
 }
 
 /// The CPU form of a device sequence, value for value.

@@ -105,6 +105,8 @@ impl Model {
         }
         if let Some(d) = &self.device {
             state.layers.clear();
+            // A V4.1 sequence on a device lives there whole.
+            state.v41 = None;
             state.device =
                 Some(d.new_state().unwrap_or_else(|e| panic!("a sequence's state on {}: {e}", d.gpu().name())));
         }
@@ -122,16 +124,21 @@ impl Model {
     }
 
     /// `state` in the CPU's form: a device state's values brought back
-    /// (for capturing a prefix-cache block or moving the state), any
-    /// other state as it is.
+    /// (for capturing a prefix-cache block or moving the state; a V4.1
+    /// state's as `v41`), any other state as it is.
     pub fn host_state<'s>(&self, state: &'s SequenceState) -> std::borrow::Cow<'s, SequenceState> {
         match (&self.device, &state.device) {
             (Some(d), Some(dev)) => {
                 let mut host = state.clone();
                 host.device = None;
-                host.layers = d
-                    .download_state(dev)
-                    .unwrap_or_else(|e| panic!("reading a sequence's state from {}: {e}", d.gpu().name()));
+                let read = |e: deepinfer_cuda::DeviceError| -> ! {
+                    panic!("reading a sequence's state from {}: {e}", d.gpu().name())
+                };
+                if d.is_v41() {
+                    host.v41 = Some(d.download_state_v41(dev, state.position).unwrap_or_else(|e| read(e)));
+                } else {
+                    host.layers = d.download_state(dev).unwrap_or_else(|e| read(e));
+                }
                 std::borrow::Cow::Owned(host)
             }
             _ => std::borrow::Cow::Borrowed(state),
