@@ -138,3 +138,47 @@ fn v41_logits_and_greedy_tokens_match_the_reference() {
         check(&dir);
     }
 }
+
+/// Prefill, then the reference's decode steps, with the forward pass on the
+/// device (the emulated one, or a GPU with `DEEPINFER_TEST_DEVICE=cuda`):
+/// the same logits bit for bit. DSpark drafts are not checked here: a
+/// device model drafts nothing (speculative decoding is refused for it).
+fn check_on_device(dir: &Path) {
+    use deepinfer_engine::model::{Chunk, LogitsWanted, Model};
+    let name = dir.file_name().unwrap().to_string_lossy().to_string();
+    let model = Model::from_v41(ModelV41::load(dir).unwrap_or_else(|e| panic!("{name}: {e}")))
+        .on_device(&deepinfer_cuda::test_gpu())
+        .unwrap_or_else(|e| panic!("{name} on the device: {e}"));
+    let reference = Reference::load(dir);
+    let vocab = model.config.vocab_size;
+    let prompt = reference.ids("prompt");
+    let mut state = model.new_state();
+    let out = model.forward(&mut [Chunk::new(&prompt, &mut state)], LogitsWanted::All, false).remove(0);
+    let rows = reference.ids("prefill_rows");
+    let (want, _) = reference.floats("prefill_logits");
+    let got: Vec<f32> =
+        rows.iter().flat_map(|&r| out.logits[r as usize * vocab..(r as usize + 1) * vocab].iter().copied()).collect();
+    let prefill_error = relative_error(&got, &want);
+    assert!(prefill_error <= TOLERANCE, "{name} on the device: prefill logits off by {prefill_error:e} relative");
+    let tokens = reference.ids("decode_tokens");
+    let (want, _) = reference.floats("decode_logits");
+    assert_eq!(tokens[0], argmax(&out.logits[(prompt.len() - 1) * vocab..]), "{name} on the device: first token");
+    let mut decode_error = 0.0f32;
+    for (i, &tok) in tokens.iter().enumerate() {
+        let out = model.forward(&mut [Chunk::new(&[tok], &mut state)], LogitsWanted::Last, false).remove(0);
+        let want_row = &want[i * vocab..(i + 1) * vocab];
+        decode_error = decode_error.max(relative_error(&out.logits, want_row));
+        if i < GREEDY_STEPS {
+            assert_eq!(argmax(&out.logits), argmax(want_row), "{name} on the device: greedy token of step {i}");
+        }
+    }
+    eprintln!("{name} on the device: prefill max rel Δ {prefill_error:.2e}, decode max rel Δ {decode_error:.2e}");
+    assert!(decode_error <= TOLERANCE, "{name} on the device: decode logits off by {decode_error:e} relative");
+}
+
+#[test]
+fn on_the_device_v41_logits_and_greedy_tokens_match_the_reference() {
+    for dir in fixtures() {
+        check_on_device(&dir);
+    }
+}
