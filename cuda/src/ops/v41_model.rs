@@ -111,6 +111,7 @@ pub fn hc_pre(
 /// `ops::hc_post` of each of `n` tokens: the sublayer's `output` `[n][dim]`
 /// mixed into `streams` `[n][hc · dim]` with `post` `[n][hc]` and `comb`
 /// `[n][hc · hc]` (a copy of the streams is taken here as the residual).
+#[allow(clippy::too_many_arguments)]
 pub fn hc_post(
     gpu: &Gpu,
     streams: &DeviceBuffer<f32>,
