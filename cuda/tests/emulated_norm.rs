@@ -1,4 +1,3 @@
-
 #[test]
 fn rms_norm_rows_matches_the_cpu_bit_for_bit() {
     let gpu = deepinfer_cuda::test_gpu();
