@@ -98,3 +98,50 @@ fn tiny_v41_on_the_device_gives_the_cpu_engines_tokens_and_logits() {
 fn trained_tiny_v41_on_the_device_gives_the_cpu_engines_tokens_and_logits() {
     check_model("builtin:tiny-v41-trained");
 }
+
+/// A prefix-cache hit on the device: the second request restores the first
+/// one's cached blocks into a device state (through their CPU form) and
+/// replays the window; its tokens and logits are the CPU engine's, which
+/// takes the same hit.
+fn check_prefix_hit(spec: &str) {
+    let cpu = load_model(spec, 0, None).unwrap().model;
+    let device =
+        load_model(spec, 0, None).unwrap().model.on_device(&deepinfer_cuda::test_gpu()).expect("on the device");
+    let first = prompts(cpu.config.vocab_size).pop().expect("a 300-token prompt");
+    let mut second = first[..260].to_vec();
+    second.extend_from_slice(&first[5..45]);
+    let run_both = |model: &Model| {
+        let mut engine = Engine::new(model, EngineConfig::default()).expect("engine");
+        let mut out = Vec::new();
+        for p in [&first, &second] {
+            let mut r = Request::new(p.clone(), 16);
+            r.ignore_eos = true;
+            r.return_logits = true;
+            let id = engine.add_request(r).expect("request");
+            let done = engine.run_to_completion();
+            let c = &done[&id];
+            let logits: Vec<Vec<u32>> =
+                c.tokens.iter().map(|t| t.logits.as_ref().unwrap().iter().map(|v| v.to_bits()).collect()).collect();
+            out.push((c.token_ids(), logits));
+        }
+        (out, engine.scheduler().prefix_stats().hit_tokens)
+    };
+    let (want, cpu_hits) = run_both(&cpu);
+    let (got, device_hits) = run_both(&device);
+    assert!(cpu_hits > 0, "{spec}: the second prompt hits the first one's blocks");
+    assert_eq!(device_hits, cpu_hits, "{spec}: the same hit on the device");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.0, w.0, "{spec}: request {i}: tokens");
+        assert!(g.1 == w.1, "{spec}: request {i}: logits differ from the CPU engine's");
+    }
+}
+
+#[test]
+fn a_prefix_hit_on_the_device_gives_the_cpu_engines_tokens_v4() {
+    check_prefix_hit("builtin:tiny-v4");
+}
+
+#[test]
+fn a_prefix_hit_on_the_device_gives_the_cpu_engines_tokens_v41() {
+    check_prefix_hit("builtin:tiny-v41");
+}
