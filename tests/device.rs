@@ -57,9 +57,12 @@ fn run(model: &Model, prompts: &[Vec<u32>], config: EngineConfig) -> Vec<(Vec<u3
 }
 
 fn check_model(spec: &str) {
+    check_model_on(spec, &deepinfer_cuda::test_gpu());
+}
+
+fn check_model_on(spec: &str, gpu: &deepinfer_cuda::Gpu) {
     let cpu = load_model(spec, 0, None).unwrap().model;
-    let gpu = deepinfer_cuda::test_gpu();
-    let device = load_model(spec, 0, None).unwrap().model.on_device(&gpu).expect("the model goes on the device");
+    let device = load_model(spec, 0, None).unwrap().model.on_device(gpu).expect("the model goes on the device");
     let prompts = prompts(cpu.config.vocab_size);
     let config = EngineConfig::default();
     let want = run(&cpu, &prompts, config.clone());
@@ -97,6 +100,16 @@ fn tiny_v41_on_the_device_gives_the_cpu_engines_tokens_and_logits() {
 #[test]
 fn trained_tiny_v41_on_the_device_gives_the_cpu_engines_tokens_and_logits() {
     check_model("builtin:tiny-v41-trained");
+}
+
+/// The emulated device with each block's threads in the opposite order: a
+/// kernel that reads another thread's write without a barrier (hidden when
+/// the fibers run in thread order) changes the bits here.
+#[test]
+fn with_threads_reversed_the_device_still_gives_the_cpu_engines_tokens() {
+    let gpu = deepinfer_cuda::Gpu::emulated_reversed();
+    check_model_on("builtin:tiny-v4", &gpu);
+    check_model_on("builtin:tiny-v41", &gpu);
 }
 
 /// A prefix-cache hit on the device: the second request restores the first

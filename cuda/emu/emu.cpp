@@ -97,6 +97,10 @@ struct Block {
 };
 
 thread_local Block* current_block = nullptr;
+// 1: the scheduler resumes a block's threads last to first. A kernel whose
+// threads read what others write without a barrier between gives other
+// results in the two orders (the fibers otherwise hide such races).
+thread_local int reverse_schedule = 0;
 // Arrivals at barriers and finished threads: a round of the scheduler that
 // moves none of them has every live thread parked for good.
 thread_local unsigned long long progress = 0;
@@ -230,6 +234,8 @@ unsigned long long exchange(unsigned long long value, int mode, int operand, int
     return out;
 }
 
+extern "C" void di_emu_set_reverse_schedule(int reverse) { reverse_schedule = reverse; }
+
 void* dynamic_shared() {
     if (!shared_memory) trap("dynamic shared memory outside a kernel");
     return shared_memory->data();
@@ -274,7 +280,8 @@ void launch(dim3 grid, dim3 block_shape, unsigned int shared_bytes, void (*body)
                 }
                 while (b.live > 0) {
                     unsigned long long before = progress;
-                    for (unsigned i = 0; i < threads; ++i) {
+                    for (unsigned k = 0; k < threads; ++k) {
+                        unsigned i = reverse_schedule ? threads - 1 - k : k;
                         if (b.fibers[i].done) continue;
                         b.current = i;
                         thread_idx = b.fibers[i].tid;

@@ -116,8 +116,15 @@ impl<T: DeviceValue> From<&DeviceBuffer<T>> for Arg {
 }
 
 enum Backend {
-    Emulated,
+    /// `reverse`: each block's threads run last to first between barriers.
+    Emulated {
+        reverse: bool,
+    },
     Cuda(Driver),
+}
+
+unsafe extern "C" {
+    fn di_emu_set_reverse_schedule(reverse: i32);
 }
 
 struct Inner {
@@ -190,7 +197,14 @@ const EMULATED_ALIGN: usize = 64;
 impl Gpu {
     /// The emulated device.
     pub fn emulated() -> Gpu {
-        Gpu { inner: Arc::new(Inner { backend: Backend::Emulated, in_use: AtomicUsize::new(0) }) }
+        Gpu { inner: Arc::new(Inner { backend: Backend::Emulated { reverse: false }, in_use: AtomicUsize::new(0) }) }
+    }
+
+    /// The emulated device running each block's threads in the opposite
+    /// order between barriers: a kernel that reads another thread's write
+    /// without a barrier (a race a GPU would show) gives other results here.
+    pub fn emulated_reversed() -> Gpu {
+        Gpu { inner: Arc::new(Inner { backend: Backend::Emulated { reverse: true }, in_use: AtomicUsize::new(0) }) }
     }
 
     /// GPU `ordinal` through the CUDA driver; an error (never a panic) when
@@ -202,7 +216,7 @@ impl Gpu {
 
     pub fn kind(&self) -> GpuKind {
         match self.inner.backend {
-            Backend::Emulated => GpuKind::Emulated,
+            Backend::Emulated { .. } => GpuKind::Emulated,
             Backend::Cuda(_) => GpuKind::Cuda,
         }
     }
@@ -210,7 +224,10 @@ impl Gpu {
     /// A line naming the device (`emulated` or the GPU's name and compute capability).
     pub fn name(&self) -> String {
         match &self.inner.backend {
-            Backend::Emulated => "emulated device (kernels compiled for the host)".to_string(),
+            Backend::Emulated { reverse: false } => "emulated device (kernels compiled for the host)".to_string(),
+            Backend::Emulated { reverse: true } => {
+                "emulated device (kernels compiled for the host, threads reversed)".to_string()
+            }
             Backend::Cuda(d) => d.describe(),
         }
     }
@@ -223,7 +240,7 @@ impl Gpu {
     /// The device's total memory, where it has a size of its own.
     pub fn total_memory(&self) -> Option<usize> {
         match &self.inner.backend {
-            Backend::Emulated => None,
+            Backend::Emulated { .. } => None,
             Backend::Cuda(d) => Some(d.total_memory()),
         }
     }
@@ -235,7 +252,7 @@ impl Gpu {
             return Err(DeviceError::TooLarge(bytes));
         }
         let addr = match &self.inner.backend {
-            Backend::Emulated => {
+            Backend::Emulated { .. } => {
                 if bytes == 0 {
                     EMULATED_ALIGN as u64
                 } else {
@@ -271,7 +288,7 @@ impl Gpu {
         let bytes = std::mem::size_of_val(values);
         match &self.inner.backend {
             // SAFETY: dst..dst+bytes lies inside the buffer (asserted above).
-            Backend::Emulated => unsafe {
+            Backend::Emulated { .. } => unsafe {
                 std::ptr::copy_nonoverlapping(values.as_ptr() as *const u8, dst as *mut u8, bytes)
             },
             Backend::Cuda(d) => d.copy_to_device(dst, values)?,
@@ -299,7 +316,7 @@ impl Gpu {
         let src = buf.addr + (offset * std::mem::size_of::<T>()) as u64;
         match &self.inner.backend {
             // SAFETY: src..src+len lies inside the buffer (asserted above).
-            Backend::Emulated => unsafe {
+            Backend::Emulated { .. } => unsafe {
                 std::ptr::copy_nonoverlapping(src as *const T, out.as_mut_ptr(), len);
             },
             Backend::Cuda(d) => d.copy_to_host(&mut out, src)?,
@@ -324,7 +341,7 @@ impl Gpu {
         let (s, d) = (src.addr + (src_offset * size) as u64, dst.addr + (dst_offset * size) as u64);
         match &self.inner.backend {
             // SAFETY: both ranges lie inside their buffers; `copy` allows overlap.
-            Backend::Emulated => unsafe { std::ptr::copy(s as *const u8, d as *mut u8, len * size) },
+            Backend::Emulated { .. } => unsafe { std::ptr::copy(s as *const u8, d as *mut u8, len * size) },
             Backend::Cuda(drv) => drv.copy_on_device(d, s, len * size)?,
         }
         Ok(())
@@ -361,7 +378,9 @@ impl Gpu {
         let mut values: Vec<Arg> = args.to_vec();
         let mut pointers: Vec<*mut core::ffi::c_void> = values.iter_mut().map(Arg::value_ptr).collect();
         match &self.inner.backend {
-            Backend::Emulated => {
+            Backend::Emulated { reverse } => {
+                // SAFETY: sets a thread-local flag of the emulator.
+                unsafe { di_emu_set_reverse_schedule(i32::from(*reverse)) };
                 let g = [grid.0, grid.1, grid.2];
                 let b = [block.0, block.1, block.2];
                 // SAFETY: the argument kinds match the kernel's parameters;
@@ -377,7 +396,7 @@ impl Gpu {
     /// runs each launch before returning).
     pub fn synchronize(&self) -> Result<(), DeviceError> {
         match &self.inner.backend {
-            Backend::Emulated => Ok(()),
+            Backend::Emulated { .. } => Ok(()),
             Backend::Cuda(d) => d.synchronize(),
         }
     }
@@ -385,7 +404,7 @@ impl Gpu {
     fn free(&self, addr: u64, bytes: usize) {
         self.inner.in_use.fetch_sub(bytes, Ordering::Relaxed);
         match &self.inner.backend {
-            Backend::Emulated => {
+            Backend::Emulated { .. } => {
                 if bytes > 0 {
                     let layout = std::alloc::Layout::from_size_align(bytes, EMULATED_ALIGN).expect("layout");
                     // SAFETY: allocated in `zeros` with this layout.

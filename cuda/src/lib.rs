@@ -33,13 +33,15 @@ pub fn kernel_files() -> impl Iterator<Item = &'static str> {
     table::SOURCES.iter().map(|(stem, _)| *stem)
 }
 
-/// The device tests run on: the emulated device, or GPU 0 when
-/// `DEEPINFER_TEST_DEVICE=cuda` (how `tools/gpu/check.sh` runs the same test
-/// binaries on a real GPU).
+/// The device tests run on: the emulated device, or what
+/// `DEEPINFER_TEST_DEVICE` names: `cuda` (GPU 0: how `tools/gpu/check.sh`
+/// runs the same test binaries on a real GPU) or `emulated-reversed` (each
+/// block's threads in the opposite order, which exposes a missing barrier).
 pub fn test_gpu() -> Gpu {
     match std::env::var("DEEPINFER_TEST_DEVICE").as_deref() {
         Ok("cuda") => Gpu::cuda(0).unwrap_or_else(|e| panic!("DEEPINFER_TEST_DEVICE=cuda: {e}")),
         Ok("emulated") | Err(_) => Gpu::emulated(),
-        Ok(other) => panic!("DEEPINFER_TEST_DEVICE={other}: expected cuda or emulated"),
+        Ok("emulated-reversed") => Gpu::emulated_reversed(),
+        Ok(other) => panic!("DEEPINFER_TEST_DEVICE={other}: expected cuda, emulated or emulated-reversed"),
     }
 }
