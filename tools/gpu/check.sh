@@ -7,6 +7,8 @@
 #                                          directory and this script to the GPU
 #                                          machine; no Rust toolchain needed there)
 #   tools/gpu/check.sh [--emulated] [--out FILE] [--quick]
+#                                          (--emulated implies --quick: tiny-v4 and
+#                                          small shapes, as emulation is slow)
 #                                          run the bundle: on GPU 0 through CUDA,
 #                                          or with --emulated on the emulated device
 #                                          (the same kernels compiled for this CPU),
@@ -32,7 +34,7 @@ quick=0
 while [ $# -gt 0 ]; do
     case "$1" in
         --bundle) mode=bundle ;;
-        --emulated) mode=emulated ;;
+        --emulated) mode=emulated; quick=1 ;;
         --out) out="$2"; shift ;;
         --quick) quick=1 ;;
         *) echo "check.sh: unknown argument $1" >&2; exit 2 ;;
