@@ -14,22 +14,28 @@ fn workspace() -> PathBuf {
 
 /// Every `.rs` file below `dir` (relative to the workspace), sorted.
 fn sources(dir: &str) -> Vec<(String, String)> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+    files(dir, &["rs"])
+}
+
+/// Every file below `dir` (relative to the workspace) whose extension is one
+/// of `exts`, sorted, as (path, text).
+fn files(dir: &str, exts: &[&str]) -> Vec<(String, String)> {
+    fn walk(dir: &Path, exts: &[&str], out: &mut Vec<PathBuf>) {
         let Ok(entries) = std::fs::read_dir(dir) else { return };
         for e in entries.flatten() {
             let p = e.path();
             if p.is_dir() {
-                walk(&p, out);
-            } else if p.extension().is_some_and(|x| x == "rs") {
+                walk(&p, exts, out);
+            } else if p.extension().is_some_and(|x| exts.iter().any(|e| x == *e)) {
                 out.push(p);
             }
         }
     }
     let root = workspace();
     let mut files = Vec::new();
-    walk(&root.join(dir), &mut files);
+    walk(&root.join(dir), exts, &mut files);
     files.sort();
-    assert!(!files.is_empty(), "no sources under {dir}");
+    assert!(!files.is_empty(), "no {exts:?} files under {dir}");
     files
         .into_iter()
         .map(|p| {
@@ -37,6 +43,11 @@ fn sources(dir: &str) -> Vec<(String, String)> {
             (p.strip_prefix(&root).expect("below the workspace").display().to_string(), text)
         })
         .collect()
+}
+
+/// The device kernels' sources: what NVRTC and the emulated device compile.
+fn kernel_sources() -> Vec<(String, String)> {
+    files("cuda/kernels", &["cu", "cuh"])
 }
 
 /// Lines of code (comments dropped) that contain one of `words`, as `file:line: text`.
@@ -128,6 +139,8 @@ fn long_files_say_why() {
     let files: Vec<_> = ["src", "engine/src", "actors/src", "kernels/src", "tests", "engine/tests", "actors/tests"]
         .into_iter()
         .flat_map(sources)
+        // The device crate: its Rust, kernels and emulator.
+        .chain(files("cuda", &["rs", "cu", "cuh", "cpp", "h"]))
         .collect();
     let long: Vec<String> = files
         .iter()
@@ -140,4 +153,38 @@ fn long_files_say_why() {
         "over {LONG_FILE_LINES} lines without `{LONG_FILE_MARK}: <why>` in the first ten lines (or split it):\n{}",
         long.join("\n")
     );
+}
+
+#[test]
+fn kernels_use_no_atomics() {
+    // A reduction's order is fixed by the kernel (the CPU's order), never by
+    // which thread arrives first: an atomic add makes the bits a race.
+    let found = uses(&kernel_sources(), &["atomic"]);
+    assert!(found.is_empty(), "an atomic in a kernel (reduce in a fixed order instead):\n{}", found.join("\n"));
+}
+
+#[test]
+fn kernels_hold_no_inline_ptx() {
+    // The kernels are portable C++: the emulated device compiles them for the
+    // host, and another device (Ascend) will run the same definitions.
+    let found = uses(&kernel_sources(), &["asm(", "asm (", "asm volatile", "__asm"]);
+    assert!(found.is_empty(), "inline PTX in a kernel (cuda_emu.h cannot run it):\n{}", found.join("\n"));
+}
+
+#[test]
+fn kernels_include_only_the_common_header() {
+    // No CUDA toolkit header: the emulated device and NVRTC need nothing
+    // installed, and NVRTC gets no include path but `common.cuh`.
+    let mut found = Vec::new();
+    for (path, text) in kernel_sources() {
+        for (i, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("").trim();
+            let directive = code.strip_prefix('#').map(str::trim_start);
+            let included = directive.and_then(|d| d.strip_prefix("include")).map(str::trim);
+            if included.is_some_and(|file| file != "\"common.cuh\"") {
+                found.push(format!("{path}:{}: {}", i + 1, line.trim()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "a kernel includes more than \"common.cuh\":\n{}", found.join("\n"));
 }

@@ -1,3 +1,4 @@
+// tidy: long file: about to be split by job (linears, rows, indexer, model steps).
 // DeepSeek-V4.1's defined arithmetic (engine/src/v41/ops.rs,
 // kernels/src/act_quant.rs) on the device, bit for bit:
 // - bf16 rounding as `half::bf16::from_f32` (ties to even, NaN kept quiet);

@@ -1,3 +1,4 @@
+// tidy: long file: about to be split by job (linears, rows, indexer, model steps).
 // DeepSeek-V4.1's forward pass on the device: the model-level steps of
 // engine/src/v41/ (forward.rs, attention.rs, ffn.rs, engram.rs, ops.rs)
 // that the arithmetic primitives of v41.cu do not cover, each in the CPU's
