@@ -114,8 +114,14 @@ impl Model {
     }
 
     /// This model with its forward pass on `gpu` (weights uploaded once).
+    /// A V4 model's CPU weights are dropped once uploaded: the host does not
+    /// keep a second copy of the model for the life of the process.
     pub fn on_device(mut self, gpu: &deepinfer_cuda::Gpu) -> Result<Self, crate::device::DeviceModelError> {
         self.device = Some(Box::new(crate::device::DeviceModel::upload(gpu, &self)?));
+        if self.v41.is_none() {
+            let notices = std::mem::take(&mut self.weights.notices);
+            self.weights = Weights { notices, ..Weights::empty() };
+        }
         Ok(self)
     }
 
