@@ -1,33 +1,29 @@
-// tidy: long file: about to be split by job (linears, rows, indexer, model steps).
 // DeepSeek-V4.1's forward pass on the device: the model-level steps of
 // engine/src/v41/ (forward.rs, attention.rs, ffn.rs, engram.rs, ops.rs)
-// that the arithmetic primitives of v41.cu do not cover, each in the CPU's
-// order of f32 operations, f64 sums and bf16 roundings, so a step gives the
-// CPU engine's bits:
+// that the arithmetic primitives of v41_rows.cu and v41_linear.cu do not
+// cover, each in the CPU's order of f32 operations, f64 sums and bf16
+// roundings, so a step gives the CPU engine's bits:
 // - mHC: the mixes of a token (`ops::hc_mixes`: sigmoid, row softmax,
 //   Sinkhorn), the collapse (`hc_pre`) and the mix back (`hc_post`);
 // - Engram: the FP8 table rows gathered and the gate added into the streams;
 // - the compressor's gated pooling of a closed group (`attention::compress`);
-// - the two-level indexer: index scores, the candidate blocks and the
-//   top-k (`ops::top_k_stable`: higher first, equal values by lower index,
-//   here a block-wide 4-bit radix select, no atomics);
 // - the blockwise online-softmax attention over the window and the chosen
-//   entries (`ops::sparse_attention`);
+//   entries (`ops::sparse_attention`; the indexer that chooses them is in
+//   v41_indexer.cu);
 // - MoE routing (`ffn::route`), the weighted clamped SwiGLU
 //   (`ffn::expert_forward`) and the combine (`ffn::combine`).
 // Sums that the CPU takes with Rust's `Iterator::sum::<f64>` start from
-// -0.0 as it does. `exp` is glibc's, ported as in v41.cu (NVRTC inlines no
-// other file, so the port is repeated here).
+// -0.0 as it does. `exp` is glibc's, ported as in v41_rows.cu (NVRTC inlines
+// no other file, so the port is repeated here).
 #include "common.cuh"
 
 #define V41M_SLOTS 64
-#define V41M_SELECT_THREADS 128
 
-__device__ __forceinline__ double v41m_as_double(u64 bits) { return __longlong_as_double(static_cast<long long>(bits)); }
-__device__ __forceinline__ u64 v41m_as_bits(double v) { return static_cast<u64>(__double_as_longlong(v)); }
+static __device__ __forceinline__ double v41m_as_double(u64 bits) { return __longlong_as_double(static_cast<long long>(bits)); }
+static __device__ __forceinline__ u64 v41m_as_bits(double v) { return static_cast<u64>(__double_as_longlong(v)); }
 
 // `round_bf16`: ties to even; a NaN keeps its high bits, quiet.
-__device__ __forceinline__ float v41m_round_bf16(float x) {
+static __device__ __forceinline__ float v41m_round_bf16(float x) {
     u32 b = __float_as_uint(x);
     if ((b & 0x7fffffffu) > 0x7f800000u) return __uint_as_float(((b >> 16) | 0x40u) << 16);
     u32 h = b >> 16;
@@ -36,7 +32,7 @@ __device__ __forceinline__ float v41m_round_bf16(float x) {
 }
 
 // Rust's `f32::clamp`: NaN stays NaN.
-__device__ __forceinline__ float v41m_clamp(float x, float lo, float hi) {
+static __device__ __forceinline__ float v41m_clamp(float x, float lo, float hi) {
     if (x < lo) x = lo;
     if (x > hi) x = hi;
     return x;
@@ -44,7 +40,7 @@ __device__ __forceinline__ float v41m_clamp(float x, float lo, float hi) {
 
 // `act_quant::dot_f64`: eight f64 lanes (column c into lane c % 8), folded
 // ((0+4)+(1+5))+((2+6)+(3+7)), plus the tail's products summed in order.
-__device__ __forceinline__ double v41m_dot_f64(const float* a, const float* b, int n) {
+static __device__ __forceinline__ double v41m_dot_f64(const float* a, const float* b, int n) {
     double acc[8];
 #pragma unroll
     for (int l = 0; l < 8; ++l) acc[l] = 0.0;
@@ -65,7 +61,7 @@ __device__ __forceinline__ double v41m_dot_f64(const float* a, const float* b, i
 // build), operation for operation; the same port as sampling.cu's
 // `di_libm_exp`, kept here because NVRTC inlines no other file. Entry 2k of
 // the table holds RN((2^(k/128) - H) / H), entry 2k+1 H minus k << 45.
-__device__ const u64 v41m_exp_table[256] = {
+static __device__ const u64 v41m_exp_table[256] = {
     0x0000000000000000ull, 0x3ff0000000000000ull, 0x3c9b3b4f1a88bf6eull, 0x3feff63da9fb3335ull,
     0xbc7160139cd8dc5dull, 0x3fefec9a3e778061ull, 0xbc905e7a108766d1ull, 0x3fefe315e86e7f85ull,
     0x3c8cd2523567f613ull, 0x3fefd9b0d3158574ull, 0xbc8bce8023f98efaull, 0x3fefd06b29ddf6deull,
@@ -132,7 +128,7 @@ __device__ const u64 v41m_exp_table[256] = {
     0x3c77893b4d91cd9dull, 0x3fefe7c1819e90d8ull, 0x3c5305c14160cc89ull, 0x3feff3c22b8f71f1ull,
 };
 // glibc's exp for |x| >= 512 or so: the scale's exponent out of range.
-__device__ double v41m_exp_special(double tmp, u64 sbits, u64 ki) {
+static __device__ double v41m_exp_special(double tmp, u64 sbits, u64 ki) {
     if ((ki & 0x80000000ull) == 0) {
         // k > 0: the scale's exponent may have overflowed by <= 460.
         double scale = v41m_as_double(sbits - (1009ull << 52));
@@ -154,7 +150,7 @@ __device__ double v41m_exp_special(double tmp, u64 sbits, u64 ki) {
 }
 
 // The CPU's f64::exp (glibc's exp, FMA build), operation for operation.
-__device__ double v41m_exp(double x) {
+static __device__ double v41m_exp(double x) {
     const double inv_ln2_n = v41m_as_double(0x40671547652b82feull);   // 128 / ln 2
     const double neg_ln2_hi_n = v41m_as_double(0xbf762e42fefa0000ull);
     const double neg_ln2_lo_n = v41m_as_double(0xbd0cf79abc9e3b3aull);
@@ -195,19 +191,19 @@ __device__ double v41m_exp(double x) {
 
 
 // `ops::exp` (f32 through f64), `ops::sigmoid`, `ops::silu`, `ops::rsqrt`.
-__device__ __forceinline__ float v41m_expf(float x) { return static_cast<float>(v41m_exp(static_cast<double>(x))); }
-__device__ __forceinline__ float v41m_sigmoid(float x) {
+static __device__ __forceinline__ float v41m_expf(float x) { return static_cast<float>(v41m_exp(static_cast<double>(x))); }
+static __device__ __forceinline__ float v41m_sigmoid(float x) {
     return static_cast<float>(__ddiv_rn(1.0, __dadd_rn(1.0, v41m_exp(-static_cast<double>(x)))));
 }
-__device__ __forceinline__ float v41m_silu(float x) {
+static __device__ __forceinline__ float v41m_silu(float x) {
     const double d = static_cast<double>(x);
     return static_cast<float>(__ddiv_rn(d, __dadd_rn(1.0, v41m_exp(-d))));
 }
-__device__ __forceinline__ float v41m_rsqrt(float x) {
+static __device__ __forceinline__ float v41m_rsqrt(float x) {
     return static_cast<float>(__ddiv_rn(1.0, __dsqrt_rn(static_cast<double>(x))));
 }
 // `ops::mean_square`: f32 squares summed in f64 in element order.
-__device__ __forceinline__ float v41m_mean_square(const float* x, int n) {
+static __device__ __forceinline__ float v41m_mean_square(const float* x, int n) {
     double sum = -0.0;
     for (int c = 0; c < n; ++c) sum = __dadd_rn(sum, static_cast<double>(__fmul_rn(x[c], x[c])));
     return static_cast<float>(__ddiv_rn(sum, static_cast<double>(n)));
@@ -369,189 +365,6 @@ extern "C" __global__ void v41m_compress_pool(const float* kv, const float* scor
 }
 
 // ---- Indexer -----------------------------------------------------------------
-
-// The entries query t's top-k ranges over (`Span::width`).
-__device__ __forceinline__ int v41m_width(int start, int len, int ratio, int t) {
-    return start == 0 ? len / ratio : (start + t + 1) / ratio;
-}
-
-// `attention::choose`'s score of entry j for query t = blockIdx.x (j over
-// blockIdx.y and the threads, j < width): -inf at or past the visible
-// entries; else bf16(Σ_h f64(bf16(max(bf16(dot_h), 0) · w_h))) with dot_h =
-// dot_f64(key_j, q_h). A consumer (keep non-null) sets -inf where the
-// candidate source's mask (keep [n][keep_stride], keep_len [n]) is 0.
-extern "C" __global__ void v41m_index_scores(const float* keys, const float* q, const float* w, int ih, int ihd,
-                                             int start, int len, int ratio, const int* keep, const int* keep_len,
-                                             int keep_stride, float* scores, int stride) {
-    const int t = blockIdx.x;
-    const int j = blockIdx.y * blockDim.x + threadIdx.x;
-    const int width = v41m_width(start, len, ratio, t);
-    if (j >= width) return;
-    const int visible = (start + t + 1) / ratio;
-    float score = DI_NEG_INF;
-    if (j < visible) {
-        const float* k = keys + static_cast<u64>(j) * ihd;
-        double sum = -0.0;
-        for (int h = 0; h < ih; ++h) {
-            const double dot = v41m_dot_f64(k, q + (static_cast<u64>(t) * ih + h) * ihd, ihd);
-            const float s = fmaxf(v41m_round_bf16(static_cast<float>(dot)), 0.0f);
-            sum = __dadd_rn(sum, static_cast<double>(v41m_round_bf16(__fmul_rn(s, w[static_cast<u64>(t) * ih + h]))));
-        }
-        score = v41m_round_bf16(static_cast<float>(sum));
-    }
-    if (keep && j < keep_len[t] && keep[static_cast<u64>(t) * keep_stride + j] == 0) score = DI_NEG_INF;
-    scores[static_cast<u64>(t) * stride + j] = score;
-}
-
-// An order-preserving key of a float (larger value, larger key; -0 = +0).
-__device__ __forceinline__ u32 v41m_key(float v) {
-    u32 b = __float_as_uint(v);
-    if ((b & 0x7fffffffu) == 0) b = 0;
-    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-// `ops::top_k_stable(vals[0..count), k)` in ascending index order into
-// out[0..k): the k largest, equal values by lower index. The whole block
-// (V41M_SELECT_THREADS threads) runs it: a 4-bit radix select of the k-th
-// key (per-thread counts over contiguous ranges, summed in shared memory),
-// then the ranges' ranks by prefix sums. No atomics.
-__device__ void v41m_select(const float* vals, int count, int k, int* out, int* hist, int* misc) {
-    const int tid = threadIdx.x, threads = blockDim.x;
-    const int chunk = (count + threads - 1) / threads;
-    const int lo = min(tid * chunk, count), hi = min(lo + chunk, count);
-    if (k <= 0) return;
-    if (k >= count) {
-        for (int i = lo; i < hi; ++i) out[i] = i;
-        return;
-    }
-    u32 prefix = 0, mask = 0;
-    int remaining = k;
-    for (int shift = 28; shift >= 0; shift -= 4) {
-        int cnt[16];
-#pragma unroll
-        for (int l = 0; l < 16; ++l) cnt[l] = 0;
-        for (int i = lo; i < hi; ++i) {
-            const u32 key = v41m_key(vals[i]);
-            if ((key & mask) != prefix) continue;
-            const u32 digit = (key >> shift) & 15u;
-#pragma unroll
-            for (int l = 0; l < 16; ++l) cnt[l] += digit == static_cast<u32>(l) ? 1 : 0;
-        }
-#pragma unroll
-        for (int l = 0; l < 16; ++l) hist[l * threads + tid] = cnt[l];
-        __syncthreads();
-        if (tid < 16) {
-            int total = 0;
-            for (int i = 0; i < threads; ++i) total += hist[tid * threads + i];
-            misc[tid] = total;
-        }
-        __syncthreads();
-        if (tid == 0) {
-            int d = 15;
-            for (; d > 0; --d) {
-                if (misc[d] >= remaining) break;
-                remaining -= misc[d];
-            }
-            misc[16] = d;
-            misc[17] = remaining;
-        }
-        __syncthreads();
-        prefix |= static_cast<u32>(misc[16]) << shift;
-        mask |= 15u << shift;
-        remaining = misc[17];
-        __syncthreads();
-    }
-    // `prefix` is the k-th largest key; `remaining` of its equals are taken, lowest index first.
-    int greater = 0, equal = 0;
-    for (int i = lo; i < hi; ++i) {
-        const u32 key = v41m_key(vals[i]);
-        greater += key > prefix ? 1 : 0;
-        equal += key == prefix ? 1 : 0;
-    }
-    hist[tid] = equal;
-    hist[threads + tid] = greater;
-    __syncthreads();
-    if (tid == 0) {
-        int eq_before = 0, sel_before = 0;
-        for (int i = 0; i < threads; ++i) {
-            const int e = hist[i], g = hist[threads + i];
-            const int take = min(max(remaining - eq_before, 0), e);
-            hist[i] = take;
-            hist[threads + i] = sel_before;
-            eq_before += e;
-            sel_before += g + take;
-        }
-    }
-    __syncthreads();
-    int take = hist[tid], at = hist[threads + tid];
-    for (int i = lo; i < hi; ++i) {
-        const u32 key = v41m_key(vals[i]);
-        if (key > prefix) {
-            out[at++] = i;
-        } else if (key == prefix && take > 0) {
-            out[at++] = i;
-            --take;
-        }
-    }
-    __syncthreads();
-}
-
-// `attention::choose`'s top-k of query t = blockIdx.x: the entries of the
-// min(topk, width) best scores (scores [n][stride]), ascending, those past
-// the visible entries dropped: selected [n][topk], counts [n].
-extern "C" __global__ void v41m_index_topk(const float* scores, int stride, int start, int len, int ratio, int topk,
-                                           int* selected, int* counts) {
-    __shared__ int hist[16 * V41M_SELECT_THREADS];
-    __shared__ int misc[18];
-    const int t = blockIdx.x;
-    const int width = v41m_width(start, len, ratio, t);
-    const int k = min(topk, width);
-    int* out = selected + static_cast<u64>(t) * topk;
-    v41m_select(scores + static_cast<u64>(t) * stride, width, k, out, hist, misc);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int visible = (start + t + 1) / ratio;
-        int c = 0;
-        while (c < k && out[c] < visible) ++c;
-        counts[t] = c;
-    }
-}
-
-// `attention::candidate_blocks` of query t = blockIdx.x: each block of
-// `size` entries' best score (best [n][best_stride]), the newest visible
-// block kept, the top min(topk_blocks, blocks) blocks with a finite best
-// kept: keep [n][stride] (1 kept, 0 not), keep_len [n] = width.
-extern "C" __global__ void v41m_candidate_blocks(const float* scores, int stride, int start, int len, int ratio,
-                                                 int size, int topk_blocks, float* best, int best_stride,
-                                                 int* chosen, int* keep, int* keep_len) {
-    __shared__ int hist[16 * V41M_SELECT_THREADS];
-    __shared__ int misc[18];
-    const int t = blockIdx.x;
-    const int width = v41m_width(start, len, ratio, t);
-    const int visible = (start + t + 1) / ratio;
-    const int blocks = (width + size - 1) / size;
-    const float* s = scores + static_cast<u64>(t) * stride;
-    float* b = best + static_cast<u64>(t) * best_stride;
-    int* c = chosen + static_cast<u64>(t) * best_stride;
-    int* kp = keep + static_cast<u64>(t) * stride;
-    for (int i = threadIdx.x; i < blocks; i += blockDim.x) {
-        float m = DI_NEG_INF;
-        for (int j = i * size; j < min((i + 1) * size, width); ++j) m = fmaxf(m, s[j]);
-        b[i] = visible > 0 && i == (visible - 1) / size ? DI_INF : m;
-    }
-    for (int j = threadIdx.x; j < width; j += blockDim.x) kp[j] = 0;
-    __syncthreads();
-    const int k = min(topk_blocks, blocks);
-    v41m_select(b, blocks, k, c, hist, misc);
-    __syncthreads();
-    for (int i = 0; i < k; ++i) {
-        const int blk = c[i];
-        if (!(b[blk] > DI_NEG_INF)) continue;
-        for (int j = blk * size + threadIdx.x; j < min((blk + 1) * size, width); j += blockDim.x) kp[j] = 1;
-    }
-    if (threadIdx.x == 0) keep_len[t] = width;
-}
-
 // ---- Attention ---------------------------------------------------------------
 
 // `ops::sparse_attention` of head blockIdx.y of query t = blockIdx.x (at

@@ -1,4 +1,4 @@
-//! V4.1's defined arithmetic (`cuda/kernels/v41.cu`) on the test device
+//! V4.1's defined arithmetic (`cuda/kernels/v41_rows.cu`, `v41_linear.cu`) on the test device
 //! against `deepinfer_kernels::act_quant`, bit for bit: bf16 rounding, FP8
 //! quantisation and round trips, FP4 round trips (both scale kinds), the
 //! quantised linear (FP8 32 × 32 blocks, FP4 per-32 scales, and BF16/F32

@@ -1,4 +1,4 @@
-//! The V4.1 model kernels whose control flow is their own (`v41_model.cu`)
+//! The V4.1 model kernels whose control flow is their own (`v41_model.cu`, `v41_indexer.cu`)
 //! against faithful copies of the engine's definitions (the engine crate is
 //! not a dependency of this one): the indexer's top-k (`ops::top_k_stable`,
 //! then ascending and cut at the visible entries, `attention::choose`), the

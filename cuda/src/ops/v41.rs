@@ -1,4 +1,5 @@
-//! DeepSeek-V4.1's defined arithmetic on the device (`cuda/kernels/v41.cu`):
+//! DeepSeek-V4.1's defined arithmetic on the device (`cuda/kernels/v41_rows.cu`,
+//! `v41_linear.cu`):
 //! bf16 rounding, FP8/FP4 activation quantisation, the quantised and plain
 //! linears, f64 dot products, and `engine/src/v41/ops.rs`'s RMSNorm,
 //! softmax, element-wise transcendentals and RoPE. Each function names the

@@ -1,5 +1,6 @@
 //! DeepSeek-V4.1's forward pass on the device, the steps beyond the
-//! arithmetic primitives of [`super::v41`] (`cuda/kernels/v41_model.cu`):
+//! arithmetic primitives of [`super::v41`] (`cuda/kernels/v41_model.cu`, the
+//! indexer in `v41_indexer.cu`):
 //! mHC mixes, collapse and mix-back, Engram, the compressor's pooling, the
 //! two-level indexer, the blockwise sparse attention and the MoE routing,
 //! activation and combine. Each function names the CPU function in
