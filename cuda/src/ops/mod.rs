@@ -9,6 +9,7 @@ pub mod compressor;
 pub mod elementwise;
 pub mod hyper;
 pub mod linear;
+pub mod linear_splitk;
 pub mod moe;
 pub mod norm;
 pub mod sampling;
