@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::driver::Driver;
+use crate::pool::{size_class, FreeLists};
 use crate::table::{kernel, ParamKind};
 
 /// Largest single device allocation this process makes (a limit, not the
@@ -131,6 +132,8 @@ struct Inner {
     backend: Backend,
     /// Bytes of live buffers.
     in_use: AtomicUsize,
+    /// Freed buffers kept for reuse.
+    pool: std::sync::Mutex<FreeLists>,
 }
 
 /// A device: the emulated one or a GPU. Clones share it.
@@ -197,21 +200,21 @@ const EMULATED_ALIGN: usize = 64;
 impl Gpu {
     /// The emulated device.
     pub fn emulated() -> Gpu {
-        Gpu { inner: Arc::new(Inner { backend: Backend::Emulated { reverse: false }, in_use: AtomicUsize::new(0) }) }
+        Gpu { inner: Arc::new(Inner::new(Backend::Emulated { reverse: false })) }
     }
 
     /// The emulated device running each block's threads in the opposite
     /// order between barriers: a kernel that reads another thread's write
     /// without a barrier (a race a GPU would show) gives other results here.
     pub fn emulated_reversed() -> Gpu {
-        Gpu { inner: Arc::new(Inner { backend: Backend::Emulated { reverse: true }, in_use: AtomicUsize::new(0) }) }
+        Gpu { inner: Arc::new(Inner::new(Backend::Emulated { reverse: true })) }
     }
 
     /// GPU `ordinal` through the CUDA driver; an error (never a panic) when
     /// this machine has no driver or no such GPU.
     pub fn cuda(ordinal: usize) -> Result<Gpu, DeviceError> {
         let driver = Driver::open(ordinal)?;
-        Ok(Gpu { inner: Arc::new(Inner { backend: Backend::Cuda(driver), in_use: AtomicUsize::new(0) }) })
+        Ok(Gpu { inner: Arc::new(Inner::new(Backend::Cuda(driver))) })
     }
 
     pub fn kind(&self) -> GpuKind {
@@ -251,21 +254,24 @@ impl Gpu {
         if bytes > MAX_ALLOCATION_BYTES {
             return Err(DeviceError::TooLarge(bytes));
         }
-        let addr = match &self.inner.backend {
-            Backend::Emulated { .. } => {
-                if bytes == 0 {
-                    EMULATED_ALIGN as u64
-                } else {
-                    let layout = std::alloc::Layout::from_size_align(bytes, EMULATED_ALIGN).expect("layout");
-                    // SAFETY: a non-zero size.
-                    let p = unsafe { std::alloc::alloc_zeroed(layout) };
-                    if p.is_null() {
-                        return Err(DeviceError::TooLarge(bytes));
-                    }
-                    p as u64
-                }
+        let class = size_class(bytes);
+        let reused = self.inner.pool.lock().unwrap_or_else(|p| p.into_inner()).take(class);
+        let addr = match reused {
+            Some(addr) => {
+                self.inner.zero(addr, bytes)?;
+                addr
             }
-            Backend::Cuda(d) => d.alloc_zeroed(bytes)?,
+            None => match self.inner.allocate(class) {
+                Ok(addr) => addr,
+                Err(_) => {
+                    // Out of memory: give the pool's buffers back and try once more.
+                    let held = self.inner.pool.lock().unwrap_or_else(|p| p.into_inner()).drain();
+                    for (addr, class) in held {
+                        self.inner.release(addr, class);
+                    }
+                    self.inner.allocate(class)?
+                }
+            },
         };
         self.inner.in_use.fetch_add(bytes, Ordering::Relaxed);
         Ok(DeviceBuffer { addr, len, gpu: self.clone(), _values: PhantomData })
@@ -403,15 +409,89 @@ impl Gpu {
 
     fn free(&self, addr: u64, bytes: usize) {
         self.inner.in_use.fetch_sub(bytes, Ordering::Relaxed);
-        match &self.inner.backend {
+        let class = size_class(bytes);
+        let kept = self.inner.pool.lock().unwrap_or_else(|p| p.into_inner()).give(class, addr);
+        if !kept {
+            self.inner.release(addr, class);
+        }
+    }
+
+    /// Bytes of freed buffers held for reuse.
+    pub fn memory_pooled(&self) -> usize {
+        self.inner.pool.lock().unwrap_or_else(|p| p.into_inner()).held_bytes()
+    }
+}
+
+impl Inner {
+    fn new(backend: Backend) -> Self {
+        Self { backend, in_use: AtomicUsize::new(0), pool: std::sync::Mutex::new(FreeLists::default()) }
+    }
+
+    /// `class` bytes of zeros, newly allocated.
+    fn allocate(&self, class: usize) -> Result<u64, DeviceError> {
+        match &self.backend {
             Backend::Emulated { .. } => {
-                if bytes > 0 {
-                    let layout = std::alloc::Layout::from_size_align(bytes, EMULATED_ALIGN).expect("layout");
-                    // SAFETY: allocated in `zeros` with this layout.
-                    unsafe { std::alloc::dealloc(addr as *mut u8, layout) };
+                let layout = std::alloc::Layout::from_size_align(class, EMULATED_ALIGN).expect("layout");
+                // SAFETY: a size class is never zero.
+                let p = unsafe { std::alloc::alloc_zeroed(layout) };
+                if p.is_null() {
+                    return Err(DeviceError::TooLarge(class));
                 }
+                Ok(p as u64)
+            }
+            Backend::Cuda(d) => d.alloc_zeroed(class),
+        }
+    }
+
+    /// Zeros over the first `bytes` of a reused buffer.
+    fn zero(&self, addr: u64, bytes: usize) -> Result<(), DeviceError> {
+        match &self.backend {
+            // SAFETY: the buffer holds at least `bytes` (its class).
+            Backend::Emulated { .. } => unsafe { std::ptr::write_bytes(addr as *mut u8, 0, bytes) },
+            Backend::Cuda(d) => d.zero(addr, bytes)?,
+        }
+        Ok(())
+    }
+
+    /// Give a buffer of `class` bytes back to the allocator.
+    fn release(&self, addr: u64, class: usize) {
+        match &self.backend {
+            Backend::Emulated { .. } => {
+                let layout = std::alloc::Layout::from_size_align(class, EMULATED_ALIGN).expect("layout");
+                // SAFETY: allocated in `allocate` with this layout.
+                unsafe { std::alloc::dealloc(addr as *mut u8, layout) };
             }
             Backend::Cuda(d) => d.free(addr),
         }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let held = self.pool.get_mut().unwrap_or_else(|p| p.into_inner()).drain();
+        for (addr, class) in held {
+            self.release(addr, class);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_freed_buffer_comes_back_zeroed_to_the_next_request_of_its_class() {
+        let gpu = Gpu::emulated();
+        let a = gpu.upload(&[1.0f32; 100]).unwrap();
+        let addr = a.addr;
+        drop(a);
+        assert_eq!(gpu.memory_in_use(), 0);
+        assert_eq!(gpu.memory_pooled(), 512, "400 bytes are held as a 512-byte class");
+        let b = gpu.zeros::<f32>(90).unwrap();
+        assert_eq!(b.addr, addr, "the same class reuses the freed buffer");
+        assert_eq!(gpu.download(&b).unwrap(), vec![0.0f32; 90], "zeroed on reuse");
+        assert_eq!(gpu.memory_pooled(), 0);
+        let c = gpu.zeros::<f32>(1000).unwrap();
+        assert_ne!(c.addr, addr, "another class takes another buffer");
     }
 }

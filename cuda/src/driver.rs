@@ -94,9 +94,19 @@ impl Driver {
         // SAFETY: a fresh allocation, zeroed before use.
         unsafe {
             let ptr = result::malloc_sync(bytes.max(1)).map_err(driver_error)?;
-            result::memset_d8_sync(ptr, 0, bytes.max(1)).map_err(driver_error)?;
+            result::memset_d8_async(ptr, 0, bytes.max(1), std::ptr::null_mut()).map_err(driver_error)?;
             Ok(ptr)
         }
+    }
+
+    /// Zeros over `bytes` at `addr`, ordered with the launches (the null stream).
+    pub(crate) fn zero(&self, addr: u64, bytes: usize) -> Result<(), DeviceError> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.current()?;
+        // SAFETY: the caller's buffer holds `bytes`.
+        unsafe { result::memset_d8_async(addr, 0, bytes, std::ptr::null_mut()) }.map_err(driver_error)
     }
 
     pub(crate) fn free(&self, addr: u64) {

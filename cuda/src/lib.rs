@@ -16,6 +16,7 @@ mod device;
 mod driver;
 pub mod nvrtc;
 pub mod ops;
+pub mod pool;
 mod table;
 
 pub use device::{Arg, DeviceBuffer, DeviceError, DeviceValue, Gpu, GpuKind};
