@@ -3,9 +3,10 @@
 # and writes one JSON file.
 #
 #   tools/gpu/check.sh --bundle            build here: the test binaries and the
-#                                          CLI into tools/gpu/bundle/ (copy that
-#                                          directory and this script to the GPU
-#                                          machine; no Rust toolchain needed there)
+#                                          CLI into tools/gpu/bundle/ and, compressed,
+#                                          tools/gpu/bundle.tar.xz (copy that and
+#                                          this script to the GPU machine; no Rust
+#                                          toolchain needed there)
 #   tools/gpu/check.sh [--emulated] [--out FILE] [--quick]
 #                                          (--emulated implies --quick: tiny-v4 and
 #                                          small shapes, as emulation is slow)
@@ -68,14 +69,19 @@ for line in open(sys.argv[1]):
             shutil.copy(exe, os.path.join(sys.argv[2], "test-" + name))
 PY
     rm -f "$list"
-    # Debug info is most of each binary's size; what must reach the GPU machine stays under 64 MiB.
-    if command -v strip >/dev/null; then strip --strip-debug "$bundle"/*; fi
-    du -sh "$bundle"
+    # Symbols and debug info are most of each binary's size, and the bundle
+    # travels compressed: what must reach the GPU machine stays under 64 MiB.
+    if command -v strip >/dev/null; then strip --strip-all "$bundle"/*; fi
+    tar -C tools/gpu -cJf tools/gpu/bundle.tar.xz bundle
+    du -sh "$bundle" tools/gpu/bundle.tar.xz
 }
 
 if [ "$mode" = bundle ]; then
     build_bundle
     exit 0
+fi
+if [ ! -x "$bundle/deepinfer" ] && [ -f tools/gpu/bundle.tar.xz ]; then
+    tar -C tools/gpu -xJf tools/gpu/bundle.tar.xz
 fi
 if [ ! -x "$bundle/deepinfer" ]; then
     command -v cargo >/dev/null || { echo "check.sh: no bundle and no cargo: run --bundle on a build machine" >&2; exit 1; }
