@@ -179,7 +179,22 @@ impl Driver {
     ) -> Result<(), DeviceError> {
         self.current()?;
         let f = self.function(info)?;
-        if shared > 48 * 1024 {
+        // Above 48 KiB of shared memory in all (static and dynamic) a kernel
+        // must opt in to the dynamic part it asks for.
+        let static_shared = if shared > 0 {
+            // SAFETY: a function handle of this context.
+            unsafe {
+                result::function::get_function_attribute(
+                    f,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                )
+            }
+            .map_err(driver_error)?
+            .max(0) as u32
+        } else {
+            0
+        };
+        if shared > 0 && shared + static_shared > 48 * 1024 {
             // SAFETY: a function handle of this context.
             unsafe {
                 result::function::set_function_attribute(

@@ -1,7 +1,8 @@
 //! The compile gate: every kernel file through NVRTC to Hopper and Blackwell
 //! cubins (the real assembler) and to PTX, failing on an error, a register
-//! spill, a stack frame or shared memory above the limit; prints each
-//! kernel's registers and shared memory.
+//! spill or static shared memory above the limit; prints each kernel's
+//! registers, shared memory and stack frame (a local array, not a spill, is
+//! allowed a frame).
 //!
 //! Needs libnvrtc (the `nvidia-cuda-nvrtc` wheel, on `LD_LIBRARY_PATH`):
 //! without it the test says so and passes, unless `DEEPINFER_REQUIRE_NVRTC=1`
