@@ -340,13 +340,18 @@ impl Gpu {
         len: usize,
     ) -> Result<(), DeviceError> {
         assert!(src_offset + len <= src.len && dst_offset + len <= dst.len, "device copy out of bounds");
+        // A GPU's device-to-device copy is undefined over overlapping ranges.
+        assert!(
+            src.addr != dst.addr || src_offset + len <= dst_offset || dst_offset + len <= src_offset,
+            "a device copy within one buffer over overlapping ranges"
+        );
         if len == 0 {
             return Ok(());
         }
         let size = std::mem::size_of::<T>();
         let (s, d) = (src.addr + (src_offset * size) as u64, dst.addr + (dst_offset * size) as u64);
         match &self.inner.backend {
-            // SAFETY: both ranges lie inside their buffers; `copy` allows overlap.
+            // SAFETY: both ranges lie inside their buffers and do not overlap.
             Backend::Emulated { .. } => unsafe { std::ptr::copy(s as *const u8, d as *mut u8, len * size) },
             Backend::Cuda(drv) => drv.copy_on_device(d, s, len * size)?,
         }

@@ -131,8 +131,9 @@ impl Driver {
 
     pub(crate) fn copy_on_device(&self, dst: u64, src: u64, bytes: usize) -> Result<(), DeviceError> {
         self.current()?;
-        // SAFETY: the caller checked both ranges.
-        unsafe { result::memcpy_dtod_sync(dst, src, bytes) }.map_err(driver_error)
+        // SAFETY: the caller checked both ranges. Ordered with the launches
+        // on the null stream, like them without waiting.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, std::ptr::null_mut()) }.map_err(driver_error)
     }
 
     pub(crate) fn synchronize(&self) -> Result<(), DeviceError> {

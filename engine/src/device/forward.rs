@@ -412,21 +412,30 @@ impl DeviceModel {
         route(gpu, &logits, n, e, k, routing, cfg.norm_topk_prob, cfg.routed_scaling_factor, &experts, &weights)?;
         // Which rows each expert takes: the routes come to the host once.
         let chosen = gpu.download(&experts)?;
-        let routed = gpu.zeros::<f32>(n * k * d)?;
-        for expert in 0..e {
-            let slots: Vec<i32> = (0..n * k).filter(|&i| chosen[i] == expert as i32).map(|i| i as i32).collect();
-            if slots.is_empty() {
-                continue;
-            }
+        let mut by_expert: Vec<Vec<i32>> = vec![Vec::new(); e];
+        for (slot, &ex) in chosen.iter().enumerate() {
+            by_expert[ex as usize].push(slot as i32);
+        }
+        // Each hit expert's outputs land in one buffer, expert after expert;
+        // one gather then puts every (token, slot) row in its place.
+        let outputs = gpu.zeros::<f32>(n * k * d)?;
+        let mut place = vec![0i32; n * k];
+        let mut at = 0usize;
+        for (expert, slots) in by_expert.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
             let rows: Vec<i32> = slots.iter().map(|&s| s / k as i32).collect();
             let rows_dev = gpu.upload(&rows)?;
             let xe = gpu.zeros::<f32>(rows.len() * d)?;
             gather_rows(gpu, Rows::packed(x, d), &rows_dev, rows.len(), d, Rows::packed(&xe, d))?;
             let ye = self.mlp(&m.experts[expert], Rows::packed(&xe, d), rows.len())?;
+            gpu.copy(&ye, 0, &outputs, at * d, rows.len() * d)?;
             for (j, &slot) in slots.iter().enumerate() {
-                gpu.copy(&ye, j * d, &routed, slot as usize * d, d)?;
+                place[slot as usize] = (at + j) as i32;
             }
+            at += rows.len();
         }
+        let routed = gpu.zeros::<f32>(n * k * d)?;
+        let place = gpu.upload(&place)?;
+        gather_rows(gpu, Rows::packed(&outputs, d), &place, n * k, d, Rows::packed(&routed, d))?;
         let shared = match &m.shared {
             Some(s) => Some(self.mlp(s, Rows::packed(x, d), n)?),
             None => None,

@@ -548,11 +548,15 @@ impl DeviceModelV41 {
         route(gpu, &scores, &m.bias, n, e, k, sqrt, cfg.norm_topk_prob, cfg.route_scale, &experts, &weights)?;
         // Which slots each expert takes: the routes come to the host once.
         let chosen = gpu.download(&experts)?;
-        let routed = zeros(gpu, n * k * d)?;
         let mut by_expert: Vec<Vec<i32>> = vec![Vec::new(); e];
         for (slot, &ex) in chosen.iter().enumerate() {
             by_expert[ex as usize].push(slot as i32);
         }
+        // Each hit expert's outputs land in one buffer, expert after expert;
+        // one gather then puts every (token, slot) row in its place.
+        let outputs = zeros(gpu, n * k * d)?;
+        let mut place = vec![0i32; n * k];
+        let mut at = 0usize;
         for (expert, slots) in by_expert.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
             let count = slots.len();
             let rows: Vec<i32> = slots.iter().map(|&s| s / k as i32).collect();
@@ -563,10 +567,15 @@ impl DeviceModelV41 {
             let we = zeros(gpu, count)?;
             gather_rows(gpu, Rows::packed(&weights, 1), &slots_dev, count, 1, Rows::packed(&we, 1))?;
             let ye = self.expert(&m.experts[expert], &xe, count, Some(&we))?;
+            gpu.copy(&ye, 0, &outputs, at * d, count * d)?;
             for (j, &slot) in slots.iter().enumerate() {
-                gpu.copy(&ye, j * d, &routed, slot as usize * d, d)?;
+                place[slot as usize] = (at + j) as i32;
             }
+            at += count;
         }
+        let routed = zeros(gpu, n * k * d)?;
+        let place = gpu.upload(&place)?;
+        gather_rows(gpu, Rows::packed(&outputs, d), &place, n * k, d, Rows::packed(&routed, d))?;
         let shared = self.expert(&m.shared, x, n, None)?;
         let out = zeros(gpu, n * d)?;
         moe_combine(gpu, &routed, &experts, &shared, n, k, d, &out)?;
