@@ -88,6 +88,10 @@ if [ ! -x "$bundle/deepinfer" ]; then
     build_bundle
 fi
 export DEEPINFER_TEST_DEVICE="$mode"
+# The GPU machine's CUDA toolkit holds libnvrtc (kernels compile at first launch).
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    if [ -d "$d" ]; then export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; fi
+done
 device_flag="$mode"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
