@@ -248,9 +248,6 @@ void launch(dim3 grid, dim3 block_shape, unsigned int shared_bytes, void (*body)
     if (grid.x == 0 || grid.y == 0 || grid.z == 0) trap("an empty grid");
     if (current_block) trap("a launch from inside a kernel");
     if (!shared_memory) shared_memory = new std::vector<unsigned char>();
-    // Fresh shared memory holds garbage on a GPU; a fixed pattern here makes
-    // a kernel that reads it before writing fail the same way every run.
-    shared_memory->assign(shared_bytes + 16, 0xA5);
 
     Block b;
     b.threads = threads;
@@ -271,6 +268,10 @@ void launch(dim3 grid, dim3 block_shape, unsigned int shared_bytes, void (*body)
         for (unsigned y = 0; y < grid.y; ++y)
             for (unsigned x = 0; x < grid.x; ++x) {
                 block_idx = dim3(x, y, z);
+                // Fresh shared memory holds garbage on a GPU; a fixed pattern in
+                // every block makes a kernel that reads its dynamic shared
+                // memory before writing it fail the same way every run.
+                shared_memory->assign(shared_bytes + 16, 0xA5);
                 b.live = threads;
                 b.block_barrier = Barrier();
                 for (auto& w : b.warp_barriers) w = Barrier();

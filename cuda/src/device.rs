@@ -210,10 +210,12 @@ impl Gpu {
         Gpu { inner: Arc::new(Inner::new(Backend::Emulated { reverse: true })) }
     }
 
-    /// GPU `ordinal` through the CUDA driver; an error (never a panic) when
-    /// this machine has no driver or no such GPU.
+    /// GPU `ordinal` through the CUDA driver, with every kernel file compiled
+    /// (NVRTC) and loaded; an error (never a panic) when this machine has no
+    /// driver, no NVRTC or no such GPU, or a kernel does not load.
     pub fn cuda(ordinal: usize) -> Result<Gpu, DeviceError> {
         let driver = Driver::open(ordinal)?;
+        driver.load_all()?;
         Ok(Gpu { inner: Arc::new(Inner::new(Backend::Cuda(driver))) })
     }
 

@@ -37,6 +37,13 @@ impl Driver {
         if !unsafe { sys::is_culib_present() } {
             return Err(DeviceError::NoDriver("libcuda.so could not be loaded".into()));
         }
+        if !nvrtc::available() {
+            return Err(DeviceError::NoDriver(
+                "libnvrtc could not be loaded (the kernels are compiled for the GPU at start; \
+                 put the CUDA toolkit's lib64 on LD_LIBRARY_PATH)"
+                    .into(),
+            ));
+        }
         result::init().map_err(|e| DeviceError::NoDriver(format!("cuInit failed: {e:?}")))?;
         let count = result::device::get_count().map_err(driver_error)?;
         if ordinal as i32 >= count {
@@ -139,6 +146,16 @@ impl Driver {
     pub(crate) fn synchronize(&self) -> Result<(), DeviceError> {
         self.current()?;
         result::ctx::synchronize().map_err(driver_error)
+    }
+
+    /// Compile and load every kernel file now, so that a GPU that cannot run
+    /// them fails when it is opened, not at a request's first step.
+    pub(crate) fn load_all(&self) -> Result<(), DeviceError> {
+        self.current()?;
+        for info in crate::table::KERNELS {
+            self.function(info)?;
+        }
+        Ok(())
     }
 
     fn function(&self, info: &'static KernelInfo) -> Result<sys::CUfunction, DeviceError> {

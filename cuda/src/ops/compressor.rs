@@ -176,6 +176,19 @@ impl CompressorSlots {
     }
 
     /// The entries, `[capacity, dim]`: the first [`Self::count`] rows are emitted.
+    /// Room for `capacity` entries (at least the current count), the
+    /// entries copied on the device.
+    pub fn grow(&mut self, gpu: &Gpu, capacity: usize) -> Result<(), DeviceError> {
+        if capacity <= self.capacity {
+            return Ok(());
+        }
+        let entries = gpu.zeros::<f32>(capacity * self.dim)?;
+        gpu.copy(&self.entries, 0, &entries, 0, self.count * self.dim)?;
+        self.entries = entries;
+        self.capacity = capacity;
+        Ok(())
+    }
+
     pub fn entries(&self) -> &DeviceBuffer<f32> {
         &self.entries
     }

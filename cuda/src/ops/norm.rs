@@ -1,6 +1,5 @@
 //! RMSNorm over rows (`cuda/kernels/norm.cu`).
 
-use super::Rows;
 use crate::{Arg, DeviceBuffer, DeviceError, Gpu};
 
 /// [`deepinfer_kernels::ops::rms_norm`] on each of `n` rows of `dim` values,
@@ -16,7 +15,10 @@ pub fn rms_norm_rows(
     if n == 0 {
         return Ok(());
     }
-    let _ = Rows::packed(x, dim);
+    assert!(n * dim <= x.len(), "rms_norm_rows: {n} rows of {dim} in a buffer of {}", x.len());
+    if let Some(w) = weight {
+        assert!(w.len() >= dim, "rms_norm_rows: a weight of {} for rows of {dim}", w.len());
+    }
     let w = weight.map_or(Arg::Ptr(0), DeviceBuffer::arg);
     gpu.launch("rms_norm_rows", (n as u32, 1, 1), (128, 1, 1), 0, &[x.arg(), w, (dim as i32).into(), eps.into()])
 }

@@ -91,11 +91,21 @@ impl DeviceModel {
             let mut layers: Vec<&mut DeviceLayer> = states.iter_mut().map(|s| &mut s[l]).collect();
             self.block(block, &streams, &ids, n, spans, &mut layers, angles, rope)?;
         }
-        spans
+        // Every span's wanted rows through the heads at once, one download.
+        let picks: Vec<(usize, usize)> = spans
             .iter()
             .map(|span| {
                 let rows = wanted.rows(span.len);
-                let logits = self.logits(&streams, span.start + rows.start, rows.len())?;
+                (span.start + rows.start, rows.len())
+            })
+            .collect();
+        let mut logits = self.logits(&streams, &picks)?.into_iter();
+        let vocab = cfg.vocab_size;
+        spans
+            .iter()
+            .zip(&picks)
+            .map(|(span, &(_, rows))| {
+                let logits: Vec<f32> = logits.by_ref().take(rows * vocab).collect();
                 let streams = if keep_streams {
                     gpu.download_range(&streams, span.start * hc * d, span.len * hc * d)?
                 } else {
@@ -202,7 +212,7 @@ impl DeviceModel {
                     continue;
                 }
                 let slots = layer.compressor.as_mut().expect("a compressed layer's state");
-                reserve(gpu, &c.pooling, slots, (slots.pending() + span.len) / c.pooling.ratio)?;
+                reserve(gpu, slots, (slots.pending() + span.len) / c.pooling.ratio)?;
                 compress_tokens(
                     gpu,
                     &c.pooling,
@@ -226,7 +236,7 @@ impl DeviceModel {
                         continue;
                     }
                     let slots = layer.indexer.as_mut().expect("a CSA layer's indexer state");
-                    reserve(gpu, &ix.compressor, slots, (slots.pending() + span.len) / ix.compressor.ratio)?;
+                    reserve(gpu, slots, (slots.pending() + span.len) / ix.compressor.ratio)?;
                     compress_tokens(
                         gpu,
                         &ix.compressor,
@@ -455,8 +465,10 @@ impl DeviceModel {
         Ok(out)
     }
 
-    /// The hyper head, norm and vocabulary head of `rows` tokens from `first`.
-    fn logits(&self, streams: &DeviceBuffer<f32>, first: usize, rows: usize) -> Result<Vec<f32>, DeviceError> {
+    /// The hyper head, norm and vocabulary head of the rows `picks` names
+    /// (`(first, count)` runs of tokens), in that order, brought back at once.
+    fn logits(&self, streams: &DeviceBuffer<f32>, picks: &[(usize, usize)]) -> Result<Vec<f32>, DeviceError> {
+        let rows: usize = picks.iter().map(|p| p.1).sum();
         if rows == 0 {
             return Ok(Vec::new());
         }
@@ -464,11 +476,13 @@ impl DeviceModel {
         let cfg = &self.config;
         let (d, hc) = (cfg.hidden_size, cfg.hc_mult);
         let head: &DeviceHead = &self.weights.hc_head;
-        let s = Rows::new(streams, first * hc * d, hc * d);
-        let raw = project(gpu, &head.mix, s, rows)?;
-        // The head reads packed streams: copy this span's rows out.
         let packed = gpu.zeros::<f32>(rows * hc * d)?;
-        gpu.copy(streams, first * hc * d, &packed, 0, rows * hc * d)?;
+        let mut at = 0;
+        for &(first, count) in picks {
+            gpu.copy(streams, first * hc * d, &packed, at * hc * d, count * hc * d)?;
+            at += count;
+        }
+        let raw = project(gpu, &head.mix, Rows::packed(&packed, hc * d), rows)?;
         let x = gpu.zeros::<f32>(rows * d)?;
         hyper_head(gpu, &raw, &packed, rows, hc, d, head.scale, &head.base, cfg.hc_eps, cfg.rms_norm_eps, &x)?;
         rms_norm_rows(gpu, &x, rows, d, Some(&self.weights.norm), cfg.rms_norm_eps)?;

@@ -144,28 +144,12 @@ pub(crate) fn download(gpu: &Gpu, cfg: &ModelConfig, seq: &DeviceSequence) -> Re
         .collect()
 }
 
-/// Make room in `slots` for `more` entries (doubling), keeping every value.
-pub(crate) fn reserve(
-    gpu: &Gpu,
-    pooling: &DeviceCompressor,
-    slots: &mut CompressorSlots,
-    more: usize,
-) -> Result<(), DeviceError> {
+/// Make room in `slots` for `more` entries (doubling), keeping every value
+/// (copied on the device).
+pub(crate) fn reserve(gpu: &Gpu, slots: &mut CompressorSlots, more: usize) -> Result<(), DeviceError> {
     let needed = slots.count() + more;
     if needed <= slots.capacity() {
         return Ok(());
     }
-    let host = slots_to_host(gpu, slots)?;
-    let capacity = needed.next_power_of_two().max(2 * slots.capacity());
-    let overlap = host.overlap_kv.as_deref().zip(host.overlap_gate.as_deref());
-    *slots = CompressorSlots::upload_from(
-        gpu,
-        pooling,
-        &host.entries,
-        &host.pending_kv,
-        &host.pending_gate,
-        overlap,
-        capacity,
-    )?;
-    Ok(())
+    slots.grow(gpu, needed.next_power_of_two().max(2 * slots.capacity()))
 }

@@ -539,7 +539,11 @@ impl DeviceModelV41 {
                 ScoreSqrt::No
             }
             ScoreFunc::SqrtSoftplus => {
-                map_rows(gpu, Rows::packed(&scores, e), n, e, Unary::Softplus)?;
+                // softplus is f64 `ln_1p` on the CPU; a GPU's `log1p` may differ
+                // in its last f64 bit, so the scores are computed on the host.
+                let mut host = gpu.download(&scores)?;
+                host.iter_mut().for_each(|v| *v = crate::v41::ops::softplus(*v));
+                gpu.write(&scores, 0, &host)?;
                 ScoreSqrt::Yes
             }
         };
