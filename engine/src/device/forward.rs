@@ -390,12 +390,19 @@ impl DeviceModel {
     }
 
     fn mlp(&self, m: &DeviceMlp, x: Rows, n: usize) -> Result<DeviceBuffer<f32>, DeviceError> {
+        let out = self.gpu.zeros::<f32>(n * m.w2.rows)?;
+        self.mlp_into(m, x, n, Rows::packed(&out, m.w2.rows))?;
+        Ok(out)
+    }
+
+    /// The SwiGLU MLP of `n` rows of `x`, written to `out`'s rows.
+    fn mlp_into(&self, m: &DeviceMlp, x: Rows, n: usize, out: Rows) -> Result<(), DeviceError> {
         let gpu = &self.gpu;
         let inter = m.w1.rows;
         let gate = project(gpu, &m.w1, x, n)?;
         let up = project(gpu, &m.w3, x, n)?;
         swiglu_clamped(gpu, &gate, &up, n * inter, self.config.swiglu_limit)?;
-        project(gpu, &m.w2, Rows::packed(&gate, inter), n)
+        linear_forward(gpu, &m.w2, Rows::packed(&gate, inter), n, out)
     }
 
     fn moe(
@@ -426,22 +433,25 @@ impl DeviceModel {
         for (slot, &ex) in chosen.iter().enumerate() {
             by_expert[ex as usize].push(slot as i32);
         }
-        // Each hit expert's outputs land in one buffer, expert after expert;
-        // one gather then puts every (token, slot) row in its place.
-        let outputs = gpu.zeros::<f32>(n * k * d)?;
+        // Every hit expert's input rows, expert after expert, in one gather;
+        // each expert's outputs land in its part of one buffer; one gather
+        // then puts every (token, slot) row in its place.
+        let mut rows = Vec::with_capacity(n * k);
         let mut place = vec![0i32; n * k];
-        let mut at = 0usize;
+        let mut parts = Vec::new();
         for (expert, slots) in by_expert.iter().enumerate().filter(|(_, s)| !s.is_empty()) {
-            let rows: Vec<i32> = slots.iter().map(|&s| s / k as i32).collect();
-            let rows_dev = gpu.upload(&rows)?;
-            let xe = gpu.zeros::<f32>(rows.len() * d)?;
-            gather_rows(gpu, Rows::packed(x, d), &rows_dev, rows.len(), d, Rows::packed(&xe, d))?;
-            let ye = self.mlp(&m.experts[expert], Rows::packed(&xe, d), rows.len())?;
-            gpu.copy(&ye, 0, &outputs, at * d, rows.len() * d)?;
-            for (j, &slot) in slots.iter().enumerate() {
-                place[slot as usize] = (at + j) as i32;
+            parts.push((expert, rows.len(), slots.len()));
+            for &slot in slots {
+                place[slot as usize] = rows.len() as i32;
+                rows.push(slot / k as i32);
             }
-            at += rows.len();
+        }
+        let rows_dev = gpu.upload(&rows)?;
+        let inputs = gpu.zeros::<f32>(rows.len() * d)?;
+        gather_rows(gpu, Rows::packed(x, d), &rows_dev, rows.len(), d, Rows::packed(&inputs, d))?;
+        let outputs = gpu.zeros::<f32>(n * k * d)?;
+        for (expert, at, count) in parts {
+            self.mlp_into(&m.experts[expert], Rows::new(&inputs, at * d, d), count, Rows::new(&outputs, at * d, d))?;
         }
         let routed = gpu.zeros::<f32>(n * k * d)?;
         let place = gpu.upload(&place)?;
