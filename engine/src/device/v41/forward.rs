@@ -182,23 +182,35 @@ impl DeviceModelV41 {
             let rope = if cfg.layers[l].ratio > 0 { &*rope_compress } else { &*rope_main };
             pre = self.layer(l, block, &streams, &pre, &engram_rows, &positions, spans, seqs, &mut shared, rope)?;
         }
-        spans
+        // Every span's wanted rows through the final collapse, norm and head
+        // at once, one download.
+        let picks: Vec<(usize, usize)> = spans
             .iter()
             .map(|span| {
                 let rows = wanted.rows(span.len);
-                let m = rows.len();
-                if m == 0 {
-                    return Ok(Vec::new());
-                }
-                let s = rows_of(gpu, &streams, span.at + rows.start, m, hc * d)?;
-                let p = rows_of(gpu, &pre, span.at + rows.start, m, hc)?;
-                let x = zeros(gpu, m * d)?;
-                hc_pre(gpu, &s, &p, m, hc, d, &x)?;
-                rms_norm_rows(gpu, Rows::packed(&x, d), m, d, &self.weights.norm, cfg.norm_eps)?;
-                let logits = plinear(gpu, &self.weights.head, &x, m)?;
-                gpu.download_range(&logits, 0, m * cfg.vocab_size)
+                (span.at + rows.start, rows.len())
             })
-            .collect()
+            .collect();
+        let m: usize = picks.iter().map(|p| p.1).sum();
+        let mut logits = if m == 0 {
+            Vec::new()
+        } else {
+            let s = zeros(gpu, m * hc * d)?;
+            let p = zeros(gpu, m * hc)?;
+            let mut at = 0;
+            for &(first, count) in &picks {
+                gpu.copy(&streams, first * hc * d, &s, at * hc * d, count * hc * d)?;
+                gpu.copy(&pre, first * hc, &p, at * hc, count * hc)?;
+                at += count;
+            }
+            let x = zeros(gpu, m * d)?;
+            hc_pre(gpu, &s, &p, m, hc, d, &x)?;
+            rms_norm_rows(gpu, Rows::packed(&x, d), m, d, &self.weights.norm, cfg.norm_eps)?;
+            let logits = plinear(gpu, &self.weights.head, &x, m)?;
+            gpu.download_range(&logits, 0, m * cfg.vocab_size)?
+        }
+        .into_iter();
+        Ok(picks.iter().map(|&(_, count)| logits.by_ref().take(count * cfg.vocab_size).collect()).collect())
     }
 
     /// The mixes of `n` rows' streams for sublayer `h` (`ModelV41::mixes`).
