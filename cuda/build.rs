@@ -115,9 +115,19 @@ fn main() {
         writeln!(table, "    ({stem:?}, include_str!({:?})),", file.display().to_string()).unwrap();
     }
     writeln!(table, "];").unwrap();
-    let common = kernels_dir.join("common.cuh");
-    writeln!(table, "/// The header every kernel source includes.").unwrap();
-    writeln!(table, "pub static COMMON: &str = include_str!({:?});", common.display().to_string()).unwrap();
+    let mut headers: Vec<PathBuf> = std::fs::read_dir(&kernels_dir)
+        .expect("cuda/kernels")
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cuh"))
+        .collect();
+    headers.sort();
+    writeln!(table, "/// The headers kernel sources include, by file name (NVRTC gets them inlined).").unwrap();
+    writeln!(table, "pub static HEADERS: &[(&str, &str)] = &[").unwrap();
+    for h in &headers {
+        let name = h.file_name().unwrap().to_string_lossy();
+        writeln!(table, "    ({name:?}, include_str!({:?})),", h.display().to_string()).unwrap();
+    }
+    writeln!(table, "];").unwrap();
     std::fs::write(out.join("kernels.rs"), table).unwrap();
 }
 

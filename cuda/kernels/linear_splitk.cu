@@ -17,43 +17,9 @@
 // outputs × 4 rows a block, 128 × 32 weight tiles decoded into shared
 // memory), so that timing the two compares the split alone.
 #include "common.cuh"
+#include "linear.cuh"
 
-#define DI_SK_OUTS 128
-#define DI_SK_ROWS 4
-#define DI_SK_COLS 32
-#define DI_SK_PITCH (DI_SK_OUTS + 1)
 #define DI_SK_REDUCE_THREADS 128
-
-// The dequantised weight W[o][c] (copies of linear.cu's accessors: NVRTC
-// compiles each file alone).
-struct DiSkF32 {
-    const float* w;
-    int cols;
-    __device__ __forceinline__ float operator()(int o, int c) const { return w[static_cast<u64>(o) * cols + c]; }
-};
-
-struct DiSkBf16 {
-    const u16* w;
-    int cols;
-    __device__ __forceinline__ float operator()(int o, int c) const {
-        return di_bf16_to_f32(w[static_cast<u64>(o) * cols + c]);
-    }
-};
-
-// FP8 e4m3 codes, scale `scales[(o / block_rows) * ceil(cols / block_cols) + c / block_cols]`,
-// `code * scale` rounded to f32 as the CPU dequantises.
-struct DiSkFp8 {
-    const u8* codes;
-    const float* scales;
-    int cols;
-    int block_rows;
-    int block_cols;
-    __device__ __forceinline__ float operator()(int o, int c) const {
-        int blocks_per_row = (cols + block_cols - 1) / block_cols;
-        float scale = scales[static_cast<u64>(o / block_rows) * blocks_per_row + c / block_cols];
-        return __fmul_rn(di_fp8_e4m3_to_f32(codes[static_cast<u64>(o) * cols + c]), scale);
-    }
-};
 
 // Pass 1 for outputs blockIdx.y * 128 + threadIdx.x, x rows blockIdx.x * 4 + 0..4,
 // columns of slice blockIdx.z.
@@ -62,52 +28,52 @@ __device__ __forceinline__ void di_splitk_tiles(W weight, const float* x, int x_
                                                 long long split_stride, int n, int rows, int cols, int slice,
                                                 float* sw, float* sx) {
     const int tid = threadIdx.x;
-    const int o0 = blockIdx.y * DI_SK_OUTS;
-    const int r0 = blockIdx.x * DI_SK_ROWS;
+    const int o0 = blockIdx.y * DI_LIN_OUTS;
+    const int r0 = blockIdx.x * DI_LIN_ROWS;
     const int o = o0 + tid;
     const long long begin_ll = static_cast<long long>(blockIdx.z) * slice;
     const int begin = begin_ll < cols ? static_cast<int>(begin_ll) : cols;
     const int end = cols - begin < slice ? cols : begin + slice;
-    float acc[DI_SK_ROWS];
-    for (int j = 0; j < DI_SK_ROWS; ++j) acc[j] = 0.0f;
-    for (int k0 = begin; k0 < end; k0 += DI_SK_COLS) {
-        const int kc = min(DI_SK_COLS, end - k0);
+    float acc[DI_LIN_ROWS];
+    for (int j = 0; j < DI_LIN_ROWS; ++j) acc[j] = 0.0f;
+    for (int k0 = begin; k0 < end; k0 += DI_LIN_COLS) {
+        const int kc = min(DI_LIN_COLS, end - k0);
         __syncthreads();  // the previous tile is consumed
-        for (int i = tid; i < DI_SK_OUTS * DI_SK_COLS; i += DI_SK_OUTS) {
-            int ol = i / DI_SK_COLS, k = i % DI_SK_COLS;
+        for (int i = tid; i < DI_LIN_OUTS * DI_LIN_COLS; i += DI_LIN_OUTS) {
+            int ol = i / DI_LIN_COLS, k = i % DI_LIN_COLS;
             int og = o0 + ol;
-            sw[k * DI_SK_PITCH + ol] = og < rows && k < kc ? weight(og, k0 + k) : 0.0f;
+            sw[k * DI_LIN_PITCH + ol] = og < rows && k < kc ? weight(og, k0 + k) : 0.0f;
         }
-        for (int i = tid; i < DI_SK_ROWS * DI_SK_COLS; i += DI_SK_OUTS) {
-            int j = i / DI_SK_COLS, k = i % DI_SK_COLS;
+        for (int i = tid; i < DI_LIN_ROWS * DI_LIN_COLS; i += DI_LIN_OUTS) {
+            int j = i / DI_LIN_COLS, k = i % DI_LIN_COLS;
             int r = r0 + j;
             sx[i] = r < n && k < kc ? x[static_cast<u64>(r) * x_stride + k0 + k] : 0.0f;
         }
         __syncthreads();
         if (o >= rows) continue;
         for (int k = 0; k < kc; ++k) {
-            float w = sw[k * DI_SK_PITCH + tid];
-            for (int j = 0; j < DI_SK_ROWS; ++j) acc[j] = __fmaf_rn(sx[j * DI_SK_COLS + k], w, acc[j]);
+            float w = sw[k * DI_LIN_PITCH + tid];
+            for (int j = 0; j < DI_LIN_ROWS; ++j) acc[j] = __fmaf_rn(sx[j * DI_LIN_COLS + k], w, acc[j]);
         }
     }
     if (o >= rows) return;
     float* dst = part + static_cast<long long>(blockIdx.z) * split_stride;
-    for (int j = 0; j < DI_SK_ROWS; ++j) {
+    for (int j = 0; j < DI_LIN_ROWS; ++j) {
         int r = r0 + j;
         if (r < n) dst[static_cast<u64>(r) * part_stride + o] = acc[j];
     }
 }
 
 #define DI_SK_SHARED                                  \
-    __shared__ float sw[DI_SK_COLS * DI_SK_PITCH];    \
-    __shared__ float sx[DI_SK_ROWS * DI_SK_COLS]
+    __shared__ float sw[DI_LIN_COLS * DI_LIN_PITCH];    \
+    __shared__ float sx[DI_LIN_ROWS * DI_LIN_COLS]
 
 // w: [rows][cols] f32. part: split s, row r, output o at s·split_stride + r·part_stride + o.
 extern "C" __global__ void linear_splitk_f32(const float* w, const float* x, int x_stride, float* part,
                                              int part_stride, long long split_stride, int n, int rows, int cols,
                                              int slice) {
     DI_SK_SHARED;
-    di_splitk_tiles(DiSkF32{w, cols}, x, x_stride, part, part_stride, split_stride, n, rows, cols, slice, sw, sx);
+    di_splitk_tiles(DiLinF32{w, cols}, x, x_stride, part, part_stride, split_stride, n, rows, cols, slice, sw, sx);
 }
 
 // w: [rows][cols] bf16 bits.
@@ -115,7 +81,7 @@ extern "C" __global__ void linear_splitk_bf16(const u16* w, const float* x, int 
                                               int part_stride, long long split_stride, int n, int rows, int cols,
                                               int slice) {
     DI_SK_SHARED;
-    di_splitk_tiles(DiSkBf16{w, cols}, x, x_stride, part, part_stride, split_stride, n, rows, cols, slice, sw, sx);
+    di_splitk_tiles(DiLinBf16{w, cols}, x, x_stride, part, part_stride, split_stride, n, rows, cols, slice, sw, sx);
 }
 
 // codes: [rows][cols] e4m3; scales: [ceil(rows / block_rows)][ceil(cols / block_cols)].
@@ -123,7 +89,7 @@ extern "C" __global__ void linear_splitk_fp8(const u8* codes, const float* scale
                                              const float* x, int x_stride, float* part, int part_stride,
                                              long long split_stride, int n, int rows, int cols, int slice) {
     DI_SK_SHARED;
-    DiSkFp8 weight{codes, scales, cols, block_rows, block_cols};
+    DiLinFp8 weight{codes, scales, cols, block_rows, block_cols};
     di_splitk_tiles(weight, x, x_stride, part, part_stride, split_stride, n, rows, cols, slice, sw, sx);
 }
 

@@ -22,11 +22,14 @@ mod table;
 pub use device::{Arg, DeviceBuffer, DeviceError, DeviceValue, Gpu, GpuKind};
 pub use table::{kernel, KernelInfo, ParamKind, KERNELS};
 
-/// The source of one kernel file as NVRTC compiles it: `common.cuh` inlined
-/// where the file includes it (NVRTC is given no include path).
+/// The source of one kernel file as NVRTC compiles it: each header of
+/// `cuda/kernels/` it includes inlined (NVRTC is given no include path).
 pub fn nvrtc_source(file: &str) -> Option<String> {
-    let source = table::SOURCES.iter().find(|(stem, _)| *stem == file)?.1;
-    Some(source.replace("#include \"common.cuh\"", table::COMMON))
+    let mut source = table::SOURCES.iter().find(|(stem, _)| *stem == file)?.1.to_string();
+    for (name, text) in table::HEADERS {
+        source = source.replace(&format!("#include \"{name}\""), text);
+    }
+    Some(source)
 }
 
 /// Every kernel file's stem.
