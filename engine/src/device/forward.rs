@@ -5,7 +5,7 @@
 //! CPU engine's bits, whatever the batch.
 
 use deepinfer_cuda::ops::attention::{attend, index_topk, Selection};
-use deepinfer_cuda::ops::compressor::compress_tokens;
+use deepinfer_cuda::ops::compressor::{compress_tokens, CompressorSlots};
 use deepinfer_cuda::ops::elementwise::{rope_rows, scale_rows, swiglu_clamped};
 use deepinfer_cuda::ops::hyper::{hyper_head, hyper_post, hyper_pre};
 use deepinfer_cuda::ops::linear::{gather_rows as embed_rows, linear_forward, DeviceLinear};
@@ -16,7 +16,7 @@ use deepinfer_cuda::{DeviceBuffer, DeviceError, Gpu};
 use deepinfer_kernels::ops::Rope;
 
 use super::state::{reserve, DeviceLayer};
-use super::weights::{DeviceAttention, DeviceBlock, DeviceHead, DeviceMlp, DeviceMoe};
+use super::weights::{DeviceAttention, DeviceBlock, DeviceCompressorWeights, DeviceHead, DeviceMlp, DeviceMoe};
 use super::DeviceModel;
 use crate::config::{AttentionKind, RoutingKind};
 use crate::model::{ChunkOutput, LogitsWanted};
@@ -204,51 +204,13 @@ impl DeviceModel {
         rope_rows(gpu, Rows::packed(&kv, hd), n, 1, hd, rd, &angles.cos, &angles.sin, false)?;
 
         if let Some(c) = &a.compressor {
-            let width = c.wkv.rows;
-            let ckv = project(gpu, &c.wkv, xr, n)?;
-            let cgate = project(gpu, &c.wgate, xr, n)?;
-            for (span, layer) in spans.iter().zip(layers.iter_mut()) {
-                if span.replay {
-                    continue;
-                }
-                let slots = layer.compressor.as_mut().expect("a compressed layer's state");
-                reserve(gpu, slots, (slots.pending() + span.len) / c.pooling.ratio)?;
-                compress_tokens(
-                    gpu,
-                    &c.pooling,
-                    slots,
-                    Rows::new(&ckv, span.start * width, width),
-                    Rows::new(&cgate, span.start * width, width),
-                    span.len,
-                    span.position,
-                    rope,
-                    eps,
-                )?;
-            }
+            let mut slots = layers.iter_mut().map(|l| l.compressor.as_mut().expect("a compressed layer's state"));
+            self.compress(c, xr, n, spans, &mut slots, rope)?;
         }
         let index = match &a.indexer {
             Some(ix) => {
-                let width = ix.wkv.rows;
-                let ckv = project(gpu, &ix.wkv, xr, n)?;
-                let cgate = project(gpu, &ix.wgate, xr, n)?;
-                for (span, layer) in spans.iter().zip(layers.iter_mut()) {
-                    if span.replay {
-                        continue;
-                    }
-                    let slots = layer.indexer.as_mut().expect("a CSA layer's indexer state");
-                    reserve(gpu, slots, (slots.pending() + span.len) / ix.compressor.ratio)?;
-                    compress_tokens(
-                        gpu,
-                        &ix.compressor,
-                        slots,
-                        Rows::new(&ckv, span.start * width, width),
-                        Rows::new(&cgate, span.start * width, width),
-                        span.len,
-                        span.position,
-                        rope,
-                        eps,
-                    )?;
-                }
+                let mut slots = layers.iter_mut().map(|l| l.indexer.as_mut().expect("a CSA layer's indexer state"));
+                self.compress(&ix.compressor, xr, n, spans, &mut slots, rope)?;
                 let (ih, ihd) = (cfg.index_n_heads, cfg.index_head_dim);
                 let iq = project(gpu, &ix.wq_b, Rows::packed(&q_res, cfg.q_lora_rank), n)?;
                 rope_rows(gpu, Rows::packed(&iq, ih * ihd), n, ih, ihd, rd, &angles.cos, &angles.sin, false)?;
@@ -387,6 +349,42 @@ impl DeviceModel {
         }
         let _ = d;
         project(gpu, &a.wo_b, Rows::packed(&grouped, groups * rank), n)
+    }
+
+    /// Project `x` through a compressor and feed each span that is not a
+    /// replay to its sequence's slots (`slots`, one per span, in order).
+    fn compress(
+        &self,
+        c: &DeviceCompressorWeights,
+        x: Rows,
+        n: usize,
+        spans: &[Span],
+        slots: &mut dyn Iterator<Item = &mut CompressorSlots>,
+        rope: &Rope,
+    ) -> Result<(), DeviceError> {
+        let gpu = &self.gpu;
+        let width = c.wkv.rows;
+        let kv = project(gpu, &c.wkv, x, n)?;
+        let gate = project(gpu, &c.wgate, x, n)?;
+        for (span, slots) in spans.iter().zip(slots) {
+            if span.replay {
+                continue;
+            }
+            reserve(gpu, slots, (slots.pending() + span.len) / c.pooling.ratio)?;
+            let rows = |buf| Rows::new(buf, span.start * width, width);
+            compress_tokens(
+                gpu,
+                &c.pooling,
+                slots,
+                rows(&kv),
+                rows(&gate),
+                span.len,
+                span.position,
+                rope,
+                self.config.rms_norm_eps,
+            )?;
+        }
+        Ok(())
     }
 
     fn mlp(&self, m: &DeviceMlp, x: Rows, n: usize) -> Result<DeviceBuffer<f32>, DeviceError> {

@@ -119,8 +119,10 @@ pub(crate) fn upload(
             _ => None,
         };
         let indexer = match (&block.attn.indexer, &layer.indexer) {
-            (Some(ix), Some(h)) => Some(slots_from(gpu, &ix.compressor, h, ix.compressor.dim)?),
-            (Some(ix), None) => Some(slots_from(gpu, &ix.compressor, &CompressorState::default(), ix.compressor.dim)?),
+            (Some(ix), Some(h)) => Some(slots_from(gpu, &ix.compressor.pooling, h, ix.compressor.pooling.dim)?),
+            (Some(ix), None) => {
+                Some(slots_from(gpu, &ix.compressor.pooling, &CompressorState::default(), ix.compressor.pooling.dim)?)
+            }
             _ => None,
         };
         out.push(DeviceLayer { window, window_rows: rows, compressor, indexer });

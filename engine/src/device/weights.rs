@@ -22,9 +22,7 @@ pub(crate) struct DeviceHead {
 }
 
 pub(crate) struct DeviceIndexer {
-    pub compressor: DeviceCompressor,
-    pub wkv: DeviceLinear,
-    pub wgate: DeviceLinear,
+    pub compressor: DeviceCompressorWeights,
     pub wq_b: DeviceLinear,
     pub weights_proj: DeviceLinear,
 }
@@ -113,16 +111,11 @@ impl Uploader<'_> {
 
     fn attention(&self, a: &Attention) -> Result<DeviceAttention, DeviceError> {
         let indexer = match &a.indexer {
-            Some(ix) => {
-                let c = self.compressor(&ix.compressor)?;
-                Some(DeviceIndexer {
-                    compressor: c.pooling,
-                    wkv: c.wkv,
-                    wgate: c.wgate,
-                    wq_b: self.linear(&ix.wq_b)?,
-                    weights_proj: self.linear(&ix.weights_proj)?,
-                })
-            }
+            Some(ix) => Some(DeviceIndexer {
+                compressor: self.compressor(&ix.compressor)?,
+                wq_b: self.linear(&ix.wq_b)?,
+                weights_proj: self.linear(&ix.weights_proj)?,
+            }),
             None => None,
         };
         Ok(DeviceAttention {
