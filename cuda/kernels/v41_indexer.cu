@@ -6,35 +6,9 @@
 // (v41_model.cu) attends to. Sums that the CPU takes with Rust's
 // `Iterator::sum::<f64>` start from -0.0 as it does.
 #include "common.cuh"
+#include "v41.cuh"
 
 #define V41M_SELECT_THREADS 128
-
-// `round_bf16`: ties to even; a NaN keeps its high bits, quiet.
-static __device__ __forceinline__ float v41m_round_bf16(float x) {
-    u32 b = __float_as_uint(x);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return __uint_as_float(((b >> 16) | 0x40u) << 16);
-    u32 h = b >> 16;
-    if ((b & 0x8000u) != 0 && (b & (3u * 0x8000u - 1u)) != 0) h += 1;
-    return __uint_as_float(h << 16);
-}
-// `act_quant::dot_f64`: eight f64 lanes (column c into lane c % 8), folded
-// ((0+4)+(1+5))+((2+6)+(3+7)), plus the tail's products summed in order.
-static __device__ __forceinline__ double v41m_dot_f64(const float* a, const float* b, int n) {
-    double acc[8];
-#pragma unroll
-    for (int l = 0; l < 8; ++l) acc[l] = 0.0;
-    const int whole = n / 8 * 8;
-    for (int c = 0; c < whole; c += 8)
-#pragma unroll
-        for (int l = 0; l < 8; ++l)
-            acc[l] = __dadd_rn(acc[l], __dmul_rn(static_cast<double>(a[c + l]), static_cast<double>(b[c + l])));
-    double tail = -0.0;
-    for (int c = whole; c < n; ++c)
-        tail = __dadd_rn(tail, __dmul_rn(static_cast<double>(a[c]), static_cast<double>(b[c])));
-    double lo = __dadd_rn(__dadd_rn(acc[0], acc[4]), __dadd_rn(acc[1], acc[5]));
-    double hi = __dadd_rn(__dadd_rn(acc[2], acc[6]), __dadd_rn(acc[3], acc[7]));
-    return __dadd_rn(__dadd_rn(lo, hi), tail);
-}
 
 // The entries query t's top-k ranges over (`Span::width`).
 static __device__ __forceinline__ int v41m_width(int start, int len, int ratio, int t) {
@@ -59,11 +33,11 @@ extern "C" __global__ void v41m_index_scores(const float* keys, const float* q, 
         const float* k = keys + static_cast<u64>(j) * ihd;
         double sum = -0.0;
         for (int h = 0; h < ih; ++h) {
-            const double dot = v41m_dot_f64(k, q + (static_cast<u64>(t) * ih + h) * ihd, ihd);
-            const float s = fmaxf(v41m_round_bf16(static_cast<float>(dot)), 0.0f);
-            sum = __dadd_rn(sum, static_cast<double>(v41m_round_bf16(__fmul_rn(s, w[static_cast<u64>(t) * ih + h]))));
+            const double dot = v41_dot_f64(k, q + (static_cast<u64>(t) * ih + h) * ihd, ihd);
+            const float s = fmaxf(v41_round_bf16(static_cast<float>(dot)), 0.0f);
+            sum = __dadd_rn(sum, static_cast<double>(v41_round_bf16(__fmul_rn(s, w[static_cast<u64>(t) * ih + h]))));
         }
-        score = v41m_round_bf16(static_cast<float>(sum));
+        score = v41_round_bf16(static_cast<float>(sum));
     }
     if (keep && j < keep_len[t] && keep[static_cast<u64>(t) * keep_stride + j] == 0) score = DI_NEG_INF;
     scores[static_cast<u64>(t) * stride + j] = score;

@@ -13,47 +13,12 @@
 // - MoE routing (`ffn::route`), the weighted clamped SwiGLU
 //   (`ffn::expert_forward`) and the combine (`ffn::combine`).
 // Sums that the CPU takes with Rust's `Iterator::sum::<f64>` start from
-// -0.0 as it does. `exp` is glibc's, ported as in v41_rows.cu (NVRTC inlines
-// no other file, so the port is repeated here).
+// -0.0 as it does. `exp` is glibc's, ported in libm_exp.cuh.
 #include "common.cuh"
+#include "v41.cuh"
 #include "libm_exp.cuh"
 
 #define V41M_SLOTS 64
-
-// `round_bf16`: ties to even; a NaN keeps its high bits, quiet.
-static __device__ __forceinline__ float v41m_round_bf16(float x) {
-    u32 b = __float_as_uint(x);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return __uint_as_float(((b >> 16) | 0x40u) << 16);
-    u32 h = b >> 16;
-    if ((b & 0x8000u) != 0 && (b & (3u * 0x8000u - 1u)) != 0) h += 1;
-    return __uint_as_float(h << 16);
-}
-
-// Rust's `f32::clamp`: NaN stays NaN.
-static __device__ __forceinline__ float v41m_clamp(float x, float lo, float hi) {
-    if (x < lo) x = lo;
-    if (x > hi) x = hi;
-    return x;
-}
-
-// `act_quant::dot_f64`: eight f64 lanes (column c into lane c % 8), folded
-// ((0+4)+(1+5))+((2+6)+(3+7)), plus the tail's products summed in order.
-static __device__ __forceinline__ double v41m_dot_f64(const float* a, const float* b, int n) {
-    double acc[8];
-#pragma unroll
-    for (int l = 0; l < 8; ++l) acc[l] = 0.0;
-    const int whole = n / 8 * 8;
-    for (int c = 0; c < whole; c += 8)
-#pragma unroll
-        for (int l = 0; l < 8; ++l)
-            acc[l] = __dadd_rn(acc[l], __dmul_rn(static_cast<double>(a[c + l]), static_cast<double>(b[c + l])));
-    double tail = -0.0;
-    for (int c = whole; c < n; ++c)
-        tail = __dadd_rn(tail, __dmul_rn(static_cast<double>(a[c]), static_cast<double>(b[c])));
-    double lo = __dadd_rn(__dadd_rn(acc[0], acc[4]), __dadd_rn(acc[1], acc[5]));
-    double hi = __dadd_rn(__dadd_rn(acc[2], acc[6]), __dadd_rn(acc[3], acc[7]));
-    return __dadd_rn(__dadd_rn(lo, hi), tail);
-}
 
 // `ops::exp` (f32 through f64), `ops::sigmoid`, `ops::silu`, `ops::rsqrt`.
 static __device__ __forceinline__ float v41m_expf(float x) { return static_cast<float>(di_libm_exp(static_cast<double>(x))); }
@@ -134,7 +99,7 @@ extern "C" __global__ void v41m_hc_pre(const float* streams, const float* pre, i
     const float* s = streams + t * hc * d;
     double sum = -0.0;
     for (int i = 0; i < hc; ++i) sum = __dadd_rn(sum, static_cast<double>(__fmul_rn(pre[t * hc + i], s[i * d + c])));
-    out[t * d + c] = v41m_round_bf16(static_cast<float>(sum));
+    out[t * d + c] = v41_round_bf16(static_cast<float>(sum));
 }
 
 // `ops::hc_post`: streams[j][c] = bf16(post[j] · output[c] + f32(Σ_i
@@ -151,7 +116,7 @@ extern "C" __global__ void v41m_hc_post(const float* residual, const float* outp
         for (int i = 0; i < hc; ++i)
             mixed = __dadd_rn(mixed, static_cast<double>(__fmul_rn(comb[t * hc * hc + i * hc + j], r[i * d + c])));
         streams[t * hc * d + j * d + c] =
-            v41m_round_bf16(__fadd_rn(__fmul_rn(post[t * hc + j], o), static_cast<float>(mixed)));
+            v41_round_bf16(__fadd_rn(__fmul_rn(post[t * hc + j], o), static_cast<float>(mixed)));
     }
 }
 
@@ -166,7 +131,7 @@ extern "C" __global__ void v41m_engram_gather(const u8* values, const u8* scales
     for (int c = threadIdx.x; c < dim; c += blockDim.x) {
         const float v = di_fp8_e4m3_to_f32(values[r * dim + c]);
         const float s = di_ue8m0_to_f32(scales[r * (dim / 32) + c / 32]);
-        out[i * dim + c] = v41m_round_bf16(__fmul_rn(v, s));
+        out[i * dim + c] = v41_round_bf16(__fmul_rn(v, s));
     }
 }
 
@@ -192,7 +157,7 @@ extern "C" __global__ void v41m_engram_gate(float* streams, const float* kv, con
     }
     __syncthreads();
     const float g = gate;
-    for (int c = threadIdx.x; c < d; c += blockDim.x) s[c] = v41m_round_bf16(__fadd_rn(s[c], __fmul_rn(g, value[c])));
+    for (int c = threadIdx.x; c < d; c += blockDim.x) s[c] = v41_round_bf16(__fadd_rn(s[c], __fmul_rn(g, value[c])));
 }
 
 // ---- Element-wise ------------------------------------------------------------
@@ -202,7 +167,7 @@ extern "C" __global__ void v41m_engram_gate(float* streams, const float* kv, con
 extern "C" __global__ void v41m_scale(float* x, long long count, float factor, int divide) {
     const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= count) return;
-    x[i] = divide ? __fdiv_rn(x[i], factor) : v41m_round_bf16(__fmul_rn(x[i], factor));
+    x[i] = divide ? __fdiv_rn(x[i], factor) : v41_round_bf16(__fmul_rn(x[i], factor));
 }
 
 // ---- Compressor --------------------------------------------------------------
@@ -225,7 +190,7 @@ extern "C" __global__ void v41m_compress_pool(const float* kv, const float* scor
             const float w = static_cast<float>(__ddiv_rn(di_libm_exp(__dadd_rn(static_cast<double>(s[i * hd]), -max)), total));
             sum = __dadd_rn(sum, static_cast<double>(__fmul_rn(v[i * hd], w)));
         }
-        out[g * hd + ch] = v41m_round_bf16(static_cast<float>(sum));
+        out[g * hd + ch] = v41_round_bf16(static_cast<float>(sum));
     }
 }
 
@@ -275,7 +240,7 @@ extern "C" __global__ void v41m_sparse_attention(const float* q, int heads, int 
                 row = entries + static_cast<u64>(selected[static_cast<u64>(t) * sel_stride + slot - window_slots]) * hd;
             }
             rows[i] = row;
-            score[i] = row ? __fmul_rn(static_cast<float>(v41m_dot_f64(qh, row, hd)), scale) : DI_NEG_INF;
+            score[i] = row ? __fmul_rn(static_cast<float>(v41_dot_f64(qh, row, hd)), scale) : DI_NEG_INF;
         }
         __syncthreads();
         if (tid == 0) {
@@ -298,7 +263,7 @@ extern "C" __global__ void v41m_sparse_attention(const float* q, int heads, int 
             for (int i = 0; i < in_block; ++i) {
                 const float* row = rows[i];
                 if (row)
-                    weighted = __dadd_rn(weighted, __dmul_rn(static_cast<double>(v41m_round_bf16(prob[i])),
+                    weighted = __dadd_rn(weighted, __dmul_rn(static_cast<double>(v41_round_bf16(prob[i])),
                                                              static_cast<double>(row[c])));
             }
             acc[c] = __fadd_rn(__fmul_rn(acc[c], rescale), static_cast<float>(weighted));
@@ -309,7 +274,7 @@ extern "C" __global__ void v41m_sparse_attention(const float* q, int heads, int 
     __syncthreads();
     const float sum_exp = state[2];
     float* o = out + (static_cast<u64>(t) * heads + h) * hd;
-    for (int c = tid; c < hd; c += blockDim.x) o[c] = v41m_round_bf16(__fdiv_rn(acc[c], sum_exp));
+    for (int c = tid; c < hd; c += blockDim.x) o[c] = v41_round_bf16(__fdiv_rn(acc[c], sum_exp));
 }
 
 // ---- MoE -----------------------------------------------------------------------
@@ -361,11 +326,11 @@ extern "C" __global__ void v41m_swiglu(float* gate, const float* up, const float
     float g = gate[r * inter + c], u = up[r * inter + c];
     if (limit > 0.0f) {
         g = fminf(g, limit);
-        u = v41m_clamp(u, -limit, limit);
+        u = v41_clamp(u, -limit, limit);
     }
     float h = __fmul_rn(v41m_silu(g), u);
     if (weights) h = __fmul_rn(weights[r], h);
-    gate[r * inter + c] = v41m_round_bf16(h);
+    gate[r * inter + c] = v41_round_bf16(h);
 }
 
 // `ffn::combine`: out[t][c] = bf16((Σ routed outputs in (expert, slot)
@@ -392,5 +357,5 @@ extern "C" __global__ void v41m_moe_combine(const float* routed, const int* expe
         prev_e = best_e;
         prev_s = best_s;
     }
-    out[t * d + c] = v41m_round_bf16(__fadd_rn(y, shared[t * d + c]));
+    out[t * d + c] = v41_round_bf16(__fadd_rn(y, shared[t * d + c]));
 }

@@ -14,24 +14,8 @@
 // - RoPE from host cos/sin tables (the CPU's libm `cos`/`sin` of the f32
 //   angle), rotated in f64 and rounded to f32 then bf16.
 #include "common.cuh"
+#include "v41.cuh"
 #include "libm_exp.cuh"
-
-// `round_bf16` (half::bf16::from_f32 then back): ties to even; a NaN keeps
-// its high bits with the quiet bit set.
-static __device__ __forceinline__ float v41_round_bf16(float x) {
-    u32 b = __float_as_uint(x);
-    if ((b & 0x7fffffffu) > 0x7f800000u) return __uint_as_float(((b >> 16) | 0x40u) << 16);
-    u32 h = b >> 16;
-    if ((b & 0x8000u) != 0 && (b & (3u * 0x8000u - 1u)) != 0) h += 1;
-    return __uint_as_float(h << 16);
-}
-
-// Rust's `f32::clamp`: NaN stays NaN.
-static __device__ __forceinline__ float v41_clamp(float x, float lo, float hi) {
-    if (x < lo) x = lo;
-    if (x > hi) x = hi;
-    return x;
-}
 
 // `power_of_two_scale`: 2^ceil(log2(amax · max_inv)) from the product's bits.
 static __device__ __forceinline__ float v41_power_of_two_scale(float amax, float max_inv) {
@@ -56,13 +40,6 @@ static __device__ __forceinline__ float v41_e4m3_round(float x) {
         rounded = __uint_as_float((bits + 0x7ffffu + lsb) & ~0xfffffu);
     }
     return copysignf(rounded, x);
-}
-
-// The 16 values of FP4 e2m1 by nibble (`FP4_E2M1_VALUES`), by arithmetic.
-static __device__ __forceinline__ float v41_fp4_value(u32 code) {
-    u32 m = code & 7u;
-    float v = m < 4u ? 0.5f * static_cast<float>(m) : m < 6u ? static_cast<float>(m - 2u) : m == 6u ? 4.0f : 6.0f;
-    return (code & 8u) ? -v : v;
 }
 
 // `f32_to_fp4_e2m1`: the nearest e2m1 code (ties to the even code), the
