@@ -17,6 +17,7 @@ use deepinfer_engine::scheduler::{EngineConfig, Scheduler};
 use tokio::sync::mpsc;
 
 use super::engine_thread::{EngineHandle, Event, Submission};
+use super::failure::{Evidence, Origin};
 use super::metrics as m;
 
 /// How often requests whose client left are looked for.
@@ -45,22 +46,23 @@ enum Turn {
 /// policy of the cluster's schedulers: requests they would refuse are
 /// refused here, at once, with the engine's own error. At most
 /// `max_outstanding` requests are in the cluster; past it submissions wait
-/// in a queue of `max_queue`, and past that get 429.
+/// in a queue of `max_queue`, and past that get 429. A request the cluster
+/// fails counts against `/health` for `failure_timeout`.
 pub fn spawn(
     rt: tokio::runtime::Runtime,
     cluster: Cluster,
     model: &Model,
     config: EngineConfig,
-    max_outstanding: usize,
+    (max_outstanding, failure_timeout): (usize, Duration),
 ) -> anyhow::Result<(EngineHandle, JoinHandle<()>)> {
     assert!(max_outstanding > 0, "room for at least one request");
     let checker = Scheduler::new(&model.config, config.clone())?;
     let (tx, rx) = mpsc::channel(config.max_waiting.max(1));
     let eos = model.config.eos_token_id;
-    let handle = EngineHandle::new(tx, None);
-    let unavailable = Arc::clone(&handle.unavailable);
+    let handle = EngineHandle::new(tx, None, failure_timeout);
+    let (unavailable, evidence) = (Arc::clone(&handle.unavailable), Arc::clone(&handle.evidence));
     let thread = std::thread::Builder::new().name("cluster-driver".into()).spawn(move || {
-        let cluster = rt.block_on(drive(cluster, rx, (&checker, eos, max_outstanding), unavailable));
+        let cluster = rt.block_on(drive(cluster, rx, (&checker, eos, max_outstanding), (unavailable, &evidence)));
         rt.block_on(cluster.shutdown());
     })?;
     Ok((handle, thread))
@@ -70,7 +72,7 @@ async fn drive(
     mut cluster: Cluster,
     mut rx: mpsc::Receiver<Submission>,
     (checker, eos, max_outstanding): (&Scheduler, u32, usize),
-    unavailable: Arc<Mutex<Option<String>>>,
+    (unavailable, evidence): (Arc<Mutex<Option<String>>>, &Evidence),
 ) -> Cluster {
     let mut live: BTreeMap<u64, Live> = BTreeMap::new();
     let mut scan = tokio::time::interval(CANCEL_SCAN);
@@ -88,7 +90,7 @@ async fn drive(
         match turn {
             Turn::Submission(None) => open = false,
             Turn::Submission(Some(s)) => admit(&mut cluster, &mut live, *s, checker, eos),
-            Turn::Update(Some(u)) => deliver(&mut live, u),
+            Turn::Update(Some(u)) => deliver(&mut live, u, evidence),
             Turn::Update(None) => {}
             Turn::Scan => {
                 for (&id, l) in live.iter_mut().filter(|(_, l)| !l.cancelled && l.events.is_closed()) {
@@ -122,7 +124,7 @@ fn admit(cluster: &mut Cluster, live: &mut BTreeMap<u64, Live>, s: Submission, c
     live.insert(id, l);
 }
 
-fn deliver(live: &mut BTreeMap<u64, Live>, update: Update) {
+fn deliver(live: &mut BTreeMap<u64, Live>, update: Update, evidence: &Evidence) {
     let now = Instant::now();
     match update {
         Update::Refused { id, reason } => {
@@ -153,7 +155,12 @@ fn deliver(live: &mut BTreeMap<u64, Live>, update: Update) {
         Update::Finished { id, finished } => {
             if let Some(l) = live.remove(&id) {
                 m::finished(&finished, now - l.arrived, l.sent);
-                let _ = l.events.send(Event::Finished(finished));
+                let event = Event::end(finished, Origin::Cluster);
+                // A request cancelled because its client left says nothing about serving.
+                if !l.cancelled {
+                    evidence.record(event.failure());
+                }
+                let _ = l.events.send(event);
             }
         }
     }

@@ -19,6 +19,7 @@ use tokio::sync::mpsc;
 
 use super::engine_thread::Event;
 use super::errors::{ApiError, Flavor, Kind};
+use super::failure::{stream_error, Failure, Origin, Seen, StreamFailure};
 use super::fields;
 use super::{params, parse_object, AppState};
 
@@ -207,7 +208,14 @@ async fn run(state: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
             if done {
                 return None;
             }
-            let (piece, tokens, finish, usage) = ev.next().await;
+            let (piece, tokens, finish, usage) = match ev.next().await {
+                Ok(step) => step,
+                // The error ends the stream: no finish reason, no `[DONE]` (see `failure`).
+                Err(f) => {
+                    let error = stream_error(StreamFailure::ErrorData, &f.api(Flavor::OpenAi), &Seen::default());
+                    return Some((stream::iter(vec![Ok::<_, Infallible>(error)]), (ev, chunk, true, permit)));
+                }
+            };
             let logprobs =
                 if ev.ask.logprobs { logprobs_json(&ev.state, &tokens, ev.offset - piece.len()) } else { Value::Null };
             let mut events = vec![chunk(piece, logprobs, finish.as_deref())];
@@ -221,7 +229,8 @@ async fn run(state: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
             if finish.is_some() {
                 data.push(SseEvent::default().data("[DONE]"));
             }
-            Some((stream::iter(data.into_iter().map(Ok::<_, Infallible>)), (ev, chunk, finish.is_some(), permit)))
+            let data: Vec<Result<SseEvent, Infallible>> = data.into_iter().map(Ok).collect();
+            Some((stream::iter(data), (ev, chunk, finish.is_some(), permit)))
         });
         use futures_util::StreamExt;
         return Ok(Sse::new(out.flatten()).keep_alive(KeepAlive::default()).into_response());
@@ -230,7 +239,7 @@ async fn run(state: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut all_tokens = Vec::new();
     loop {
-        let (piece, tokens, finish, usage) = events.next().await;
+        let (piece, tokens, finish, usage) = events.next().await.map_err(|f| f.api(Flavor::OpenAi))?;
         text.push_str(&piece);
         all_tokens.extend(tokens);
         if let (Some(finish), Some(usage)) = (finish, usage) {
@@ -283,9 +292,12 @@ fn async_stream(
     }
 }
 
+/// A piece of text, its tokens, and at the end the finish reason and usage.
+type Step = (String, Vec<TokenOutput>, Option<String>, Option<Value>);
+
 impl Events {
-    /// The next piece of text, its tokens, and the finish reason and usage at the end.
-    async fn next(&mut self) -> (String, Vec<TokenOutput>, Option<String>, Option<Value>) {
+    /// The next piece of the completion, or why it failed.
+    async fn next(&mut self) -> Result<Step, Failure> {
         let mut piece = String::new();
         if !self.echoed {
             self.echoed = true;
@@ -293,37 +305,42 @@ impl Events {
         }
         let usage = |s: &Self| json!({"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens, "total_tokens": s.prompt_tokens + s.completion_tokens});
         if self.finished {
-            return (piece, Vec::new(), Some("stop".into()), Some(usage(self)));
+            return Ok((piece, Vec::new(), Some("stop".into()), Some(usage(self))));
         }
-        match self.rx.recv().await {
-            Some(Event::Tokens { tokens, .. }) => {
-                self.completion_tokens += tokens.len();
-                let kept: Vec<TokenOutput> = tokens.into_iter().filter(|t| t.token != self.eos).collect();
-                self.text.ids.extend(kept.iter().map(|t| t.token));
-                let (more, stopped) = self.text.advance(&self.state, &self.ask.stops, false);
-                piece.push_str(&more);
-                self.offset += piece.len();
-                if stopped {
-                    self.finished = true;
-                    return (piece, kept, Some("stop".into()), Some(usage(self)));
+        loop {
+            match self.rx.recv().await {
+                Some(Event::Tokens { tokens, .. }) => {
+                    self.completion_tokens += tokens.len();
+                    let kept: Vec<TokenOutput> = tokens.into_iter().filter(|t| t.token != self.eos).collect();
+                    self.text.ids.extend(kept.iter().map(|t| t.token));
+                    let (more, stopped) = self.text.advance(&self.state, &self.ask.stops, false);
+                    piece.push_str(&more);
+                    self.offset += piece.len();
+                    if stopped {
+                        self.finished = true;
+                        return Ok((piece, kept, Some("stop".into()), Some(usage(self))));
+                    }
+                    return Ok((piece, kept, None, None));
                 }
-                (piece, kept, None, None)
-            }
-            Some(Event::Finished(f)) => {
-                self.finished = true;
-                let (more, _) = self.text.advance(&self.state, &self.ask.stops, true);
-                piece.push_str(&more);
-                self.offset += piece.len();
-                let reason = match f.reason {
-                    FinishReason::Length => "length",
-                    _ => "stop",
-                };
-                self.completion_tokens = f.completion_tokens;
-                (piece, Vec::new(), Some(reason.into()), Some(usage(self)))
-            }
-            Some(_) | None => {
-                self.finished = true;
-                (piece, Vec::new(), Some("stop".into()), Some(usage(self)))
+                Some(Event::Finished(f)) => {
+                    let reason = match &f.reason {
+                        FinishReason::Stop => "stop",
+                        FinishReason::Length => "length",
+                        // Failures come as `Event::Failed`; never let one pass as an answer.
+                        other => return Err(Failure::of_finish(other, Origin::Engine).expect("not an answer")),
+                    };
+                    self.finished = true;
+                    let (more, _) = self.text.advance(&self.state, &self.ask.stops, true);
+                    piece.push_str(&more);
+                    self.offset += piece.len();
+                    self.completion_tokens = f.completion_tokens;
+                    return Ok((piece, Vec::new(), Some(reason.into()), Some(usage(self))));
+                }
+                Some(Event::Failed(f)) => return Err(f),
+                // Refused where it was sent after it was queued (a cluster's scheduler).
+                Some(Event::Rejected(e)) => return Err(Failure::refused(&e)),
+                Some(Event::Queued) => {}
+                None => return Err(Failure::stopped()),
             }
         }
     }

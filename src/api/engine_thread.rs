@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 
 use super::cache_metrics;
 use super::constraint::RequestConstraint;
+use super::failure::{Evidence, Failure, Origin};
 use super::metrics as m;
 use crate::kv_disk::worker::{Clock, DiskWorker, Fetched};
 use crate::kv_disk::{CacheSetup, DiskStats};
@@ -29,7 +30,8 @@ pub struct Submission {
 }
 
 /// What the engine thread tells a handler about its request, in this order:
-/// `Queued` or `Rejected`; then `Tokens` (zero or more) and `Finished`.
+/// `Queued` or `Rejected`; then `Tokens` (zero or more) and `Finished`,
+/// `Failed` or (a cluster's late refusal) `Rejected`.
 #[derive(Debug)]
 pub enum Event {
     Queued,
@@ -40,8 +42,29 @@ pub enum Event {
         tokens: Vec<TokenOutput>,
         cached_tokens: usize,
     },
-    /// The request ended. A final EOS is not among the tokens sent.
+    /// The request ended with an answer (stop or length). A final EOS is
+    /// not among the tokens sent.
     Finished(Finished),
+    /// The request ended without one: an error, or cancelled by the server.
+    Failed(Failure),
+}
+
+impl Event {
+    /// The event that ends a request run by `origin`.
+    pub fn end(finished: Finished, origin: Origin) -> Self {
+        match Failure::of_finish(&finished.reason, origin) {
+            Some(f) => Event::Failed(f),
+            None => Event::Finished(finished),
+        }
+    }
+
+    /// The failure an ending event tells of.
+    pub fn failure(&self) -> Option<&Failure> {
+        match self {
+            Event::Failed(f) => Some(f),
+            _ => None,
+        }
+    }
 }
 
 /// Why a submission did not reach the engine.
@@ -62,12 +85,15 @@ pub struct EngineHandle {
     /// Why what runs the requests cannot now (a cluster none of whose
     /// routers is reachable), for `/health`; `None` while it can.
     pub unavailable: Arc<std::sync::Mutex<Option<String>>>,
+    /// How the last requests ended, for `/health`.
+    pub evidence: Arc<Evidence>,
 }
 
 impl EngineHandle {
-    /// A handle over `tx`, whichever thread takes its submissions.
-    pub fn new(tx: mpsc::Sender<Submission>, disk_stats: Option<Arc<DiskStats>>) -> Self {
-        Self { tx, disk_stats, unavailable: Arc::default() }
+    /// A handle over `tx`, whichever thread takes its submissions; retryable
+    /// failures count against readiness for `failure_timeout`.
+    pub fn new(tx: mpsc::Sender<Submission>, disk_stats: Option<Arc<DiskStats>>, failure_timeout: Duration) -> Self {
+        Self { tx, disk_stats, unavailable: Arc::default(), evidence: Arc::new(Evidence::new(failure_timeout)) }
     }
 
     /// Why requests cannot run now, if they cannot.
@@ -112,12 +138,15 @@ pub fn spawn(
     });
     let tiers = TierConfig { disk: disk.is_some(), ..cache.tiers };
     let disk_stats = disk.as_ref().map(|d| d.stats.clone());
+    // One process has no failure timeout; the evidence's own minimum applies.
+    let handle = EngineHandle::new(tx, disk_stats, Duration::ZERO);
+    let evidence = Arc::clone(&handle.evidence);
     let thread = std::thread::Builder::new().name("engine".into()).spawn(move || {
         let mut engine = crate::generation::new_engine(model, config).expect("validated above");
         engine.configure_tiers(tiers);
-        run(engine, rx, disk, cache.clock);
+        run(engine, rx, disk, cache.clock, &evidence);
     })?;
-    Ok((EngineHandle::new(tx, disk_stats), thread))
+    Ok((handle, thread))
 }
 
 /// Waiting requests whose prefixes are looked for on disk per step.
@@ -184,7 +213,13 @@ struct Live {
     eos: u32,
 }
 
-fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>, disk: Option<DiskWorker>, clock: Clock) {
+fn run(
+    mut engine: Engine,
+    mut rx: mpsc::Receiver<Submission>,
+    disk: Option<DiskWorker>,
+    clock: Clock,
+    evidence: &Evidence,
+) {
     let eos = engine.model().config.eos_token_id;
     let mut live: BTreeMap<RequestId, Live> = BTreeMap::new();
     let mut disk_side = DiskSide::default();
@@ -251,7 +286,9 @@ fn run(mut engine: Engine, mut rx: mpsc::Receiver<Submission>, disk: Option<Disk
                 if let Some(f) = u.finished {
                     let l = live.remove(&u.id).expect("live request");
                     m::finished(&f, now - l.arrived, l.sent);
-                    let _ = l.events.send(Event::Finished(f));
+                    let event = Event::end(f, Origin::Engine);
+                    evidence.record(event.failure());
+                    let _ = l.events.send(event);
                 }
             }
         }

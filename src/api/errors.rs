@@ -13,6 +13,10 @@ use super::metrics;
 
 /// `Retry-After` of a 429, in seconds.
 pub const RETRY_AFTER_SECS: &str = "1";
+/// `Retry-After` of a 503, in seconds: a lost node is declared down and its
+/// work moved within a failure timeout (seconds), and a load balancer may
+/// send the retry to another front end at once.
+pub const RETRY_UNAVAILABLE_SECS: &str = "2";
 
 /// Which protocol's error body to write.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -130,9 +134,15 @@ impl IntoResponse for ApiError {
         let status = self.status();
         metrics::http_error(status.as_u16());
         let mut response = (status, Json(self.body())).into_response();
-        if self.kind == Kind::RateLimited {
+        let retry_after = match self.kind {
             // Requests in flight finish within seconds at most loads; retry soon.
-            response.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static(RETRY_AFTER_SECS));
+            Kind::RateLimited => Some(RETRY_AFTER_SECS),
+            // Nothing can serve it now: retryable, unlike a 500.
+            Kind::Unavailable => Some(RETRY_UNAVAILABLE_SECS),
+            _ => None,
+        };
+        if let Some(secs) = retry_after {
+            response.headers_mut().insert(header::RETRY_AFTER, header::HeaderValue::from_static(secs));
         }
         response
     }

@@ -28,13 +28,15 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
-use super::constraint::{OutputFormat, RequestConstraint, MAX_GRAMMAR_BYTES};
+use super::constraint::{Limits, OutputFormat, RequestConstraint, MAX_GRAMMAR_BYTES};
 use super::errors::{ApiError, Flavor, Kind};
-use super::inference::{inference_stream, Inference};
+use super::failure::{stream_error, Seen};
+use super::inference::{inference_stream, FailureSlot, Inference};
 use super::protocols::Api;
 use super::tool_grammar::ToolSpec;
 use super::usage::{patch_reasoning_tokens, Counts, HeldTail, SharedCounts};
-use super::{fields, params, parse_object, retention, AppState};
+use super::vllm::{OutputRules, TokenIdNames};
+use super::{fields, params, parse_object, retention, vllm, AppState};
 
 /// A protocol chunk of request type `P`.
 pub type ChunkOf<P> = <<<P as ProtocolRequest>::Response as ProtocolResponse>::ChunkGenerator as ChunkGenerator>::Chunk;
@@ -53,6 +55,8 @@ struct Prepared {
     choices: usize,
     /// The response id.
     id: String,
+    /// vLLM's rules for the output text.
+    rules: OutputRules,
 }
 
 /// `POST` handler of every generation route.
@@ -227,16 +231,14 @@ where
         let chunk = chunk.map_err(|e| ApiError::new(flavor, Kind::Internal, e.to_string()))?;
         response.accumulate(chunk);
     }
-    if let Some(message) = failure.lock().expect("not poisoned").take() {
-        return Err(ApiError::new(flavor, Kind::Internal, message));
+    if let Some(f) = failure.lock().expect("not poisoned").take() {
+        return Err(f.api(flavor));
     }
     let mut value = serde_json::to_value(&response)
         .map_err(|e| ApiError::new(flavor, Kind::Internal, format!("cannot serialise the response: {e}")))?;
     patch_reasoning_tokens(&mut value, &counts.lock().expect("not poisoned"));
     Ok(value)
 }
-
-type Failure = Arc<Mutex<Option<String>>>;
 
 /// Submit a prepared request and return its protocol chunks.
 async fn start<P>(
@@ -245,19 +247,23 @@ async fn start<P>(
     arrived: Instant,
     permit: Option<OwnedSemaphorePermit>,
     first_token: Option<oneshot::Sender<()>>,
-) -> Result<(ChoiceChunks<P>, Failure, SharedCounts), ApiError>
+) -> Result<(ChoiceChunks<P>, FailureSlot, SharedCounts), ApiError>
 where
     P: Api,
     ChunkOf<P>: Serialize + Send + 'static,
 {
     let flavor = P::FLAVOR;
-    let Prepared { converted, request, constraint, logprobs, thinking, id, .. } = prepared;
+    let Prepared { converted, request, constraint, logprobs, thinking, id, mut rules, .. } = prepared;
     let prompt_tokens = request.prompt.len();
     let rx = state.submit(flavor, request, constraint, arrived).await?;
     let model = state.config.model_name.clone();
     let generator = P::chunk_generator(&converted, id, model);
-    let processor = StreamProcessor::new(generator, converted.parsing_options).with_tokenizer(state.tokenizer.clone());
-    let failure: Failure = Arc::new(Mutex::new(None));
+    let processor = StreamProcessor::new(generator, converted.parsing_options);
+    let processor = match rules.token_ids {
+        true => processor.with_tokenizer(TokenIdNames(state.tokenizer.clone())),
+        false => processor.with_tokenizer(state.tokenizer.clone()),
+    };
+    let failure: FailureSlot = Arc::new(Mutex::new(None));
     let counts: SharedCounts = Arc::new(Mutex::new(Counts { thinking, ..Counts::default() }));
     let inference = inference_stream(Inference {
         rx,
@@ -268,20 +274,25 @@ where
         logprobs,
         eos: state.eos,
         think_end: state.tokenizer.token_to_id("</think>"),
+        drop_ids: std::mem::take(&mut rules.drop_ids),
+        stops: rules.stop_strings(state.tokenizer.clone()),
         tail: HeldTail::new(state.tokenizer.clone()),
         counts: counts.clone(),
         failure: failure.clone(),
+        failed: None,
         _permit: permit,
         first_token,
     });
     Ok((Box::pin(processor.into_protocol_stream(inference)), failure, counts))
 }
 
-/// Protocol chunks as server-sent events; an engine failure becomes an
-/// error event in the protocol's shape, and OpenAI chat ends with `[DONE]`.
+/// Protocol chunks as server-sent events. A failure ends the stream with
+/// the protocol's error ([`super::failure::StreamFailure`]) in place of what the recipe's
+/// processor makes of the end (its finish chunks); an answer ends with the
+/// protocol's last event (`[DONE]` for OpenAI chat).
 fn sse<P>(
     chunks: impl Stream<Item = Result<ChunkOf<P>, deepseek_recipe::stream::StreamError>> + Send + 'static,
-    failure: Arc<Mutex<Option<String>>>,
+    failure: FailureSlot,
     include_usage: bool,
     counts: SharedCounts,
 ) -> impl IntoResponse
@@ -290,15 +301,18 @@ where
     ChunkOf<P>: Serialize + Send + 'static,
 {
     let flavor = P::FLAVOR;
-    let failed = Arc::new(Mutex::new(false));
-    let failed_in = failed.clone();
-    let events = chunks.flat_map(move |chunk| {
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let (seen_in, failure_in) = (seen.clone(), failure.clone());
+    // The slot is set as the inference ends: every chunk made after that is the processor's ending.
+    let answered = chunks.take_while(move |_| std::future::ready(failure_in.lock().expect("not poisoned").is_none()));
+    let events = answered.flat_map(move |chunk| {
         let events = match chunk {
             Ok(chunk) => {
                 let name = P::Response::sse_event_name(&chunk);
                 let mut value =
                     serde_json::to_value(&chunk).unwrap_or_else(|e| serde_json::json!({"error": e.to_string()}));
                 patch_reasoning_tokens(&mut value, &counts.lock().expect("not poisoned"));
+                seen_in.lock().expect("not poisoned").note(&value);
                 let values = if P::SPLITS_USAGE { split_usage(value, include_usage) } else { vec![value] };
                 values
                     .into_iter()
@@ -312,17 +326,21 @@ where
                     .collect()
             }
             Err(e) => {
-                *failed_in.lock().expect("not poisoned") = true;
-                vec![error_event(flavor, e.to_string())]
+                // The processor ends after its error: nothing else follows.
+                let error = ApiError::new(flavor, Kind::Internal, e.to_string());
+                let mut seen = seen_in.lock().expect("not poisoned");
+                seen.failed = true;
+                vec![stream_error(P::STREAM_FAILURE, &error, &seen)]
             }
         };
         stream::iter(events)
     });
     let tail = stream::once(async move {
         let mut out = Vec::new();
-        if let Some(message) = failure.lock().expect("not poisoned").take() {
-            out.push(error_event(flavor, message));
-        } else if !*failed.lock().expect("not poisoned") {
+        let seen = seen.lock().expect("not poisoned");
+        if let Some(f) = failure.lock().expect("not poisoned").take() {
+            out.push(stream_error(P::STREAM_FAILURE, &f.api(flavor), &seen));
+        } else if !seen.failed {
             if let Some(done) = P::Response::sse_done_data() {
                 out.push(SseEvent::default().data(done));
             }
@@ -336,9 +354,10 @@ where
 
 /// Several choices of one Chat Completions request as one stream: each chunk
 /// renumbered to its choice under the first choice's id, usage summed into one
-/// final chunk (with `include_usage`), then `[DONE]`.
+/// final chunk (with `include_usage`), then `[DONE]`. A failure of any choice
+/// ends the whole stream with the error.
 fn sse_choices<P>(
-    streams: Vec<(ChoiceChunks<P>, Failure, SharedCounts)>,
+    streams: Vec<(ChoiceChunks<P>, FailureSlot, SharedCounts)>,
     include_usage: bool,
     id: String,
 ) -> impl IntoResponse
@@ -371,13 +390,20 @@ where
                 }
                 (!empty).then(|| SseEvent::default().data(value.to_string()))
             }
-            Err(e) => Some(error_event(flavor, e.to_string())),
+            Err(e) => {
+                let error = ApiError::new(flavor, Kind::Internal, e.to_string());
+                Some(stream_error(P::STREAM_FAILURE, &error, &Seen::default()))
+            }
         }));
     }
-    let events = stream::select_all(mapped).filter_map(|e| async move { e });
+    let failures = Arc::new(failures);
+    let watched = failures.clone();
+    let failed = move || watched.iter().any(|f| f.lock().expect("not poisoned").is_some());
+    let events =
+        stream::select_all(mapped).take_while(move |_| std::future::ready(!failed())).filter_map(|e| async move { e });
     let tail = stream::once(async move {
-        if let Some(message) = failures.iter().find_map(|f| f.lock().expect("not poisoned").take()) {
-            return stream::iter(vec![error_event(flavor, message)]);
+        if let Some(f) = failures.iter().find_map(|f| f.lock().expect("not poisoned").take()) {
+            return stream::iter(vec![stream_error(P::STREAM_FAILURE, &f.api(flavor), &Seen::default())]);
         }
         let mut out = Vec::new();
         let usages = usages.lock().expect("not poisoned");
@@ -420,15 +446,6 @@ fn split_usage(mut chunk: Value, include_usage: bool) -> Vec<Value> {
     vec![chunk, Value::Object(last)]
 }
 
-fn error_event(flavor: Flavor, message: String) -> SseEvent {
-    let error = ApiError::new(flavor, Kind::Internal, message);
-    let event = SseEvent::default().data(error.body().to_string());
-    match flavor {
-        Flavor::Anthropic => event.event("error"),
-        Flavor::OpenAi => event,
-    }
-}
-
 /// Validate, convert and encode one request (CPU work, off the reactor).
 fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) -> Result<Prepared, ApiError> {
     let flavor = P::FLAVOR;
@@ -436,7 +453,11 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
     let mut obj = parse_object(flavor, body)?;
     state.check_model(flavor, obj.get("model").and_then(Value::as_str))?;
     fields::check(P::FIELDS, &obj).map_err(bad)?;
-    params::refuse_images(&obj).map_err(bad)?;
+    params::inline_text_documents(&mut obj);
+    params::refuse_attachments(&obj).map_err(bad)?;
+    params::check_tool_choice(&obj).map_err(bad)?;
+    let mut vllm = vllm::take(&mut obj).map_err(bad)?;
+    let thinking_budget = params::thinking_budget(&obj).map_err(bad)?;
     // Fields the recipe does not carry: sampling extensions (some protocols lack
     // `seed` and `top_k`; `ignore_eos` gives fixed output lengths, as in vLLM).
     let ext = params::extensions(&obj).map_err(bad)?;
@@ -450,18 +471,24 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
     }
     .map_err(bad)?;
     let grammar = P::rewrite(&mut obj).map_err(bad)?;
+    let grammar = vllm.merge_format(grammar, &obj).map_err(bad)?;
     let request: P = serde_json::from_value(Value::Object(obj)).map_err(|e| bad(format!("invalid request: {e}")))?;
     let mut converted = request.convert(state.conversion.clone()).map_err(|e| ApiError::conversion(flavor, e))?;
     if forces_any_tool && !converted.conversation.tools.is_empty() {
         force_tool_call(&mut converted).map_err(bad)?;
     }
-    let prompt = state
+    let mut prompt = state
         .encoding
         .encode(&converted.conversation)
         .map_err(|e| bad(format!("cannot encode the conversation: {e}")))?;
+    vllm.shape_prompt(&mut prompt, &converted, &state.tokenizer, state.context).map_err(bad)?;
     let max_tokens = converted
         .resolve_max_tokens(prompt.len().min(u32::MAX as usize) as u32, state.context.min(u32::MAX as usize) as u32)
         .map_err(|e| ApiError::conversion(flavor, e))?;
+    if vllm.min_tokens > max_tokens as usize {
+        return Err(bad(format!("`min_tokens` ({}) is more than `max_tokens` ({max_tokens})", vllm.min_tokens)));
+    }
+    let rules = vllm.output_rules(&mut converted.parsing_options.stop_sequences);
 
     let options = &converted.inference_options;
     // Without a seed each request draws its own stream, as a hosted API does.
@@ -497,13 +524,21 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
     let parsing = &converted.parsing_options;
     let thinking =
         !parsing.starts_in_tool_calls && parsing.thinking_initial_stage.is_some_and(|s| s.starts_in_reasoning());
+    let limits = Limits {
+        min_tokens: vllm.min_tokens,
+        stop_token_ids: vllm.stop_token_ids.clone(),
+        thinking_budget: thinking_budget.filter(|_| thinking),
+    };
     let constraint: Option<RequestConstraint> = match format {
-        None => None,
-        Some(format) => {
+        None if !limits.any() => None,
+        format => {
             let size = match &format {
-                OutputFormat::Json(schema) => schema.as_ref().map_or(0, |s| s.to_string().len()),
-                OutputFormat::Regex(s) | OutputFormat::Lark(s) => s.len(),
-                OutputFormat::ToolCalls { tools, .. } => tools.iter().map(|t| t.parameters.to_string().len()).sum(),
+                None => 0,
+                Some(OutputFormat::Json(schema)) => schema.as_ref().map_or(0, |s| s.to_string().len()),
+                Some(OutputFormat::Regex(s) | OutputFormat::Lark(s)) => s.len(),
+                Some(OutputFormat::ToolCalls { tools, .. }) => {
+                    tools.iter().map(|t| t.parameters.to_string().len()).sum()
+                }
             };
             if size > MAX_GRAMMAR_BYTES {
                 return Err(bad(format!("the output format is larger than {MAX_GRAMMAR_BYTES} bytes")));
@@ -512,16 +547,22 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
                 .constraints
                 .as_ref()
                 .ok_or_else(|| bad("structured output is not available: the tokenizer is not byte-level".into()))?;
-            Some(factory.build_described(format, max_tokens as usize, thinking).map_err(bad)?)
+            Some(factory.build_described(format, max_tokens as usize, thinking, limits).map_err(bad)?)
         }
     };
     let mut request = Request::new(prompt, max_tokens as usize).with_params(params);
     request.ignore_eos = ignore_eos;
     request.retention = retention;
+    request.stop_token_ids = vllm.stop_token_ids;
+    request.priority = vllm.priority;
     let logprobs = options.logprobs;
     let n = state.counter.fetch_add(1, Ordering::Relaxed);
-    let id = format!("{}{:016x}{:08x}", P::ID_PREFIX, mix(state.id_salt ^ n), n & 0xffff_ffff);
-    Ok(Prepared { converted, request, constraint, logprobs, include_usage, thinking, choices, id })
+    let id = match vllm.request_id {
+        // vLLM's response id: the protocol's prefix and the caller's id.
+        Some(rid) => format!("{}{rid}", P::ID_PREFIX),
+        None => format!("{}{:016x}{:08x}", P::ID_PREFIX, mix(state.id_salt ^ n), n & 0xffff_ffff),
+    };
+    Ok(Prepared { converted, request, constraint, logprobs, include_usage, thinking, choices, id, rules })
 }
 
 /// Make a converted request call one of its tools, as a required choice does:

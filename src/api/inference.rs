@@ -10,7 +10,12 @@ use futures_util::{stream, Stream};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
 use super::engine_thread::Event;
+use super::failure::{Failure, Origin};
+use super::stops::{Fed, StopStrings};
 use super::usage::{HeldTail, SharedCounts};
+
+/// Where a request's failure is told to its handler.
+pub type FailureSlot = Arc<Mutex<Option<Failure>>>;
 
 /// The engine's events for one request, as the recipe's inference chunks.
 pub struct Inference {
@@ -23,11 +28,19 @@ pub struct Inference {
     /// EOS is never output text (it only appears with `ignore_eos`).
     pub eos: u32,
     pub think_end: Option<u32>,
+    /// Stop token ids whose text is left out of the output, like EOS's.
+    pub drop_ids: Vec<u32>,
+    /// Stop strings matched here rather than by the output parser (vLLM's rules).
+    pub stops: Option<StopStrings>,
     /// The tokens the processor's decoder holds, sent as text when output ends.
     pub tail: HeldTail,
     pub counts: SharedCounts,
-    /// Why generation failed, if it did; read after the stream ends.
-    pub failure: Arc<Mutex<Option<String>>>,
+    /// Why generation failed, if it did: set as the stream ends, so that what
+    /// the recipe's processor makes of the end (a finish chunk) can be told
+    /// from the answer before it and left out.
+    pub failure: FailureSlot,
+    /// The failure, until the stream ends.
+    pub failed: Option<Failure>,
     /// Held while the request lives: dropping the stream releases it.
     pub _permit: Option<OwnedSemaphorePermit>,
     /// Told when the first token arrives (the prompt is prefilled) or the request ends.
@@ -35,6 +48,19 @@ pub struct Inference {
 }
 
 impl Inference {
+    /// Hand generated tokens to the output parser.
+    fn push_tokens(&mut self, tokens: Vec<deepinfer_engine::request::TokenOutput>) {
+        if tokens.is_empty() {
+            return;
+        }
+        let logprobs = self.logprobs.then(|| {
+            tokens.iter().map(|t| InferenceTokenLogprob { logprob: t.logprob, top_logprobs: t.top.clone() }).collect()
+        });
+        self.tail.push(&tokens);
+        let token_ids: Vec<u32> = tokens.iter().map(|t| t.token).collect();
+        self.queue.push_back(InferenceChunk::Tokens { token_ids, logprobs });
+    }
+
     fn ready(&mut self, prompt_tokens: usize, cached_tokens: usize) {
         if !self.ready {
             self.ready = true;
@@ -43,8 +69,11 @@ impl Inference {
         }
     }
 
-    fn fail(&mut self, message: String) {
-        *self.failure.lock().expect("not poisoned") = Some(message);
+    /// End with `failure`. Ready first, so that a stream has begun (a
+    /// Responses stream's `response.created`) before its error.
+    fn fail(&mut self, failure: Failure) {
+        self.ready(self.prompt_tokens, 0);
+        self.failed = Some(failure);
         self.finished = true;
     }
 }
@@ -56,6 +85,9 @@ pub fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChu
                 return Some((chunk, s));
             }
             if s.finished {
+                if let Some(f) = s.failed.take() {
+                    *s.failure.lock().expect("not poisoned") = Some(f);
+                }
                 return None;
             }
             match s.rx.recv().await {
@@ -65,7 +97,7 @@ pub fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChu
                     }
                     s.ready(s.prompt_tokens, cached_tokens);
                     let generated = tokens.len();
-                    tokens.retain(|t| t.token != s.eos);
+                    tokens.retain(|t| t.token != s.eos && !s.drop_ids.contains(&t.token));
                     {
                         let mut counts = s.counts.lock().expect("not poisoned");
                         tokens.iter().for_each(|t| counts.push(t.token, s.think_end));
@@ -75,34 +107,39 @@ pub fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChu
                         // Counted in usage, without text.
                         s.queue.push_back(InferenceChunk::Text { content: String::new(), token_count: eos });
                     }
-                    if tokens.is_empty() {
-                        continue;
+                    let mut stopped = None;
+                    if let Some(stops) = s.stops.as_mut() {
+                        tokens = match stops.feed(tokens) {
+                            Fed::Release(release) => release,
+                            Fed::Stop { release, text, tokens } => {
+                                stopped = Some((text, tokens));
+                                release
+                            }
+                        };
                     }
-                    let logprobs = s.logprobs.then(|| {
-                        tokens
-                            .iter()
-                            .map(|t| InferenceTokenLogprob { logprob: t.logprob, top_logprobs: t.top.clone() })
-                            .collect()
-                    });
-                    s.tail.push(&tokens);
-                    let token_ids: Vec<u32> = tokens.iter().map(|t| t.token).collect();
-                    s.queue.push_back(InferenceChunk::Tokens { token_ids, logprobs });
+                    s.push_tokens(tokens);
+                    if let Some((content, token_count)) = stopped {
+                        // The text up to the cut, then the end: later tokens are not read.
+                        s.queue.push_back(InferenceChunk::Text { content, token_count });
+                        s.queue.push_back(InferenceChunk::Finish { finish_reason: InferenceFinishReason::Stop });
+                        s.finished = true;
+                    }
                 }
                 Some(Event::Finished(f)) => {
                     s.ready(f.prompt_tokens, f.cached_tokens);
                     s.counts.lock().expect("not poisoned").cached_by_tier = Some(f.cached_tokens_by_tier);
-                    let finish_reason = match f.reason {
+                    let finish_reason = match &f.reason {
                         FinishReason::Stop => InferenceFinishReason::Stop,
                         FinishReason::Length => InferenceFinishReason::Length,
-                        FinishReason::Cancelled => {
-                            s.fail("the request was cancelled".into());
-                            continue;
-                        }
-                        FinishReason::Error(message) => {
-                            s.fail(format!("generation failed: {message}"));
+                        // Failures come as `Event::Failed`; never let one pass as an answer.
+                        reason => {
+                            s.fail(Failure::of_finish(reason, Origin::Engine).expect("not an answer"));
                             continue;
                         }
                     };
+                    if let Some(held) = s.stops.as_mut().map(StopStrings::finish) {
+                        s.push_tokens(held);
+                    }
                     // Tokens ending inside a character still count, and their bytes
                     // show as the replacement character.
                     if let Some((content, token_count, logprobs)) = s.tail.take() {
@@ -114,10 +151,11 @@ pub fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChu
                     s.queue.push_back(InferenceChunk::Finish { finish_reason });
                     s.finished = true;
                 }
+                Some(Event::Failed(f)) => s.fail(f),
                 // Refused where it was sent after it was queued (a cluster's scheduler).
-                Some(Event::Rejected(e)) => s.fail(format!("refused: {e}")),
+                Some(Event::Rejected(e)) => s.fail(Failure::refused(&e)),
                 Some(Event::Queued) => {}
-                None => s.fail("the engine stopped".into()),
+                None => s.fail(Failure::stopped()),
             }
         }
     })

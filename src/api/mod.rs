@@ -12,8 +12,10 @@ pub mod completions;
 pub mod constraint;
 pub mod engine_thread;
 pub mod errors;
+pub mod failure;
 pub mod fields;
 pub mod generate;
+pub mod health;
 pub mod inference;
 pub mod metrics;
 pub mod params;
@@ -155,11 +157,13 @@ pub enum Runner {
 }
 
 /// A running cluster, reached as its client (`cluster` connected on `rt`)
-/// whose schedulers follow `policy`.
+/// whose schedulers follow `policy`, and which declares a silent node down
+/// after `failure_timeout`.
 pub struct ClusterRunner {
     pub rt: tokio::runtime::Runtime,
     pub cluster: deepinfer_actors::Cluster,
     pub policy: EngineConfig,
+    pub failure_timeout: std::time::Duration,
 }
 
 /// A bound server, ready to run.
@@ -196,8 +200,8 @@ impl Server {
         let (engine, engine_thread) = match runner {
             Runner::Engine => engine_thread::spawn(Arc::clone(&model), config.engine.clone(), config.cache.clone())?,
             Runner::Cluster(c) => {
-                let ClusterRunner { rt, cluster, policy } = *c;
-                cluster_thread::spawn(rt, cluster, &model, policy, config.max_concurrent)?
+                let ClusterRunner { rt, cluster, policy, failure_timeout } = *c;
+                cluster_thread::spawn(rt, cluster, &model, policy, (config.max_concurrent, failure_timeout))?
             }
         };
         let conversion = ConversionOptions::new()
@@ -285,7 +289,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(utility::tokenize).fallback(method_not_allowed))
         .route("/detokenize", post(utility::detokenize).fallback(method_not_allowed))
         .route("/version", get(utility::version).fallback(method_not_allowed))
-        .route("/health", get(health).fallback(method_not_allowed))
+        .route("/health", get(health::ready).fallback(method_not_allowed))
+        .route("/health/ready", get(health::ready).fallback(method_not_allowed))
+        .route("/health/live", get(health::live).fallback(method_not_allowed))
         .route("/metrics", get(render_metrics).fallback(method_not_allowed))
         .fallback(not_found)
         // Outermost last: the API key is checked before any body is read.
@@ -304,12 +310,13 @@ pub fn flavor_of(path: &str) -> Flavor {
     }
 }
 
-/// With `--api-key`, every route but `/health` and `/metrics` needs it, as
+/// With `--api-key`, every route but the health probes and `/metrics` needs it, as
 /// `Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic).
 async fn require_api_key(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let Some(key) = &state.config.api_key else { return next.run(request).await };
     let path = request.uri().path();
-    if path == "/health" || path == "/metrics" || presented_key(request.headers()) == Some(key.as_str()) {
+    let open = matches!(path, "/health" | "/health/ready" | "/health/live" | "/metrics");
+    if open || presented_key(request.headers()) == Some(key.as_str()) {
         return next.run(request).await;
     }
     let flavor = flavor_of(path);
@@ -367,14 +374,6 @@ fn rfc3339(secs: u64) -> String {
     let month = if mp < 10 { mp + 3 } else { mp - 9 };
     let year = yoe + era * 400 + i64::from(month <= 2);
     format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z", rem / 3600, rem / 60 % 60, rem % 60)
-}
-
-async fn health(State(state): State<Arc<AppState>>) -> Response {
-    match (state.engine.is_alive(), state.engine.unavailable()) {
-        (true, None) => Json(json!({"status": "ok"})).into_response(),
-        (true, Some(why)) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": why}))).into_response(),
-        (false, _) => (StatusCode::SERVICE_UNAVAILABLE, Json(json!({"status": "engine stopped"}))).into_response(),
-    }
 }
 
 async fn render_metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {

@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 
 use super::constraint::OutputFormat;
 use super::errors::Flavor;
+use super::failure::StreamFailure;
 use super::{fields, params};
 
 /// What differs between the three protocols besides the recipe's conversion.
@@ -37,6 +38,8 @@ pub trait Api: ProtocolRequest + DeserializeOwned {
     }
     /// Whether streamed usage follows OpenAI's `stream_options.include_usage`.
     const SPLITS_USAGE: bool = false;
+    /// How a stream that failed ends.
+    const STREAM_FAILURE: StreamFailure = StreamFailure::ErrorData;
     /// Stream options the protocol has (Chat Completions' `include_usage`).
     fn include_usage(_raw: &Map<String, Value>) -> Result<bool, String> {
         Ok(true)
@@ -75,6 +78,7 @@ impl Api for ResponsesRequest {
     const FLAVOR: Flavor = Flavor::OpenAi;
     const ID_PREFIX: &'static str = "resp_";
     const FIELDS: &'static [fields::Field] = fields::RESPONSES;
+    const STREAM_FAILURE: StreamFailure = StreamFailure::ResponseFailed;
 
     fn rewrite(raw: &mut Map<String, Value>) -> Result<Option<OutputFormat>, String> {
         params::fold_responses_thinking(raw)?;
@@ -86,6 +90,7 @@ impl Api for MessagesRequest {
     const FLAVOR: Flavor = Flavor::Anthropic;
     const ID_PREFIX: &'static str = "msg_";
     const FIELDS: &'static [fields::Field] = fields::MESSAGES;
+    const STREAM_FAILURE: StreamFailure = StreamFailure::ErrorEvent;
 
     fn rewrite(raw: &mut Map<String, Value>) -> Result<Option<OutputFormat>, String> {
         params::require_max_tokens(raw)?;

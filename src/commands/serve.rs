@@ -150,7 +150,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
         None => Runner::Engine,
         Some(plan) => {
             let (rt, cluster) = crate::cluster::connect_client(plan, args.certs.as_deref(), Arc::clone(&model))?;
-            Runner::Cluster(Box::new(ClusterRunner { rt, cluster, policy: plan.base_config().engine }))
+            let (policy, failure_timeout) = (plan.base_config().engine, plan.failure_timeout);
+            Runner::Cluster(Box::new(ClusterRunner { rt, cluster, policy, failure_timeout }))
         }
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("http").build()?;
