@@ -54,6 +54,9 @@ pub struct Request {
     pub return_logits: bool,
     /// Cache retention of its blocks; `None`: the engine's default.
     pub retention: Option<Retention>,
+    /// Admission order: a lower value is admitted first, ties in arrival
+    /// order (vLLM's `priority`; 0 by default).
+    pub priority: i64,
 }
 
 impl Request {
@@ -68,6 +71,7 @@ impl Request {
             ignore_eos: false,
             return_logits: false,
             retention: None,
+            priority: 0,
         }
     }
 

@@ -13,7 +13,12 @@
 //!   tokens that leave the fewest open strings, objects and arrays, so the
 //!   document closes before `max_tokens` cuts it.
 //! - **Plain numbers.** JSON numbers are written without an exponent, which
-//!   the grammar allows but many parsers reject once it overflows a double.
+//!   the grammar allows but many parsers reject once it overflows a double;
+//!   typed numbers are bounded in the schema itself ([`super::schema_bounds`]).
+//!
+//! The same constraint carries the request's [`Limits`], with or without a
+//! grammar: `min_tokens` (EOS and stop ids masked until then) and a thinking
+//! budget (`</think>` forced when it is spent).
 
 use std::sync::Arc;
 
@@ -25,6 +30,8 @@ use llguidance::{token_bytes_from_tokenizer_json, Matcher, ParserFactory};
 use serde_json::{json, Value};
 use tokenizers::Tokenizer;
 
+use super::json_scan::JsonScan;
+use super::schema_bounds;
 use super::tool_grammar::{self, ToolSpec};
 
 /// Longest grammar text (schema, regex or Lark) a request may carry, in bytes.
@@ -113,9 +120,64 @@ impl ConstraintFactory {
     /// A fresh constraint for one request. Errors describe what is wrong with
     /// the format, for the client.
     pub fn build(&self, format: &OutputFormat, max_tokens: usize, thinking: bool) -> Result<Guided, String> {
+        self.build_with(Some(format), max_tokens, thinking, &Limits::default())
+    }
+
+    /// A constraint with limits, and a grammar when `format` is given.
+    pub fn build_with(
+        &self,
+        format: Option<&OutputFormat>,
+        max_tokens: usize,
+        thinking: bool,
+        limits: &Limits,
+    ) -> Result<Guided, String> {
+        let matcher = match format {
+            Some(format) => Some(self.matcher(format)?),
+            None => None,
+        };
+        let reserve = (max_tokens / 3).min(MAX_RESERVE);
+        let reasoning_left = match (thinking, self.think_end, &matcher, limits.thinking_budget) {
+            // A grammar needs room after the reasoning: half of what is left.
+            (true, Some(_), Some(_), budget) => {
+                let half = max_tokens.saturating_sub(reserve) / 2;
+                Some(budget.map_or(half, |b| b.min(half)))
+            }
+            (true, Some(_), None, budget) => budget,
+            _ => None,
+        };
+        Ok(Guided {
+            matcher,
+            env: self.env.clone(),
+            eos: self.eos,
+            think_end: self.think_end,
+            reasoning_left,
+            left: max_tokens,
+            max_tokens,
+            reserve,
+            json: matches!(format, Some(OutputFormat::Json(_))).then(JsonScan::default),
+            closer: match format {
+                Some(OutputFormat::ToolCalls { .. }) => self.close_tag.zip(self.dsml),
+                _ => None,
+            },
+            calls: match (format, self.close_tag, self.dsml) {
+                (Some(OutputFormat::ToolCalls { .. }), Some(close), Some(dsml)) => {
+                    let mut close_block = vec![close, dsml];
+                    close_block.extend(self.env.tokenize("tool_calls>"));
+                    Some(CallBudget { close_block, last_boundary: None, call_cost_max: 0 })
+                }
+                _ => None,
+            },
+            min_tokens: limits.min_tokens,
+            early_stops: [self.eos].into_iter().chain(limits.stop_token_ids.iter().copied()).collect(),
+            done: false,
+        })
+    }
+
+    fn matcher(&self, format: &OutputFormat) -> Result<Matcher, String> {
         let grammar = match format {
             OutputFormat::Json(schema) => {
                 let mut schema = schema.clone().unwrap_or_else(|| json!({"type": "object"}));
+                schema_bounds::tighten(&mut schema);
                 if let Some(obj) = schema.as_object_mut() {
                     // Compact JSON: a random model would otherwise spend its budget on whitespace.
                     obj.entry("x-guidance").or_insert_with(|| json!({"whitespace_flexible": false}));
@@ -133,35 +195,25 @@ impl ConstraintFactory {
         if let Some(e) = matcher.get_error() {
             return Err(format!("the output format cannot be compiled: {}", first_line(&e)));
         }
-        let reserve = (max_tokens / 3).min(MAX_RESERVE);
-        let reasoning_left = match (thinking, self.think_end) {
-            (true, Some(_)) => Some(max_tokens.saturating_sub(reserve) / 2),
-            _ => None,
-        };
-        Ok(Guided {
-            matcher,
-            env: self.env.clone(),
-            eos: self.eos,
-            think_end: self.think_end,
-            reasoning_left,
-            left: max_tokens,
-            max_tokens,
-            reserve,
-            json: matches!(format, OutputFormat::Json(_)).then(JsonScan::default),
-            closer: match format {
-                OutputFormat::ToolCalls { .. } => self.close_tag.zip(self.dsml),
-                _ => None,
-            },
-            calls: match (format, self.close_tag, self.dsml) {
-                (OutputFormat::ToolCalls { .. }, Some(close), Some(dsml)) => {
-                    let mut close_block = vec![close, dsml];
-                    close_block.extend(self.env.tokenize("tool_calls>"));
-                    Some(CallBudget { close_block, last_boundary: None, call_cost_max: 0 })
-                }
-                _ => None,
-            },
-            done: false,
-        })
+        Ok(matcher)
+    }
+}
+
+/// What a request limits besides its output's form.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Limits {
+    /// Tokens generated before EOS or a stop token id may be (vLLM's `min_tokens`).
+    pub min_tokens: usize,
+    /// Stop token ids held back with EOS until `min_tokens`.
+    pub stop_token_ids: Vec<u32>,
+    /// Most reasoning tokens before `</think>` is forced (`thinking.budget_tokens`).
+    pub thinking_budget: Option<usize>,
+}
+
+impl Limits {
+    /// Whether the limits need a constraint at all.
+    pub fn any(&self) -> bool {
+        self.min_tokens > 0 || self.thinking_budget.is_some()
     }
 }
 
@@ -175,20 +227,24 @@ pub struct RequestConstraint {
 /// What [`ConstraintFactory::describe`] writes and its [`ConstraintSource`] reads.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Description {
-    format: OutputFormat,
+    format: Option<OutputFormat>,
     thinking: bool,
+    #[serde(default)]
+    limits: Limits,
 }
 
 impl ConstraintFactory {
     /// A constraint for one request and its description; errors as [`Self::build`]'s.
     pub fn build_described(
         &self,
-        format: OutputFormat,
+        format: Option<OutputFormat>,
         max_tokens: usize,
         thinking: bool,
+        limits: Limits,
     ) -> Result<RequestConstraint, String> {
-        let guided = self.build(&format, max_tokens, thinking)?;
-        let description = serde_json::to_string(&Description { format, thinking }).map_err(|e| e.to_string())?;
+        let guided = self.build_with(format.as_ref(), max_tokens, thinking, &limits)?;
+        let description =
+            serde_json::to_string(&Description { format, thinking, limits }).map_err(|e| e.to_string())?;
         Ok(RequestConstraint { guided, description })
     }
 }
@@ -200,7 +256,7 @@ impl ConstraintSource for ConstraintFactory {
         }
         let d: Description =
             serde_json::from_str(spec).map_err(|e| format!("the constraint description does not parse: {e}"))?;
-        Ok(Box::new(ConstraintFactory::build(self, &d.format, max_tokens, d.thinking)?))
+        Ok(Box::new(self.build_with(d.format.as_ref(), max_tokens, d.thinking, &d.limits)?))
     }
 }
 
@@ -208,75 +264,11 @@ fn first_line(s: &str) -> &str {
     s.lines().next().unwrap_or(s)
 }
 
-/// Open strings, objects and arrays of the JSON written so far.
-#[derive(Clone, Debug, Default)]
-struct JsonScan {
-    stack: Vec<u8>,
-    in_string: bool,
-    escaped: bool,
-    in_number: bool,
-}
-
-impl JsonScan {
-    /// Append `bytes`; false if they put an exponent into a number.
-    fn push(&mut self, bytes: &[u8]) -> bool {
-        for &b in bytes {
-            if self.in_string {
-                match (self.escaped, b) {
-                    (true, _) => self.escaped = false,
-                    (false, b'\\') => self.escaped = true,
-                    (false, b'"') => self.in_string = false,
-                    _ => {}
-                }
-                continue;
-            }
-            match b {
-                b'e' | b'E' if self.in_number => return false,
-                b'0'..=b'9' | b'-' | b'+' | b'.' => self.in_number = true,
-                _ => self.in_number = false,
-            }
-            match b {
-                b'"' => self.in_string = true,
-                b'{' | b'[' => self.stack.push(b),
-                b'}' | b']' => {
-                    self.stack.pop();
-                }
-                _ => {}
-            }
-        }
-        true
-    }
-
-    /// Whether `bytes` may follow: no exponent in a number.
-    fn admits(&self, bytes: &[u8]) -> bool {
-        // Only bytes outside strings can matter; most tokens inside a string stay there.
-        (self.in_string && !bytes.contains(&b'"')) || self.clone().push(bytes)
-    }
-
-    /// How much is open: lower is closer to a complete document.
-    fn depth(&self) -> usize {
-        self.stack.len() + usize::from(self.in_string)
-    }
-
-    /// Rank of appending `bytes` when wrapping up: fewest open, then tokens
-    /// that reach a separator or closer (they end numbers and literals).
-    fn rank_after(&self, bytes: &[u8]) -> (usize, bool) {
-        let mut next = self.clone();
-        let mut structural = false;
-        for &b in bytes {
-            if !next.in_string && matches!(b, b',' | b':' | b'}' | b']') {
-                structural = true;
-            }
-            next.push(std::slice::from_ref(&b));
-        }
-        (next.depth(), !structural)
-    }
-}
-
 /// One request's structured-output state.
 #[derive(Clone)]
 pub struct Guided {
-    matcher: Matcher,
+    /// The grammar; `None` when only [`Limits`] apply.
+    matcher: Option<Matcher>,
     env: TokEnv,
     eos: u32,
     think_end: Option<u32>,
@@ -294,6 +286,10 @@ pub struct Guided {
     closer: Option<(u32, u32)>,
     /// Tool calls: what the calls so far cost, to end the block while another fits.
     calls: Option<CallBudget>,
+    /// Tokens before `early_stops` may be sampled.
+    min_tokens: usize,
+    /// EOS and the request's stop token ids.
+    early_stops: Vec<u32>,
     done: bool,
 }
 
@@ -318,20 +314,37 @@ impl Guided {
     }
 }
 
-impl TokenConstraint for Guided {
-    fn allowed(&mut self, logits: &mut [f32]) {
+impl Guided {
+    /// Hold back EOS and the stop ids until `min_tokens`, unless nothing else
+    /// is left (a grammar that must end now).
+    fn hold_early_stops(&self, logits: &mut [f32]) {
+        if self.max_tokens - self.left >= self.min_tokens {
+            return;
+        }
+        let saved: Vec<(usize, f32)> =
+            self.early_stops.iter().filter_map(|&t| logits.get(t as usize).map(|&l| (t as usize, l))).collect();
+        saved.iter().for_each(|&(t, _)| logits[t] = f32::NEG_INFINITY);
+        if !logits.iter().any(|l| l.is_finite()) {
+            saved.into_iter().for_each(|(t, l)| logits[t] = l);
+        }
+    }
+
+    fn grammar_mask(&mut self, logits: &mut [f32]) {
         if let Some(n) = self.reasoning_left {
             match self.think_end {
                 Some(end) if n == 0 => Self::only(logits, end),
-                _ => {
+                // A grammar's answer must follow the reasoning: no EOS inside it.
+                _ if self.matcher.is_some() => {
                     if let Some(l) = logits.get_mut(self.eos as usize) {
                         *l = f32::NEG_INFINITY;
                     }
                 }
+                _ => {}
             }
             return;
         }
-        let mask = match self.matcher.compute_mask() {
+        let Some(matcher) = self.matcher.as_mut() else { return };
+        let mask = match matcher.compute_mask() {
             Ok(mask) => mask,
             Err(_) => {
                 // Nothing can be allowed; the engine ends the request with an error.
@@ -350,7 +363,7 @@ impl TokenConstraint for Guided {
             // the longest so far still fits before the end.
             let used = self.max_tokens - self.left;
             let close = &budget.close_block;
-            if self.matcher.validate_tokens(close).is_ok_and(|n| n == close.len()) {
+            if matcher.validate_tokens(close).is_ok_and(|n| n == close.len()) {
                 if let Some(b) = budget.last_boundary.filter(|&b| b < used) {
                     budget.call_cost_max = budget.call_cost_max.max(used - b);
                 }
@@ -363,7 +376,7 @@ impl TokenConstraint for Guided {
             }
         }
         if let (true, Some((close, dsml))) = (wrapping_up, self.closer) {
-            if mask.is_allowed(close) && self.matcher.validate_tokens(&[close, dsml]).is_ok_and(|n| n == 2) {
+            if mask.is_allowed(close) && matcher.validate_tokens(&[close, dsml]).is_ok_and(|n| n == 2) {
                 Self::only(logits, close);
                 return;
             }
@@ -391,6 +404,13 @@ impl TokenConstraint for Guided {
             }
         }
     }
+}
+
+impl TokenConstraint for Guided {
+    fn allowed(&mut self, logits: &mut [f32]) {
+        self.grammar_mask(logits);
+        self.hold_early_stops(logits);
+    }
 
     fn accept(&mut self, token: u32) {
         self.left = self.left.saturating_sub(1);
@@ -398,14 +418,15 @@ impl TokenConstraint for Guided {
             self.reasoning_left = if Some(token) == self.think_end { None } else { Some(n.saturating_sub(1)) };
             return;
         }
-        if token == self.eos || self.matcher.consume_token(token).is_err() {
+        let Some(matcher) = self.matcher.as_mut() else { return };
+        if token == self.eos || matcher.consume_token(token).is_err() {
             self.done = true;
             return;
         }
         if let Some(scan) = &mut self.json {
             scan.push(self.env.tok_trie().token(token));
         }
-        self.done = self.matcher.is_stopped();
+        self.done = matcher.is_stopped();
     }
 
     fn is_done(&self) -> bool {

@@ -75,7 +75,7 @@ pub const CHAT_COMPLETIONS: &[Field] = &[
     honoured("tool_choice", "none, auto, or required / a named function: a valid call enforced while sampling"),
     honoured("parallel_tool_calls", "false: exactly one call (with a forced choice; 400 with auto)"),
     honoured("reasoning_effort", "`none` turns thinking off"),
-    honoured("thinking", "DeepSeek's `{\"type\": \"enabled\"|\"disabled\"}`"),
+    honoured("thinking", "DeepSeek's `{\"type\": \"enabled\"|\"disabled\"}`; `budget_tokens` ends thinking there"),
     honoured(
         "n",
         "1 to 16 completions; the others reuse the first's prompt blocks from the prefix cache (not with `stream`)",
@@ -99,6 +99,29 @@ pub const CHAT_COMPLETIONS: &[Field] = &[
         "prompt_cache_retention",
         "`in_memory`: cached in memory for an hour after last use, never on disk; `24h`: 24 hours, disk included",
     ),
+    // vLLM's extensions, with vLLM's meanings.
+    honoured("chat_template_kwargs", "`thinking` or `enable_thinking` (a boolean) switches thinking; any other key is a 400"),
+    honoured(
+        "structured_outputs",
+        "`json` (a schema), `regex`, `choice`, `grammar` (Lark) or `json_object`, enforced while sampling; `whitespace_pattern` and `structural_tag` are a 400",
+    ),
+    honoured("guided_json", "as `structured_outputs.json`"),
+    honoured("guided_regex", "as `structured_outputs.regex`"),
+    honoured("guided_choice", "as `structured_outputs.choice`"),
+    honoured("guided_grammar", "as `structured_outputs.grammar`"),
+    honoured("min_tokens", "EOS, `stop_token_ids` and stop strings are held back until this many tokens"),
+    honoured("stop_token_ids", "generation ends at any of these tokens, whose text is left out"),
+    honoured("include_stop_str_in_output", "the stop string or stop token that ended the output stays at its end"),
+    only("skip_special_tokens", &["true"], "special tokens are the chat format's structure, read by the output parser"),
+    honoured("return_tokens_as_token_ids", "log-probability tokens are written `token_id:N`"),
+    honoured("add_generation_prompt", "false: the prompt ends after the last message, without the assistant's opening"),
+    honoured("continue_final_message", "the last message, the assistant's, is continued rather than answered"),
+    honoured("truncate_prompt_tokens", "keeps the prompt's last k tokens (-1: as many as the context holds)"),
+    honoured(
+        "priority",
+        "admission order in the engine's queue: lower first, ties in arrival order (`serve --topology` ignores it)",
+    ),
+    honoured("request_id", "the response id is `chatcmpl-` and this id"),
 ];
 
 /// OpenAI Responses (`POST /v1/responses`).
@@ -151,8 +174,8 @@ pub const MESSAGES: &[Field] = &[
     honoured("stop_sequences", "stop strings"),
     honoured("stream", "server-sent events"),
     honoured("tools", "client tools, in DeepSeek's tool-call format"),
-    honoured("tool_choice", "auto, none, or any / tool: a valid call enforced while sampling; `disable_parallel_tool_use` as `parallel_tool_calls`"),
-    honoured("thinking", "enabled or disabled"),
+    honoured("tool_choice", "auto, none, or any / tool: a valid call enforced while sampling; `disable_parallel_tool_use`: at most one call"),
+    honoured("thinking", "enabled or disabled; `budget_tokens` ends thinking there"),
     honoured("output_config", "`effort`; `format` json_schema enforced while sampling"),
     identifier("metadata"),
     honoured(

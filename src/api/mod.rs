@@ -17,13 +17,17 @@ pub mod fields;
 pub mod generate;
 pub mod health;
 pub mod inference;
+pub mod json_scan;
 pub mod metrics;
 pub mod params;
 pub mod protocols;
 pub mod retention;
+pub mod schema_bounds;
+pub mod stops;
 pub mod tool_grammar;
 pub mod usage;
 pub mod utility;
+pub mod vllm;
 
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;

@@ -205,34 +205,96 @@ pub fn include_usage(body: &Map<String, Value>) -> Result<bool, String> {
     }
 }
 
-/// Content block types that carry an image, in any of the three protocols.
-const IMAGE_BLOCKS: &[&str] = &["image_url", "input_image", "image"];
+/// Content parts that carry something other than text, in any of the three
+/// protocols: images, files (a PDF), documents and audio.
+const ATTACHMENT_PARTS: &[&str] =
+    &["image_url", "input_image", "image", "file", "input_file", "document", "input_audio", "audio"];
 
-/// The served model reads text only: a request with an image is refused, never
-/// answered as if the image were not there.
-pub fn refuse_images(body: &Map<String, Value>) -> Result<(), String> {
-    fn find(value: &Value, depth: usize) -> Option<&str> {
-        // Content nests a few levels (message → content → block); bound the walk.
+/// The served model reads text only: a request with an attachment is refused
+/// with the part's place, never answered with a placeholder in its stead.
+pub fn refuse_attachments(body: &Map<String, Value>) -> Result<(), String> {
+    fn find(value: &Value, path: &mut String, depth: usize) -> Option<String> {
+        // Content nests a few levels (message → content → block → tool result); bound the walk.
         if depth > 8 {
             return None;
         }
         match value {
             Value::Object(map) => {
-                if let Some(kind) = map.get("type").and_then(Value::as_str).filter(|t| IMAGE_BLOCKS.contains(t)) {
-                    return Some(kind);
+                if let Some(kind) = map.get("type").and_then(Value::as_str).filter(|t| ATTACHMENT_PARTS.contains(t)) {
+                    return Some(format!("`{path}` is a `{kind}` part"));
                 }
-                map.values().find_map(|v| find(v, depth + 1))
+                map.iter().find_map(|(k, v)| {
+                    let len = path.len();
+                    path.push_str(&format!(".{k}"));
+                    let found = find(v, path, depth + 1);
+                    path.truncate(len);
+                    found
+                })
             }
-            Value::Array(items) => items.iter().find_map(|v| find(v, depth + 1)),
+            Value::Array(items) => items.iter().enumerate().find_map(|(i, v)| {
+                let len = path.len();
+                path.push_str(&format!("[{i}]"));
+                let found = find(v, path, depth + 1);
+                path.truncate(len);
+                found
+            }),
             _ => None,
         }
     }
-    for key in ["messages", "input"] {
-        if let Some(kind) = body.get(key).and_then(|v| find(v, 0)) {
-            return Err(format!("`{key}` has an `{kind}` block, but this deployment serves a text-only model"));
+    for key in ["messages", "input", "system"] {
+        if let Some(part) = body.get(key).and_then(|v| find(v, &mut key.to_string(), 0)) {
+            return Err(format!("{part}, but this deployment serves a text-only model, which cannot read it"));
         }
     }
     Ok(())
+}
+
+/// Anthropic `document` blocks of plain text are text the model reads: they
+/// become text blocks (the title first), so that only unreadable ones are refused.
+pub fn inline_text_documents(body: &mut Map<String, Value>) {
+    let Some(Value::Array(messages)) = body.get_mut("messages") else { return };
+    for content in messages.iter_mut().filter_map(|m| m.get_mut("content")).filter_map(Value::as_array_mut) {
+        for block in content.iter_mut() {
+            let is_text_document = block.get("type").and_then(Value::as_str) == Some("document")
+                && block["source"].get("type").and_then(Value::as_str) == Some("text");
+            let Some(data) = block["source"].get("data").and_then(Value::as_str).filter(|_| is_text_document) else {
+                continue;
+            };
+            let text = match block.get("title").and_then(Value::as_str) {
+                Some(title) => format!("{title}\n\n{data}"),
+                None => data.to_string(),
+            };
+            *block = serde_json::json!({"type": "text", "text": text});
+        }
+    }
+}
+
+/// A tool choice that forces a call needs tools to call.
+pub fn check_tool_choice(body: &Map<String, Value>) -> Result<(), String> {
+    let Some(choice) = body.get("tool_choice").filter(|c| !c.is_null()) else { return Ok(()) };
+    let forces = match choice {
+        Value::String(c) => c == "required",
+        Value::Object(c) => matches!(c.get("type").and_then(Value::as_str), Some("function" | "any" | "tool")),
+        _ => false,
+    };
+    let has_tools = body.get("tools").and_then(Value::as_array).is_some_and(|t| !t.is_empty());
+    if forces && !has_tools {
+        return Err(format!("`tool_choice` = {choice} forces a tool call, but `tools` is empty or missing"));
+    }
+    Ok(())
+}
+
+/// `thinking.budget_tokens`: most reasoning tokens before the end of thinking is forced.
+pub fn thinking_budget(body: &Map<String, Value>) -> Result<Option<usize>, String> {
+    let Some(thinking) = body.get("thinking").filter(|t| !t.is_null()) else { return Ok(None) };
+    match thinking.get("budget_tokens") {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .filter(|&n| n >= 1)
+            .map(|n| Some(n as usize))
+            .ok_or_else(|| format!("`thinking.budget_tokens` must be a positive integer, got {v}")),
+    }
 }
 
 #[cfg(test)]
@@ -275,13 +337,32 @@ mod tests {
     }
 
     #[test]
-    fn images_are_refused() {
+    fn attachments_are_refused_by_their_place() {
         let chat = body(json!({"messages": [{"role": "user", "content": [
             {"type": "text", "text": "what is this?"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}));
-        assert!(refuse_images(&chat).unwrap_err().contains("image_url"));
+        let err = refuse_attachments(&chat).unwrap_err();
+        assert!(err.contains("`messages[0].content[1]` is a `image_url` part"), "{err}");
+        let pdf = body(json!({"messages": [{"role": "user", "content": [
+            {"type": "file", "file": {"file_data": "data:application/pdf;base64,AAAA", "filename": "a.pdf"}}]}]}));
+        assert!(refuse_attachments(&pdf).unwrap_err().contains("`file` part"));
+        let doc = body(json!({"messages": [{"role": "user", "content": [{"type": "document",
+            "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]}]}));
+        assert!(refuse_attachments(&doc).unwrap_err().contains("`document` part"));
         let text = body(json!({"messages": [{"role": "user", "content": "an image of a cat"}]}));
-        refuse_images(&text).unwrap();
+        refuse_attachments(&text).unwrap();
+        let mut doc = doc;
+        inline_text_documents(&mut doc);
+        assert_eq!(doc["messages"][0]["content"][0], json!({"type": "text", "text": "x"}));
+        refuse_attachments(&doc).unwrap();
+    }
+
+    #[test]
+    fn a_forced_tool_choice_needs_tools() {
+        assert!(check_tool_choice(&body(json!({"tool_choice": "required"}))).unwrap_err().contains("tools"));
+        assert!(check_tool_choice(&body(json!({"tool_choice": {"type": "any"}, "tools": []}))).is_err());
+        check_tool_choice(&body(json!({"tool_choice": "auto"}))).unwrap();
+        check_tool_choice(&body(json!({"tool_choice": "required", "tools": [{}]}))).unwrap();
     }
 
     #[test]

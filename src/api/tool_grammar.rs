@@ -12,11 +12,14 @@
 //! The prompt already ends inside `<｜DSML｜tool_calls>` (the recipe renders a
 //! required choice that way), so the grammar starts at the first `invoke`. Plain
 //! string parameters are raw text (as the model was trained to write them); every
-//! other parameter is JSON under its own schema (`%json`), so the arguments parse
+//! other parameter is JSON under its own schema (`%json`, tightened by
+//! [`schema_bounds`] so that numbers stay within a double), so the arguments parse
 //! and validate. Required parameters always appear, optional ones may, in the
 //! schema's property order.
 
 use serde_json::Value;
+
+use super::schema_bounds;
 
 /// Most calls in one forced block.
 pub const MAX_CALLS: usize = 8;
@@ -76,6 +79,7 @@ pub fn lark(tools: &[ToolSpec], dsml: u32, at_most_one: bool) -> Result<String, 
                 format!("\"string=\\\"true\\\">\" /[^<]{{{min},{max}}}/")
             } else {
                 let mut schema = schema.clone();
+                schema_bounds::tighten(&mut schema);
                 if let Some(obj) = schema.as_object_mut() {
                     obj.entry("x-guidance").or_insert_with(|| serde_json::json!({"whitespace_flexible": false}));
                 }

@@ -10,7 +10,7 @@
 //! while prefilling) until the token budget runs out; a request whose blocks
 //! cannot be allocated first evicts unreferenced cached blocks, then preempts
 //! the newest running request (dropped, recomputed later). If nothing was
-//! preempted, waiting requests are admitted in arrival order while budget,
+//! preempted, waiting requests are admitted by priority, then in arrival order, while budget,
 //! batch slots and blocks allow; admission looks up the prefix cache.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -572,13 +572,15 @@ impl Scheduler {
         // Admitting while preempting would only thrash.
         if admit && plan.preempted.is_empty() && plan.failed.is_empty() {
             while budget > 0 && self.running.len() < self.config.max_batch_size {
-                // The first waiting request whose rank has room (FIFO without ranks).
+                // The most urgent waiting request whose rank has room: lowest
+                // `priority`, then arrival (`min_by_key` keeps the first of equals).
                 let Some(id) = self
                     .waiting
                     .iter()
                     .take(ADMISSION_SCAN)
                     .copied()
-                    .find(|id| !self.held.contains(id) && room(&rank_used, self.seq(*id).rank) > 0)
+                    .filter(|id| !self.held.contains(id) && room(&rank_used, self.seq(*id).rank) > 0)
+                    .min_by_key(|id| self.seq(*id).request.priority)
                 else {
                     break;
                 };

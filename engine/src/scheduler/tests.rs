@@ -176,3 +176,21 @@ fn clearing_the_prefix_cache_frees_unused_blocks_and_keeps_running_ones() {
     assert_eq!(s.clear_prefix_cache().len(), 3);
     assert_eq!((s.pool_stats(), s.prefix_stats().hits), (free0, 1), "a miss after clearing");
 }
+
+#[test]
+fn lower_priority_values_are_admitted_first_and_ties_by_arrival() {
+    let mut s = scheduler(EngineConfig { max_batch_size: 1, ..Default::default() });
+    let late = |p: i64| Request { priority: p, ..Request::new(prompt(5), 1) };
+    let a = s.add(late(0)).unwrap();
+    let b = s.add(late(-1)).unwrap();
+    let c = s.add(late(-1)).unwrap();
+    let mut order = Vec::new();
+    for _ in 0..3 {
+        let plan = s.schedule();
+        order.push(plan.items[0].id);
+        let sampled: Vec<SampledToken> =
+            plan.items.iter().filter(|i| i.sample).map(|i| SampledToken { id: i.id, token: 3, ok: true }).collect();
+        s.complete(&sampled);
+    }
+    assert_eq!(order, [b, c, a]);
+}
