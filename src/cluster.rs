@@ -261,7 +261,9 @@ impl ClusterPlan {
 
 fn env(transport: Arc<QuicTransport>, clock: Arc<dyn Clock>) -> Env {
     let metrics = Arc::new(Metrics::default());
-    let events = Arc::new(EventLog::new(Arc::clone(&clock), 0));
+    // `DEEPINFER_EVENTS=1`: every actor event on standard error (what a simulation's log holds).
+    let echo = std::env::var_os("DEEPINFER_EVENTS").is_some_and(|v| v != "0");
+    let events = Arc::new(EventLog::new(Arc::clone(&clock), 0).echoing(echo));
     let faults = Arc::new(Faults::inert(Arc::clone(&metrics)));
     Env { transport, clock, events, metrics, faults }
 }

@@ -40,13 +40,21 @@ impl std::fmt::Write for Digesting {
 pub struct EventLog {
     clock: Arc<dyn Clock>,
     keep: usize,
+    /// Also write every line to standard error (a real node's `DEEPINFER_EVENTS=1`).
+    echo: bool,
     inner: Mutex<Inner>,
 }
 
 impl EventLog {
     /// `keep`: how many lines to retain for inspection (all are digested).
     pub fn new(clock: Arc<dyn Clock>, keep: usize) -> Self {
-        Self { clock, keep, inner: Mutex::new(Inner { digest: FNV_OFFSET, count: 0, kept: Vec::new() }) }
+        Self { clock, keep, echo: false, inner: Mutex::new(Inner { digest: FNV_OFFSET, count: 0, kept: Vec::new() }) }
+    }
+
+    /// The same log, also writing each line to standard error as it is recorded.
+    pub fn echoing(mut self, echo: bool) -> Self {
+        self.echo = echo;
+        self
     }
 
     pub fn record(&self, what: std::fmt::Arguments<'_>) {
@@ -54,13 +62,18 @@ impl EventLog {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let keep = inner.kept.len() < self.keep;
         // The line is hashed as it is formatted; it is only kept as text when asked.
-        let mut w = Digesting { digest: inner.digest, line: keep.then(String::new) };
+        let mut w = Digesting { digest: inner.digest, line: (keep || self.echo).then(String::new) };
         let _ = writeln!(w, "{:>12} {}", t.as_nanos(), what);
         inner.digest = w.digest;
         inner.count += 1;
         if let Some(mut line) = w.line {
             line.pop();
-            inner.kept.push(line);
+            if self.echo {
+                eprintln!("event {line}");
+            }
+            if keep {
+                inner.kept.push(line);
+            }
         }
     }
 

@@ -26,7 +26,7 @@ use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// Version of the envelope layout; bumped on any change to the archived types.
-pub const WIRE_VERSION: u16 = 9;
+pub const WIRE_VERSION: u16 = 10;
 pub use crate::limits::MAX_FRAME_BYTES;
 /// "dINF" little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"dINF");
@@ -402,6 +402,16 @@ pub enum Control {
     },
     Loaded {
         epoch: u64,
+        device: u32,
+    },
+    /// Shard → scheduler: the table offered (`LoadExperts` or
+    /// `PrepareExperts` of `epoch`) is not newer than the one it holds, of
+    /// epoch `held`, so it was not taken. Said instead of an acknowledgement:
+    /// a scheduler whose epoch counter started again (its process restarted)
+    /// numbers its table past `held` and sends it again.
+    Behind {
+        epoch: u64,
+        held: u64,
         device: u32,
     },
     /// Load the weights of these experts for placement `epoch` while the

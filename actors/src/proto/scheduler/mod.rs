@@ -303,6 +303,9 @@ pub struct SchedulerMachine {
     eplb: Option<ExpertLoadTracker>,
     /// A new table whose experts the shards are reading while the current one serves.
     preparing: Option<Preparing>,
+    /// A shard holds a table of this epoch, newer than this scheduler's: at
+    /// the next step the current table is sent again, numbered past it.
+    renumber: Option<u64>,
     /// Its node is in a minority partition: it runs no step and changes no table.
     fenced: bool,
     /// Prefilled requests on their way to a decode instance.
@@ -442,6 +445,7 @@ impl SchedulerMachine {
             last_router: ctx.active_router(ctx.topology.home_node(instance)).index,
             rejoined: false,
             preparing: None,
+            renumber: None,
             // A scheduler (re)started in a minority partition waits for the majority.
             fenced: ctx.durable.in_minority(ctx.topology.home_node(instance)),
             cache,
@@ -457,10 +461,11 @@ impl SchedulerMachine {
         for node in 0..machine.ctx.routers {
             machine.send(Addr::router(node), Message::Heartbeat(hello.clone()), &[]);
         }
-        // A predecessor may have died between changing the table and hearing every shard load it.
-        if restarted {
-            machine.load_placement(None);
-        }
+        // A predecessor may have died between changing the table and hearing
+        // every shard load it; and a scheduler whose process restarted holds
+        // the configured table while the shards may hold a later one. Either
+        // way the shards hear this scheduler's table before its first step.
+        machine.load_placement(None);
         Ok(machine)
     }
 
@@ -527,6 +532,11 @@ impl SchedulerMachine {
             (Role::Shard, Message::Control(Control::Loaded { epoch, device })) if mine(from) => {
                 return self.on_loaded(epoch, device)
             }
+            (Role::Shard, Message::Control(Control::Behind { epoch, held, device })) if mine(from) => {
+                self.on_behind(epoch, held, device)
+            }
+            // A shard (re)started: its table is its process's copy, maybe not the current one.
+            (Role::Shard, Message::Heartbeat(_)) if mine(from) => self.on_shard_started(from.index),
             (Role::CacheManager, Message::Heartbeat(h)) if from == self.cache && h.restarted => {
                 self.on_cache_restarted()
             }

@@ -241,6 +241,53 @@ impl SchedulerMachine {
         Ok(())
     }
 
+    /// A shard holds a table of epoch `held` while this scheduler offered
+    /// `offered`: a table it never wrote (an earlier incarnation of this
+    /// scheduler's process wrote it). Only a `held` past the current epoch
+    /// matters (an older one answers a late frame): the current table is
+    /// numbered past it and sent again, now if the shards are being loaded,
+    /// else at the next step (a preparation under way is dropped and redone).
+    pub(super) fn on_behind(&mut self, offered: u64, held: u64, device: u32) {
+        let current = self.ctx.durable.placement(self.instance);
+        if held <= current.epoch() {
+            return;
+        }
+        self.ctx.events.record(format_args!(
+            "{}: shard{device} holds epoch {held}, past this table's {} (offered {offered})",
+            self.addr,
+            current.epoch()
+        ));
+        if let Some(p) = self.preparing.take() {
+            self.rejoined |= p.why == "rejoin";
+        }
+        if let Phase::Loading { step, .. } = self.phase {
+            self.ctx.durable.set_placement(self.instance, current.with_epoch(held + 1));
+            self.ctx.events.record(format_args!("{} placement epoch {} (renumbered)", self.addr, held + 1));
+            self.load_placement(step);
+        } else {
+            self.renumber = Some(self.renumber.unwrap_or(0).max(held));
+            if matches!(self.phase, Phase::Idle) {
+                self.tick();
+            }
+        }
+    }
+
+    /// The current table, renumbered past what a shard holds, if one said so.
+    pub(super) fn renumbered(&mut self) -> Option<crate::cluster::placement::Placement> {
+        let held = self.renumber.take()?;
+        let current = self.ctx.durable.placement(self.instance);
+        (held >= current.epoch()).then(|| current.with_epoch(held))
+    }
+
+    /// Shard `device` started: send it the current table (it read its own
+    /// process's copy, which after a process restart is the configured one).
+    pub(super) fn on_shard_started(&mut self, device: u32) {
+        if self.ctx.durable.is_lost(self.home, device) {
+            return;
+        }
+        self.send_tables(&BTreeSet::from([device]));
+    }
+
     pub(super) fn on_worker_restarted(&mut self, worker: u32, instance: u64) {
         let Phase::Running(mut run) = std::mem::replace(&mut self.phase, Phase::Idle) else {
             return;

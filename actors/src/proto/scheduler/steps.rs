@@ -23,6 +23,11 @@ impl SchedulerMachine {
         // Configured changes switch at their step; a rejoin or EPLB table is
         // prepared first (its experts read while the current table serves).
         let mut change = self.ctx.placement_changes.iter().find(|(s, _)| *s == step).map(|(_, p)| p.clone());
+        // The current table again, numbered past the epoch a shard holds (the switch below adds one).
+        if let Some(p) = self.renumbered() {
+            self.ctx.durable.set_placement(self.instance, p.clone());
+            change = change.or(Some(p));
+        }
         if change.is_none() {
             change = self.prepared_change();
         }

@@ -8,12 +8,13 @@ use super::{Effect, Input, SchedulerMachine};
 use crate::cluster::ctx::Ctx;
 use crate::net::transport::Delivery;
 use crate::wire::{
-    self, Addr, Envelope, FinishKind, Heartbeat, Message, OutputEnd, SeqOutput, StepOutcome, StepRequest, StepResult,
-    Submit,
+    self, Addr, Control, Envelope, FinishKind, Heartbeat, Message, OutputEnd, SeqOutput, StepOutcome, StepRequest,
+    StepResult, Submit,
 };
 
 const ROUTER: Addr = Addr::router(0);
 const WORKER: Addr = Addr::worker(0);
+const SHARD: Addr = Addr::shard(0);
 
 fn ctx() -> Arc<Ctx> {
     crate::proto::test_ctx(1, 8, 1)
@@ -85,13 +86,25 @@ fn done(r: &StepRequest, token: u32) -> Input {
     frame(WORKER, Message::StepResult(StepResult { step: r.step, attempt: r.attempt, device: 0, outcome }), &[])
 }
 
-/// A started machine whose start-up effects (cache clear, hello) are checked and dropped.
+/// A started machine whose start-up effects (cache clear, hello, its table
+/// to the shard) are checked and dropped, and the shard's acknowledgement fed.
 fn started() -> SchedulerMachine {
     let mut m = SchedulerMachine::start(ms(0), 0, 0, ctx()).expect("starts");
     let seen = drain(&mut m);
     assert!(
-        matches!(&seen[..], [Seen::Sent(_, Message::Cache(_)), Seen::Sent(r, Message::Heartbeat(_))] if *r == ROUTER)
+        matches!(
+            &seen[..],
+            [
+                Seen::Sent(_, Message::Cache(_)),
+                Seen::Sent(r, Message::Heartbeat(_)),
+                Seen::Sent(s, Message::Control(Control::LoadExperts { epoch: 0, .. })),
+                Seen::Other(Effect::ArmStep { .. })
+            ] if *r == ROUTER && *s == SHARD
+        ),
+        "{seen:?}"
     );
+    m.handle(ms(0), frame(SHARD, Message::Control(Control::Loaded { epoch: 0, device: 0 }), &[])).expect("no crash");
+    drain(&mut m);
     m
 }
 
@@ -152,7 +165,7 @@ fn a_lost_step_request_is_sent_again_then_its_requests_fail() {
     let req = first_step(&mut m, 4);
     let attempts = m.ctx.timeouts.step_attempts;
     let mut now = ms(1);
-    let mut serial = 1;
+    let mut serial = m.serial;
     for attempt in 1..attempts {
         // A timer that fires early (or a stale serial) changes nothing.
         m.handle(now, Input::Timeout(serial + 100)).expect("no crash");
@@ -239,4 +252,53 @@ fn time_never_goes_backwards() {
     let mut m = started();
     m.handle(ms(5), Input::Tick).expect("no crash");
     let _ = m.handle(ms(4), Input::Tick);
+}
+
+/// A scheduler whose process restarted numbers its tables from the
+/// configured one while the shards hold a later epoch from its predecessor:
+/// a shard that says so gets the current table again, numbered past what it
+/// holds, before any step runs; a stale answer changes nothing.
+#[test]
+fn a_shard_holding_a_later_epoch_gets_the_table_again_numbered_past_it() {
+    let mut m = SchedulerMachine::start(ms(0), 0, 0, ctx()).expect("starts");
+    drain(&mut m);
+    let behind = Control::Behind { epoch: 0, held: 7, device: 0 };
+    m.handle(ms(1), frame(SHARD, Message::Control(behind), &[])).expect("no crash");
+    let seen = drain(&mut m);
+    assert!(
+        seen.iter().any(
+            |s| matches!(s, Seen::Sent(to, Message::Control(Control::LoadExperts { epoch: 8, .. })) if *to == SHARD)
+        ),
+        "{seen:?}"
+    );
+    // A request waits for the acknowledgement of epoch 8, then runs.
+    m.handle(ms(2), submit(7, (2..20).collect(), 3)).expect("no crash");
+    assert!(step_requests(&drain(&mut m)).is_empty(), "no step before the shard holds the table");
+    m.handle(ms(3), frame(SHARD, Message::Control(Control::Loaded { epoch: 8, device: 0 }), &[])).expect("no crash");
+    drain(&mut m);
+    m.handle(ms(3), Input::Tick).expect("no crash");
+    let step = step_requests(&drain(&mut m)).pop().expect("the step runs once the table is held");
+    assert_eq!(step.placement.epoch, 8);
+    // An answer about an epoch not past the current one is a late frame: nothing happens.
+    let stale = Control::Behind { epoch: 3, held: 8, device: 0 };
+    m.handle(ms(4), frame(SHARD, Message::Control(stale), &[])).expect("no crash");
+    let seen = drain(&mut m);
+    assert!(
+        !seen.iter().any(|s| matches!(s, Seen::Sent(_, Message::Control(Control::LoadExperts { .. })))),
+        "{seen:?}"
+    );
+}
+
+/// A shard that starts (a restarted node process) reads its process's copy
+/// of the table; its scheduler sends it the current one.
+#[test]
+fn a_started_shard_is_sent_the_current_table() {
+    let mut m = started();
+    m.handle(ms(1), frame(SHARD, Message::Heartbeat(Heartbeat { incarnation: 3, restarted: true, time_ns: 0 }), &[]))
+        .expect("no crash");
+    let seen = drain(&mut m);
+    assert!(
+        matches!(&seen[..], [Seen::Sent(to, Message::Control(Control::LoadExperts { epoch: 0, .. }))] if *to == SHARD),
+        "{seen:?}"
+    );
 }

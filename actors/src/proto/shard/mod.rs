@@ -22,7 +22,7 @@ use crate::cluster::ctx::Ctx;
 use crate::net::transport::Delivery;
 use crate::sim::events::bump;
 use crate::sim::faults::Target;
-use crate::wire::{Addr, Control, DispatchHeader, ExpertResultHeader, Message, ResultStatus};
+use crate::wire::{Addr, Control, DispatchHeader, ExpertResultHeader, Heartbeat, Message, ResultStatus};
 
 /// What the shard asks its shell to do, in order.
 #[derive(Debug, PartialEq)]
@@ -154,6 +154,7 @@ impl ShardMachine {
     /// Stage what `experts` of `epoch` needs beyond what is held.
     fn prepare(&mut self, from: Addr, epoch: u64, experts: Vec<u32>) {
         if epoch <= self.epoch {
+            self.behind(from, epoch);
             return;
         }
         let staged = self.staged.as_ref().filter(|(e, _)| *e == epoch).map(|(_, s)| s);
@@ -175,6 +176,16 @@ impl ShardMachine {
         }
         self.reading = Some(epoch);
         self.effects.push(ShardEffect::Read { epoch, experts: missing, reply_to: from });
+    }
+
+    /// Tell `to` that its table of `epoch` is not newer than the one held.
+    fn behind(&mut self, to: Addr, epoch: u64) {
+        self.ctx.events.record(format_args!(
+            "{} holds epoch {}: table of epoch {epoch} from {to} not taken",
+            self.addr, self.epoch
+        ));
+        let msg = Control::Behind { epoch, held: self.epoch, device: self.device };
+        self.send(to, Message::Control(msg), &[]);
     }
 
     /// Whether this shard computes (and so holds weights); modelled devices only price.
@@ -250,6 +261,11 @@ impl ShardMachine {
         };
         machine.load(placement.epoch(), placement.experts_on(local));
         machine.ctx.events.record(format_args!("{addr} up (incarnation {incarnation})"));
+        // The table read above is this process's copy: in a cluster of
+        // processes a restarted node's copy is the configured one, not the
+        // one its instance's scheduler last sent. The hello asks for that.
+        let hello = Heartbeat { incarnation: u64::from(incarnation), restarted: true, time_ns: 0 };
+        machine.send(Addr::scheduler(serving), Message::Heartbeat(hello), &[]);
         machine
     }
 
@@ -281,9 +297,13 @@ impl ShardMachine {
                 ));
             }
             Message::Control(Control::LoadExperts { epoch, experts }) => {
-                // An older table arriving late never replaces a newer one; one
-                // whose experts could not all be read is not acknowledged.
-                if epoch < self.epoch || self.load(epoch, experts) {
+                // An older table never replaces a newer one, and is not
+                // acknowledged as if it had: the sender hears which epoch
+                // is held. One whose experts could not all be read is not
+                // acknowledged either.
+                if epoch < self.epoch {
+                    self.behind(from, epoch);
+                } else if self.load(epoch, experts) {
                     let ack = Control::Loaded { epoch, device: self.device };
                     self.send(from, Message::Control(ack), &[]);
                 }

@@ -42,8 +42,22 @@ fn status(out: &[(Message, Vec<f32>)]) -> ResultStatus {
     }
 }
 
+/// A started shard whose hello (asking its scheduler for the current table) is checked and dropped.
 fn shard(ctx: &Arc<Ctx>) -> ShardMachine {
-    ShardMachine::start(0, 0, Arc::clone(ctx))
+    let mut m = ShardMachine::start(0, 0, Arc::clone(ctx));
+    let hello: Vec<Addr> = m
+        .take_effects()
+        .into_iter()
+        .filter_map(|e| match e {
+            ShardEffect::Send(Outgoing { to, frame }) => {
+                assert!(matches!(wire::decode(&frame).expect("valid").envelope.msg, Message::Heartbeat(_)));
+                Some(to)
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(hello, vec![Addr::scheduler(0)]);
+    m
 }
 
 #[test]
@@ -83,17 +97,24 @@ fn malformed_and_misplaced_dispatches_are_refused() {
     assert!(matches!(status(&answers(&mut m)), ResultStatus::Invalid(_)), "an expert past the model");
     m.handle(dispatch(0, one(0), &body[1..])).expect("no crash");
     assert!(matches!(status(&answers(&mut m)), ResultStatus::Invalid(_)), "a body that does not add up");
-    // A newer table without expert 0; an older one arriving late changes nothing but is acknowledged.
+    // A newer table without expert 0; an older one changes nothing and is
+    // answered with the epoch held, never acknowledged as loaded; so is a
+    // preparation of a table not newer than the one held.
     m.handle(frame(Message::Control(Control::LoadExperts { epoch: 5, experts: vec![1] }), &[])).expect("no crash");
     m.handle(frame(Message::Control(Control::LoadExperts { epoch: 4, experts: vec![0] }), &[])).expect("no crash");
+    m.handle(frame(Message::Control(Control::PrepareExperts { epoch: 5, experts: vec![0] }), &[])).expect("no crash");
     let acks = answers(&mut m);
-    assert!(matches!(
-        &acks[..],
-        [
-            (Message::Control(Control::Loaded { epoch: 5, .. }), _),
-            (Message::Control(Control::Loaded { epoch: 4, .. }), _)
-        ]
-    ));
+    assert!(
+        matches!(
+            &acks[..],
+            [
+                (Message::Control(Control::Loaded { epoch: 5, .. }), _),
+                (Message::Control(Control::Behind { epoch: 4, held: 5, device: 0 }), _),
+                (Message::Control(Control::Behind { epoch: 5, held: 5, device: 0 }), _)
+            ]
+        ),
+        "{acks:?}"
+    );
     m.handle(dispatch(0, one(0), &body)).expect("no crash");
     assert_eq!(status(&answers(&mut m)), ResultStatus::NotHeld(0));
     m.handle(frame(Message::Control(Control::Ping { nonce: 8 }), &[])).expect("no crash");
