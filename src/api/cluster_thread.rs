@@ -99,7 +99,13 @@ async fn drive(
                 }
                 // Follow the routers while idle too, and tell `/health`.
                 cluster.poll_news();
-                *unavailable.lock().unwrap_or_else(|e| e.into_inner()) = cluster.down_reason().map(str::to_string);
+                let now = cluster.down_reason().map(str::to_string);
+                let mut was = unavailable.lock().unwrap_or_else(|e| e.into_inner());
+                if was.is_some() && now.is_none() {
+                    // The cluster is back: failures from while it was down say nothing now.
+                    evidence.clear();
+                }
+                *was = now;
             }
         }
     }

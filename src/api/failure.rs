@@ -167,6 +167,11 @@ impl Evidence {
         }
     }
 
+    /// Forget the failures seen: what caused them is known to be over.
+    pub fn clear(&self) {
+        self.record(None);
+    }
+
     /// Why the last request failed, if it did within the window.
     pub fn failing(&self) -> Option<String> {
         let last = self.last_failure.lock().unwrap_or_else(|e| e.into_inner());
