@@ -165,17 +165,27 @@ async fn a_model_fault_is_a_500_or_an_error_event_on_every_api_and_leaves_the_se
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A one-node cluster of two devices (so `serve --topology` is its front end).
-fn one_node_site(dir: &Path) -> std::path::PathBuf {
+/// A cluster of one instance over `nodes` nodes of `devices` devices each
+/// (two devices in all at least, so `serve --topology` is its front end);
+/// the instance's scheduler and the first router live on node0.
+fn one_instance_site(dir: &Path, nodes: usize, devices: usize) -> std::path::PathBuf {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).unwrap();
-    let port = UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let text = format!(
+    let mut text = format!(
         "[cluster]\nname = \"failures\"\nmodel = \"builtin:tiny-v4\"\napi_listen = \"127.0.0.1:0\"\n\
-         heartbeat_ms = 100\nfailure_timeout_ms = {FAILURE_TIMEOUT_MS}\ncerts_dir = \"certs\"\n\
-         \n[[node]]\nname = \"node0\"\naddress = \"127.0.0.1:{port}\"\ndevices = 2\nbackend = \"cpu\"\n\
-         \n[[instance]]\nname = \"main\"\nrole = \"both\"\nnodes = [\"node0\"]\n"
+         heartbeat_ms = 100\nfailure_timeout_ms = {FAILURE_TIMEOUT_MS}\ncerts_dir = \"certs\"\n"
     );
+    // Ports that were free a moment ago (held together so they differ).
+    let sockets: Vec<UdpSocket> = (0..nodes).map(|_| UdpSocket::bind("127.0.0.1:0").unwrap()).collect();
+    for (i, socket) in sockets.iter().enumerate() {
+        let port = socket.local_addr().unwrap().port();
+        text += &format!(
+            "\n[[node]]\nname = \"node{i}\"\naddress = \"127.0.0.1:{port}\"\ndevices = {devices}\nbackend = \"cpu\"\n"
+        );
+    }
+    drop(sockets);
+    let names: Vec<String> = (0..nodes).map(|i| format!("\"node{i}\"")).collect();
+    text += &format!("\n[[instance]]\nname = \"main\"\nrole = \"both\"\nnodes = [{}]\n", names.join(", "));
     let topology = dir.join("cluster.toml");
     std::fs::write(&topology, text).unwrap();
     let o = run_plain(&["cluster", "init-certs", "--topology", s(&topology), "--out", s(&dir.join("certs"))]);
@@ -190,10 +200,27 @@ fn one_node_site(dir: &Path) -> std::path::PathBuf {
 /// 200), and the SDKs raise on every API afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_only_serving_node_fails_every_api_with_503_and_health_says_so() {
-    let dir = std::env::temp_dir().join(format!("deepinfer-failures-{}", std::process::id()));
-    let topology = one_node_site(&dir);
-    let mut node = Proc::spawn(&["node", "--topology", s(&topology), "--node", "node0", "--exit-with-stdin"], false);
-    node.wait_for("cluster ready", Duration::from_secs(60));
+    kill_node0_while_every_api_runs("one-node", 1, 2).await;
+}
+
+/// The same where a router survives: node1's router is reachable, but the
+/// only instance's scheduler died with node0, so nothing can serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_only_instances_home_with_a_router_left_fails_every_api_and_health_says_so() {
+    kill_node0_while_every_api_runs("router-left", 2, 1).await;
+}
+
+async fn kill_node0_while_every_api_runs(name: &str, nodes: usize, devices: usize) {
+    let dir = std::env::temp_dir().join(format!("deepinfer-failures-{}-{name}", std::process::id()));
+    let topology = one_instance_site(&dir, nodes, devices);
+    let spawn = |i: usize| {
+        let node = format!("node{i}");
+        Proc::spawn(&["node", "--topology", s(&topology), "--node", &node, "--exit-with-stdin"], false)
+    };
+    let mut procs: Vec<Proc> = (0..nodes).map(spawn).collect();
+    for p in &procs {
+        p.wait_for("cluster ready", Duration::from_secs(60));
+    }
     let mut cmd = Command::new(BIN);
     cmd.args(["serve", "--topology", s(&topology), "--listen", "127.0.0.1:0"]);
     let front = Served::start_command(cmd);
@@ -216,7 +243,7 @@ async fn killing_the_only_serving_node_fails_every_api_with_503_and_health_says_
         plain.push((api, tokio::spawn(client.post(front.url(path)).json(&body).send())));
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    node.child.kill().unwrap();
+    procs[0].child.kill().unwrap();
     let killed = Instant::now();
 
     for (api, mut text, mut body) in streams {
@@ -240,16 +267,16 @@ async fn killing_the_only_serving_node_fails_every_api_with_503_and_health_says_
         assert!(killed.elapsed() < Duration::from_secs(30), "/health still says {body}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    eprintln!("/health not ready {:?} after the kill: {}", not_ready.0, not_ready.1);
+    eprintln!("{name}: /health not ready {:?} after the kill: {}", not_ready.0, not_ready.1);
     // The node is declared down after the failure timeout; the rest is slack for a busy machine.
     let limit = Duration::from_millis(FAILURE_TIMEOUT_MS) + Duration::from_secs(5);
-    assert!(not_ready.0 < limit, "/health said ok for {:?} after the only node died", not_ready.0);
+    assert!(not_ready.0 < limit, "/health said ok for {:?} after the only instance died", not_ready.0);
     assert_eq!(not_ready.1["status"], "unavailable");
     assert!(not_ready.1["reason"].as_str().is_some_and(|r| !r.is_empty()), "{}", not_ready.1);
     assert_eq!(health(&client, &front, "/health/ready").await.0, 503);
     assert_eq!(health(&client, &front, "/health/live").await.0, 200, "a front end restart mends nothing");
     run_sdk_script(&front, 503);
     drop(front);
-    drop(node);
+    drop(procs);
     let _ = std::fs::remove_dir_all(&dir);
 }
