@@ -44,7 +44,7 @@ pub fn node_status(ctx: &Ctx, node: u32, started: SystemTime) -> NodeStatus {
                 waiting: load(&g.waiting),
                 kv_used_bytes: load(&g.kv_used_bytes),
                 kv_budget_bytes: load(&g.kv_budget_bytes),
-                placement_epoch: ctx.durable.placement(instance).epoch(),
+                placement_epoch: ctx.durable.placement(node, instance).epoch(),
             }
         })
         .collect();

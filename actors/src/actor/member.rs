@@ -30,7 +30,6 @@ pub enum MemberMsg {
 
 pub struct MemberState {
     node: u32,
-    number: u64,
     machine: Membership,
     me: ActorRef<MemberMsg>,
     ctx: Arc<Ctx>,
@@ -68,12 +67,11 @@ impl Actor for MemberActor {
         let ctx = args.ctx;
         let config = ctx.membership.ok_or("membership actor without a membership configuration")?;
         let addr = Addr::node(args.node);
-        let number = ctx.durable.new_incarnation();
         ctx.events.record(format_args!("{addr} member up (incarnation {})", args.incarnation));
         pump(ctx.transport.bind(addr), myself.clone(), MemberMsg::Net);
         // A restarted member starts from scratch: peers are unknown until heard.
         let machine = Membership::new(ctx.clock.now(), Member::Node(args.node), ctx.topology.nodes(), config);
-        let state = MemberState { node: args.node, number, machine, me: myself, ctx };
+        let state = MemberState { node: args.node, machine, me: myself, ctx };
         state.arm();
         Ok(state)
     }
@@ -91,8 +89,9 @@ impl Actor for MemberActor {
                 state.ctx.set_suspects(state.node, state.machine.suspects(now));
                 let from = Addr::node(state.node);
                 for n in tick.heartbeats {
-                    let beat =
-                        Heartbeat { incarnation: state.number, restarted: false, time_ns: now.as_nanos() as u64 };
+                    // Names the node's process, which outlives this actor's restarts.
+                    let process = state.ctx.durable.process(state.node);
+                    let beat = Heartbeat { incarnation: process, restarted: false, time_ns: now.as_nanos() as u64 };
                     state.ctx.send(from, Addr::node(n), Message::Heartbeat(beat), &[]);
                 }
                 for e in tick.events {
@@ -103,9 +102,12 @@ impl Actor for MemberActor {
             MemberMsg::Net(d) => {
                 let Some(m) = state.ctx.open(Addr::node(state.node), &d) else { return Ok(()) };
                 match (m.envelope.from.role, m.envelope.msg) {
-                    (Role::Node, Message::Heartbeat(_)) => {
-                        if let Some(e) = state.machine.heard(now, m.envelope.from.index) {
+                    (Role::Node, Message::Heartbeat(h)) => {
+                        let events = state.machine.heard_process(now, m.envelope.from.index, h.incarnation);
+                        if !events.is_empty() {
                             state.ctx.set_suspects(state.node, state.machine.suspects(now));
+                        }
+                        for e in events {
                             state.act(e);
                         }
                     }

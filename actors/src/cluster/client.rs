@@ -8,6 +8,10 @@ use super::*;
 #[path = "client_outputs.rs"]
 mod outputs;
 
+/// How a router's answer begins when it ends a new request for want of an
+/// instance (`RouterMachine::decide`), and how this client says the same.
+const NO_INSTANCE_UP: &str = "no serving instance is up";
+
 struct Outstanding {
     spec: RequestSpec,
     tokens: Vec<u32>,
@@ -41,6 +45,13 @@ pub struct Cluster {
     keepalive: Option<Duration>,
     next_keepalive: Duration,
     down: Option<String>,
+    /// Why no instance can take a new request as this client sees the
+    /// nodes: every instance of a needed role has its scheduler's node dead.
+    unservable: Option<String>,
+    /// The router in use ended a new request because no instance was up for
+    /// it (draining instances, which only routers know of, included); held
+    /// until something says otherwise: tokens, a node back, another router.
+    router_unserved: Option<String>,
     next_id: u64,
     outstanding: BTreeMap<u64, Outstanding>,
     /// Every outstanding request's deadline, earliest first.
@@ -140,6 +151,8 @@ impl Cluster {
             keepalive: None,
             next_keepalive: Duration::ZERO,
             down: None,
+            unservable: None,
+            router_unserved: None,
             next_id: first_id,
             outstanding: BTreeMap::new(),
             deadlines: BTreeSet::new(),
@@ -170,6 +183,16 @@ impl Cluster {
         self.ctx.durable.gauges()
     }
 
+    /// Simulation only: `node`'s process dies and starts again at once, as
+    /// `kill -9` and a new `deepinfer node` do. Its actors start afresh
+    /// from what a new process holds ([`crate::cluster::durable::Durable::restart_process`]).
+    pub fn restart_process(&self, node: u32) {
+        self.ctx.events.record(format_args!("fault: node{node}'s process restarts"));
+        self.ctx.durable.restart_process(node);
+        bump(&self.ctx.metrics.kills_injected);
+        self.ctx.kill(&format!("node{node}"));
+    }
+
     /// Crash the actor at `path` (`node3`, `node0/worker2`), as a fault would: its supervisor restarts it.
     pub fn kill(&self, path: &str) {
         self.ctx.events.record(format_args!("fault: kill {path}"));
@@ -184,7 +207,7 @@ impl Cluster {
 
     /// The current expert placement of `instance`.
     pub fn placement(&self, instance: u32) -> Placement {
-        self.ctx.durable.placement(instance)
+        self.ctx.durable.placement(self.ctx.topology.home_node(instance), instance)
     }
 
     /// Steps started by all schedulers.
@@ -202,9 +225,40 @@ impl Cluster {
         !self.outstanding.is_empty() || !self.ready.is_empty()
     }
 
-    /// Why the cluster went down, if it did.
+    /// Why the cluster cannot serve a new request, if it cannot: it went
+    /// down, every instance's scheduler node is dead, or the router said
+    /// no instance is up (every one down or draining, as it sees them).
     pub fn down_reason(&self) -> Option<&str> {
-        self.down.as_deref()
+        self.down.as_deref().or(self.unservable.as_deref()).or(self.router_unserved.as_deref())
+    }
+
+    /// Follow what an update says about the router's view of the instances.
+    fn note_serving(&mut self, u: &Update) {
+        match u {
+            Update::Tokens { tokens, .. } if !tokens.is_empty() => self.router_unserved = None,
+            Update::Finished { finished, .. } => match &finished.reason {
+                FinishReason::Error(e) if e.starts_with(NO_INSTANCE_UP) => self.router_unserved = Some(e.clone()),
+                FinishReason::Error(_) => {}
+                _ => self.router_unserved = None,
+            },
+            _ => {}
+        }
+    }
+
+    /// Whether an instance of each role a request needs (one that prefills,
+    /// one that decodes) has its scheduler on a node this client holds
+    /// alive: routers hold an instance down with its scheduler's node.
+    fn check_instances(&mut self) {
+        let topo = &self.ctx.topology;
+        let live = |i: &u32| !self.down_nodes.contains(&topo.home_node(*i));
+        let has = |f: fn(InstanceKind) -> bool| (0..topo.instances).filter(live).any(|i| f(self.ctx.kind(i)));
+        self.unservable = if has(InstanceKind::prefills) && has(InstanceKind::decodes) {
+            None
+        } else {
+            let homes: BTreeSet<u32> = (0..topo.instances).map(|i| topo.home_node(i)).collect();
+            let dead: Vec<u32> = homes.into_iter().filter(|n| self.down_nodes.contains(n)).collect();
+            Some(format!("{NO_INSTANCE_UP}: the schedulers' nodes {dead:?} are declared dead by membership"))
+        };
     }
 
     fn send_submit(&self, o: &Outstanding) {
@@ -307,6 +361,7 @@ impl Cluster {
     pub async fn next_update(&mut self) -> Option<Update> {
         loop {
             if let Some(u) = self.ready.pop_front() {
+                self.note_serving(&u);
                 return Some(u);
             }
             if self.outstanding.is_empty() {
@@ -366,6 +421,8 @@ impl Cluster {
     /// Submit every outstanding request again, with the tokens it has, to
     /// the router in use (which may know nothing of them).
     fn resubmit_all(&mut self) {
+        // Another router, or a new one: what the last one said of the instances is stale.
+        self.router_unserved = None;
         let deadline = self.ctx.clock.now() + self.ctx.timeouts.request;
         self.ctx.events.record(format_args!(
             "client resubmits {} requests to router{}",
@@ -396,6 +453,15 @@ impl Cluster {
     /// use, the next router node's takes over (with every request submitted
     /// again); with none left, the cluster is down for this client.
     fn on_node_news(&mut self, news: NodeNews) {
+        if news.alive {
+            // A node back may end a drain or bring a scheduler back: ask the routers again.
+            self.router_unserved = None;
+        }
+        self.follow_routers(news);
+        self.check_instances();
+    }
+
+    fn follow_routers(&mut self, news: NodeNews) {
         assert!(news.node < self.ctx.topology.nodes(), "membership names a node of the cluster");
         let node = news.node;
         if news.alive {

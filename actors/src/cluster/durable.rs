@@ -2,9 +2,13 @@
 //! of a cluster share, each part with the reason it cannot be a message.
 //! Everything else an actor knows came to it in a frame.
 //!
-//! - Each instance's placement table: a shard that restarts loads the
-//!   experts the current table gives it before any dispatch arrives (the
-//!   scheduler that wrote the table may itself be restarting).
+//! - Each instance's placement table, as each node's process holds it: the
+//!   scheduler writes its home node's copy; a shard that restarts loads the
+//!   experts its own node's copy gives it before any dispatch arrives (the
+//!   scheduler that wrote the table may itself be restarting). On any other
+//!   node that copy is the configured table, which is why a started shard
+//!   asks its scheduler for the current one; a simulation keeps the copies
+//!   apart so that it fails where a cluster of processes would.
 //! - Step and incarnation counters: a restarted scheduler or worker must
 //!   never reuse a step or pass id of its earlier incarnation, whose frames
 //!   may still be in flight.
@@ -34,7 +38,8 @@ pub struct InstanceGauges {
 }
 
 pub struct Durable {
-    placements: Vec<RwLock<Placement>>,
+    /// Per node, per instance: the table that node's process holds.
+    placements: Vec<Vec<RwLock<Placement>>>,
     /// Each instance's table as configured, over all its devices.
     initial: Vec<Placement>,
     steps: Vec<AtomicU64>,
@@ -46,6 +51,9 @@ pub struct Durable {
     down_nodes: Vec<RwLock<BTreeSet<u32>>>,
     /// Per node: the nodes its membership is about to declare dead.
     suspects: Vec<RwLock<BTreeSet<u32>>>,
+    /// Per node: the id of its process, which membership heartbeats carry
+    /// (a simulated process restart draws a new one).
+    processes: Vec<AtomicU64>,
     /// Per device: the routed experts its shard holds and their weight bytes (written by the shard).
     experts_held: Vec<(AtomicU64, AtomicU64)>,
 }
@@ -56,8 +64,8 @@ impl Durable {
         assert!(!placements.is_empty() && nodes > 0, "a cluster has an instance and a node");
         let instances = placements.len();
         Self {
-            initial: placements.clone(),
-            placements: placements.into_iter().map(RwLock::new).collect(),
+            placements: (0..nodes).map(|_| placements.iter().cloned().map(RwLock::new).collect()).collect(),
+            initial: placements,
             steps: (0..instances).map(|_| AtomicU64::new(0)).collect(),
             gauges: (0..instances).map(|_| InstanceGauges::default()).collect(),
             incarnations: AtomicU64::new(incarnation_base),
@@ -65,17 +73,42 @@ impl Durable {
             lost_devices: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
             down_nodes: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
             suspects: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
+            processes: (0..nodes).map(|n| AtomicU64::new(incarnation_base + 1 + u64::from(n))).collect(),
             experts_held: (0..devices).map(|_| (AtomicU64::new(0), AtomicU64::new(0))).collect(),
         }
     }
 
-    /// The current table of `instance`.
-    pub fn placement(&self, instance: u32) -> Placement {
-        self.placements[instance as usize].read().unwrap_or_else(|e| e.into_inner()).clone()
+    /// The table of `instance` as `node`'s process holds it (its scheduler's
+    /// home node holds the current one).
+    pub fn placement(&self, node: u32, instance: u32) -> Placement {
+        self.placements[node as usize][instance as usize].read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    pub fn set_placement(&self, instance: u32, p: Placement) {
-        *self.placements[instance as usize].write().unwrap_or_else(|e| e.into_inner()) = p;
+    pub fn set_placement(&self, node: u32, instance: u32, p: Placement) {
+        *self.placements[node as usize][instance as usize].write().unwrap_or_else(|e| e.into_inner()) = p;
+    }
+
+    /// What `node`'s process holds when it starts again (a simulated process
+    /// restart): the configured tables and no view of dead nodes. Counters
+    /// stay: ids must never repeat, and a real process takes its
+    /// incarnations from the clock for the same reason.
+    pub fn restart_process(&self, node: u32) {
+        let Some(tables) = self.placements.get(node as usize) else { return };
+        let nodes = self.processes.len() as u64;
+        self.processes[node as usize].fetch_add(nodes, Ordering::Relaxed);
+        for (t, initial) in tables.iter().zip(&self.initial) {
+            *t.write().unwrap_or_else(|e| e.into_inner()) = initial.clone();
+        }
+        for views in [&self.lost_devices, &self.down_nodes, &self.suspects] {
+            if let Some(v) = views.get(node as usize) {
+                v.write().unwrap_or_else(|e| e.into_inner()).clear();
+            }
+        }
+    }
+
+    /// The id of `node`'s process (never 0).
+    pub fn process(&self, node: u32) -> u64 {
+        self.processes.get(node as usize).map_or(1, |p| p.load(Ordering::Relaxed))
     }
 
     /// A new step id of `instance`'s scheduler.

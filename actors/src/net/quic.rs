@@ -41,7 +41,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use quinn::{Connection, Endpoint, RecvStream, SendStream, VarInt};
 use tokio::sync::mpsc;
@@ -151,6 +151,9 @@ enum PeerId {
 
 struct Inner {
     me: Member,
+    /// This process's id in its heartbeats: drawn from the wall clock at
+    /// start, so a restarted process names itself anew.
+    process: u64,
     nodes: Vec<NodeAddr>,
     node_of: NodeOf,
     membership: Mutex<Membership>,
@@ -256,8 +259,10 @@ impl QuicTransport {
                 startup_grace: cfg.startup_grace,
             },
         );
+        let process = SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64).max(1);
         let inner = Arc::new(Inner {
             me: cfg.me,
+            process,
             nodes: cfg.nodes,
             node_of: cfg.node_of,
             membership: Mutex::new(members),
@@ -381,6 +386,15 @@ impl Inner {
         }
     }
 
+    /// A node's heartbeat naming its process: a new process under a node
+    /// that was up is a restart nobody saw go down.
+    fn heard_process(&self, node: u32, process: u64) {
+        let events = lock(&self.membership).heard_process(self.clock.now(), node, process);
+        for e in events {
+            self.publish(e);
+        }
+    }
+
     /// Check and account one frame from an accepted or dialed connection;
     /// `Err` closes the connection.
     fn accept_frame(&self, conn: &Connection, who: &OnceLock<PeerId>, frame: Vec<u8>) -> Result<(), (u32, String)> {
@@ -416,9 +430,10 @@ impl Inner {
             return Err((CLOSE_BAD_IDENTITY, format!("sender {from} is not {peer:?}")));
         }
         bump(&self.stats.frames_received);
-        match peer {
-            PeerId::Node(n) => self.heard_from(n),
-            PeerId::Client(k) => self.client_link(k, conn),
+        match (peer, &msg) {
+            (PeerId::Node(n), Message::Heartbeat(h)) if from.role == Role::Node => self.heard_process(n, h.incarnation),
+            (PeerId::Node(n), _) => self.heard_from(n),
+            (PeerId::Client(k), _) => self.client_link(k, conn),
         }
         if !self.is_local(to) && to != self.my_addr() {
             return Err(bad(format!("frame for {to}, which is not here")));
@@ -430,16 +445,13 @@ impl Inner {
             }
             return Ok(());
         }
-        if matches!(msg, Message::Heartbeat(_)) && from.role == Role::Node {
-            return Ok(());
-        }
         // An unbound address or a full inbox loses the frame, as a crash would; the peer is fine.
         let _ = self.deliver_local(from, to, frame);
         Ok(())
     }
 
     fn send_heartbeat(&self, to: Addr) {
-        let hb = Heartbeat { incarnation: 0, restarted: false, time_ns: self.now_ns() };
+        let hb = Heartbeat { incarnation: self.process, restarted: false, time_ns: self.now_ns() };
         let env = Envelope { from: self.my_addr(), to, msg: Message::Heartbeat(hb) };
         if let Ok(frame) = wire::encode(&env, &[]) {
             let _ = self.route(to, frame);

@@ -10,7 +10,10 @@
 //! heard from at all within `failure_timeout` of starting; a node waits
 //! `startup_grace` for such a peer (nodes start in any order, and loading a
 //! model takes a while), so that a node started while another is dead does
-//! not hold the dead one up for ever.
+//! not hold the dead one up for ever. A heartbeat names its sender's process
+//! (an id each start draws anew): a node up under another process id than
+//! before restarted faster than the failure timeout, and is reported down
+//! and up again, since everything its old process held is gone.
 
 use std::time::Duration;
 
@@ -76,6 +79,8 @@ struct Peer {
     /// When a heartbeat (or any valid frame) last came from it.
     heard: Option<Duration>,
     state: PeerState,
+    /// The process its heartbeats last named (0: none named yet).
+    process: u64,
 }
 
 /// What one tick asks for.
@@ -98,7 +103,7 @@ impl Membership {
     /// A member of a cluster of `nodes` nodes, starting at `now`.
     pub fn new(now: Duration, me: Member, nodes: u32, config: MembershipConfig) -> Self {
         assert!(config.heartbeat > Duration::ZERO, "a heartbeat period");
-        let peers = vec![Peer { heard: None, state: PeerState::Unknown }; nodes as usize];
+        let peers = vec![Peer { heard: None, state: PeerState::Unknown, process: 0 }; nodes as usize];
         Self { me, config, started: now, peers, last_tick: now }
     }
 
@@ -116,6 +121,24 @@ impl Membership {
         let peer = self.peers.get_mut(node as usize)?;
         peer.heard = Some(peer.heard.map_or(now, |h| h.max(now)));
         (std::mem::replace(&mut peer.state, PeerState::Up) != PeerState::Up).then_some(MemberEvent::Up { node })
+    }
+
+    /// A heartbeat of `node`'s process `process` (0: unnamed) at `now`: as
+    /// [`Self::heard`], and a node that was up under another process is
+    /// reported down first (it restarted faster than the failure timeout).
+    pub fn heard_process(&mut self, now: Duration, node: u32, process: u64) -> Vec<MemberEvent> {
+        let Some(peer) = self.peers.get_mut(node as usize) else { return Vec::new() };
+        let mut events = Vec::new();
+        if process != 0 {
+            let before = std::mem::replace(&mut peer.process, process);
+            if before != 0 && before != process && peer.state == PeerState::Up {
+                peer.state = PeerState::Down;
+                let silent = peer.heard.map_or(Duration::ZERO, |h| now.saturating_sub(h));
+                events.push(MemberEvent::Down { node, silent });
+            }
+        }
+        events.extend(self.heard(now, node));
+        events
     }
 
     /// Heartbeats to send and nodes found silent at `now`.
@@ -191,6 +214,20 @@ mod tests {
 
     fn config() -> MembershipConfig {
         MembershipConfig { heartbeat: ms(10), failure_timeout: ms(50), startup_grace: ms(500) }
+    }
+
+    #[test]
+    fn a_peer_heard_from_a_new_process_is_down_and_up_again() {
+        let mut m = Membership::new(ms(0), Member::Node(0), 3, config());
+        assert_eq!(m.heard_process(ms(1), 1, 7), vec![MemberEvent::Up { node: 1 }]);
+        assert_eq!(m.heard_process(ms(5), 1, 7), vec![], "the same process");
+        assert_eq!(m.heard(ms(6), 1), None, "any frame");
+        assert_eq!(
+            m.heard_process(ms(9), 1, 8),
+            vec![MemberEvent::Down { node: 1, silent: ms(3) }, MemberEvent::Up { node: 1 }],
+            "restarted within the failure timeout"
+        );
+        assert_eq!(m.heard_process(ms(10), 1, 0), vec![], "an unnamed process changes nothing");
     }
 
     #[test]

@@ -284,6 +284,10 @@ pub enum StepOutcome {
     NeedsHistory(Vec<u64>),
     /// The step could not run; the worker dropped the states it touched.
     Failed(String),
+    /// As `Failed`, because `shard` does not hold an expert the step's table
+    /// places on it: the shard's table is not the scheduler's (its process
+    /// restarted unheard), so the scheduler sends it the table again.
+    TableMismatch { shard: u32, why: String },
 }
 
 /// Drafts one sampling item verified in one decode step, and how many the target accepted.

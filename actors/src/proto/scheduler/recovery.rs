@@ -10,7 +10,7 @@ impl SchedulerMachine {
         // Lost devices get nothing: a fresh table is cut down to the survivors.
         let gone = self.lost_devices();
         let tracker = self.eplb.as_mut().filter(|t| t.should_rebalance())?;
-        let current = self.ctx.durable.placement(self.instance);
+        let current = self.ctx.durable.placement(self.home, self.instance);
         let loads = tracker.total_loads();
         // A few copies moved from the current table when that balances about
         // as well as a new table; else the new table, renumbered to keep
@@ -58,7 +58,7 @@ impl SchedulerMachine {
 
     /// Send `p` (the next epoch) to the live shards to read its experts while the current table serves.
     pub(super) fn prepare(&mut self, p: crate::cluster::placement::Placement, why: &'static str) {
-        let current = self.ctx.durable.placement(self.instance).epoch();
+        let current = self.ctx.durable.placement(self.home, self.instance).epoch();
         let placement = p.with_epoch(current + 1);
         let waiting: BTreeSet<u32> =
             self.ctx.topology.devices_of(self.instance).filter(|d| !self.ctx.durable.is_lost(self.home, *d)).collect();
@@ -107,7 +107,7 @@ impl SchedulerMachine {
     /// The prepared table when every shard has read its experts; a stale or
     /// unanswered one is dropped (the current table keeps serving).
     pub(super) fn prepared_change(&mut self) -> Option<crate::cluster::placement::Placement> {
-        let current = self.ctx.durable.placement(self.instance).epoch();
+        let current = self.ctx.durable.placement(self.home, self.instance).epoch();
         let now = self.now();
         let p = self.preparing.as_mut()?;
         if p.base_epoch != current {
@@ -158,7 +158,7 @@ impl SchedulerMachine {
 
     /// Send the instance's current table to its shards and wait for every acknowledgement.
     pub(super) fn load_placement(&mut self, step: Option<u64>) {
-        let p = self.ctx.durable.placement(self.instance);
+        let p = self.ctx.durable.placement(self.home, self.instance);
         let waiting: BTreeSet<u32> =
             self.ctx.topology.devices_of(self.instance).filter(|d| !self.ctx.durable.is_lost(self.home, *d)).collect();
         self.send_tables(&waiting);
@@ -168,7 +168,7 @@ impl SchedulerMachine {
     }
 
     pub(super) fn send_tables(&mut self, to: &BTreeSet<u32>) {
-        let p = self.ctx.durable.placement(self.instance);
+        let p = self.ctx.durable.placement(self.home, self.instance);
         let base = self.ctx.topology.devices_of(self.instance).start;
         for &d in to {
             let msg = Control::LoadExperts { epoch: p.epoch(), experts: p.experts_on(d - base) };
@@ -248,7 +248,7 @@ impl SchedulerMachine {
     /// numbered past it and sent again, now if the shards are being loaded,
     /// else at the next step (a preparation under way is dropped and redone).
     pub(super) fn on_behind(&mut self, offered: u64, held: u64, device: u32) {
-        let current = self.ctx.durable.placement(self.instance);
+        let current = self.ctx.durable.placement(self.home, self.instance);
         if held <= current.epoch() {
             return;
         }
@@ -261,7 +261,7 @@ impl SchedulerMachine {
             self.rejoined |= p.why == "rejoin";
         }
         if let Phase::Loading { step, .. } = self.phase {
-            self.ctx.durable.set_placement(self.instance, current.with_epoch(held + 1));
+            self.ctx.durable.set_placement(self.home, self.instance, current.with_epoch(held + 1));
             self.ctx.events.record(format_args!("{} placement epoch {} (renumbered)", self.addr, held + 1));
             self.load_placement(step);
         } else {
@@ -275,11 +275,12 @@ impl SchedulerMachine {
     /// The current table, renumbered past what a shard holds, if one said so.
     pub(super) fn renumbered(&mut self) -> Option<crate::cluster::placement::Placement> {
         let held = self.renumber.take()?;
-        let current = self.ctx.durable.placement(self.instance);
+        let current = self.ctx.durable.placement(self.home, self.instance);
         (held >= current.epoch()).then(|| current.with_epoch(held))
     }
 
-    /// Shard `device` started: send it the current table (it read its own
+    /// Shard `device` started, or answered a step as if it held another
+    /// table: send it the current one (a started shard read its own
     /// process's copy, which after a process restart is the configured one).
     pub(super) fn on_shard_started(&mut self, device: u32) {
         if self.ctx.durable.is_lost(self.home, device) {
@@ -335,11 +336,11 @@ impl SchedulerMachine {
     /// Re-place the experts of this instance's lost devices and restart on the survivors.
     fn apply_lost(&mut self) -> Result<(), Crash> {
         let gone = self.lost_devices();
-        let current = self.ctx.durable.placement(self.instance);
+        let current = self.ctx.durable.placement(self.home, self.instance);
         match current.without_devices(&gone) {
             // Already running without them (a repeated report, or a restart after the change).
             Ok(p) if p == current => return Ok(()),
-            Ok(p) => self.ctx.durable.set_placement(self.instance, p.with_epoch(current.epoch() + 1)),
+            Ok(p) => self.ctx.durable.set_placement(self.home, self.instance, p.with_epoch(current.epoch() + 1)),
             Err(e) => {
                 let why = format!("no device of instance {} is left: {e}", self.instance);
                 let ids: Vec<u64> = self.live.keys().copied().collect();
@@ -378,7 +379,7 @@ impl SchedulerMachine {
             return None;
         }
         let gone = self.lost_devices();
-        let current = self.ctx.durable.placement(self.instance);
+        let current = self.ctx.durable.placement(self.home, self.instance);
         match self.ctx.durable.initial_placement(self.instance).without_devices(&gone) {
             Ok(p) if p.clone().with_epoch(current.epoch()) != current => Some(p),
             _ => None,

@@ -25,7 +25,7 @@ impl SchedulerMachine {
         let mut change = self.ctx.placement_changes.iter().find(|(s, _)| *s == step).map(|(_, p)| p.clone());
         // The current table again, numbered past the epoch a shard holds (the switch below adds one).
         if let Some(p) = self.renumbered() {
-            self.ctx.durable.set_placement(self.instance, p.clone());
+            self.ctx.durable.set_placement(self.home, self.instance, p.clone());
             change = change.or(Some(p));
         }
         if change.is_none() {
@@ -39,8 +39,8 @@ impl SchedulerMachine {
             }
         }
         if let Some(p) = change {
-            let epoch = self.ctx.durable.placement(self.instance).epoch() + 1;
-            self.ctx.durable.set_placement(self.instance, p.with_epoch(epoch));
+            let epoch = self.ctx.durable.placement(self.home, self.instance).epoch() + 1;
+            self.ctx.durable.set_placement(self.home, self.instance, p.with_epoch(epoch));
             self.ctx.events.record(format_args!("{} placement epoch {epoch}", self.addr));
             self.load_placement(Some(step));
         }
@@ -245,7 +245,7 @@ impl SchedulerMachine {
     /// The table sent with step requests. Modelled devices price the
     /// all-to-all from the expected expert loads and need no table.
     pub(super) fn placement_wire(&self) -> PlacementWire {
-        let p = self.ctx.durable.placement(self.instance);
+        let p = self.ctx.durable.placement(self.home, self.instance);
         if self.ctx.modelled.is_some() {
             PlacementWire { epoch: p.epoch(), devices: p.devices(), replicas: Vec::new() }
         } else {
@@ -389,6 +389,14 @@ impl SchedulerMachine {
                 self.retry(&mut run, worker, "worker lost sequence state");
             }
             StepOutcome::Failed(why) => {
+                for it in run.items.iter_mut().filter(|it| it.worker == worker) {
+                    it.rebuild = true;
+                }
+                self.retry(&mut run, worker, &why);
+            }
+            StepOutcome::TableMismatch { shard, why } => {
+                // The table goes out before the step does again.
+                self.on_shard_started(shard);
                 for it in run.items.iter_mut().filter(|it| it.worker == worker) {
                     it.rebuild = true;
                 }

@@ -247,7 +247,7 @@ impl ShardMachine {
         let addr = Addr::shard(device);
         let topo = &ctx.topology;
         let serving = topo.instance_of(device);
-        let placement = ctx.durable.placement(serving);
+        let placement = ctx.durable.placement(topo.node_of_device(device), serving);
         let local = device - topo.devices_of(serving).start;
         let mut machine = ShardMachine {
             device,

@@ -491,10 +491,20 @@ impl WorkerMachine {
 
     /// Abandon the step in flight; its states are half advanced, so they go.
     pub(super) fn abort(&mut self, why: &str) {
+        self.abort_as(why, None);
+    }
+
+    /// [`Self::abort`], saying which shard's table is not the step's, if that is why.
+    fn abort_as(&mut self, why: &str, mismatched_shard: Option<u32>) {
         if let Some(run) = self.running.take() {
             self.effects.push(Effect::Disarm);
             self.ctx.events.record(format_args!("{} aborts step {}: {why}", self.addr, run.step));
-            self.reply(run.reply_to, run.step, run.attempt, StepOutcome::Failed(why.to_string()), &[]);
+            let why = why.to_string();
+            let outcome = match mismatched_shard {
+                Some(shard) => StepOutcome::TableMismatch { shard, why },
+                None => StepOutcome::Failed(why),
+            };
+            self.reply(run.reply_to, run.step, run.attempt, outcome, &[]);
         }
     }
 
@@ -514,7 +524,7 @@ impl WorkerMachine {
             ResultStatus::NotHeld(e) => {
                 let why =
                     format!("shard {} does not hold expert {e} (placement epoch {})", h.shard, run.placement.epoch());
-                self.abort(&why);
+                self.abort_as(&why, Some(h.shard));
                 return false;
             }
             ResultStatus::Invalid(why) => {

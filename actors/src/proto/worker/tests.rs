@@ -123,7 +123,7 @@ impl Rig {
             step,
             attempt: 0,
             scheduler: 1,
-            placement: self.ctx.durable.placement(0).to_wire(),
+            placement: self.ctx.durable.placement(0, 0).to_wire(),
             items,
             release: Vec::new(),
             batch_tokens: 0,
@@ -180,7 +180,7 @@ fn tokens_of(r: &StepResult) -> Vec<u32> {
 
 fn failure(r: &StepResult) -> &str {
     match &r.outcome {
-        StepOutcome::Failed(why) => why,
+        StepOutcome::Failed(why) | StepOutcome::TableMismatch { why, .. } => why,
         other => panic!("a failed step: {other:?}"),
     }
 }
@@ -434,9 +434,11 @@ fn malformed_or_foreign_results_are_ignored_and_a_refusing_shard_fails_the_step(
     // From a shard the part was not sent to.
     let other = 1 - target;
     assert!(rig.feed(Addr::shard(other), Message::ExpertResult(result(other, ResultStatus::Ok)), &[]).is_empty());
-    // A shard that no longer holds the expert: the step fails, its timer goes.
+    // A shard that no longer holds the expert: the step fails naming the
+    // shard (its scheduler sends it the table again), its timer goes.
     let seen = rig.feed(Addr::shard(target), Message::ExpertResult(result(target, ResultStatus::NotHeld(3))), &[]);
-    assert!(seen.iter().any(|s| matches!(s, Seen::Sent(SCHEDULER, Message::StepResult(r), ..) if failure(r).contains("does not hold expert 3"))));
+    assert!(seen.iter().any(|s| matches!(s, Seen::Sent(SCHEDULER, Message::StepResult(r), ..)
+        if failure(r).contains("does not hold expert 3") && matches!(r.outcome, StepOutcome::TableMismatch { shard, .. } if shard == target))));
     assert!(seen.iter().any(|s| matches!(s, Seen::Other(Effect::Disarm))));
 }
 
