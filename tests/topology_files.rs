@@ -18,8 +18,38 @@ fn shipped_topologies_are_valid() {
     seen.sort();
     assert_eq!(
         seen,
-        vec![("b200-128.toml".to_string(), 128), ("local-1.toml".to_string(), 1), ("local-4.toml".to_string(), 4)]
+        vec![
+            ("b200-128.toml".to_string(), 128),
+            ("local-1.toml".to_string(), 1),
+            ("local-4-ep4.toml".to_string(), 4),
+            ("local-4.toml".to_string(), 4)
+        ]
     );
+}
+
+/// The shipped four-node layout serves on with any one node gone: two
+/// instances over disjoint nodes, their schedulers on node0 and node2. The
+/// single-instance files say in their header that losing their scheduler's
+/// node stops them.
+#[test]
+fn local_four_has_no_single_point_of_failure() {
+    use deepinfer::cluster::ClusterPlan;
+
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cluster-configs");
+    let plan = ClusterPlan::load(&dir.join("local-4.toml")).unwrap();
+    let topo = plan.base_config().topology();
+    assert_eq!(topo.instances, 2);
+    let homes: Vec<u32> = (0..topo.instances).map(|i| topo.home_node(i)).collect();
+    assert_eq!(homes, [0, 2], "schedulers on node0 and node2");
+    for node in 0..topo.nodes() {
+        let untouched = (0..topo.instances).filter(|&i| topo.devices_of(i).all(|d| topo.node_of_device(d) != node));
+        assert_eq!(untouched.count(), 1, "node{node} gone, one instance still has all its devices");
+    }
+    for file in ["local-1.toml", "local-4-ep4.toml"] {
+        let text = std::fs::read_to_string(dir.join(file)).unwrap();
+        let header: String = text.lines().take_while(|l| l.starts_with('#')).collect::<Vec<_>>().join(" ");
+        assert!(header.contains("scheduler") && header.contains("until"), "{file}: {header}");
+    }
 }
 
 /// `serve --topology` takes the model and API address from a one-device
@@ -114,7 +144,7 @@ fn cluster_commands_name_the_file_line_and_key_of_a_bad_topology() {
         (
             "missing-node",
             local4.replace("\"node2\", \"node3\"]", "\"node2\", \"node9\"]"),
-            "nodes = [",
+            "\"node9\"",
             "instance.nodes",
             "unknown node `node9`",
         ),
@@ -123,7 +153,7 @@ fn cluster_commands_name_the_file_line_and_key_of_a_bad_topology() {
             "uneven",
             local4
                 .replacen(node1, "name = \"node1\"\naddress = \"127.0.0.1:7101\"\ndevices = 2\n", 1)
-                .replace("attention_dp = 4\nexpert_parallel = 4\n", ""),
+                .replace("attention_dp = 2\nexpert_parallel = 2\n", ""),
             "devices = 2",
             "node.devices",
             "same number of devices",

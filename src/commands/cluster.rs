@@ -120,10 +120,14 @@ pub struct DrainArgs {
     /// Give up if requests still run on the node's instances after this many seconds.
     #[arg(long, default_value_t = 300)]
     pub timeout_s: u64,
+    /// Drain even when no other instance would take new requests (they fail until the node is back).
+    #[arg(long)]
+    pub force: bool,
 }
 
 pub fn drain(args: &DrainArgs) -> anyhow::Result<()> {
-    crate::drain::drain(&args.topology, args.certs.as_deref(), &args.node, Duration::from_secs(args.timeout_s))
+    let timeout = Duration::from_secs(args.timeout_s);
+    crate::drain::drain(&args.topology, args.certs.as_deref(), &args.node, timeout, args.force)
 }
 
 pub fn status(args: &StatusArgs) -> anyhow::Result<()> {
