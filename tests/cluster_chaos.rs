@@ -2,9 +2,10 @@
 //! streaming load through an API front end. Four nodes serve one instance
 //! with its experts on all four (the layout whose tables every step
 //! crosses). First the sequence that once wedged such a cluster for good
-//! (node0 killed and started again, then node3 drained and started again:
-//! every request failed with "shard 1 does not hold expert 7" until node0
-//! was restarted by hand), then 20 kills or drains of random nodes drawn
+//! (after a table change, node0 killed and started again, then node3
+//! drained and started again: every request failed with "shard 1 does not
+//! hold expert 7" until node0 was restarted by hand), then 20 kills or
+//! drains of random nodes drawn
 //! from a seed, some started again at once (faster than the failure
 //! timeout), some after a pause.
 //!
@@ -154,7 +155,14 @@ fn faults(seed: u64) -> Vec<Fault> {
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^ (z >> 31)
     };
-    let mut out = vec![Fault::Kill { node: 0, pause: Duration::from_millis(1500) }, Fault::Drain { node: 3 }];
+    // node3 leaves and returns while node0's scheduler lives (its table
+    // goes to epoch 2 on every shard), then the wedge: node0's new process
+    // numbers from epoch 0, and draining node3 moves its experts.
+    let mut out = vec![
+        Fault::Kill { node: 3, pause: Duration::from_millis(2 * FAILURE_TIMEOUT_MS) },
+        Fault::Kill { node: 0, pause: Duration::from_millis(1500) },
+        Fault::Drain { node: 3 },
+    ];
     for _ in 0..FAULTS {
         let node = (next() % 4) as usize;
         out.push(match next() % 3 {
