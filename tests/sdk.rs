@@ -50,6 +50,11 @@ fn forced_tool_calls_parse_and_validate_through_the_sdks() {
 }
 
 #[test]
+fn vllm_fields_wide_json_schemas_attachments_and_forced_tool_inputs_through_the_sdks() {
+    run_script("vllm_sdk.py");
+}
+
+#[test]
 fn anthropic_sdk_messages() {
     run_script("anthropic_sdk.py");
 }

@@ -20,6 +20,7 @@
 //! grammar: `min_tokens` (EOS and stop ids masked until then) and a thinking
 //! budget (`</think>` forced when it is spent).
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use anyhow::{anyhow, Context};
@@ -167,6 +168,27 @@ impl ConstraintFactory {
                 }
                 _ => None,
             },
+            one_call: match (limits.one_call, self.close_tag, self.dsml) {
+                (false, _, _) => None,
+                (true, Some(close_tag), Some(dsml)) => {
+                    let mut close_block = self.env.tokenize("\n");
+                    let newline_len = close_block.len();
+                    close_block.extend([close_tag, dsml]);
+                    close_block.extend(self.env.tokenize("tool_calls>"));
+                    close_block.push(self.eos);
+                    Some(OneCall {
+                        dsml,
+                        close_block,
+                        newline_len,
+                        after_close_tag: false,
+                        invoke_end: None,
+                        forced: VecDeque::new(),
+                    })
+                }
+                _ => {
+                    return Err("one tool call cannot be enforced: the tokenizer has no `</` or `｜DSML｜` token".into())
+                }
+            },
             min_tokens: limits.min_tokens,
             early_stops: [self.eos].into_iter().chain(limits.stop_token_ids.iter().copied()).collect(),
             done: false,
@@ -208,12 +230,58 @@ pub struct Limits {
     pub stop_token_ids: Vec<u32>,
     /// Most reasoning tokens before `</think>` is forced (`thinking.budget_tokens`).
     pub thinking_budget: Option<usize>,
+    /// At most one tool call where the model chooses (`auto` without parallel
+    /// calls): the block is closed after the first call.
+    pub one_call: bool,
 }
 
 impl Limits {
     /// Whether the limits need a constraint at all.
     pub fn any(&self) -> bool {
-        self.min_tokens > 0 || self.thinking_budget.is_some()
+        self.min_tokens > 0 || self.thinking_budget.is_some() || self.one_call
+    }
+}
+
+/// Watches a free tool-call block for the end of its first call
+/// (`</｜DSML｜invoke>`), then forces the block's end and EOS.
+#[derive(Clone)]
+struct OneCall {
+    dsml: u32,
+    /// `\n</｜DSML｜tool_calls>` and EOS, as tokens.
+    close_block: Vec<u32>,
+    /// Tokens of the leading `\n`.
+    newline_len: usize,
+    /// The last token's text ended with `</`.
+    after_close_tag: bool,
+    /// The text after `</｜DSML｜`, while it may still become `invoke>`.
+    invoke_end: Option<Vec<u8>>,
+    forced: VecDeque<u32>,
+}
+
+impl OneCall {
+    fn accept(&mut self, token: u32, bytes: &[u8]) {
+        const END: &[u8] = b"invoke>";
+        if !self.forced.is_empty() {
+            self.forced.pop_front();
+            return;
+        }
+        if token == self.dsml {
+            self.invoke_end = self.after_close_tag.then(Vec::new);
+            self.after_close_tag = false;
+            return;
+        }
+        if let Some(text) = &mut self.invoke_end {
+            text.extend_from_slice(bytes);
+            if text.starts_with(END) {
+                // A newline already written after `invoke>` is not forced again.
+                let skip = if text.get(END.len()) == Some(&b'\n') { self.newline_len } else { 0 };
+                self.forced = self.close_block.iter().copied().skip(skip).collect();
+                self.invoke_end = None;
+            } else if !END.starts_with(text) {
+                self.invoke_end = None;
+            }
+        }
+        self.after_close_tag = bytes.ends_with(b"</");
     }
 }
 
@@ -286,6 +354,8 @@ pub struct Guided {
     closer: Option<(u32, u32)>,
     /// Tool calls: what the calls so far cost, to end the block while another fits.
     calls: Option<CallBudget>,
+    /// Closes the tool-call block after its first call.
+    one_call: Option<OneCall>,
     /// Tokens before `early_stops` may be sampled.
     min_tokens: usize,
     /// EOS and the request's stop token ids.
@@ -359,8 +429,8 @@ impl Guided {
             return;
         }
         if let Some(budget) = &mut self.calls {
-            // Between two calls: close the block unless another call as long as
-            // the longest so far still fits before the end.
+            // Between two calls: close the block unless another call still fits
+            // before the end.
             let used = self.max_tokens - self.left;
             let close = &budget.close_block;
             if matcher.validate_tokens(close).is_ok_and(|n| n == close.len()) {
@@ -369,7 +439,9 @@ impl Guided {
                 }
                 budget.last_boundary = Some(used);
                 let first_cost = if budget.call_cost_max == 0 { used } else { budget.call_cost_max };
-                if self.left < first_cost + close.len() + 1 {
+                // Calls differ in length (a random model's by half or more): room for
+                // twice the longest so far, or the next call may be cut off.
+                if self.left < 2 * first_cost + close.len() + 1 {
                     Self::only(logits, close[0]);
                     return;
                 }
@@ -408,12 +480,19 @@ impl Guided {
 
 impl TokenConstraint for Guided {
     fn allowed(&mut self, logits: &mut [f32]) {
+        if let Some(&t) = self.one_call.as_ref().and_then(|o| o.forced.front()) {
+            Self::only(logits, t);
+            return;
+        }
         self.grammar_mask(logits);
         self.hold_early_stops(logits);
     }
 
     fn accept(&mut self, token: u32) {
         self.left = self.left.saturating_sub(1);
+        if let Some(one) = &mut self.one_call {
+            one.accept(token, self.env.tok_trie().token(token));
+        }
         if let Some(n) = self.reasoning_left {
             self.reasoning_left = if Some(token) == self.think_end { None } else { Some(n.saturating_sub(1)) };
             return;

@@ -73,7 +73,7 @@ pub const CHAT_COMPLETIONS: &[Field] = &[
     honoured("response_format", "text, json_object, json_schema, regex or grammar, enforced while sampling"),
     honoured("tools", "function tools, in DeepSeek's tool-call format"),
     honoured("tool_choice", "none, auto, or required / a named function: a valid call enforced while sampling"),
-    honoured("parallel_tool_calls", "false: exactly one call (with a forced choice; 400 with auto)"),
+    honoured("parallel_tool_calls", "false: one call at most (exactly one with a forced choice)"),
     honoured("reasoning_effort", "`none` turns thinking off"),
     honoured("thinking", "DeepSeek's `{\"type\": \"enabled\"|\"disabled\"}`; `budget_tokens` ends thinking there"),
     honoured(

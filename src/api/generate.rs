@@ -20,7 +20,6 @@ use deepinfer_engine::request::Request;
 use deepseek_recipe::request::{ConversationRequest, OutputConstraint, ProtocolRequest};
 use deepseek_recipe::response::{Accumulate, ProtocolResponse};
 use deepseek_recipe::stream::{ChunkGenerator, StreamProcessor};
-use deepseek_recipe_core::conversation::ResponseFormat;
 use deepseek_recipe_core::tools::ToolChoice;
 use deepseek_recipe_encoding::PromptEncoding;
 use futures_util::{stream, Stream, StreamExt};
@@ -36,7 +35,7 @@ use super::protocols::Api;
 use super::tool_grammar::ToolSpec;
 use super::usage::{patch_reasoning_tokens, Counts, HeldTail, SharedCounts};
 use super::vllm::{OutputRules, TokenIdNames};
-use super::{fields, params, parse_object, retention, vllm, AppState};
+use super::{anthropic_out, fields, params, parse_object, retention, strict, vllm, AppState};
 
 /// A protocol chunk of request type `P`.
 pub type ChunkOf<P> = <<<P as ProtocolRequest>::Response as ProtocolResponse>::ChunkGenerator as ChunkGenerator>::Chunk;
@@ -227,8 +226,14 @@ where
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let mut response = P::Response::new(id, model, created, prompt_tokens, 0);
     let mut chunks = std::pin::pin!(chunks);
+    let mut tool_inputs = anthropic_out::ToolInputs::default();
     while let Some(chunk) = chunks.next().await {
         let chunk = chunk.map_err(|e| ApiError::new(flavor, Kind::Internal, e.to_string()))?;
+        // The recipe's accumulator makes an input that does not parse `{}`: refuse it instead.
+        if flavor == Flavor::Anthropic {
+            let event = serde_json::to_value(&chunk).unwrap_or_default();
+            tool_inputs.check(&event).map_err(|e| ApiError::new(flavor, Kind::Internal, e))?;
+        }
         response.accumulate(chunk);
     }
     if let Some(f) = failure.lock().expect("not poisoned").take() {
@@ -237,6 +242,7 @@ where
     let mut value = serde_json::to_value(&response)
         .map_err(|e| ApiError::new(flavor, Kind::Internal, format!("cannot serialise the response: {e}")))?;
     patch_reasoning_tokens(&mut value, &counts.lock().expect("not poisoned"));
+    anthropic_out::patch(flavor, &mut value);
     Ok(value)
 }
 
@@ -312,6 +318,7 @@ where
                 let mut value =
                     serde_json::to_value(&chunk).unwrap_or_else(|e| serde_json::json!({"error": e.to_string()}));
                 patch_reasoning_tokens(&mut value, &counts.lock().expect("not poisoned"));
+                anthropic_out::patch(flavor, &mut value);
                 seen_in.lock().expect("not poisoned").note(&value);
                 let values = if P::SPLITS_USAGE { split_usage(value, include_usage) } else { vec![value] };
                 values
@@ -457,6 +464,10 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
     params::refuse_attachments(&obj).map_err(bad)?;
     params::check_tool_choice(&obj).map_err(bad)?;
     let mut vllm = vllm::take(&mut obj).map_err(bad)?;
+    let strict = strict::take(&mut obj);
+    if flavor == Flavor::Anthropic {
+        anthropic_out::restore_ids(&mut obj);
+    }
     let thinking_budget = params::thinking_budget(&obj).map_err(bad)?;
     // Fields the recipe does not carry: sampling extensions (some protocols lack
     // `seed` and `top_k`; `ignore_eos` gives fixed output lengths, as in vLLM).
@@ -504,21 +515,20 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
     let format = match (&options.output_constraint, grammar) {
         (_, Some(g)) => Some(g),
         (Some(OutputConstraint::Json { schema }), None) => {
-            Some(OutputFormat::Json(json_target(&converted.conversation.response_format, schema.as_ref())))
+            Some(OutputFormat::Json(strict.json_target(&converted.conversation.response_format, schema.as_ref())))
         }
         (Some(OutputConstraint::Regex(rx)), None) => Some(OutputFormat::Regex(rx.clone())),
         // A required or named choice: the prompt ends inside the tool-call block,
         // and the grammar makes the output a valid call of the given tools.
         (Some(OutputConstraint::ToolCalls { tools, required: true }), None) => Some(OutputFormat::ToolCalls {
-            tools: tools.iter().map(|t| ToolSpec { name: t.name.clone(), parameters: t.parameters.clone() }).collect(),
+            tools: tools
+                .iter()
+                .map(|t| ToolSpec { name: t.name.clone(), parameters: strict.tool_parameters(&t.name, &t.parameters) })
+                .collect(),
             at_most_one: !parallel_calls,
         }),
-        // With `auto` the model chooses; its calls are parsed from the output.
-        (Some(OutputConstraint::ToolCalls { required: false, .. }), None) if !parallel_calls => {
-            return Err(bad(
-                "`parallel_tool_calls` = false is enforced only with `tool_choice` required or a named function".into(),
-            ))
-        }
+        // With `auto` the model chooses; its calls are parsed from the output
+        // (one at most without parallel calls: see `Limits::one_call`).
         (Some(OutputConstraint::ToolCalls { .. }) | None, None) => None,
     };
     let parsing = &converted.parsing_options;
@@ -528,6 +538,8 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
         min_tokens: vllm.min_tokens,
         stop_token_ids: vllm.stop_token_ids.clone(),
         thinking_budget: thinking_budget.filter(|_| thinking),
+        one_call: !parallel_calls
+            && matches!(options.output_constraint, Some(OutputConstraint::ToolCalls { required: false, .. })),
     };
     let constraint: Option<RequestConstraint> = match format {
         None if !limits.any() => None,
@@ -576,45 +588,6 @@ fn force_tool_call(converted: &mut ConversationRequest) -> Result<(), String> {
     converted.inference_options.output_constraint =
         Some(OutputConstraint::ToolCalls { tools: converted.conversation.tools.clone(), required: true });
     Ok(())
-}
-
-/// The schema to enforce: the one the client wrote (strict normalisation
-/// drops keywords such as `maxLength` that the client still validates
-/// against), closed to extra properties where strict mode closed them.
-fn json_target(written: &ResponseFormat, normalised: Option<&Value>) -> Option<Value> {
-    match (written, normalised) {
-        (ResponseFormat::JsonSchema(original), Some(n)) if n != original => {
-            let mut schema = original.clone();
-            close_objects(&mut schema);
-            Some(schema)
-        }
-        (ResponseFormat::JsonSchema(original), _) => Some(original.clone()),
-        (_, n) => n.cloned(),
-    }
-}
-
-/// Forbid properties an object schema does not list, unless it says otherwise.
-fn close_objects(schema: &mut Value) {
-    let Some(obj) = schema.as_object_mut() else { return };
-    if let Some(Value::Object(properties)) = obj.get_mut("properties") {
-        properties.values_mut().for_each(close_objects);
-        obj.entry("additionalProperties").or_insert(Value::Bool(false));
-    }
-    for key in ["items", "additionalProperties", "not"] {
-        if let Some(sub) = obj.get_mut(key) {
-            close_objects(sub);
-        }
-    }
-    for key in ["anyOf", "oneOf", "allOf", "prefixItems"] {
-        if let Some(Value::Array(subs)) = obj.get_mut(key) {
-            subs.iter_mut().for_each(close_objects);
-        }
-    }
-    for key in ["$defs", "definitions", "$def"] {
-        if let Some(Value::Object(defs)) = obj.get_mut(key) {
-            defs.values_mut().for_each(close_objects);
-        }
-    }
 }
 
 /// SplitMix64's finaliser: spreads a counter into an id or a seed.

@@ -6,6 +6,7 @@
 //! ([`engine_thread`]), and its generated token ids are turned back into
 //! protocol chunks by the recipe's `StreamProcessor`.
 
+pub mod anthropic_out;
 pub mod cache_metrics;
 pub mod cluster_thread;
 pub mod completions;
@@ -24,6 +25,7 @@ pub mod protocols;
 pub mod retention;
 pub mod schema_bounds;
 pub mod stops;
+pub mod strict;
 pub mod tool_grammar;
 pub mod usage;
 pub mod utility;

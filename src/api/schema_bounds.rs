@@ -11,7 +11,9 @@
 //!   leap years, no year 0000, no leap second, at most 6 fractional digits,
 //!   which is what date libraries (Python's `datetime`, pydantic) accept.
 //!   The other formats (`email`, `uuid`, `uri`, `ipv4`, …) are the grammar
-//!   engine's own.
+//!   engine's own, limited to [`FORMAT_CHARS_MAX`] characters without a
+//!   `maxLength`: a string that must still reach its `@` or its host cannot be
+//!   closed early when the token budget runs out.
 //!
 //! Tightening only removes strings: what it allows, the client's schema allows.
 
@@ -20,6 +22,9 @@ use serde_json::{Map, Value};
 /// Largest magnitude a number gets when its schema sets no bound: exact as
 /// an integer in a double, and with an integer part of at most 16 digits.
 pub const NUMBER_LIMIT: i64 = 9_007_199_254_740_991;
+
+/// Longest string under a `format` that sets no `maxLength`.
+pub const FORMAT_CHARS_MAX: u64 = 64;
 
 /// A year 0001 to 9999.
 const YEAR: &str = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)";
@@ -80,6 +85,9 @@ fn tighten_at(schema: &mut Value, depth: usize) {
 }
 
 fn tighten_string(obj: &mut Map<String, Value>) {
+    if obj.contains_key("format") && !obj.contains_key("maxLength") {
+        obj.insert("maxLength".into(), Value::from(FORMAT_CHARS_MAX));
+    }
     // With a pattern of its own the schema keeps `format`: the engine intersects the two.
     if obj.contains_key("pattern") {
         return;
@@ -174,6 +182,7 @@ mod tests {
         assert_eq!((p["i"]["minimum"].as_i64(), p["i"]["maximum"].as_i64()), (Some(3), Some(NUMBER_LIMIT)));
         assert_eq!((p["x"]["minimum"].as_i64(), p["x"].get("maximum")), (Some(-NUMBER_LIMIT), None));
         assert!(p["when"].get("format").is_none() && p["when"]["pattern"].is_string());
+        assert_eq!(p["when"]["maxLength"].as_u64(), Some(FORMAT_CHARS_MAX));
         assert_eq!(p["list"]["items"]["maximum"].as_i64(), Some(NUMBER_LIMIT));
         assert_eq!(s["$defs"]["d"]["anyOf"][0]["minimum"].as_i64(), Some(-NUMBER_LIMIT));
     }
