@@ -157,6 +157,8 @@ impl Membership {
             match (peer.state, peer.heard) {
                 (PeerState::Up, Some(heard)) if now.saturating_sub(heard) > timeout => {
                     peer.state = PeerState::Down;
+                    // Whichever process speaks next is news already: its id is not a restart.
+                    peer.process = 0;
                     out.events.push(MemberEvent::Down { node, silent: now - heard });
                 }
                 // A client needs the cluster now: a node never heard from is down
@@ -228,6 +230,12 @@ mod tests {
             "restarted within the failure timeout"
         );
         assert_eq!(m.heard_process(ms(10), 1, 0), vec![], "an unnamed process changes nothing");
+        // Declared down, then back under a new process whose first frame
+        // is not a heartbeat: up once, and its first heartbeat is no restart.
+        let down = m.tick(ms(100));
+        assert_eq!(down.events, vec![MemberEvent::Down { node: 1, silent: ms(90) }]);
+        assert_eq!(m.heard(ms(101), 1), Some(MemberEvent::Up { node: 1 }));
+        assert_eq!(m.heard_process(ms(102), 1, 9), vec![], "the new process was already news");
     }
 
     #[test]
