@@ -32,6 +32,8 @@ use serde_json::{json, Value};
 use tokenizers::Tokenizer;
 
 use super::json_scan::JsonScan;
+pub use super::limits::Limits;
+use super::limits::OneCall;
 use super::schema_bounds;
 use super::tool_grammar::{self, ToolSpec};
 
@@ -218,70 +220,6 @@ impl ConstraintFactory {
             return Err(format!("the output format cannot be compiled: {}", first_line(&e)));
         }
         Ok(matcher)
-    }
-}
-
-/// What a request limits besides its output's form.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct Limits {
-    /// Tokens generated before EOS or a stop token id may be (vLLM's `min_tokens`).
-    pub min_tokens: usize,
-    /// Stop token ids held back with EOS until `min_tokens`.
-    pub stop_token_ids: Vec<u32>,
-    /// Most reasoning tokens before `</think>` is forced (`thinking.budget_tokens`).
-    pub thinking_budget: Option<usize>,
-    /// At most one tool call where the model chooses (`auto` without parallel
-    /// calls): the block is closed after the first call.
-    pub one_call: bool,
-}
-
-impl Limits {
-    /// Whether the limits need a constraint at all.
-    pub fn any(&self) -> bool {
-        self.min_tokens > 0 || self.thinking_budget.is_some() || self.one_call
-    }
-}
-
-/// Watches a free tool-call block for the end of its first call
-/// (`</｜DSML｜invoke>`), then forces the block's end and EOS.
-#[derive(Clone)]
-struct OneCall {
-    dsml: u32,
-    /// `\n</｜DSML｜tool_calls>` and EOS, as tokens.
-    close_block: Vec<u32>,
-    /// Tokens of the leading `\n`.
-    newline_len: usize,
-    /// The last token's text ended with `</`.
-    after_close_tag: bool,
-    /// The text after `</｜DSML｜`, while it may still become `invoke>`.
-    invoke_end: Option<Vec<u8>>,
-    forced: VecDeque<u32>,
-}
-
-impl OneCall {
-    fn accept(&mut self, token: u32, bytes: &[u8]) {
-        const END: &[u8] = b"invoke>";
-        if !self.forced.is_empty() {
-            self.forced.pop_front();
-            return;
-        }
-        if token == self.dsml {
-            self.invoke_end = self.after_close_tag.then(Vec::new);
-            self.after_close_tag = false;
-            return;
-        }
-        if let Some(text) = &mut self.invoke_end {
-            text.extend_from_slice(bytes);
-            if text.starts_with(END) {
-                // A newline already written after `invoke>` is not forced again.
-                let skip = if text.get(END.len()) == Some(&b'\n') { self.newline_len } else { 0 };
-                self.forced = self.close_block.iter().copied().skip(skip).collect();
-                self.invoke_end = None;
-            } else if !END.starts_with(text) {
-                self.invoke_end = None;
-            }
-        }
-        self.after_close_tag = bytes.ends_with(b"</");
     }
 }
 

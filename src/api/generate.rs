@@ -32,6 +32,7 @@ use super::errors::{ApiError, Flavor, Kind};
 use super::failure::{stream_error, Seen};
 use super::inference::{inference_stream, FailureSlot, Inference};
 use super::protocols::Api;
+use super::stops::LeadingNewlines;
 use super::tool_grammar::ToolSpec;
 use super::usage::{patch_reasoning_tokens, Counts, HeldTail, SharedCounts};
 use super::vllm::{OutputRules, TokenIdNames};
@@ -282,6 +283,8 @@ where
         think_end: state.tokenizer.token_to_id("</think>"),
         drop_ids: std::mem::take(&mut rules.drop_ids),
         stops: rules.stop_strings(state.tokenizer.clone()),
+        leading: logprobs
+            .then(|| LeadingNewlines::new(state.tokenizer.clone(), state.tokenizer.token_to_id("</think>"))),
         tail: HeldTail::new(state.tokenizer.clone()),
         counts: counts.clone(),
         failure: failure.clone(),

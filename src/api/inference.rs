@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
 use super::engine_thread::Event;
 use super::failure::{Failure, Origin};
-use super::stops::{Fed, StopStrings};
+use super::stops::{Fed, LeadingNewlines, StopStrings};
 use super::usage::{HeldTail, SharedCounts};
 
 /// Where a request's failure is told to its handler.
@@ -32,6 +32,8 @@ pub struct Inference {
     pub drop_ids: Vec<u32>,
     /// Stop strings matched here rather than by the output parser (vLLM's rules).
     pub stops: Option<StopStrings>,
+    /// With log-probabilities: leading newlines held for the next token.
+    pub leading: Option<LeadingNewlines>,
     /// The tokens the processor's decoder holds, sent as text when output ends.
     pub tail: HeldTail,
     pub counts: SharedCounts,
@@ -117,6 +119,12 @@ pub fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChu
                             }
                         };
                     }
+                    if let Some(lead) = s.leading.as_mut() {
+                        tokens = lead.feed(tokens);
+                    }
+                    if stopped.is_some() {
+                        tokens.extend(s.leading.as_mut().map(LeadingNewlines::finish).unwrap_or_default());
+                    }
                     s.push_tokens(tokens);
                     if let Some((content, token_count)) = stopped {
                         // The text up to the cut, then the end: later tokens are not read.
@@ -137,9 +145,12 @@ pub fn inference_stream(inference: Inference) -> impl Stream<Item = InferenceChu
                             continue;
                         }
                     };
-                    if let Some(held) = s.stops.as_mut().map(StopStrings::finish) {
-                        s.push_tokens(held);
+                    let mut held = s.stops.as_mut().map(StopStrings::finish).unwrap_or_default();
+                    if let Some(lead) = s.leading.as_mut() {
+                        held = lead.feed(held);
+                        held.extend(lead.finish());
                     }
+                    s.push_tokens(held);
                     // Tokens ending inside a character still count, and their bytes
                     // show as the replacement character.
                     if let Some((content, token_count, logprobs)) = s.tail.take() {

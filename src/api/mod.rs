@@ -19,6 +19,7 @@ pub mod generate;
 pub mod health;
 pub mod inference;
 pub mod json_scan;
+pub mod limits;
 pub mod metrics;
 pub mod params;
 pub mod protocols;

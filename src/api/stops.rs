@@ -125,6 +125,50 @@ impl StopStrings {
     }
 }
 
+/// Newline tokens at the start of the answer (or of the answer after
+/// `</think>`), held until the next token: the output parser drops leading
+/// newlines, and a newline piece dropped alone takes its log-probability
+/// with it, where sent in one piece with the next token's text it keeps it.
+pub struct LeadingNewlines {
+    tokenizer: Arc<Tokenizer>,
+    think_end: Option<u32>,
+    /// Still at the start of the answer or the reasoning.
+    at_start: bool,
+    held: Vec<TokenOutput>,
+}
+
+impl LeadingNewlines {
+    pub fn new(tokenizer: Arc<Tokenizer>, think_end: Option<u32>) -> Self {
+        Self { tokenizer, think_end, at_start: true, held: Vec::new() }
+    }
+
+    /// The tokens that may go on now.
+    pub fn feed(&mut self, tokens: Vec<TokenOutput>) -> Vec<TokenOutput> {
+        let mut out = Vec::new();
+        for t in tokens {
+            let think_end = Some(t.token) == self.think_end;
+            if self.at_start && !think_end {
+                let text = self.tokenizer.decode(&[t.token], false).unwrap_or_default();
+                if !text.is_empty() && text.chars().all(|c| c == '\n') {
+                    self.held.push(t);
+                    continue;
+                }
+                self.at_start = false;
+            }
+            out.append(&mut self.held);
+            // The answer after the reasoning starts afresh.
+            self.at_start |= think_end;
+            out.push(t);
+        }
+        out
+    }
+
+    /// What is held at the end of the output.
+    pub fn finish(&mut self) -> Vec<TokenOutput> {
+        std::mem::take(&mut self.held)
+    }
+}
+
 fn floor_boundary(text: &str, mut i: usize) -> usize {
     while i > 0 && !text.is_char_boundary(i) {
         i -= 1;
@@ -167,6 +211,18 @@ mod tests {
         assert_eq!(text + &stop.unwrap().0, "one two ");
         let (text, stop) = run("one two three four", "three", true, 0);
         assert_eq!(text + &stop.unwrap().0, "one two three");
+    }
+
+    #[test]
+    fn leading_newlines_wait_for_the_next_token() {
+        let tok = Arc::new(builtin_tokenizer());
+        let mut lead = LeadingNewlines::new(tok.clone(), None);
+        let newline = outputs(&tok, "\n");
+        assert!(lead.feed(newline.clone()).is_empty());
+        assert!(lead.feed(newline).is_empty());
+        let next = outputs(&tok, "Hi");
+        assert_eq!(lead.feed(next.clone()).len(), 2 + next.len(), "held newlines go with the next token");
+        assert_eq!(lead.feed(outputs(&tok, "\n")).len(), 1, "only at the start");
     }
 
     #[test]
