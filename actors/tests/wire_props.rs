@@ -125,6 +125,7 @@ fn message() -> impl Strategy<Value = Message> {
                         logits: false,
                         constraint: None,
                         retention: None,
+                        priority: -3,
                     };
                     HandoffMsg::Transfer {
                         spec: Box::new(spec),

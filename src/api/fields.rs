@@ -117,10 +117,7 @@ pub const CHAT_COMPLETIONS: &[Field] = &[
     honoured("add_generation_prompt", "false: the prompt ends after the last message, without the assistant's opening"),
     honoured("continue_final_message", "the last message, the assistant's, is continued rather than answered"),
     honoured("truncate_prompt_tokens", "keeps the prompt's last k tokens (-1: as many as the context holds)"),
-    honoured(
-        "priority",
-        "admission order in the engine's queue: lower first, ties in arrival order (`serve --topology` ignores it)",
-    ),
+    honoured("priority", "admission order in the scheduler's queue (each instance's, on a cluster): lower first, ties in arrival order"),
     honoured("request_id", "the response id is `chatcmpl-` and this id"),
 ];
 

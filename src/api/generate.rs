@@ -20,7 +20,6 @@ use deepinfer_engine::request::Request;
 use deepseek_recipe::request::{ConversationRequest, OutputConstraint, ProtocolRequest};
 use deepseek_recipe::response::{Accumulate, ProtocolResponse};
 use deepseek_recipe::stream::{ChunkGenerator, StreamProcessor};
-use deepseek_recipe_core::tools::ToolChoice;
 use deepseek_recipe_encoding::PromptEncoding;
 use futures_util::{stream, Stream, StreamExt};
 use serde::Serialize;
@@ -489,7 +488,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
     let request: P = serde_json::from_value(Value::Object(obj)).map_err(|e| bad(format!("invalid request: {e}")))?;
     let mut converted = request.convert(state.conversion.clone()).map_err(|e| ApiError::conversion(flavor, e))?;
     if forces_any_tool && !converted.conversation.tools.is_empty() {
-        force_tool_call(&mut converted).map_err(bad)?;
+        super::tool_grammar::force_tool_call(&mut converted).map_err(bad)?;
     }
     let mut prompt = state
         .encoding
@@ -578,19 +577,6 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
         None => format!("{}{:016x}{:08x}", P::ID_PREFIX, mix(state.id_salt ^ n), n & 0xffff_ffff),
     };
     Ok(Prepared { converted, request, constraint, logprobs, include_usage, thinking, choices, id, rules })
-}
-
-/// Make a converted request call one of its tools, as a required choice does:
-/// the prompt opens the tool-call block and the output is constrained to calls.
-fn force_tool_call(converted: &mut ConversationRequest) -> Result<(), String> {
-    if converted.conversation.thinking_mode {
-        return Err("thinking mode does not support this tool_choice; disable thinking to force a tool call".into());
-    }
-    converted.conversation.tool_choice = ToolChoice::Required;
-    converted.parsing_options.starts_in_tool_calls = true;
-    converted.inference_options.output_constraint =
-        Some(OutputConstraint::ToolCalls { tools: converted.conversation.tools.clone(), required: true });
-    Ok(())
 }
 
 /// SplitMix64's finaliser: spreads a counter into an id or a seed.

@@ -19,6 +19,9 @@
 
 use serde_json::Value;
 
+use deepseek_recipe::request::{ConversationRequest, OutputConstraint};
+use deepseek_recipe_core::tools::ToolChoice;
+
 use super::schema_bounds;
 
 /// Most calls in one forced block.
@@ -95,6 +98,19 @@ pub fn lark(tools: &[ToolSpec], dsml: u32, at_most_one: bool) -> Result<String, 
         out.push_str(&format!("{}: \"<\" {d} {head} {} \"</\" {d} \"invoke>\\n\"\n", names[i], body.join(" ")));
     }
     Ok(out)
+}
+
+/// Make a converted request call one of its tools, as a required choice does:
+/// the prompt opens the tool-call block and the output is constrained to calls.
+pub fn force_tool_call(converted: &mut ConversationRequest) -> Result<(), String> {
+    if converted.conversation.thinking_mode {
+        return Err("thinking mode does not support this tool_choice; disable thinking to force a tool call".into());
+    }
+    converted.conversation.tool_choice = ToolChoice::Required;
+    converted.parsing_options.starts_in_tool_calls = true;
+    converted.inference_options.output_constraint =
+        Some(OutputConstraint::ToolCalls { tools: converted.conversation.tools.clone(), required: true });
+    Ok(())
 }
 
 #[cfg(test)]

@@ -292,6 +292,7 @@ impl Cluster {
             logits: request.return_logits || self.ctx.return_logits,
             constraint,
             retention: request.retention.map(|r| crate::wire::RetentionWire { ttl_ms: r.ttl_ms, persist: r.persist }),
+            priority: request.priority,
         };
         let o = Outstanding {
             spec,

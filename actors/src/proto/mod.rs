@@ -84,6 +84,7 @@ pub(crate) fn test_spec(id: u64, prompt: Vec<u32>, max_tokens: u32) -> crate::wi
         logits: false,
         constraint: None,
         retention: None,
+        priority: 0,
     }
 }
 

@@ -555,6 +555,9 @@ pub struct RequestSpec {
     /// How long its prompt's blocks stay cached, and whether they may go to
     /// disk (`prompt_cache_retention`, `cache_control.ttl`); `None`: the defaults.
     pub retention: Option<RetentionWire>,
+    /// Admission order at its scheduler: lower first, ties by arrival
+    /// (vLLM's `priority`; 0 by default).
+    pub priority: i64,
 }
 
 #[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]

@@ -343,6 +343,7 @@ pub(crate) fn request_of(spec: &RequestSpec) -> Request {
     r.ignore_eos = spec.ignore_eos;
     r.return_logits = spec.logits;
     r.retention = spec.retention.map(|w| Retention { ttl_ms: w.ttl_ms, persist: w.persist });
+    r.priority = spec.priority;
     r
 }
 

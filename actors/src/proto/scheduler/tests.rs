@@ -302,3 +302,22 @@ fn a_started_shard_is_sent_the_current_table() {
         "{seen:?}"
     );
 }
+
+/// A request's admission priority crosses the wire into the engine request
+/// the instance's scheduler queues (the engine's own tests order by it).
+#[test]
+fn a_submitted_priority_reaches_the_engine_request() {
+    let mut spec = crate::proto::test_spec(7, (2..20).collect(), 3);
+    spec.priority = -5;
+    let frame = wire::encode(
+        &Envelope {
+            from: ROUTER,
+            to: Addr::scheduler(0),
+            msg: Message::Submit(Submit { spec, generated: Vec::new(), decode: None }),
+        },
+        &[],
+    )
+    .expect("encodes");
+    let Message::Submit(s) = wire::decode(&frame).expect("decodes").envelope.msg else { panic!("a submit") };
+    assert_eq!(super::request_of(&s.spec).priority, -5);
+}
