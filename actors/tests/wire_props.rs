@@ -103,6 +103,7 @@ fn message() -> impl Strategy<Value = Message> {
                     logits: true,
                     constraint: (id % 3 == 0).then(|| format!("{{\"regex\": \"a{{{id}}}\"}}")),
                     retention: (id % 4 == 1).then_some(RetentionWire { ttl_ms: id, persist: id % 8 == 1 }),
+                    priority: (id % 7) as i64 - 3,
                 };
                 let decode = (id % 2 == 0).then_some(id as u32);
                 Message::Submit(Submit { spec, generated, decode })
