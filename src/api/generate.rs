@@ -311,16 +311,28 @@ where
     let flavor = P::FLAVOR;
     let seen = Arc::new(Mutex::new(Seen::default()));
     let (seen_in, failure_in) = (seen.clone(), failure.clone());
+    let mut tool_inputs = anthropic_out::ToolInputs::default();
     // The slot is set as the inference ends: every chunk made after that is the processor's ending.
     let answered = chunks.take_while(move |_| std::future::ready(failure_in.lock().expect("not poisoned").is_none()));
     let events = answered.flat_map(move |chunk| {
         let events = match chunk {
+            // After an error event nothing follows (not even the processor's stop events).
+            Ok(_) if seen_in.lock().expect("not poisoned").failed => Vec::new(),
             Ok(chunk) => {
                 let name = P::Response::sse_event_name(&chunk);
                 let mut value =
                     serde_json::to_value(&chunk).unwrap_or_else(|e| serde_json::json!({"error": e.to_string()}));
                 patch_reasoning_tokens(&mut value, &counts.lock().expect("not poisoned"));
                 anthropic_out::patch(flavor, &mut value);
+                // A tool input that does not parse ends the stream with an error, never as a tool_use.
+                if flavor == Flavor::Anthropic {
+                    if let Err(why) = tool_inputs.check(&value) {
+                        let mut seen = seen_in.lock().expect("not poisoned");
+                        seen.failed = true;
+                        let error = ApiError::new(flavor, Kind::Internal, why);
+                        return stream::iter(vec![stream_error(P::STREAM_FAILURE, &error, &seen)]);
+                    }
+                }
                 seen_in.lock().expect("not poisoned").note(&value);
                 let values = if P::SPLITS_USAGE { split_usage(value, include_usage) } else { vec![value] };
                 values
