@@ -99,6 +99,10 @@ async fn one(client: &reqwest::Client, url: &str, i: u64) -> Outcome {
     let errored = text.lines().any(|l| l.starts_with("data: {\"error\""));
     match (finished, errored, text.contains("data: [DONE]")) {
         (true, false, true) => Outcome::Completed,
+        // A table the cluster could repair is never a reason to fail.
+        (false, true, false) if text.contains("does not hold expert") || text.contains("not acknowledged") => {
+            Outcome::Wrong(format!("failed on a stale table: {text}"))
+        }
         (false, true, false) => Outcome::Retryable("stream ended with an error event".into()),
         (true, true, _) => Outcome::Wrong(format!("a finish marker and an error: {text}")),
         _ => Outcome::Wrong(format!("neither completed nor failed: {text}")),
@@ -233,9 +237,10 @@ fn kills_restarts_and_drains_of_processes_under_streaming_load_fail_nothing_for_
     let settle = ready + Duration::from_millis(3 * FAILURE_TIMEOUT_MS);
     let first = log.iter().filter(|e| e.outcome == Outcome::Completed && e.ended > ready).map(|e| e.ended).min();
     assert!(first.is_some_and(|t| t <= settle), "nothing completed within 3 failure timeouts of the last restart");
-    let late: Vec<&Outcome> =
-        log.iter().filter(|e| e.started > settle && e.outcome != Outcome::Completed).map(|e| &e.outcome).collect();
-    assert!(late.is_empty(), "requests failed after the cluster was back: {late:?}");
+    let late: Vec<&Outcome> = log.iter().filter(|e| e.started > settle).map(|e| &e.outcome).collect();
+    assert!(late.len() >= CLIENTS, "only {} requests were sent after the cluster was back", late.len());
+    let failed_late: Vec<&&Outcome> = late.iter().filter(|o| ***o != Outcome::Completed).collect();
+    assert!(failed_late.is_empty(), "requests failed after the cluster was back: {failed_late:?}");
     eprintln!(
         "{} faults under {CLIENTS} streaming clients: {} requests, {completed} completed, {retryable} failed retryably, \
          first completion {:.2} s after the last restart",

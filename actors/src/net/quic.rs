@@ -445,6 +445,10 @@ impl Inner {
             }
             return Ok(());
         }
+        // A node's heartbeat is membership's alone (taken above), never an actor's.
+        if matches!(msg, Message::Heartbeat(_)) && from.role == Role::Node {
+            return Ok(());
+        }
         // An unbound address or a full inbox loses the frame, as a crash would; the peer is fine.
         let _ = self.deliver_local(from, to, frame);
         Ok(())

@@ -13,7 +13,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 /// The name client certificates carry.
 pub const CLIENT_NAME: &str = "client";
 /// ALPN of the cluster protocol (tracks the wire version).
-pub const ALPN: &[u8] = b"deepinfer/6";
+pub const ALPN: &[u8] = b"deepinfer/7";
 
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {

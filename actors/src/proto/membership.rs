@@ -129,7 +129,8 @@ impl Membership {
     pub fn heard_process(&mut self, now: Duration, node: u32, process: u64) -> Vec<MemberEvent> {
         let Some(peer) = self.peers.get_mut(node as usize) else { return Vec::new() };
         let mut events = Vec::new();
-        if process != 0 {
+        // Ids grow with each start: a lower one is a late heartbeat of a process that is gone.
+        if process != 0 && process >= peer.process {
             let before = std::mem::replace(&mut peer.process, process);
             if before != 0 && before != process && peer.state == PeerState::Up {
                 peer.state = PeerState::Down;
@@ -230,10 +231,11 @@ mod tests {
             "restarted within the failure timeout"
         );
         assert_eq!(m.heard_process(ms(10), 1, 0), vec![], "an unnamed process changes nothing");
+        assert_eq!(m.heard_process(ms(11), 1, 7), vec![], "a late heartbeat of the process that is gone");
         // Declared down, then back under a new process whose first frame
         // is not a heartbeat: up once, and its first heartbeat is no restart.
         let down = m.tick(ms(100));
-        assert_eq!(down.events, vec![MemberEvent::Down { node: 1, silent: ms(90) }]);
+        assert_eq!(down.events, vec![MemberEvent::Down { node: 1, silent: ms(89) }]);
         assert_eq!(m.heard(ms(101), 1), Some(MemberEvent::Up { node: 1 }));
         assert_eq!(m.heard_process(ms(102), 1, 9), vec![], "the new process was already news");
     }

@@ -26,7 +26,7 @@ use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// Version of the envelope layout; bumped on any change to the archived types.
-pub const WIRE_VERSION: u16 = 10;
+pub const WIRE_VERSION: u16 = 11;
 pub use crate::limits::MAX_FRAME_BYTES;
 /// "dINF" little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"dINF");

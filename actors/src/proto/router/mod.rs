@@ -271,7 +271,9 @@ impl RouterMachine {
             (Role::Scheduler, Message::Handoff(HandoffMsg::Reroute { id, instance })) => {
                 self.on_reroute(from.index, id, instance)
             }
-            (Role::Scheduler, Message::Heartbeat(h)) if h.restarted => {
+            // Any hello (schedulers send one as they start): one whose process
+            // restarted says `restarted: false`, and holds none of its flights.
+            (Role::Scheduler, Message::Heartbeat(_)) => {
                 let ids: Vec<u64> =
                     self.flights.iter().filter(|(_, f)| f.instance == from.index).map(|(id, _)| *id).collect();
                 self.ctx.events.record(format_args!("router resubmits {} requests to {from}", ids.len()));

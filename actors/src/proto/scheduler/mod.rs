@@ -303,9 +303,6 @@ pub struct SchedulerMachine {
     eplb: Option<ExpertLoadTracker>,
     /// A new table whose experts the shards are reading while the current one serves.
     preparing: Option<Preparing>,
-    /// A shard holds a table of this epoch, newer than this scheduler's: at
-    /// the next step the current table is sent again, numbered past it.
-    renumber: Option<u64>,
     /// Its node is in a minority partition: it runs no step and changes no table.
     fenced: bool,
     /// Prefilled requests on their way to a decode instance.
@@ -446,7 +443,6 @@ impl SchedulerMachine {
             last_router: ctx.active_router(ctx.topology.home_node(instance)).index,
             rejoined: false,
             preparing: None,
-            renumber: None,
             // A scheduler (re)started in a minority partition waits for the majority.
             fenced: ctx.durable.in_minority(ctx.topology.home_node(instance)),
             cache,
@@ -524,9 +520,8 @@ impl SchedulerMachine {
                 self.on_adopted(id, instance)
             }
             (Role::Worker, Message::StepResult(r)) if mine(from) => return self.on_result(from, r, m.body),
-            (Role::Worker, Message::Heartbeat(h)) if mine(from) && h.restarted => {
-                self.on_worker_restarted(from.index, h.incarnation)
-            }
+            // Any hello: a worker whose process restarted says `restarted: false`.
+            (Role::Worker, Message::Heartbeat(h)) if mine(from) => self.on_worker_restarted(from.index, h.incarnation),
             (Role::Shard, Message::Control(Control::Prepared { epoch, device, bytes_read, load_us })) if mine(from) => {
                 self.on_prepared(epoch, device, bytes_read, load_us)
             }

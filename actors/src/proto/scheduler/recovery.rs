@@ -260,30 +260,29 @@ impl SchedulerMachine {
         if let Some(p) = self.preparing.take() {
             self.rejoined |= p.why == "rejoin";
         }
+        // The same table under a new number: a step under way keeps its
+        // replicas, so the shards may take it at once.
+        self.ctx.durable.set_placement(self.home, self.instance, current.with_epoch(held + 1));
+        self.ctx.events.record(format_args!("{} placement epoch {} (renumbered)", self.addr, held + 1));
         if let Phase::Loading { step, .. } = self.phase {
-            self.ctx.durable.set_placement(self.home, self.instance, current.with_epoch(held + 1));
-            self.ctx.events.record(format_args!("{} placement epoch {} (renumbered)", self.addr, held + 1));
             self.load_placement(step);
         } else {
-            self.renumber = Some(self.renumber.unwrap_or(0).max(held));
-            if matches!(self.phase, Phase::Idle) {
-                self.tick();
-            }
+            let live: BTreeSet<u32> = self
+                .ctx
+                .topology
+                .devices_of(self.instance)
+                .filter(|d| !self.ctx.durable.is_lost(self.home, *d))
+                .collect();
+            self.send_tables(&live);
         }
-    }
-
-    /// The current table, renumbered past what a shard holds, if one said so.
-    pub(super) fn renumbered(&mut self) -> Option<crate::cluster::placement::Placement> {
-        let held = self.renumber.take()?;
-        let current = self.ctx.durable.placement(self.home, self.instance);
-        (held >= current.epoch()).then(|| current.with_epoch(held))
     }
 
     /// Shard `device` started, or answered a step as if it held another
     /// table: send it the current one (a started shard read its own
     /// process's copy, which after a process restart is the configured one).
     pub(super) fn on_shard_started(&mut self, device: u32) {
-        if self.ctx.durable.is_lost(self.home, device) {
+        if !self.ctx.topology.devices_of(self.instance).contains(&device) || self.ctx.durable.is_lost(self.home, device)
+        {
             return;
         }
         self.send_tables(&BTreeSet::from([device]));
@@ -310,6 +309,13 @@ impl SchedulerMachine {
     /// router submits every request again, and they are recomputed on the
     /// surviving workers, as after any scheduler crash.
     pub(super) fn on_node_down(&mut self, node: u32) -> Result<(), Crash> {
+        // Heard after the node was up again (a process restarted faster than
+        // the failure timeout is reported down and up at once): nothing is
+        // lost. Its shards ask for the table and its workers for histories.
+        if !self.ctx.durable.is_node_down(self.home, node) {
+            self.ctx.events.record(format_args!("{}: node{node} is down and back already", self.addr));
+            return Ok(());
+        }
         let topo = &self.ctx.topology;
         let lost: Vec<u32> = topo.devices_of(self.instance).filter(|&d| topo.node_of_device(d) == node).collect();
         self.ctx.durable.mark_lost(self.home, &lost);

@@ -23,11 +23,6 @@ impl SchedulerMachine {
         // Configured changes switch at their step; a rejoin or EPLB table is
         // prepared first (its experts read while the current table serves).
         let mut change = self.ctx.placement_changes.iter().find(|(s, _)| *s == step).map(|(_, p)| p.clone());
-        // The current table again, numbered past the epoch a shard holds (the switch below adds one).
-        if let Some(p) = self.renumbered() {
-            self.ctx.durable.set_placement(self.home, self.instance, p.clone());
-            change = change.or(Some(p));
-        }
         if change.is_none() {
             change = self.prepared_change();
         }
@@ -395,12 +390,20 @@ impl SchedulerMachine {
                 self.retry(&mut run, worker, &why);
             }
             StepOutcome::TableMismatch { shard, why } => {
-                // The table goes out before the step does again.
+                // The table goes out now; the step again only after the
+                // shard had a control timeout to take it (or say it holds a
+                // later one), so that retries are not spent racing it.
                 self.on_shard_started(shard);
                 for it in run.items.iter_mut().filter(|it| it.worker == worker) {
                     it.rebuild = true;
                 }
-                self.retry(&mut run, worker, &why);
+                self.ctx
+                    .events
+                    .record(format_args!("{}: step {} waits for shard{shard}'s table: {why}", self.addr, run.step));
+                let deadline = self.now() + self.ctx.timeouts.control;
+                if let Some(p) = run.pending.get_mut(&worker) {
+                    p.deadline = deadline;
+                }
             }
         }
         if run.pending.is_empty() {
