@@ -6,38 +6,17 @@ Run by tests/sdk.rs with DEEPINFER_BASE_URL and DEEPINFER_MODEL set.
 """
 
 import json
-import os
 
 import anthropic
 import jsonschema
 import urllib.error
 import urllib.request
 import openai
-from openai import OpenAI
 
-BASE = os.environ["DEEPINFER_BASE_URL"]
-MODEL = os.environ["DEEPINFER_MODEL"]
-oa = OpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0, timeout=120)
-an = anthropic.Anthropic(base_url=BASE, api_key="unused", max_retries=0, timeout=120)
-NO_THINKING = {"thinking": {"type": "disabled"}}
+from sdk_common import BASE, MODEL, NO_THINKING, check, clients, refused
+
+oa, an = clients()
 PROMPTS = ["Once upon a time", "The weather today", "List three colours", "Hello there"]
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-
-
-def refused(call, *names):
-    try:
-        call()
-    except (openai.BadRequestError, anthropic.BadRequestError) as e:
-        text = str(e)
-        check(e.status_code == 400, text)
-        for name in names:
-            check(name in text, f"{name!r} not named in {text}")
-        return
-    raise AssertionError(f"accepted: {names}")
 
 
 def tokens(prompt, max_tokens=40, **kw):

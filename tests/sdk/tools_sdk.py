@@ -7,18 +7,13 @@ Run by tests/sdk.rs with DEEPINFER_BASE_URL and DEEPINFER_MODEL set.
 """
 
 import json
-import os
 
-import anthropic
 import jsonschema
-from openai import OpenAI
 
-BASE = os.environ["DEEPINFER_BASE_URL"]
-MODEL = os.environ["DEEPINFER_MODEL"]
-SEEDS = int(os.environ.get("DEEPINFER_SDK_SEEDS", "50"))
-oa = OpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0, timeout=120)
-an = anthropic.Anthropic(base_url=BASE, api_key="unused", max_retries=0, timeout=120)
-NO_THINKING = {"thinking": {"type": "disabled"}}
+from sdk_common import MODEL, NO_THINKING, check, clients, seeds
+
+SEEDS = seeds(50)
+oa, an = clients()
 
 WEATHER = {
     "type": "object",
@@ -43,11 +38,6 @@ CHAT_TOOLS = [
 RESPONSES_TOOLS = [{"type": "function", "name": n, "description": f"{n} tool", "parameters": s} for n, s in SCHEMAS.items()]
 ANTHROPIC_TOOLS = [{"name": n, "description": f"{n} tool", "input_schema": s} for n, s in SCHEMAS.items()]
 PROMPT = "What is the weather in Paris for the next three days?"
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
 
 
 def valid_call(name, arguments, allowed, what):

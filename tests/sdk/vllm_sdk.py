@@ -8,42 +8,19 @@ Run by tests/sdk.rs with DEEPINFER_BASE_URL and DEEPINFER_MODEL set.
 
 import datetime
 import json
-import os
 import re
 import uuid
 from typing import Literal
 
-import anthropic
 import jsonschema
-import openai
-from openai import OpenAI
 from pydantic import BaseModel, Field
 
-BASE = os.environ["DEEPINFER_BASE_URL"]
-MODEL = os.environ["DEEPINFER_MODEL"]
-SEEDS = int(os.environ.get("DEEPINFER_SDK_SEEDS", "50"))
-oa = OpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0, timeout=120)
-an = anthropic.Anthropic(base_url=BASE, api_key="unused", max_retries=0, timeout=120)
-NO_THINKING = {"thinking": {"type": "disabled"}}
+from sdk_common import MODEL, NO_THINKING, check, clients, refused, seeds
+
+SEEDS = seeds(50)
+oa, an = clients()
 EOS = 1  # the built-in tokenizer's end of sentence
 USER = [{"role": "user", "content": "Tell me a story about a fox"}]
-
-
-def check(cond, what):
-    if not cond:
-        raise AssertionError(what)
-
-
-def refused(call, *names):
-    try:
-        call()
-    except (openai.BadRequestError, anthropic.BadRequestError) as e:
-        text = str(e)
-        check(e.status_code == 400, text)
-        for name in names:
-            check(name in text, f"{name!r} not named in {text}")
-        return
-    raise AssertionError(f"accepted: {names}")
 
 
 def chat(extra=None, **kw):
