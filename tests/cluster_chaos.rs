@@ -24,6 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cluster_support::{run_plain, spawn_node, start_nodes, Proc, Site, FAILURE_TIMEOUT_MS};
+use deepinfer::api::generate::mix;
 use futures_util::StreamExt;
 use serve_support::Served;
 
@@ -149,15 +150,14 @@ enum Fault {
     Drain { node: usize },
 }
 
-/// The wedge sequence, then `FAULTS` drawn from `seed` (SplitMix64).
+/// The wedge sequence, then `FAULTS` drawn from `seed`.
 fn faults(seed: u64) -> Vec<Fault> {
+    // SplitMix64: `mix` adds the stream's step to what it is given.
     let mut state = seed;
     let mut next = move || {
+        let out = mix(state);
         state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        out
     };
     // node3 leaves and returns while node0's scheduler lives (its table
     // goes to epoch 2 on every shard), then the wedge: node0's new process
