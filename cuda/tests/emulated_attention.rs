@@ -1,15 +1,17 @@
 //! The attention core on the emulated device against the CPU, bit for bit.
 //!
 //! `index_scores` and `attend_token` are private to the engine
-//! (`engine/src/model/attention.rs`); `cpu_index_topk` and `cpu_attend`
-//! below are faithful copies of their per-query loops over the public
-//! `deepinfer_kernels` functions they call.
+//! (`engine/src/model/attention.rs`); the CPU references `cpu_index_topk`
+//! and `cpu_attend` are the faithful copies of their per-query loops that
+//! the real-shape tests use too (`shapes_support::v4`).
+
+mod shapes_support;
 
 use deepinfer_cuda::ops::attention::{attend, index_topk, Selection};
 use deepinfer_cuda::ops::Rows;
 use deepinfer_cuda::Gpu;
-use deepinfer_kernels::linear::{dot_rows, dot_rows_of};
-use deepinfer_kernels::ops::{add_weighted_rows_heads, rope_interleaved, softmax_with_sink, top_k, Rope};
+use deepinfer_kernels::ops::Rope;
+use shapes_support::v4::{cpu_attend, cpu_index_topk};
 
 /// A small deterministic generator of values in [-1, 1).
 struct Lcg(u64);
@@ -26,82 +28,6 @@ impl Lcg {
 
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
-}
-
-/// The engine's `index_scores` then `top_k(scores, min(topk, visible))`, per query.
-#[allow(clippy::too_many_arguments)]
-fn cpu_index_topk(
-    iq: &[f32],
-    iw: &[f32],
-    ih: usize,
-    ihd: usize,
-    entries: &[f32],
-    position: usize,
-    len: usize,
-    ratio: usize,
-    topk: usize,
-) -> Vec<Vec<usize>> {
-    (0..len)
-        .map(|i| {
-            let visible = (position + i + 1) / ratio;
-            let q = &iq[i * ih * ihd..];
-            let w = &iw[i * ih..];
-            // index_scores, as the engine writes it.
-            let scale = (ihd as f32).powf(-0.5);
-            let mut dots = vec![0.0f32; ih * visible];
-            dot_rows(&q[..ih * ihd], ih, &entries[..visible * ihd], visible, ihd, &mut dots);
-            let scores: Vec<f32> =
-                (0..visible).map(|e| (0..ih).map(|h| w[h] * (dots[h * visible + e].max(0.0) * scale)).sum()).collect();
-            top_k(&scores, topk.min(visible))
-        })
-        .collect()
-}
-
-/// The engine's `attend_token` for every query of a chunk; `selected[i]`
-/// the entries query `i` takes after its window.
-#[allow(clippy::too_many_arguments)]
-fn cpu_attend(
-    q: &[f32],
-    h: usize,
-    hd: usize,
-    keys: &[f32],
-    first_key_position: usize,
-    position: usize,
-    len: usize,
-    window: usize,
-    entries: &[f32],
-    selected: &[Vec<usize>],
-    sink: &[f32],
-    scale: f32,
-    cos: &[f32],
-    sin: &[f32],
-    half: usize,
-) -> Vec<f32> {
-    let mut attn_out = vec![0.0f32; len * h * hd];
-    for (i, out_row) in attn_out.chunks_exact_mut(h * hd).enumerate() {
-        let pos = position + i;
-        let lo = (pos + 1).saturating_sub(window).max(first_key_position);
-        let window_keys = &keys[(lo - first_key_position) * hd..(pos + 1 - first_key_position) * hd];
-        let e = entries;
-        let keys_of_query: Vec<&[f32]> =
-            window_keys.chunks_exact(hd).chain(selected[i].iter().map(|&w| &e[w * hd..(w + 1) * hd])).collect();
-        let nk = keys_of_query.len();
-        let heads_q = &q[i * h * hd..(i + 1) * h * hd];
-        let mut probs = vec![0.0f32; h * nk];
-        dot_rows_of(heads_q, h, &keys_of_query, &mut probs, nk);
-        for (head, row) in probs.chunks_exact_mut(nk.max(1)).enumerate() {
-            row.iter_mut().for_each(|l| *l *= scale);
-            softmax_with_sink(row, sink[head]);
-        }
-        add_weighted_rows_heads(out_row, h, &probs, nk, &keys_of_query);
-        for out in out_row.chunks_exact_mut(hd) {
-            // Angles::apply_inverse
-            let tail = out.len() - 2 * half;
-            let neg: Vec<f32> = sin[i * half..][..half].iter().map(|s| -s).collect();
-            rope_interleaved(&mut out[tail..], &cos[i * half..][..half], &neg);
-        }
-    }
-    attn_out
 }
 
 /// Device `index_topk`, checked against the CPU; returns the device's selection and counts.

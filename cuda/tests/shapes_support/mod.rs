@@ -26,7 +26,9 @@ pub mod v41;
 pub const V4_HIDDEN: usize = 4096;
 #[allow(dead_code)]
 pub const V41_HIDDEN: usize = 5120;
+#[allow(dead_code)]
 pub const HEADS: usize = 64;
+#[allow(dead_code)]
 pub const HEAD_DIM: usize = 512;
 #[allow(dead_code)]
 pub const ROPE_DIM: usize = 64;
@@ -40,6 +42,7 @@ pub const WINDOW: usize = 128;
 pub const V4_INDEX_HEADS: usize = 64;
 #[allow(dead_code)]
 pub const V41_INDEX_HEADS: usize = 32;
+#[allow(dead_code)]
 pub const INDEX_HEAD_DIM: usize = 128;
 #[allow(dead_code)]
 pub const INDEX_TOPK: usize = 512;
@@ -68,6 +71,7 @@ impl Gen {
         (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
     /// Uniform in [-scale, scale).
+    #[allow(dead_code)]
     pub fn vec(&mut self, len: usize, scale: f32) -> Vec<f32> {
         (0..len).map(|_| self.unit() * scale).collect()
     }
@@ -95,6 +99,7 @@ impl Gen {
     }
 }
 
+#[allow(dead_code)]
 pub fn assert_bits(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     let differ = got.iter().zip(want).filter(|(g, w)| g.to_bits() != w.to_bits()).count();
@@ -109,9 +114,11 @@ pub fn assert_bits(got: &[f32], want: &[f32], what: &str) {
 }
 
 /// Prints a test's wall time when it ends.
+#[allow(dead_code)]
 pub struct Timer(&'static str, Instant);
 
 impl Timer {
+    #[allow(dead_code)]
     pub fn start(name: &'static str) -> Self {
         Timer(name, Instant::now())
     }

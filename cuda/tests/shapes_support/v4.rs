@@ -161,7 +161,7 @@ pub fn compress_token(c: &Compressor, st: &mut CompressorState, kv: &[f32], gate
 
 // ---- V4-Flash: the indexer and the attention ---------------------------------
 // The engine's private `index_scores` and `attend_token`
-// (engine/src/model/attention.rs), copied from emulated_attention.rs.
+// (engine/src/model/attention.rs); emulated_attention.rs checks its kernels against these too.
 
 #[allow(dead_code, clippy::too_many_arguments)]
 pub fn cpu_index_topk(
