@@ -99,11 +99,10 @@ fn a_node_that_comes_back_rejoins_its_instance_and_loses_no_request_over_20_seed
             let prepared = after.iter().position(|l| l.contains("scheduler1 rejoin: epoch") && l.contains("prepared"));
             let stepped = |from: usize| after[from..].iter().any(|l| l.contains("send scheduler1->worker"));
             let replaced = after.iter().any(|l| l.contains("scheduler1 placement epoch"));
-            let tables: Vec<&String> =
-                report.log.iter().filter(|l| l.contains("epoch") || l.contains("node3 is")).collect();
             assert!(
                 replaced || prepared.is_none_or(|p| !stepped(p)),
-                "seed {seed}: node 3's experts are put back:\n{tables:#?}"
+                "seed {seed}: node 3's experts are put back:\n{:#?}",
+                report.log.iter().filter(|l| l.contains("epoch") || l.contains("node3 is")).collect::<Vec<_>>()
             );
         }
         let again = run_simulated(m.clone(), cfg(), &reqs).unwrap();
