@@ -93,6 +93,18 @@ impl Preset {
             })
             .collect();
         let mlp_types: Vec<&str> = (0..layers).map(|i| if i < hash { "hash_moe" } else { "moe" }).collect();
+        // DeepSeek's published spelling of the same layout, one ratio per layer and
+        // then per MTP layer (window only), so converters of the published format
+        // (llama.cpp's among them) read these checkpoints unchanged.
+        let compress_ratios: Vec<usize> = layer_types
+            .iter()
+            .map(|t| match *t {
+                "compressed_sparse_attention" => 4,
+                "heavily_compressed_attention" => hca,
+                _ => 0,
+            })
+            .chain(std::iter::repeat_n(0, mtp_layers))
+            .collect();
         json!({
             "architectures": ["DeepseekV4ForCausalLM"],
             "model_type": "deepseek_v4",
@@ -121,6 +133,8 @@ impl Preset {
             "layer_types": layer_types,
             "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": hca},
             "mlp_layer_types": mlp_types,
+            "compress_ratios": compress_ratios,
+            "num_hash_layers": hash,
             "hc_mult": 4,
             "hc_sinkhorn_iters": 20,
             "hc_eps": 1e-6,
@@ -390,4 +404,37 @@ pub fn build(preset: Preset, seed: u64) -> Result<Model, LoadError> {
     let checkpoint = Checkpoint::from_bytes(&format!("builtin:{}", preset.name()), bytes)?;
     let weights = crate::model::weights::Weights::load(&checkpoint, &cfg)?;
     Ok(Model::new(cfg, weights))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Preset;
+    use crate::config::ModelConfig;
+
+    /// DeepSeek's published keys (`compress_ratios`, `num_hash_layers`) and the
+    /// `transformers` ones (`layer_types`, `mlp_layer_types`) describe the same
+    /// model: each spelling alone parses to the preset's configuration.
+    #[test]
+    fn published_and_transformers_spellings_agree() {
+        for preset in Preset::ALL.into_iter().filter(|p| !p.is_v41()) {
+            let full = preset.config_json();
+            let mut published = full.clone();
+            let map = published.as_object_mut().unwrap();
+            map.remove("layer_types");
+            map.remove("mlp_layer_types");
+            map.remove("compress_rates");
+            let mut transformers = full.clone();
+            let map = transformers.as_object_mut().unwrap();
+            map.remove("compress_ratios");
+            map.remove("num_hash_layers");
+            let expected = preset.config();
+            for (label, json) in [("published", published), ("transformers", transformers)] {
+                let parsed = ModelConfig::from_json_str(&json.to_string(), preset.name()).unwrap();
+                assert_eq!(parsed, expected, "{} in the {label} spelling", preset.name());
+            }
+            let ratios = full["compress_ratios"].as_array().unwrap().len();
+            let layers = full["num_hidden_layers"].as_u64().unwrap() + full["num_nextn_predict_layers"].as_u64().unwrap();
+            assert_eq!(ratios as u64, layers, "{}: one ratio per layer and per MTP layer", preset.name());
+        }
+    }
 }
