@@ -433,7 +433,8 @@ mod tests {
                 assert_eq!(parsed, expected, "{} in the {label} spelling", preset.name());
             }
             let ratios = full["compress_ratios"].as_array().unwrap().len();
-            let layers = full["num_hidden_layers"].as_u64().unwrap() + full["num_nextn_predict_layers"].as_u64().unwrap();
+            let layers =
+                full["num_hidden_layers"].as_u64().unwrap() + full["num_nextn_predict_layers"].as_u64().unwrap();
             assert_eq!(ratios as u64, layers, "{}: one ratio per layer and per MTP layer", preset.name());
         }
     }
