@@ -58,9 +58,15 @@ recorded:
    the last bit of ``exp``/``sigmoid``/``rsqrt`` to SLEEF. FP8 activation quantisation turns
    such one-ulp differences into different e4m3 codes, so the model is chaotic at the ulp
    level and no other implementation could follow it. Every matmul, einsum, reduction
-   (``sum``/``mean``/``softmax``) and transcendental (``exp``, ``sigmoid``, ``rsqrt``, ``silu``,
-   ``softplus``, ``polar``, ``base ** x``) and the RoPE complex product is therefore computed
-   in float64 and rounded once to the tensor's dtype; element-wise fp32/bf16 arithmetic, quantisation and roundings are the
+   (``sum``/``mean``/``softmax``) and transcendental (``exp``, ``sigmoid``, ``sqrt``, ``rsqrt``,
+   ``silu``, ``softplus``, ``polar``, ``base ** x``) and the RoPE complex product is therefore
+   computed in float64 and rounded once to the tensor's dtype, in every spelling the reference
+   uses: functions and tensor methods alike (``SPELLINGS``; e.g. the Engram gate's
+   ``x.sqrt()`` and the ``sqrtsoftplus`` router's ``F.softplus(s).sqrt()``). Even ``sqrt`` needs
+   it: torch's fp32 ``sqrt`` is not correctly rounded on every CPU (on an AVX-512 machine with
+   torch 2.15.0 ``sqrt(2.9150161743164062f)`` gives 1.7073419094, one ulp above the correctly
+   rounded 1.7073417902, for about 16% of random inputs), while deepinfer's is. Element-wise
+   fp32/bf16 arithmetic (+ - * /, which IEEE rounds correctly), quantisation and roundings are the
    reference's own. deepinfer computes the same way.
 
 Run (needs torch, numpy, safetensors, sympy, tokenizers; Pillow for the reference's imports,
@@ -302,15 +308,27 @@ def install_defined_rotation(v41):
     v41.apply_rotary_emb = apply_rotary_emb
 
 
+# Deviation 3, every spelling patched (the reference calls the starred ones; the others are
+# patched so that a spelling change upstream cannot silently fall back to torch's fp32 kernels).
+# F.sigmoid is ``input.sigmoid()`` and F.softmax ``input.softmax()``, so the tensor methods cover them.
+SPELLINGS = (
+    "F.linear*", "torch.einsum*", "Tensor.__matmul__*", "Tensor.sum*", "torch.sum*", "Tensor.mean*",
+    "Tensor.softmax*", "torch.softmax", "torch.exp*", "Tensor.exp", "torch.sigmoid*", "Tensor.sigmoid",
+    "torch.sqrt", "Tensor.sqrt*", "torch.rsqrt*", "Tensor.rsqrt", "F.silu*", "F.softplus*", "torch.polar*",
+    "Tensor.__rpow__*", "apply_rotary_emb*",
+)
+
+
 def install_defined_arithmetic():
     """Deviation 3: float64 accumulation and transcendentals, rounded once (switch: Patches)."""
     import torch.nn.functional as F
 
     orig = dict(
         linear=F.linear, einsum=torch.einsum, matmul=torch.Tensor.__matmul__, tsum=torch.Tensor.sum,
-        sum=torch.sum, tmean=torch.Tensor.mean, tsoftmax=torch.Tensor.softmax, exp=torch.exp,
-        sigmoid=torch.sigmoid, rsqrt=torch.rsqrt, silu=F.silu, softplus=F.softplus, polar=torch.polar,
-        rpow=torch.Tensor.__rpow__,
+        sum=torch.sum, tmean=torch.Tensor.mean, tsoftmax=torch.Tensor.softmax, softmax=torch.softmax,
+        exp=torch.exp, texp=torch.Tensor.exp, sigmoid=torch.sigmoid, tsigmoid=torch.Tensor.sigmoid,
+        sqrt=torch.sqrt, tsqrt=torch.Tensor.sqrt, rsqrt=torch.rsqrt, trsqrt=torch.Tensor.rsqrt,
+        silu=F.silu, softplus=F.softplus, polar=torch.polar, rpow=torch.Tensor.__rpow__,
     )
 
     def on(*ts):
@@ -347,10 +365,12 @@ def install_defined_arithmetic():
             return orig[name](x.double(), *a, **k).to(x.dtype)
         return f
 
-    def tsoftmax(x, dim, dtype=None):
-        if not on(x):
-            return orig["tsoftmax"](x, dim, dtype=dtype)
-        return orig["tsoftmax"](x.double(), dim).to(dtype or x.dtype)
+    def softmax(name):
+        def f(x, dim, dtype=None):
+            if not on(x):
+                return orig[name](x, dim, dtype=dtype)
+            return orig["tsoftmax"](x.double(), dim).to(dtype or x.dtype)
+        return f
 
     def unary(name):
         def f(x, *a, **k):
@@ -375,14 +395,27 @@ def install_defined_arithmetic():
     torch.Tensor.sum = reduction("tsum", "tsum")
     torch.sum = reduction("tsum", "sum")
     torch.Tensor.mean = reduction("tmean", "tmean")
-    torch.Tensor.softmax = tsoftmax
+    torch.Tensor.softmax = softmax("tsoftmax")
+    torch.softmax = softmax("softmax")
     torch.exp = unary("exp")
+    torch.Tensor.exp = unary("texp")
     torch.sigmoid = unary("sigmoid")
+    torch.Tensor.sigmoid = unary("tsigmoid")
+    torch.sqrt = unary("sqrt")
+    torch.Tensor.sqrt = unary("tsqrt")
     torch.rsqrt = unary("rsqrt")
+    torch.Tensor.rsqrt = unary("trsqrt")
     F.silu = unary("silu")
     F.softplus = unary("softplus")
     torch.polar = polar
     torch.Tensor.__rpow__ = rpow
+    # SPELLINGS (what reference.json reports) and the patches above must not drift apart
+    where = {"F": F, "torch": torch, "Tensor": torch.Tensor}
+    listed = [sp.rstrip("*").rsplit(".", 1) for sp in SPELLINGS if "." in sp]
+    assert len(listed) == len(orig), (len(listed), len(orig))
+    for owner, attr in listed:
+        now = getattr(where[owner], attr)
+        assert all(now is not o for o in orig.values()), f"{owner}.{attr} is not patched"
 
 
 def install_model_patches(v41, model, args):
@@ -815,8 +848,10 @@ def generate(v41, engram, testing, rev, entry, out_dir: Path):
                 },
             },
             "library_arithmetic": {
-                "imposed": "matmul, einsum, sum, mean, softmax, exp, sigmoid, rsqrt, silu, softplus, polar and "
-                           "base ** x in float64, rounded once to the tensor's dtype",
+                "imposed": "matmul, einsum, sum, mean, softmax, exp, sigmoid, sqrt, rsqrt, silu, softplus, polar and "
+                           "base ** x (functions and tensor methods) in float64, rounded once to the tensor's dtype",
+                "spellings_patched": [sp.rstrip("*") for sp in SPELLINGS],
+                "spellings_called_by_reference": [sp.rstrip("*") for sp in SPELLINGS if sp.endswith("*")],
                 "unpatched_reference_vs_fixture": compare(res, unpatched_arith, has_dspark, rows),
             },
             "note": "unpatched runs are teacher-forced with decode_tokens (and DSpark fed the fixture's tokens); "
