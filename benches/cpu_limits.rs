@@ -9,6 +9,10 @@
 //! saves building the large preset in memory); set `RAYON_NUM_THREADS` for the
 //! thread count. Models default to tiny-v4, small-v4 and medium-v4.
 //!
+//! With `CPU_LIMITS_JSON=PATH` the same numbers are also written to PATH as
+//! one JSON object (the bounds, then a row per model and phase), for
+//! `tools/bench/llamacpp.sh`, which sets it beside llama.cpp's own runs.
+//!
 //! The FMA rate (16-lane fused multiply-adds on registers, no memory) bounds
 //! every matmul, batch-invariant or not: the matmul ceiling's share of it is
 //! what the fixed reduction order could at most be costing.
@@ -22,6 +26,7 @@ use deepinfer_engine::presets::{build, Preset};
 use deepinfer_kernels::quantize::{quantize_fp4_rows, quantize_fp8_blocks};
 use deepinfer_kernels::{Isa, Linear, WeightFormat};
 use rayon::prelude::*;
+use serde_json::{json, Value};
 
 const CONTEXT_TOKENS: usize = 128;
 /// Buffer of the bandwidth test: far larger than any last-level cache.
@@ -45,9 +50,11 @@ fn main() {
     }
     println!("\n| weights | n | GFLOP/s (4096 × 4096) | of the FMA rate |\n|---|---:|---:|---:|");
     let mut ceiling = 0.0f64;
+    let mut ceilings = Vec::new();
     for (name, lin) in ceiling_weights() {
         let gflops = matmul_gflops(&lin, 256);
         ceiling = ceiling.max(gflops);
+        ceilings.push(json!({"weights": name, "gflops": gflops}));
         let share = fma_peak.map_or(String::new(), |peak| format!("{:.0}%", 100.0 * gflops / peak));
         println!("| {name} | 256 | {gflops:.1} | {share} |");
     }
@@ -60,6 +67,7 @@ fn main() {
     println!(
         "\n| model | phase | tokens/s | GFLOP/s | GB/s of weights | bound | fraction of bound |\n|---|---|---:|---:|---:|---|---:|"
     );
+    let mut rows: Vec<Value> = Vec::new();
     for name in &wanted {
         let started = Instant::now();
         let (name, model) = match Preset::from_name(name) {
@@ -86,21 +94,42 @@ fn main() {
                 "| {name} | prefill {len} | {tps:.1} | {gflops:.1} | | matmul {ceiling:.0} GFLOP/s | {:.0}% |",
                 100.0 * gflops / ceiling
             );
+            rows.push(json!({
+                "model": name, "phase": "prefill", "tokens": len, "tokens_per_s": tps, "gflops": gflops,
+                "bound": "matmul", "fraction_of_bound": gflops / ceiling,
+            }));
         }
         for batch in [1usize, 8, 32] {
             let secs = time_decode(&model, batch);
             let tps = batch as f64 / secs;
             let gflops = 2.0 * f.active_macs as f64 * tps / 1e9;
             // At batch 1 a step reads exactly one token's active weights.
-            let (gbs, fraction) = if batch == 1 {
-                let gbs = f.active_bytes as f64 / secs / 1e9;
-                (format!("{gbs:.1}"), format!("{:.0}%", 100.0 * gbs / bandwidth))
-            } else {
-                (String::new(), String::new())
+            let weight_gbs = (batch == 1).then(|| f.active_bytes as f64 / secs / 1e9);
+            let (gbs, fraction) = match weight_gbs {
+                Some(gbs) => (format!("{gbs:.1}"), format!("{:.0}%", 100.0 * gbs / bandwidth)),
+                None => (String::new(), String::new()),
             };
             let bound = if batch == 1 { format!("memory {bandwidth:.0} GB/s") } else { String::new() };
             println!("| {name} | decode, batch {batch} | {tps:.1} | {gflops:.1} | {gbs} | {bound} | {fraction} |");
+            rows.push(json!({
+                "model": name, "phase": "decode", "batch": batch, "context_tokens": CONTEXT_TOKENS,
+                "tokens_per_s": tps, "gflops": gflops, "weight_gbs": weight_gbs,
+                "bound": weight_gbs.map(|_| "memory"), "fraction_of_bound": weight_gbs.map(|gbs| gbs / bandwidth),
+            }));
         }
+    }
+    if let Some(path) = std::env::var_os("CPU_LIMITS_JSON") {
+        let report = json!({
+            "threads": threads,
+            "isa": format!("{:?}", Isa::detect()),
+            "bandwidth_gbs": bandwidth,
+            "fma_gflops": fma_peak,
+            "matmul_ceiling_gflops": ceiling,
+            "matmul_ceilings": ceilings,
+            "rows": rows,
+        });
+        let text = serde_json::to_string_pretty(&report).expect("serializing a JSON value cannot fail");
+        std::fs::write(&path, text).unwrap_or_else(|e| panic!("{}: {e}", path.to_string_lossy()));
     }
 }
 
