@@ -176,10 +176,16 @@ run_round() {
     pin "$t" "$BUILD/bin/llama-bench" -m "$gguf" -p 0 -n 64 -d 128 -t "$t" -r "$BENCH_REPS" -o json \
         >"$base.llama-bench-tg.json" 2>"$base.llama-bench-tg.log" ||
         failed llama-bench "$base.llama-bench-tg.log"
-    # 32 sequences of 128 + 32 tokens: -c covers them all (it skips what does not fit).
-    pin "$t" "$BUILD/bin/llama-batched-bench" -m "$gguf" -c 8192 -npp 128 -ntg 32 -npl 1,8,32 -t "$t" \
-        --output-format jsonl >"$base.batched.jsonl" 2>"$base.batched.log" ||
-        failed llama-batched-bench "$base.batched.log"
+    # One run per batch, its context just what the batch needs (npl x (128 + 32)
+    # cells, as llama-bench sizes its own): a larger cache slows its decode.
+    : >"$base.batched.jsonl"
+    : >"$base.batched.log"
+    local npl
+    for npl in 1 8 32; do
+        pin "$t" "$BUILD/bin/llama-batched-bench" -m "$gguf" -c $((npl * 160)) -npp 128 -ntg 32 -npl "$npl" -t "$t" \
+            --output-format jsonl >>"$base.batched.jsonl" 2>>"$base.batched.log" ||
+            failed llama-batched-bench "$base.batched.log"
+    done
     log "$preset, $t thread(s), round $r: deepinfer"
     (cd "$ROOT" && pin "$t" env RAYON_NUM_THREADS="$t" CPU_LIMITS_JSON="$base.deepinfer.json" \
         cargo bench --quiet --bench cpu_limits -- "$dir" >"$base.deepinfer.txt" 2>"$base.deepinfer.log") ||

@@ -5,7 +5,7 @@ tools/bench/llamacpp.sh leaves in its results folder.
 Files read (MODEL, T threads, round R):
   MODEL.tT.rR.llama-bench-pp.json  llama-bench -p 128,512 -n 0 -d 0 -o json
   MODEL.tT.rR.llama-bench-tg.json  llama-bench -p 0 -n 64 -d 128 -o json
-  MODEL.tT.rR.batched.jsonl        llama-batched-bench -npp 128 -ntg 32 -npl 1,8,32 --output-format jsonl
+  MODEL.tT.rR.batched.jsonl        llama-batched-bench -npp 128 -ntg 32 -npl N -c N*160 --output-format jsonl, N = 1, 8, 32
   MODEL.tT.rR.deepinfer.json       cpu_limits with CPU_LIMITS_JSON (bounds + rows)
 
 Each program's number is its best over the rounds (llama-bench: the best of
