@@ -21,12 +21,15 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use deepinfer_engine::model::{Chunk, LogitsWanted, Model, SequenceState};
+use deepinfer_engine::model::{Chunk, Footprint, LogitsWanted, Model, SequenceState};
 use deepinfer_engine::presets::{build, Preset};
 use deepinfer_kernels::quantize::{quantize_fp4_rows, quantize_fp8_blocks};
 use deepinfer_kernels::{Isa, Linear, WeightFormat};
 use rayon::prelude::*;
 use serde_json::{json, Value};
+
+#[path = "cpu_limits/defined.rs"]
+mod defined;
 
 const CONTEXT_TOKENS: usize = 128;
 /// Buffer of the bandwidth test: far larger than any last-level cache.
@@ -60,8 +63,26 @@ fn main() {
     }
 
     println!("\n| weights (256 × 2048, in L2) | n | GB/s of codes decoded |\n|---|---:|---:|");
+    // Each format's one-row rate in bytes as published, which prices a
+    // decode step's weights by what the kernels can decode, memory aside.
+    let mut v4_rates = OneRowRates::default();
     for (name, lin) in decode_weights() {
-        println!("| {name} | 1 | {:.1} |", decode_gbs(&lin));
+        let (codes_gbs, published_gbs) = decode_gbs(&lin);
+        println!("| {name} | 1 | {codes_gbs:.1} |");
+        match lin.clone().into_published().format {
+            WeightFormat::Fp4 { .. } => v4_rates.fp4_gbs = published_gbs,
+            _ => v4_rates.other_gbs = published_gbs,
+        }
+    }
+
+    let v41 = defined_arithmetic(fma_peak, ceiling);
+    let mut v41_rates = OneRowRates::default();
+    for (name, gbs) in &v41.one_row {
+        if name.starts_with("fp4") {
+            v41_rates.fp4_gbs = *gbs;
+        } else if name.starts_with("fp8") {
+            v41_rates.other_gbs = *gbs;
+        }
     }
 
     println!(
@@ -94,9 +115,20 @@ fn main() {
                 "| {name} | prefill {len} | {tps:.1} | {gflops:.1} | | matmul {ceiling:.0} GFLOP/s | {:.0}% |",
                 100.0 * gflops / ceiling
             );
+            // V4.1's arithmetic is defined (exact block sums, f64 sums): its
+            // own kernels' rates at n = 256 bound it, each format for its share.
+            let defined_tps = model.is_v41().then(|| v41.prefill_tokens_per_s(&f));
+            if let Some(bound_tps) = defined_tps {
+                println!(
+                    "| {name} | prefill {len} | | | | V4.1 kernels at n = 256: {bound_tps:.1} tokens/s | {:.0}% |",
+                    100.0 * tps / bound_tps
+                );
+            }
             rows.push(json!({
                 "model": name, "phase": "prefill", "tokens": len, "tokens_per_s": tps, "gflops": gflops,
                 "bound": "matmul", "fraction_of_bound": gflops / ceiling,
+                "defined_kernels_tokens_per_s": defined_tps,
+                "fraction_of_defined_kernels": defined_tps.map(|b| tps / b),
             }));
         }
         for batch in [1usize, 8, 32] {
@@ -111,10 +143,21 @@ fn main() {
             };
             let bound = if batch == 1 { format!("memory {bandwidth:.0} GB/s") } else { String::new() };
             println!("| {name} | decode, batch {batch} | {tps:.1} | {gflops:.1} | {gbs} | {bound} | {fraction} |");
+            // What the one-row kernels could decode per second with memory
+            // free: the bound that binds where it is below the memory's.
+            let rates = if model.is_v41() { &v41_rates } else { &v4_rates };
+            let kernel_tps = (batch == 1).then(|| rates.tokens_per_s(&f));
+            if let Some(bound_tps) = kernel_tps {
+                println!(
+                    "| {name} | decode, batch 1 | | | | one-row kernels in L2: {bound_tps:.1} tokens/s | {:.0}% |",
+                    100.0 * tps / bound_tps
+                );
+            }
             rows.push(json!({
                 "model": name, "phase": "decode", "batch": batch, "context_tokens": CONTEXT_TOKENS,
                 "tokens_per_s": tps, "gflops": gflops, "weight_gbs": weight_gbs,
                 "bound": weight_gbs.map(|_| "memory"), "fraction_of_bound": weight_gbs.map(|gbs| gbs / bandwidth),
+                "kernels_tokens_per_s": kernel_tps, "fraction_of_kernels": kernel_tps.map(|b| tps / b),
             }));
         }
     }
@@ -126,6 +169,8 @@ fn main() {
             "fma_gflops": fma_peak,
             "matmul_ceiling_gflops": ceiling,
             "matmul_ceilings": ceilings,
+            "one_row_gbs": {"v4": v4_rates.to_json(), "v41": v41_rates.to_json()},
+            "v41_defined": v41.to_json(),
             "rows": rows,
         });
         let text = serde_json::to_string_pretty(&report).expect("serializing a JSON value cannot fail");
@@ -221,7 +266,8 @@ fn decode_weights() -> Vec<(&'static str, Linear)> {
     ]
 }
 
-fn decode_gbs(lin: &Linear) -> f64 {
+/// GB/s of codes, and of codes and one byte per scale (as published).
+fn decode_gbs(lin: &Linear) -> (f64, f64) {
     const CALLS: usize = 200;
     let x: Vec<f32> = (0..lin.cols).map(|i| (i % 17) as f32 * 0.01).collect();
     let mut out = vec![0.0f32; lin.rows];
@@ -233,11 +279,90 @@ fn decode_gbs(lin: &Linear) -> f64 {
         black_box(&out);
         started.elapsed()
     });
-    let codes = match &lin.clone().into_published().format {
-        WeightFormat::Fp8 { data, .. } | WeightFormat::Fp4 { data, .. } => data.len(),
+    let (codes, scales) = match &lin.clone().into_published().format {
+        WeightFormat::Fp8 { data, scales, .. } | WeightFormat::Fp4 { data, scales, .. } => (data.len(), scales.len()),
         _ => unreachable!("quantised weights"),
     };
-    (CALLS * codes) as f64 / secs / 1e9
+    let per_second = CALLS as f64 / secs / 1e9;
+    (codes as f64 * per_second, (codes + scales) as f64 * per_second)
+}
+
+/// One-row kernel rates by format, in GB/s of weights as published (codes
+/// and one byte per scale), as the models' footprints count them.
+#[derive(Default)]
+struct OneRowRates {
+    fp4_gbs: f64,
+    /// FP8, and what else a step reads (bf16, f32: a small share), at FP8's rate.
+    other_gbs: f64,
+}
+
+impl OneRowRates {
+    /// Decode tokens/s at batch 1 if every active weight were decoded at its
+    /// format's one-row rate from L2.
+    fn tokens_per_s(&self, f: &Footprint) -> f64 {
+        let fp4 = f.active_fp4_bytes as f64 / (self.fp4_gbs * 1e9);
+        let other = (f.active_bytes - f.active_fp4_bytes) as f64 / (self.other_gbs * 1e9);
+        1.0 / (fp4 + other)
+    }
+
+    fn to_json(&self) -> Value {
+        json!({"fp4": self.fp4_gbs, "fp8_and_other": self.other_gbs})
+    }
+}
+
+/// DeepSeek-V4.1's defined arithmetic measured: the f64 FMA rate, each
+/// kernel at n = 256 and for one row.
+struct DefinedArithmetic {
+    fma_f64: Option<f64>,
+    /// GFLOP/s at n = 256, by format.
+    kernels: Vec<(&'static str, f64)>,
+    one_row: Vec<(&'static str, f64)>,
+}
+
+impl DefinedArithmetic {
+    fn gflops(&self, prefix: &str) -> f64 {
+        self.kernels.iter().find(|(name, _)| name.starts_with(prefix)).map_or(f64::NAN, |(_, g)| *g)
+    }
+
+    /// Prefill tokens/s if every multiply-add ran at its format's n = 256 rate
+    /// (FP4 weights at FP4's, the rest at FP8's).
+    fn prefill_tokens_per_s(&self, f: &Footprint) -> f64 {
+        let fp4 = 2.0 * f.active_fp4_macs as f64 / (self.gflops("fp4") * 1e9);
+        let other = 2.0 * (f.active_macs - f.active_fp4_macs) as f64 / (self.gflops("fp8") * 1e9);
+        1.0 / (fp4 + other)
+    }
+
+    fn to_json(&self) -> Value {
+        let named =
+            |rows: &[(&str, f64)]| rows.iter().map(|(n, v)| json!({"weights": n, "value": v})).collect::<Vec<_>>();
+        json!({"fma_f64_gflops": self.fma_f64, "n256_gflops": named(&self.kernels), "one_row_gbs": named(&self.one_row)})
+    }
+}
+
+/// Measures and prints [`DefinedArithmetic`] against the f32 FMA rate and
+/// the f32 matmul ceiling of the same run.
+fn defined_arithmetic(fma_f32: Option<f64>, ceiling: f64) -> DefinedArithmetic {
+    let values = weight_values(4096 * 4096);
+    let fma_f64 = defined::fma_f64_gflops();
+    match (fma_f64, fma_f32) {
+        (Some(f64_rate), Some(f32_rate)) => println!(
+            "\nDeepSeek-V4.1 (defined arithmetic): f64 FMA rate on registers {f64_rate:.1} GFLOP/s ({:.0}% of the f32 rate)",
+            100.0 * f64_rate / f32_rate
+        ),
+        _ => println!("\nDeepSeek-V4.1 (defined arithmetic): f64 FMA rate not measured (no AVX-512 here)"),
+    }
+    let kernels = defined::kernel_gflops(&values);
+    println!("\n| V4.1 weights (4096 × 4096) | n | GFLOP/s | of the f64 FMA rate | of the f32 matmul ceiling |\n|---|---:|---:|---:|---:|");
+    for (name, gflops) in &kernels {
+        let share = fma_f64.map_or(String::new(), |peak| format!("{:.0}%", 100.0 * gflops / peak));
+        println!("| {name} | 256 | {gflops:.1} | {share} | {:.0}% |", 100.0 * gflops / ceiling);
+    }
+    let one_row = defined::one_row_gbs(&values);
+    println!("\n| V4.1 weights (256 × 2048, in L2) | n | GB/s of weights |\n|---|---:|---:|");
+    for (name, gbs) in &one_row {
+        println!("| {name} | 1 | {gbs:.1} |");
+    }
+    DefinedArithmetic { fma_f64, kernels, one_row }
 }
 
 fn matmul_gflops(lin: &Linear, n: usize) -> f64 {

@@ -321,6 +321,11 @@ impl Panels {
         matches!(self.codes, Codes::Fp8 { .. } | Codes::Fp4 { .. })
     }
 
+    /// Whether the weights are FP4 codes.
+    pub fn is_fp4(&self) -> bool {
+        matches!(self.codes, Codes::Fp4 { .. })
+    }
+
     /// FP4's block width, for the block-scaled definition.
     pub(crate) fn fp4_block_cols(&self) -> Option<usize> {
         match &self.codes {

@@ -85,7 +85,7 @@ def deepinfer_best(reports, match):
             if (phase == "prefill" and row["tokens"] != size) or (phase == "decode" and row["batch"] != size):
                 continue
             if best is None or row["tokens_per_s"] > best[0]:
-                best = (row["tokens_per_s"], row.get("fraction_of_bound"), report)
+                best = (row["tokens_per_s"], row.get("fraction_of_bound"), report, row.get("fraction_of_kernels"))
     return best
 
 
@@ -109,12 +109,15 @@ def table(runs, models_order=None):
             else:
                 llama = entry["batched"].get(source[1])
             di = deepinfer_best(entry["deepinfer"], di_match)
-            di_tps, fraction, report = di if di else (None, None, None)
+            di_tps, fraction, report, of_kernels = di if di else (None, None, None, None)
             ratio = di_tps / llama if di_tps and llama else None
             bound = None
             if fraction is not None:
                 what = "matmul" if di_match[0] == "prefill" else "memory"
                 bound = f"{100 * fraction:.0f}% ({what})"
+                if of_kernels is not None:
+                    # Decode at batch 1 against the one-row kernels' own rate (from L2).
+                    bound += f"; {100 * of_kernels:.0f}% (kernels)"
             lines.append(
                 f"| {model} | {label} | {threads} | {fmt(llama)} | {fmt(di_tps)} | {fmt(ratio, 2)} "
                 f"| {bound or '—'} | {fmt(report and report['bandwidth_gbs'])} "
@@ -124,6 +127,7 @@ def table(runs, models_order=None):
                 "model": model, "phase": label, "threads": threads,
                 "llamacpp_tokens_per_s": llama, "deepinfer_tokens_per_s": di_tps, "ratio": ratio,
                 "deepinfer_fraction_of_bound": fraction,
+                "deepinfer_fraction_of_kernels": of_kernels,
                 "bandwidth_gbs": report and report["bandwidth_gbs"],
                 "fma_gflops": report and report["fma_gflops"],
                 "matmul_ceiling_gflops": report and report["matmul_ceiling_gflops"],

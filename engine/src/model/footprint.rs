@@ -20,6 +20,12 @@ pub struct Footprint {
     /// Bytes of every weight of the main layers and the head: what a batch
     /// large enough to touch every expert reads per step.
     pub total_bytes: u64,
+    /// The part of `active_bytes` held as FP4 codes (with their scales): a
+    /// decode step's kernels spend about twice the instructions per byte on
+    /// these as on FP8, so the bench prices each format at its own rate.
+    pub active_fp4_bytes: u64,
+    /// The part of `active_macs` done against FP4 weights.
+    pub active_fp4_macs: u64,
 }
 
 impl Footprint {
@@ -29,6 +35,10 @@ impl Footprint {
         if active {
             self.active_bytes += bytes;
             self.active_macs += (lin.rows * lin.cols) as u64;
+            if is_fp4(lin) {
+                self.active_fp4_bytes += bytes;
+                self.active_fp4_macs += (lin.rows * lin.cols) as u64;
+            }
         }
     }
 
@@ -84,6 +94,14 @@ impl Footprint {
             self.active_bytes += bytes;
             self.active_macs += (rows * cols) as u64;
         }
+    }
+}
+
+fn is_fp4(lin: &Linear) -> bool {
+    match &lin.format {
+        WeightFormat::Fp4 { .. } => true,
+        WeightFormat::Panels(p) => p.is_fp4(),
+        _ => false,
     }
 }
 
