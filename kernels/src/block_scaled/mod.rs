@@ -189,13 +189,28 @@ pub fn block_scaled_product(path: BlockPath, w: &Linear, acts: &[Fp8Row]) -> Opt
     if n == 1 {
         return Some(by_row);
     }
+    Some(rows_to_tokens(&by_row, rows, n))
+}
+
+/// Weight rows per pass of [`rows_to_tokens`]: their `n` outputs each stay in
+/// L1 while every token's run of them is written out contiguously.
+const TRANSPOSE_ROWS: usize = 64;
+
+/// `by_row[r * n + t]` laid out as `out[t * rows + r]`, a band of weight rows
+/// at a time: one store per output row-by-row would touch a new cache line
+/// (and, for long rows, a new page) on every store.
+fn rows_to_tokens(by_row: &[f32], rows: usize, n: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; n * rows];
-    for (r, outputs) in by_row.chunks_exact(n).enumerate() {
-        for (t, &v) in outputs.iter().enumerate() {
-            out[t * rows + r] = v;
+    for r0 in (0..rows).step_by(TRANSPOSE_ROWS) {
+        let band = TRANSPOSE_ROWS.min(rows - r0);
+        let src = &by_row[r0 * n..(r0 + band) * n];
+        for t in 0..n {
+            for (i, o) in out[t * rows + r0..][..band].iter_mut().enumerate() {
+                *o = src[i * n + t];
+            }
         }
     }
-    Some(out)
+    out
 }
 
 /// The weight as stored.
