@@ -146,10 +146,12 @@ fn main() {
             // What the one-row kernels could decode per second with memory
             // free: the bound that binds where it is below the memory's.
             let rates = if model.is_v41() { &v41_rates } else { &v4_rates };
-            let kernel_tps = (batch == 1).then(|| rates.tokens_per_s(&f));
+            // The rates are one thread's (the weight is below the split
+            // size); a step's large linears split over every thread.
+            let kernel_tps = (batch == 1).then(|| threads as f64 * rates.tokens_per_s(&f));
             if let Some(bound_tps) = kernel_tps {
                 println!(
-                    "| {name} | decode, batch 1 | | | | one-row kernels in L2: {bound_tps:.1} tokens/s | {:.0}% |",
+                    "| {name} | decode, batch 1 | | | | one-row kernels in L2 × {threads} thread(s): {bound_tps:.1} tokens/s | {:.0}% |",
                     100.0 * tps / bound_tps
                 );
             }
