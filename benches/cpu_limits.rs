@@ -383,21 +383,31 @@ fn matmul_gflops(lin: &Linear, n: usize) -> f64 {
 /// accumulators per thread, every thread of the pool), in GFLOP/s.
 fn fma_peak_gflops() -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") {
-        const ITERS: u64 = 20_000_000;
-        let threads = rayon::current_num_threads() as u64;
-        let secs = (0..5)
-            .map(|_| {
-                let started = Instant::now();
-                // SAFETY: AVX-512F was detected just above.
-                let sum: f32 = (0..threads).into_par_iter().map(|_| unsafe { fma_loop(ITERS) }).sum();
-                black_box(sum);
-                started.elapsed().as_secs_f64()
-            })
-            .fold(f64::MAX, f64::min);
-        return Some((threads * ITERS * 12 * 16 * 2) as f64 / secs / 1e9);
-    }
+    // SAFETY: `register_fma_gflops` runs the loop only where AVX-512F is detected.
+    return register_fma_gflops(16, |iters| unsafe { fma_loop(iters) as f64 });
+    #[cfg(not(target_arch = "x86_64"))]
     None
+}
+
+/// GFLOP/s of `fma_loop` (12 independent accumulators of `lanes` lanes,
+/// `fma_loop(iters)` rounds of them) on every thread of the pool, best of 5;
+/// `None` without AVX-512F, which the loops need.
+#[cfg(target_arch = "x86_64")]
+fn register_fma_gflops(lanes: u64, fma_loop: impl Fn(u64) -> f64 + Sync) -> Option<f64> {
+    if !is_x86_feature_detected!("avx512f") {
+        return None;
+    }
+    const ITERS: u64 = 20_000_000;
+    let threads = rayon::current_num_threads() as u64;
+    let secs = (0..5)
+        .map(|_| {
+            let started = Instant::now();
+            let sum: f64 = (0..threads).into_par_iter().map(|_| fma_loop(ITERS)).sum();
+            black_box(sum);
+            started.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min);
+    Some((threads * ITERS * 12 * lanes * 2) as f64 / secs / 1e9)
 }
 
 #[cfg(target_arch = "x86_64")]

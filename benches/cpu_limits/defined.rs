@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 use deepinfer_kernels::act_quant::quantized_linear;
 use deepinfer_kernels::quantize::{quantize_fp4_rows, quantize_fp8_blocks};
 use deepinfer_kernels::{Linear, WeightFormat};
-use rayon::prelude::*;
 
 /// V4.1's activation and weight scale blocks along K.
 const BLOCK: usize = 32;
@@ -25,20 +24,9 @@ const BLOCK: usize = 32;
 /// 8-lane accumulators per thread, every thread of the pool), in GFLOP/s.
 pub fn fma_f64_gflops() -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx512f") {
-        const ITERS: u64 = 20_000_000;
-        let threads = rayon::current_num_threads() as u64;
-        let secs = (0..5)
-            .map(|_| {
-                let started = Instant::now();
-                // SAFETY: AVX-512F was detected just above.
-                let sum: f64 = (0..threads).into_par_iter().map(|_| unsafe { fma_f64_loop(ITERS) }).sum();
-                black_box(sum);
-                started.elapsed().as_secs_f64()
-            })
-            .fold(f64::MAX, f64::min);
-        return Some((threads * ITERS * 12 * 8 * 2) as f64 / secs / 1e9);
-    }
+    // SAFETY: `register_fma_gflops` runs the loop only where AVX-512F is detected.
+    return super::register_fma_gflops(8, |iters| unsafe { fma_f64_loop(iters) });
+    #[cfg(not(target_arch = "x86_64"))]
     None
 }
 

@@ -22,7 +22,8 @@
 //!   out to match; each block's lanes are added up at the end.
 //!   NEON decodes a block once for up to four x rows and sums it in f64 pairs.
 //! - **Batches** on AVX-512 (FP8 from two x rows, FP4 from
-//!   [`WIDE_FP4_ROWS_MIN`]) take [`wide_tiles`]: 24 weight rows decoded once
+//!   [`WIDE_FP4_ROWS_MIN`] but never where AVX-512 runs on 256-bit units,
+//!   [`BlockPath::Avx512VnniFp4Bytes`]) take [`wide_tiles`]: 24 weight rows decoded once
 //!   to f64 per 128 columns, eight weight rows in each vector's lanes, so a
 //!   block's sums need no reduction and every multiply-add serves eight
 //!   products without decoding (FP4's products and sums are exact in f64 too).
