@@ -436,11 +436,7 @@ pub fn plain_linear(w: &Linear, x: &[f32], n: usize, out: &mut [f32]) {
             by_row.chunks_mut(ROWS * n).enumerate().for_each(strip);
         }
     }
-    for (r, outputs) in by_row.chunks_exact(n.max(1)).enumerate() {
-        for (t, &v) in outputs.iter().enumerate() {
-            out[t * w.rows + r] = v;
-        }
-    }
+    crate::block_scaled::rows_to_tokens(&by_row, w.rows, n, out);
 }
 
 /// Columns per scale along K of a quantised weight.

@@ -225,7 +225,9 @@ pub fn block_scaled_product(path: BlockPath, w: &Linear, acts: &[Fp8Row]) -> Opt
     if n == 1 {
         return Some(by_row);
     }
-    Some(rows_to_tokens(&by_row, rows, n))
+    let mut out = vec![0.0f32; n * rows];
+    rows_to_tokens(&by_row, rows, n, &mut out);
+    Some(out)
 }
 
 /// Weight rows per pass of [`rows_to_tokens`]: their `n` outputs each stay in
@@ -235,8 +237,8 @@ const TRANSPOSE_ROWS: usize = 64;
 /// `by_row[r * n + t]` laid out as `out[t * rows + r]`, a band of weight rows
 /// at a time: one store per output row-by-row would touch a new cache line
 /// (and, for long rows, a new page) on every store.
-fn rows_to_tokens(by_row: &[f32], rows: usize, n: usize) -> Vec<f32> {
-    let mut out = vec![0.0f32; n * rows];
+pub(crate) fn rows_to_tokens(by_row: &[f32], rows: usize, n: usize, out: &mut [f32]) {
+    assert!(by_row.len() == rows * n && out.len() == rows * n, "{rows} rows of {n} outputs");
     for r0 in (0..rows).step_by(TRANSPOSE_ROWS) {
         let band = TRANSPOSE_ROWS.min(rows - r0);
         let src = &by_row[r0 * n..(r0 + band) * n];
@@ -246,7 +248,6 @@ fn rows_to_tokens(by_row: &[f32], rows: usize, n: usize) -> Vec<f32> {
             }
         }
     }
-    out
 }
 
 /// The weight as stored.
