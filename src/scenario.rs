@@ -450,7 +450,10 @@ impl Scenario {
             )
         })?;
         let model = ModelKind::from_name(h.model.get_ref()).ok_or_else(|| {
-            err(h.model.span(), format!("unknown model `{}` (DeepSeek-V3, V4-Flash, V4.1-Flash)", h.model.get_ref()))
+            err(
+                h.model.span(),
+                format!("unknown model `{}` (DeepSeek-V3, DeepSeek-R1, V4-Flash, V4.1-Flash)", h.model.get_ref()),
+            )
         })?;
         let per_node = *h.devices_per_node.get_ref();
         if !(1..=72).contains(&per_node) {

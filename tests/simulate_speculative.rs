@@ -86,7 +86,11 @@ fn a_run_with_drafts_is_reproducible_and_conserves_every_token() {
     let from_steps = x.decode_steps + x.accepted_drafts;
     assert_eq!(output, from_steps + a.requests.completed, "tokens from the steps and from the client");
     assert!(a.to_json().contains("\"wasted_verification\""));
-    assert!(a.to_markdown().contains("| acceptance length |"));
+    let md = a.to_markdown();
+    assert!(md.contains("| acceptance length |"));
+    // The goodput row names both shares, and the plots line every plot written.
+    assert!(md.contains("% of completed, ") && md.contains("% of all judged"), "{md}");
+    assert!(md.contains("`tpot_cdf.svg`"), "{md}");
     let c = run(&s, Some(12), false).unwrap();
     assert_ne!(a.event_digest, c.event_digest, "another seed gives the same run");
     check_invariants(&c, "dspark, seed 12");

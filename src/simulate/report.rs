@@ -450,9 +450,10 @@ impl Report {
         row(
             "goodput (TTFT ≤ SLO and TPOT ≤ SLO)",
             format!(
-                "{:.2} req/s, {:.1}% of completed (SLO {:.0} ms / {:.0} ms)",
+                "{:.2} req/s, {:.1}% of completed, {:.1}% of all judged, unfinished ones included (SLO {:.0} ms / {:.0} ms)",
                 self.goodput_req_s,
                 self.slo_attainment * 100.0,
+                self.slo_attainment_judged * 100.0,
                 self.slo_ttft_ms,
                 self.slo_tpot_ms
             ),
@@ -522,7 +523,7 @@ impl Report {
                 md += &format!("- {e}\n");
             }
         }
-        md += "\nPlots: `throughput.svg` (faults marked), `latency_cdf.svg`, `expert_load.svg`";
+        md += "\nPlots: `throughput.svg` (faults marked), `latency_cdf.svg`, `tpot_cdf.svg`, `expert_load.svg`";
         md += if self.cache.is_some() { ", `cache_tiers.svg`.\n" } else { ".\n" };
         md
     }

@@ -67,7 +67,12 @@ const CONTEXT: usize = 1 << 20;
 impl ModelKind {
     pub const ALL: [ModelKind; 3] = [Self::DeepSeekV3, Self::V4Flash, Self::V41Flash];
 
+    /// The model a scenario names; `DeepSeek-R1` is DeepSeek-V3's architecture
+    /// and weights shape, so it is costed as V3.
     pub fn from_name(name: &str) -> Option<Self> {
+        if name.eq_ignore_ascii_case("DeepSeek-R1") {
+            return Some(ModelKind::DeepSeekV3);
+        }
         Self::ALL.into_iter().find(|k| k.cost().name.eq_ignore_ascii_case(name))
     }
 

@@ -1,6 +1,14 @@
 use super::*;
 
 #[test]
+fn deepseek_r1_is_costed_as_v3() {
+    for name in ["DeepSeek-R1", "deepseek-r1"] {
+        assert_eq!(ModelKind::from_name(name), Some(ModelKind::DeepSeekV3), "{name}");
+    }
+    assert_eq!(ModelKind::from_name("DeepSeek-R2"), None);
+}
+
+#[test]
 fn parameter_counts_match_the_published_sizes() {
     let v3 = ModelKind::DeepSeekV3.cost();
     // 671B total, 37B active (DeepSeek-V3 report).
