@@ -65,7 +65,7 @@ fn main() {
     println!("\n| weights (256 × 2048, in L2) | n | GB/s of codes decoded |\n|---|---:|---:|");
     // Each format's one-row rate in bytes as published, which prices a
     // decode step's weights by what the kernels can decode, memory aside.
-    let mut v4_rates = OneRowRates::default();
+    let mut v4_rates = OneRowRates { fp4_gbs: f64::NAN, other_gbs: f64::NAN };
     for (name, lin) in decode_weights() {
         let (codes_gbs, published_gbs) = decode_gbs(&lin);
         println!("| {name} | 1 | {codes_gbs:.1} |");
@@ -76,14 +76,7 @@ fn main() {
     }
 
     let v41 = defined_arithmetic(fma_peak, ceiling);
-    let mut v41_rates = OneRowRates::default();
-    for (name, gbs) in &v41.one_row {
-        if name.starts_with("fp4") {
-            v41_rates.fp4_gbs = *gbs;
-        } else if name.starts_with("fp8") {
-            v41_rates.other_gbs = *gbs;
-        }
-    }
+    let v41_rates = OneRowRates { fp4_gbs: v41.one_row.fp4, other_gbs: v41.one_row.fp8 };
 
     println!(
         "\n| model | phase | tokens/s | GFLOP/s | GB/s of weights | bound | fraction of bound |\n|---|---|---:|---:|---:|---|---:|"
@@ -281,17 +274,28 @@ fn decode_gbs(lin: &Linear) -> (f64, f64) {
         black_box(&out);
         started.elapsed()
     });
-    let (codes, scales) = match &lin.clone().into_published().format {
-        WeightFormat::Fp8 { data, scales, .. } | WeightFormat::Fp4 { data, scales, .. } => (data.len(), scales.len()),
+    let published = lin.clone().into_published();
+    let codes = match &published.format {
+        WeightFormat::Fp8 { data, .. } | WeightFormat::Fp4 { data, .. } => data.len(),
         _ => unreachable!("quantised weights"),
     };
     let per_second = CALLS as f64 / secs / 1e9;
-    (codes as f64 * per_second, (codes + scales) as f64 * per_second)
+    (codes as f64 * per_second, published_bytes(&published) as f64 * per_second)
+}
+
+/// Bytes of a weight in the published layout, as the models' footprints
+/// count them: the codes (or plain values) and one byte per UE8M0 scale.
+fn published_bytes(lin: &Linear) -> usize {
+    match &lin.format {
+        WeightFormat::Fp8 { data, scales, .. } | WeightFormat::Fp4 { data, scales, .. } => data.len() + scales.len(),
+        WeightFormat::Bf16(data) => data.len(),
+        WeightFormat::F32(values) => values.len() * 4,
+        WeightFormat::Panels(panels) => panels.published_bytes(),
+    }
 }
 
 /// One-row kernel rates by format, in GB/s of weights as published (codes
 /// and one byte per scale), as the models' footprints count them.
-#[derive(Default)]
 struct OneRowRates {
     fp4_gbs: f64,
     /// FP8, and what else a step reads (bf16, f32: a small share), at FP8's rate.
@@ -316,27 +320,25 @@ impl OneRowRates {
 /// kernel at n = 256 and for one row.
 struct DefinedArithmetic {
     fma_f64: Option<f64>,
-    /// GFLOP/s at n = 256, by format.
-    kernels: Vec<(&'static str, f64)>,
-    one_row: Vec<(&'static str, f64)>,
+    /// GFLOP/s at n = 256.
+    kernels: defined::ByFormat,
+    /// GB/s of weights for one x row, from L2.
+    one_row: defined::ByFormat,
 }
 
 impl DefinedArithmetic {
-    fn gflops(&self, prefix: &str) -> f64 {
-        self.kernels.iter().find(|(name, _)| name.starts_with(prefix)).map_or(f64::NAN, |(_, g)| *g)
-    }
-
     /// Prefill tokens/s if every multiply-add ran at its format's n = 256 rate
     /// (FP4 weights at FP4's, the rest at FP8's).
     fn prefill_tokens_per_s(&self, f: &Footprint) -> f64 {
-        let fp4 = 2.0 * f.active_fp4_macs as f64 / (self.gflops("fp4") * 1e9);
-        let other = 2.0 * (f.active_macs - f.active_fp4_macs) as f64 / (self.gflops("fp8") * 1e9);
+        let fp4 = 2.0 * f.active_fp4_macs as f64 / (self.kernels.fp4 * 1e9);
+        let other = 2.0 * (f.active_macs - f.active_fp4_macs) as f64 / (self.kernels.fp8 * 1e9);
         1.0 / (fp4 + other)
     }
 
     fn to_json(&self) -> Value {
-        let named =
-            |rows: &[(&str, f64)]| rows.iter().map(|(n, v)| json!({"weights": n, "value": v})).collect::<Vec<_>>();
+        let named = |by: &defined::ByFormat| {
+            by.named().iter().map(|(n, v)| json!({"weights": n, "value": v})).collect::<Vec<_>>()
+        };
         json!({"fma_f64_gflops": self.fma_f64, "n256_gflops": named(&self.kernels), "one_row_gbs": named(&self.one_row)})
     }
 }
@@ -355,13 +357,13 @@ fn defined_arithmetic(fma_f32: Option<f64>, ceiling: f64) -> DefinedArithmetic {
     }
     let kernels = defined::kernel_gflops(&values);
     println!("\n| V4.1 weights (4096 × 4096) | n | GFLOP/s | of the f64 FMA rate | of the f32 matmul ceiling |\n|---|---:|---:|---:|---:|");
-    for (name, gflops) in &kernels {
+    for (name, gflops) in kernels.named() {
         let share = fma_f64.map_or(String::new(), |peak| format!("{:.0}%", 100.0 * gflops / peak));
         println!("| {name} | 256 | {gflops:.1} | {share} | {:.0}% |", 100.0 * gflops / ceiling);
     }
     let one_row = defined::one_row_gbs(&values);
     println!("\n| V4.1 weights (256 × 2048, in L2) | n | GB/s of weights |\n|---|---:|---:|");
-    for (name, gbs) in &one_row {
+    for (name, gbs) in one_row.named() {
         println!("| {name} | 1 | {gbs:.1} |");
     }
     DefinedArithmetic { fma_f64, kernels, one_row }

@@ -46,80 +46,72 @@ unsafe fn fma_f64_loop(iters: u64) -> f64 {
     lanes.iter().sum()
 }
 
+/// One figure for each of V4.1's weight formats.
+#[derive(Clone, Copy, Default)]
+pub struct ByFormat {
+    pub fp8: f64,
+    pub fp4: f64,
+    pub bf16: f64,
+}
+
+impl ByFormat {
+    /// The figures with the names the tables print.
+    pub fn named(&self) -> [(&'static str, f64); 3] {
+        [
+            ("fp8 weights × fp8 activations (exact block sums)", self.fp8),
+            ("fp4 weights × fp8 activations (exact block sums)", self.fp4),
+            ("bf16 weights (f64 accumulation)", self.bf16),
+        ]
+    }
+}
+
 /// A `rows × cols` weight in each of V4.1's formats, as its loader holds them
-/// (the published layout; scale blocks 32 wide along K).
-fn weights(values: &[f32], rows: usize, cols: usize) -> Vec<(&'static str, Linear)> {
+/// (the published layout; scale blocks 32 wide along K): FP8, FP4, BF16.
+fn weights(values: &[f32], rows: usize, cols: usize) -> [Linear; 3] {
     let values = &values[..rows * cols];
     let bf16: Vec<u8> = values.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect();
-    vec![
-        ("fp8 weights × fp8 activations (exact block sums)", {
-            let q = quantize_fp8_blocks(values, rows, cols, BLOCK);
-            q.into_fp8_linear(rows, cols, BLOCK)
-        }),
-        ("fp4 weights × fp8 activations (exact block sums)", {
-            let q = quantize_fp4_rows(values, rows, cols, BLOCK);
-            q.into_fp4_linear(rows, cols, BLOCK)
-        }),
-        (
-            "bf16 weights (f64 accumulation)",
-            Linear { rows, cols, format: WeightFormat::Bf16(bytes::Bytes::from(bf16)) },
-        ),
+    [
+        quantize_fp8_blocks(values, rows, cols, BLOCK).into_fp8_linear(rows, cols, BLOCK),
+        quantize_fp4_rows(values, rows, cols, BLOCK).into_fp4_linear(rows, cols, BLOCK),
+        Linear { rows, cols, format: WeightFormat::Bf16(bytes::Bytes::from(bf16)) },
     ]
 }
 
+/// `measure` of each format's weight, as a [`ByFormat`].
+fn by_format(weights: [Linear; 3], measure: impl Fn(&Linear) -> f64) -> ByFormat {
+    let [fp8, fp4, bf16] = weights.map(|lin| measure(&lin));
+    ByFormat { fp8, fp4, bf16 }
+}
+
 /// Each V4.1 kernel's rate at n = 256, in GFLOP/s, best of a few runs.
-pub fn kernel_gflops(values: &[f32]) -> Vec<(&'static str, f64)> {
+pub fn kernel_gflops(values: &[f32]) -> ByFormat {
     const N: usize = 256;
-    weights(values, 4096, 4096)
-        .into_iter()
-        .map(|(name, lin)| {
-            let x: Vec<f32> = (0..N * lin.cols).map(|i| ((i % 17) as f32 - 8.0) * 0.05).collect();
-            let mut best = Duration::MAX;
+    by_format(weights(values, 4096, 4096), |lin| {
+        let x: Vec<f32> = (0..N * lin.cols).map(|i| ((i % 17) as f32 - 8.0) * 0.05).collect();
+        let secs = super::best_of(Duration::from_secs(3), || {
             let started = Instant::now();
-            let mut runs = 0;
-            while runs < 3 || (started.elapsed() < Duration::from_secs(3) && runs < 20) {
-                let t = Instant::now();
-                black_box(quantized_linear(&lin, &x, N));
-                best = best.min(t.elapsed());
-                runs += 1;
-            }
-            (name, 2.0 * (N * lin.rows * lin.cols) as f64 / best.as_secs_f64() / 1e9)
-        })
-        .collect()
+            black_box(quantized_linear(lin, &x, N));
+            started.elapsed()
+        });
+        2.0 * (N * lin.rows * lin.cols) as f64 / secs / 1e9
+    })
 }
 
 /// Each V4.1 kernel's rate for one x row (a decode step at batch 1) on a
 /// 256 × 2048 weight that stays in L2, in GB/s of weight bytes as published:
 /// what a step could read if memory were free. One call is what the engine
 /// makes per linear: the row's FP8 quantisation included.
-pub fn one_row_gbs(values: &[f32]) -> Vec<(&'static str, f64)> {
+pub fn one_row_gbs(values: &[f32]) -> ByFormat {
     const CALLS: usize = 200;
-    weights(values, 256, 2048)
-        .into_iter()
-        .map(|(name, lin)| {
-            let x: Vec<f32> = (0..lin.cols).map(|i| ((i % 17) as f32 - 8.0) * 0.05).collect();
-            let mut best = Duration::MAX;
+    by_format(weights(values, 256, 2048), |lin| {
+        let x: Vec<f32> = (0..lin.cols).map(|i| ((i % 17) as f32 - 8.0) * 0.05).collect();
+        let secs = super::best_of(Duration::from_secs(1), || {
             let started = Instant::now();
-            let mut runs = 0;
-            while runs < 3 || (started.elapsed() < Duration::from_secs(1) && runs < 50) {
-                let t = Instant::now();
-                for _ in 0..CALLS {
-                    black_box(quantized_linear(&lin, &x, 1));
-                }
-                best = best.min(t.elapsed());
-                runs += 1;
+            for _ in 0..CALLS {
+                black_box(quantized_linear(lin, &x, 1));
             }
-            (name, (CALLS * published_bytes(&lin)) as f64 / best.as_secs_f64() / 1e9)
-        })
-        .collect()
-}
-
-/// Bytes as published, as the models' footprints count them: the codes (or
-/// bf16 values) and one byte per UE8M0 scale.
-fn published_bytes(lin: &Linear) -> usize {
-    match &lin.format {
-        WeightFormat::Fp8 { data, scales, .. } | WeightFormat::Fp4 { data, scales, .. } => data.len() + scales.len(),
-        WeightFormat::Bf16(data) => data.len(),
-        _ => lin.storage_bytes(),
-    }
+            started.elapsed()
+        });
+        (CALLS * super::published_bytes(lin)) as f64 / secs / 1e9
+    })
 }
