@@ -2,10 +2,13 @@
 //! DeepSeek's own figures, which set its constants, and other deployments,
 //! which only check them.
 //!
+//! Hopper's points are priced with Hopper's achieved fractions, Blackwell's
+//! with SM100's (`cost::blackwell`).
+//!
 //! `cargo run --release -p deepinfer-engine --example cost_model [OVERLAP]`
 
-use deepinfer_engine::cost::calibration::{points, Role};
-use deepinfer_engine::cost::Efficiency;
+use deepinfer_engine::cost::calibration::{blackwell_points, hopper_points, Role};
+use deepinfer_engine::cost::{blackwell, Efficiency};
 
 fn main() {
     let mut eff = Efficiency::default();
@@ -15,7 +18,9 @@ fn main() {
     println!("overlap {:.2}\n", eff.overlap);
     println!("| role | source | point | published | modelled | error |");
     println!("|---|---|---|---:|---:|---:|");
-    for p in points(eff) {
+    let mut sm100 = blackwell::efficiency();
+    sm100.overlap = eff.overlap;
+    for p in hopper_points(eff).into_iter().chain(blackwell_points(sm100)) {
         let role = match p.role {
             Role::Calibration => "sets",
             Role::Check => "checks",

@@ -70,7 +70,8 @@ impl DeviceCost {
             expert_tokens: 0,
             experts_hit: 0,
             expert_parallel: self.expert_parallel,
-            devices_per_node: self.devices_per_node,
+            scale_up_domain: self.devices_per_node,
+            offloaded_expert_share: 0.0,
         };
         step_cost(&self.hardware, &self.model, &step, self.spec.efficiency)
     }
@@ -90,7 +91,7 @@ impl DeviceCost {
         let moe = m.moe_layers().max(1) as f64;
         let layers = moe / self.layers as f64;
         let compute_s =
-            rows as f64 * m.expert_flops_per_token() * layers / (hw.flops_for_bits(m.expert_bits) * eff.expert_gemm);
+            rows as f64 * m.expert_flops_per_token() * layers / (m.expert_format.flops(hw) * eff.expert_gemm);
         let memory_s =
             experts as f64 * m.expert_weight_bytes_all_layers() / moe * layers / hw.hbm_bytes_per_s() / eff.memory;
         compute_s.max(memory_s) * 1e6

@@ -74,7 +74,7 @@ impl DraftHead {
         contexts: &[usize],
         drafts: usize,
         expert_parallel: usize,
-        devices_per_node: usize,
+        scale_up_domain: usize,
         eff: Efficiency,
     ) -> StepCost {
         let (passes, tokens) = match self.method {
@@ -90,7 +90,9 @@ impl DraftHead {
             experts_hit: self.model.experts.div_ceil(ep),
             sequences,
             expert_parallel: ep,
-            devices_per_node,
+            scale_up_domain,
+            // The draft head is dense: nothing of it is offloaded.
+            offloaded_expert_share: 0.0,
         };
         let one = step_cost(hw, &self.model, &step, eff);
         let k = passes as f64;
@@ -115,7 +117,8 @@ mod tests {
             expert_tokens: batch * model.experts_per_token,
             experts_hit: model.experts.div_ceil(ep),
             expert_parallel: ep,
-            devices_per_node: 8,
+            scale_up_domain: 8,
+            offloaded_expert_share: 0.0,
         };
         step_cost(&HardwareKind::B200.spec(), model, &step, Efficiency::default()).total_us
     }

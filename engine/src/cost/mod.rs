@@ -6,15 +6,18 @@
 //! dispatch and combine, which two micro-batches partly hide behind the
 //! kernels, plus a fixed per-layer overhead. Every figure is per device.
 
+pub mod blackwell;
 pub mod calibration;
 pub mod draft;
 pub mod experts;
 pub mod hardware;
 pub mod model;
+pub mod precision;
 pub mod v41;
 
 pub use hardware::{Hardware, HardwareKind};
 pub use model::{ModelCost, ModelKind};
+pub use precision::{KvFormat, Precision, WeightFormat};
 
 /// One sequence's share of a step.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -36,8 +39,13 @@ pub struct DeviceStep {
     pub experts_hit: usize,
     /// Expert-parallel degree (devices sharing the routed experts).
     pub expert_parallel: usize,
-    /// Devices per node (the scale-up domain); dispatch beyond it crosses the scale-out network.
-    pub devices_per_node: usize,
+    /// Devices in one scale-up domain (NVLink / HCCS: 8 in an HGX node, 72
+    /// in an NVL72 rack); dispatch beyond it crosses the scale-out network.
+    pub scale_up_domain: usize,
+    /// Share of the device's routed-expert weights held in host memory
+    /// (weight offload): each step streams that share of the experts it
+    /// reads over the host link instead of from HBM.
+    pub offloaded_expert_share: f64,
 }
 
 /// The time of one step and where it went, in microseconds.
@@ -63,8 +71,12 @@ pub struct Efficiency {
     /// The routed experts' grouped GEMMs: DeepGEMM's grouped contiguous
     /// layout reaches about 1,250 of 1,979 TFLOPS.
     pub expert_gemm: f64,
-    /// The attention core in BF16: FlashMLA's 660 of 989 TFLOPS when compute-bound.
+    /// The attention core of prompt chunks: FlashMLA's prefill, 640 of 989
+    /// TFLOPS on H800 (sparse MLA), taken as its decode figure below.
     pub attention: f64,
+    /// The attention core of decode steps: FlashMLA's decoding kernel, 660 of
+    /// 989 TFLOPS when compute-bound on H800.
+    pub attention_decode: f64,
     /// HBM streaming (weights, KV, tables): FlashMLA's 3,000 of 3,350 GB/s
     /// when memory-bound; weight streaming in grouped GEMMs is lower.
     pub memory: f64,
@@ -90,6 +102,7 @@ impl Default for Efficiency {
             dense_gemm: 0.75,
             expert_gemm: 0.63,
             attention: 0.67,
+            attention_decode: 0.67,
             memory: 0.85,
             network: 0.95,
             network_low_latency: 0.78,
@@ -101,6 +114,16 @@ impl Default for Efficiency {
 }
 
 impl Efficiency {
+    /// The achieved fractions on `kind`: Blackwell's from DeepSeek's
+    /// kernels measured on SM100 ([`blackwell`]), every other part Hopper's
+    /// (the defaults; Ascend has no published kernel figures yet).
+    pub fn for_hardware(kind: HardwareKind) -> Self {
+        match kind {
+            HardwareKind::B200 | HardwareKind::Gb200 | HardwareKind::Gb300 => blackwell::efficiency(),
+            _ => Self::default(),
+        }
+    }
+
     /// Step time from its kernel time, all-to-all time and fixed overhead.
     pub fn total_us(&self, kernels_us: f64, network_us: f64, overhead_us: f64) -> f64 {
         let hidden = kernels_us.min(network_us) * self.overlap.clamp(0.0, 1.0);
@@ -146,21 +169,40 @@ pub fn step_cost(hw: &Hardware, model: &ModelCost, step: &DeviceStep, eff: Effic
     // Dense projections, shared experts and the head: weights read once per step.
     let dense = roofline(
         tokens as f64 * model.dense_flops_per_token(),
-        hw.fp8_flops() * eff.dense_gemm,
+        model.dense_format.flops(hw) * eff.dense_gemm,
         if tokens > 0 { model.dense_weight_bytes() } else { 0.0 },
         hbm,
     );
-    // Routed experts at their storage precision: the hit experts' weights.
-    let experts = roofline(
+    // Routed experts at their storage precision: the hit experts' weights,
+    // the offloaded share of them streamed from host memory beside the HBM
+    // reads (the slower of the two streams counts).
+    let expert_bytes = step.experts_hit as f64 * model.expert_weight_bytes_all_layers();
+    let offloaded = step.offloaded_expert_share.clamp(0.0, 1.0);
+    let host_s = expert_bytes * offloaded / (hw.host_link_bytes_per_s() * eff.memory);
+    let mut experts = roofline(
         step.expert_tokens as f64 * model.expert_flops_per_token() * model.moe_layers() as f64,
-        hw.flops_for_bits(model.expert_bits) * eff.expert_gemm,
-        step.experts_hit as f64 * model.expert_weight_bytes_all_layers(),
+        model.expert_format.flops(hw) * eff.expert_gemm,
+        expert_bytes * (1.0 - offloaded),
         hbm,
     );
+    if host_s > experts.0.max(experts.1) {
+        experts = (0.0, host_s);
+    }
     // The attention core: scores and values against the KV each sequence reads.
+    // Decode and prompt chunks run different kernels, each at its own
+    // achieved rate: the core's time is theirs summed, at one nominal rate.
+    let core_flops = model.kv_format.flops(hw);
+    let attention_s: f64 = step
+        .sequences
+        .iter()
+        .map(|s| {
+            let rate = if s.new_tokens <= DECODE_TOKENS_MAX { eff.attention_decode } else { eff.attention };
+            model.attention_flops(s.new_tokens, s.context) / (core_flops * rate)
+        })
+        .sum();
     let attention = roofline(
-        step.sequences.iter().map(|s| model.attention_flops(s.new_tokens, s.context)).sum(),
-        hw.bf16_flops() * eff.attention,
+        attention_s,
+        1.0,
         step.sequences.iter().map(|s| model.kv_read_bytes(s.new_tokens, s.context)).sum(),
         hbm,
     );
@@ -173,13 +215,13 @@ pub fn step_cost(hw: &Hardware, model: &ModelCost, step: &DeviceStep, eff: Effic
     let network_s = if ep == 1 {
         0.0
     } else if decode {
-        low_latency_all_to_all_s(hw, model, tokens, ep, step.devices_per_node, eff)
+        low_latency_all_to_all_s(hw, model, tokens, ep, step.scale_up_domain, eff)
     } else {
         // The normal kernels run on SMs taken from compute.
         let slowdown = 1.0 / (1.0 - eff.comm_sm_share.clamp(0.0, 0.9));
         compute_s *= slowdown;
         memory_s *= slowdown;
-        normal_all_to_all_s(hw, model, tokens, ep, step.devices_per_node, eff)
+        normal_all_to_all_s(hw, model, tokens, ep, step.scale_up_domain, eff)
     };
 
     let overhead_us = model.layers as f64 * eff.layer_overhead_us;

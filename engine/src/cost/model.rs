@@ -1,6 +1,8 @@
 //! Model figures for the cost model: parameter counts, FLOPs per token, KV bytes
 //! per token, dispatch bytes, from each model's published configuration.
 
+use super::precision::{KvFormat, Precision, WeightFormat};
+
 /// A model the simulator knows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum ModelKind {
@@ -52,11 +54,11 @@ pub struct ModelCost {
     pub shared_experts: usize,
     pub expert_inter: usize,
     pub dense_inter: usize,
-    /// Storage bits of routed experts (4 or 8) and of everything else dense (8).
-    pub expert_bits: u32,
-    pub dense_bits: u32,
-    /// Bytes per cached KV element.
-    pub kv_element_bytes: usize,
+    /// Storage format of the routed experts and of every other weight.
+    pub expert_format: WeightFormat,
+    pub dense_format: WeightFormat,
+    /// Storage format of the KV cache.
+    pub kv_format: KvFormat,
     /// Longest context (`max_position_embeddings`).
     pub context: usize,
 }
@@ -144,9 +146,9 @@ impl ModelKind {
                 shared_experts: 1,
                 expert_inter: 2048,
                 dense_inter: 18432,
-                expert_bits: 8,
-                dense_bits: 8,
-                kv_element_bytes: 2,
+                expert_format: WeightFormat::Fp8,
+                dense_format: WeightFormat::Fp8,
+                kv_format: KvFormat::Bf16,
                 context: 163_840,
             },
             // 43 layers: 2 window-only, then CSA and HCA alternating (21 + 20).
@@ -163,9 +165,9 @@ impl ModelKind {
                 shared_experts: 1,
                 expert_inter: 2048,
                 dense_inter: 0,
-                expert_bits: 4,
-                dense_bits: 8,
-                kv_element_bytes: 2,
+                expert_format: WeightFormat::Mxfp4,
+                dense_format: WeightFormat::Fp8,
+                kv_format: KvFormat::Bf16,
                 context: CONTEXT,
             },
             ModelKind::V41Flash => ModelCost {
@@ -181,9 +183,9 @@ impl ModelKind {
                 shared_experts: 1,
                 expert_inter: 2304,
                 dense_inter: 0,
-                expert_bits: 4,
-                dense_bits: 8,
-                kv_element_bytes: 1,
+                expert_format: WeightFormat::Mxfp4,
+                dense_format: WeightFormat::Fp8,
+                kv_format: KvFormat::V41Mixed,
                 context: CONTEXT,
             },
         }
@@ -191,6 +193,28 @@ impl ModelKind {
 }
 
 impl ModelCost {
+    /// The model served in `precision`'s formats; a cache format the model's
+    /// attention does not have is refused.
+    pub fn with_precision(mut self, precision: Precision) -> Result<Self, String> {
+        self.expert_format = precision.experts.unwrap_or(self.expert_format);
+        self.dense_format = precision.dense.unwrap_or(self.dense_format);
+        if let Some(kv) = precision.kv {
+            let fits = match self.attention {
+                Attention::V41(_) => kv == KvFormat::V41Mixed,
+                _ => kv != KvFormat::V41Mixed,
+            };
+            if !fits {
+                let have = match self.attention {
+                    Attention::V41(_) => "fp4 (its own layout: FP8 window rows, FP4 compressed entries)",
+                    _ => "bf16 or fp8",
+                };
+                return Err(format!("{} keeps its KV cache in {have}, not {}", self.name, kv.name()));
+            }
+            self.kv_format = kv;
+        }
+        Ok(self)
+    }
+
     pub fn moe_layers(&self) -> usize {
         self.layers - self.dense_layers
     }
@@ -288,12 +312,12 @@ impl ModelCost {
 
     /// Bytes of dense weights a device reads each step (replicated on every attention rank).
     pub fn dense_weight_bytes(&self) -> f64 {
-        self.dense_params() * self.dense_bits as f64 / 8.0
+        self.dense_params() * self.dense_format.bits() / 8.0
     }
 
     /// Bytes of one routed expert across all MoE layers.
     pub fn expert_weight_bytes_all_layers(&self) -> f64 {
-        self.expert_params() * self.moe_layers() as f64 * self.expert_bits as f64 / 8.0
+        self.expert_params() * self.moe_layers() as f64 * self.expert_format.bits() / 8.0
     }
 
     /// Bytes of all weights held by a device with `experts_per_device` routed experts.
@@ -358,7 +382,7 @@ impl ModelCost {
 
     fn kv_bytes(&self, tokens: usize, only_selected: bool) -> f64 {
         let visible = tokens as f64;
-        let b = self.kv_element_bytes as f64;
+        let b = self.kv_format.element_bytes();
         match self.attention {
             Attention::Mla { kv_lora, qk_rope, .. } => visible * (kv_lora + qk_rope) as f64 * b * self.layers as f64,
             Attention::V4 {
