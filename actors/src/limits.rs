@@ -32,9 +32,22 @@ pub const BACKOFF_MAX: Duration = Duration::from_secs(1);
 pub const MAX_EXPORT_BYTES: usize = 48 << 20;
 /// Tries of one state transfer before the request is placed elsewhere and recomputed.
 pub const TRANSFER_ATTEMPTS: u32 = 3;
-/// Prefilled requests one prefill scheduler keeps waiting for adoption; past
-/// it a new handoff is rerouted (recomputed) at once instead of held.
+/// Prefilled requests one prefill scheduler holds for adoption (sent or
+/// waiting for a transfer slot) before it pauses: at this backlog it starts
+/// no step until adoptions bring it below (backpressure on prefill).
 pub const MAX_PENDING_TRANSFERS: usize = 1024;
+/// Most handoffs one prefill scheduler holds at all: the backlog at which it
+/// paused plus what its last step finished. Past it a new handoff is
+/// rerouted (recomputed on a decode instance) instead of held.
+pub const MAX_HANDOFF_BACKLOG: usize = 16 * MAX_PENDING_TRANSFERS;
+/// State transfers one prefill scheduler has unacknowledged towards one
+/// decode instance; the others wait their turn at the prefill instance,
+/// their acknowledgement deadline not yet running.
+pub const TRANSFER_WINDOW: usize = 32;
+/// The slowest rate a transfer's bytes are assumed to move at: a sent
+/// transfer's acknowledgement deadline is the control timeout plus the time
+/// the bytes in flight ahead of it and its own take at this rate.
+pub const TRANSFER_RATE_FLOOR_BYTES_PER_S: u64 = 1 << 30;
 
 /// Waiting requests the scheduler looks up again in the lower cache tiers
 /// each plan (the head of the queue); every other waiting request is looked
@@ -60,5 +73,14 @@ const _: () = assert!(CONTROL_QUEUE > DATA_QUEUE && DATA_QUEUE > 0);
 const _: () = assert!(BACKOFF_MIN.as_nanos() > 0 && BACKOFF_MIN.as_nanos() < BACKOFF_MAX.as_nanos());
 // A transfer is retried at least once; the handoff table is bounded.
 const _: () = assert!(TRANSFER_ATTEMPTS >= 2 && MAX_PENDING_TRANSFERS > 0);
+const _: () = assert!(MAX_HANDOFF_BACKLOG > MAX_PENDING_TRANSFERS);
+// A window of transfers fits the receiver's mailbox and a QUIC data lane, so
+// a burst of finished prefills is never refused by the transport.
+const _: () = assert!(TRANSFER_WINDOW > 0 && TRANSFER_WINDOW <= MAILBOX_FRAMES && TRANSFER_WINDOW <= DATA_QUEUE);
+// A window of the largest states still drains within a few seconds past the control timeout.
+const _: () = assert!(
+    TRANSFER_RATE_FLOOR_BYTES_PER_S > 0
+        && (TRANSFER_WINDOW as u64 * MAX_FRAME_BYTES as u64) / TRANSFER_RATE_FLOOR_BYTES_PER_S <= 4
+);
 // The worst case a peer's data lane holds stays within a few GiB.
 const _: () = assert!(DATA_QUEUE as u64 * MAX_FRAME_BYTES as u64 <= 4 << 30);

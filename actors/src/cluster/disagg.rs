@@ -58,7 +58,9 @@ pub enum PrefillRouting {
     RoundRobin,
 }
 
-pub use crate::limits::{MAX_PENDING_TRANSFERS, TRANSFER_ATTEMPTS};
+pub use crate::limits::{
+    MAX_HANDOFF_BACKLOG, MAX_PENDING_TRANSFERS, TRANSFER_ATTEMPTS, TRANSFER_RATE_FLOOR_BYTES_PER_S, TRANSFER_WINDOW,
+};
 
 /// Expert load balancing at run time.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -134,6 +134,21 @@ pub struct Metrics {
     /// Requests moved from a prefill instance to a decode instance.
     pub handovers: AtomicU64,
     pub requests_restarted: AtomicU64,
+    /// Handoffs a prefill instance gave up on and placed on a decode
+    /// instance to be recomputed there, by why: no state (none exported, or
+    /// too large for a frame), its handoff table full, not adopted after
+    /// every transfer attempt.
+    pub reroutes_no_state: AtomicU64,
+    pub reroutes_backlog: AtomicU64,
+    pub reroutes_unadopted: AtomicU64,
+    /// State transfers sent again after their acknowledgement deadline.
+    pub transfers_resent: AtomicU64,
+    /// Handed-off requests a decode instance recomputed because their state did not check out.
+    pub handoff_recomputes: AtomicU64,
+    /// Most handoffs one prefill scheduler had waiting at once (sent or queued for its link).
+    pub handoffs_pending_peak: AtomicU64,
+    /// Time from a prefill's finish to its adoption by the decode instance.
+    pub handoff_wait: Histogram,
     pub cache_hits: AtomicU64,
     pub cache_misses: AtomicU64,
     pub blocks_stored: AtomicU64,
@@ -188,6 +203,14 @@ pub struct MetricsSnapshot {
     pub requests_resumed: u64,
     pub handovers: u64,
     pub requests_restarted: u64,
+    pub reroutes_no_state: u64,
+    pub reroutes_backlog: u64,
+    pub reroutes_unadopted: u64,
+    pub transfers_resent: u64,
+    pub handoff_recomputes: u64,
+    pub handoffs_pending_peak: u64,
+    /// Handoff wait from prefill finish to adoption, µs: (p50, p99, count).
+    pub handoff_wait_us: (u64, u64, u64),
     pub cache_hits: u64,
     pub cache_misses: u64,
     pub blocks_stored: u64,
@@ -204,6 +227,11 @@ pub struct MetricsSnapshot {
 }
 
 impl MetricsSnapshot {
+    /// Handoffs placed elsewhere for recompute, whatever the reason.
+    pub fn reroutes(&self) -> u64 {
+        self.reroutes_no_state + self.reroutes_backlog + self.reroutes_unadopted
+    }
+
     pub fn restarts(&self) -> u64 {
         self.worker_restarts
             + self.shard_restarts
@@ -221,6 +249,55 @@ pub(crate) fn bump(c: &AtomicU64) {
 
 pub(crate) fn add(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Buckets per doubling of a [`Histogram`]: a quantile is within about 9%.
+const HISTOGRAM_PER_OCTAVE: usize = 8;
+/// Buckets of a [`Histogram`]: values from 1 to 2^40 (µs: 12 days); larger ones count in the last.
+const HISTOGRAM_BUCKETS: usize = 40 * HISTOGRAM_PER_OCTAVE;
+
+/// A fixed-size log-scale histogram of durations in µs, shared by every
+/// actor without a lock: its memory does not grow with the samples.
+pub struct Histogram([AtomicU64; HISTOGRAM_BUCKETS]);
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Self(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
+}
+
+impl Histogram {
+    fn bucket(us: u64) -> usize {
+        let x = (us.max(1) as f64).log2() * HISTOGRAM_PER_OCTAVE as f64;
+        (x as usize).min(HISTOGRAM_BUCKETS - 1)
+    }
+
+    pub fn record(&self, d: Duration) {
+        bump(&self.0[Self::bucket(d.as_micros() as u64)]);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.0.iter().map(|c| c.load(Ordering::Relaxed)).sum()
+    }
+
+    /// The value below which a share `q` of the samples lie (a bucket's
+    /// geometric middle); 0 without samples.
+    pub fn quantile(&self, q: f64) -> u64 {
+        let counts: Vec<u64> = self.0.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return 0;
+        }
+        let rank = ((q * total as f64).ceil() as u64).clamp(1, total);
+        let mut seen = 0;
+        for (i, n) in counts.iter().enumerate() {
+            seen += n;
+            if seen >= rank {
+                return 2f64.powf((i as f64 + 0.5) / HISTOGRAM_PER_OCTAVE as f64).round() as u64;
+            }
+        }
+        unreachable!("rank within the total")
+    }
 }
 
 impl Metrics {
@@ -256,6 +333,17 @@ impl Metrics {
             requests_resumed: g(&self.requests_resumed),
             handovers: g(&self.handovers),
             requests_restarted: g(&self.requests_restarted),
+            reroutes_no_state: g(&self.reroutes_no_state),
+            reroutes_backlog: g(&self.reroutes_backlog),
+            reroutes_unadopted: g(&self.reroutes_unadopted),
+            transfers_resent: g(&self.transfers_resent),
+            handoff_recomputes: g(&self.handoff_recomputes),
+            handoffs_pending_peak: g(&self.handoffs_pending_peak),
+            handoff_wait_us: (
+                self.handoff_wait.quantile(0.5),
+                self.handoff_wait.quantile(0.99),
+                self.handoff_wait.count(),
+            ),
             cache_hits: g(&self.cache_hits),
             cache_misses: g(&self.cache_misses),
             blocks_stored: g(&self.blocks_stored),
@@ -270,5 +358,23 @@ impl Metrics {
             verifications: g(&self.verifications),
             verifications_all_accepted: g(&self.verifications_all_accepted),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_quantiles_are_within_a_bucket() {
+        let h = Histogram::default();
+        assert_eq!((h.quantile(0.5), h.count()), (0, 0));
+        for us in 1..=1000u64 {
+            h.record(Duration::from_micros(us * 1000));
+        }
+        assert_eq!(h.count(), 1000);
+        let (p50, p99) = (h.quantile(0.5) as f64, h.quantile(0.99) as f64);
+        assert!((p50 / 500_000.0 - 1.0).abs() < 0.1, "p50 {p50}");
+        assert!((p99 / 990_000.0 - 1.0).abs() < 0.1, "p99 {p99}");
     }
 }

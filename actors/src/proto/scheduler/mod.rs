@@ -27,7 +27,7 @@
 //! its requests again with the tokens they had produced, which are
 //! recomputed (bit-identical) and generation resumes.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -42,7 +42,10 @@ use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler, StepPla
 use deepinfer_engine::transfer::parts_values;
 
 use crate::cluster::ctx::Ctx;
-use crate::cluster::disagg::{eplb_table, InstanceKind, MAX_PENDING_TRANSFERS, TRANSFER_ATTEMPTS};
+use crate::cluster::disagg::{
+    eplb_table, InstanceKind, MAX_HANDOFF_BACKLOG, MAX_PENDING_TRANSFERS, TRANSFER_ATTEMPTS, TRANSFER_RATE_FLOOR_BYTES_PER_S,
+    TRANSFER_WINDOW,
+};
 use crate::net::transport::Delivery;
 use crate::proto::cache::parts_len;
 use crate::proto::router::end_item;
@@ -155,6 +158,12 @@ struct Handoff {
     values: Vec<f32>,
     target: u32,
     attempt: u32,
+    /// When the prefill finished.
+    since: Duration,
+    /// Sent (holding a slot of its target's window) rather than queued.
+    sent: bool,
+    /// Bytes of its state.
+    bytes: u64,
 }
 
 /// One item of the plan as it is sent.
@@ -307,6 +316,10 @@ pub struct SchedulerMachine {
     fenced: bool,
     /// Prefilled requests on their way to a decode instance.
     handoffs: BTreeMap<u64, Handoff>,
+    /// Per decode instance: handoffs waiting for a transfer slot, in finish order.
+    queued: BTreeMap<u32, VecDeque<u64>>,
+    /// Per decode instance: transfers sent and not yet adopted, and their bytes.
+    in_flight: BTreeMap<u32, (usize, u64)>,
     /// Modelled cache tiers below the device pool.
     tier_glue: TierGlue,
     promotions: promotion::Promotions,
@@ -448,6 +461,8 @@ impl SchedulerMachine {
             cache,
             eplb,
             handoffs: BTreeMap::new(),
+            queued: BTreeMap::new(),
+            in_flight: BTreeMap::new(),
             tier_glue: TierGlue::default(),
             promotions: Default::default(),
             ctx,
@@ -587,5 +602,9 @@ impl SchedulerMachine {
             );
             assert!(!self.handoffs.contains_key(id), "{}: request {id} both live and handed off", self.addr);
         }
+        let queued: usize = self.queued.values().map(|q| q.len()).sum();
+        let sent: usize = self.in_flight.values().map(|f| f.0).sum();
+        assert_eq!(queued + sent, self.handoffs.len(), "{}: handoffs neither queued nor sent", self.addr);
+        assert!(self.in_flight.values().all(|f| f.0 <= TRANSFER_WINDOW), "{}: a transfer window overflows", self.addr);
     }
 }

@@ -173,8 +173,8 @@ impl SchedulerMachine {
     }
 
     pub(super) fn on_cancel(&mut self, id: u64) {
-        if let Some(h) = self.handoffs.remove(&id) {
-            self.effects.push(Effect::DisarmTransfer(id));
+        if let Some(h) = self.take_handoff(id) {
+            self.pump_transfers(h.target);
             let item = end_item(id, h.generated.len(), h.spec.prompt.len(), FinishKind::Cancelled);
             self.send_outputs(vec![item], &[]);
             return;

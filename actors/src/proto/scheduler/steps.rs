@@ -7,7 +7,7 @@ use super::*;
 impl SchedulerMachine {
     /// Start a step: faults, a placement change, then the plan.
     pub(super) fn begin_step(&mut self) -> Result<(), Crash> {
-        if self.fenced || !matches!(self.phase, Phase::Idle) || !self.policy.has_work() {
+        if self.fenced || !matches!(self.phase, Phase::Idle) || !self.policy.has_work() || self.handoffs_full() {
             return Ok(());
         }
         let step = self.ctx.durable.next_step(self.instance);
