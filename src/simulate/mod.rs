@@ -4,6 +4,7 @@
 //! fabric and modelled full-size devices — and report what it did.
 
 pub mod cache_report;
+pub mod handoff_report;
 pub mod capacity;
 pub mod plan;
 pub mod plots;
@@ -90,6 +91,8 @@ pub struct RunData {
     pub events: u64,
     pub digest: u64,
     pub handovers: u64,
+    /// What the prefill → decode handoffs did (reroutes, recomputes, backlog).
+    pub handoffs: handoff_report::HandoffReport,
     pub restarts: u64,
     pub rebuilt: u64,
     /// What speculative decoding did, when on.
@@ -337,6 +340,7 @@ pub fn run(s: &Scenario, seed: Option<u64>, progress: bool) -> anyhow::Result<Re
     data.digest = sim.digest;
     data.events = sim.events;
     data.handovers = sim.metrics.handovers;
+    data.handoffs = handoff_report::HandoffReport::new(&sim.metrics);
     data.rebuilt = sim.metrics.sequences_rebuilt;
     let m = &sim.metrics;
     data.restarts = m.restarts();

@@ -104,6 +104,7 @@ pub struct Report {
     /// state, or held it at another position): 0 without faults.
     pub sequences_rebuilt: u64,
     pub handovers: u64,
+    pub handoffs: super::handoff_report::HandoffReport,
     /// Speculative decoding, when on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub speculative: Option<SpeculativeReport>,
@@ -388,6 +389,7 @@ impl Report {
             actor_restarts: d.restarts,
             sequences_rebuilt: d.rebuilt,
             handovers: d.handovers,
+            handoffs: d.handoffs.clone(),
             speculative: d.drafts.as_ref().and_then(|t| SpeculativeReport::new(s, t)),
             cache: CacheReport::new(s, d),
             event_digest: format!("{:016x}", d.digest),
@@ -508,6 +510,7 @@ impl Report {
                 x.expert_imbalance
             );
         }
+        md += &self.handoffs.to_markdown();
         if let Some(c) = &self.cache {
             md += &c.to_markdown();
         }
