@@ -6,14 +6,16 @@
 //! tiers. Errors name the file, line and key.
 
 mod cache;
+mod deployment;
 mod speculative;
 
 use std::path::{Path, PathBuf};
 
 use deepinfer_actors::cluster::disagg::PrefillRouting;
+use deepinfer_actors::modelled::deployment::InstanceLimits;
 use deepinfer_actors::modelled::drafting::Drafting;
 use deepinfer_engine::cost::experts::Popularity;
-use deepinfer_engine::cost::{HardwareKind, ModelKind};
+use deepinfer_engine::cost::{HardwareKind, ModelKind, Precision};
 use deepinfer_engine::traffic::{Lengths, Pattern};
 use serde::Deserialize;
 use toml::Spanned;
@@ -51,6 +53,10 @@ pub struct Header {
     pub model: Spanned<String>,
     #[serde(default = "default_devices_per_node")]
     pub devices_per_node: Spanned<u32>,
+    /// Devices in one scale-up domain (NVLink / HCCS), a multiple of
+    /// `devices_per_node` (default: the hardware's, e.g. 72 for GB200).
+    #[serde(default)]
+    pub scale_up_domain: Option<Spanned<u32>>,
     /// Width of the time series' buckets (default: duration / 120).
     #[serde(default)]
     pub sample_s: Option<Spanned<f64>>,
@@ -75,6 +81,14 @@ pub struct InstanceSpec {
     /// Redundant expert slots of this instance, instead of `experts.redundant`.
     #[serde(default)]
     pub redundant: Option<usize>,
+    /// Sequences and tokens per device in one step, instead of `[engine]`'s.
+    #[serde(default)]
+    pub batch_per_device: Option<Spanned<usize>>,
+    #[serde(default)]
+    pub batch_tokens_per_device: Option<Spanned<usize>>,
+    /// GiB of each device's routed-expert weights kept in host memory (0: none).
+    #[serde(default)]
+    pub offload_gib: Option<Spanned<f64>>,
 }
 
 fn one() -> Spanned<u32> {
@@ -100,6 +114,12 @@ pub struct EngineSpec {
     /// admissions waiting for the event and tokens arriving in bursts).
     #[serde(default = "default_steps_per_event")]
     pub decode_steps_per_event: Spanned<u32>,
+    /// KV cache format: `bf16`, `fp8`, or `fp4` (V4.1's own layout); default the model's.
+    #[serde(default)]
+    pub kv_dtype: Option<Spanned<String>>,
+    /// Format of every weight but the routed experts: `bf16`, `fp8`, `mxfp4`, `nvfp4`; default the checkpoint's.
+    #[serde(default)]
+    pub attention_precision: Option<Spanned<String>>,
 }
 
 impl Default for EngineSpec {
@@ -110,6 +130,8 @@ impl Default for EngineSpec {
             prefix_cache: default_prefix(),
             block_tokens: default_block(),
             decode_steps_per_event: default_steps_per_event(),
+            kv_dtype: None,
+            attention_precision: None,
         }
     }
 }
@@ -141,12 +163,52 @@ pub struct ExpertsSpec {
     /// Redundant expert slots per instance, placed by EPLB (0: contiguous experts, no EPLB).
     #[serde(default)]
     pub redundant: usize,
+    /// Format of the routed experts: `bf16`, `fp8`, `mxfp4`, `nvfp4`; default the checkpoint's.
+    #[serde(default)]
+    pub precision: Option<Spanned<String>>,
+    /// Seconds over which the hot experts change (Zipf only; 0: never).
+    #[serde(default = "default_drift")]
+    pub drift_s: Spanned<f64>,
+    /// Share of the popularity score that moves with the traffic (0 to 1);
+    /// the rest is a lasting property of each expert.
+    #[serde(default = "default_drift_share")]
+    pub drift_share: Spanned<f64>,
+    /// Seconds between EPLB placements from the previous period's mean loads
+    /// (0: placed once, from the loads at the start).
+    #[serde(default = "default_rebalance")]
+    pub rebalance_s: Spanned<f64>,
 }
 
 impl Default for ExpertsSpec {
     fn default() -> Self {
-        Self { popularity: default_popularity(), zipf_s: default_zipf(), redundant: 0 }
+        Self {
+            popularity: default_popularity(),
+            zipf_s: default_zipf(),
+            redundant: 0,
+            precision: None,
+            drift_s: default_drift(),
+            drift_share: default_drift_share(),
+            rebalance_s: default_rebalance(),
+        }
     }
+}
+
+/// Shortest drift and rebalancing period besides 0 (the loads are sampled
+/// 64 times per drift), and the longest.
+const MIN_DRIFT_S: f64 = 10.0;
+const MIN_REBALANCE_S: f64 = 1.0;
+const MAX_EXPERT_PERIOD_S: f64 = 86_400.0;
+
+fn default_drift() -> Spanned<f64> {
+    Spanned::new(0..0, 0.0)
+}
+/// An assumption (simulations/README.md, "Expert balance over time").
+fn default_drift_share() -> Spanned<f64> {
+    Spanned::new(0..0, 0.1)
+}
+/// DeepSeek-V3's report: the redundant experts are "adjusted periodically (e.g., every 10 minutes)".
+fn default_rebalance() -> Spanned<f64> {
+    Spanned::new(0..0, 600.0)
 }
 
 fn default_popularity() -> Spanned<String> {
@@ -397,10 +459,16 @@ pub struct Scenario {
     pub hardware: HardwareKind,
     pub model: ModelKind,
     pub devices_per_node: u32,
+    /// Devices in one scale-up domain (a multiple of `devices_per_node`).
+    pub scale_up_domain: u32,
+    /// The formats weights and KV are served in, where not the checkpoint's.
+    pub precision: Precision,
     /// One entry per instance, in order.
     pub instances: Vec<(InstanceKind, u32)>,
     /// Redundant expert slots per instance where it differs from `redundant_experts`.
     pub redundant_per_instance: Vec<Option<usize>>,
+    /// Per instance: its own batch limits and weight offload.
+    pub instance_limits: Vec<InstanceLimits>,
     pub batch_per_device: usize,
     pub batch_tokens_per_device: usize,
     pub prefix_cache: bool,
@@ -408,6 +476,11 @@ pub struct Scenario {
     pub decode_steps_per_event: u32,
     pub popularity: Popularity,
     pub redundant_experts: usize,
+    /// Seconds over which the hot experts change (0: static loads), and the share of popularity that moves.
+    pub expert_drift_s: f64,
+    pub expert_drift_share: f64,
+    /// Seconds between EPLB placements (0: placed once).
+    pub rebalance_s: f64,
     pub traffic: Traffic,
     pub faults: Vec<Fault>,
     pub ttft_slo_ms: f64,
@@ -471,6 +544,7 @@ impl Scenario {
         }
         let mut instances = Vec::new();
         let mut redundant_per_instance = Vec::new();
+        let mut instance_limits = Vec::new();
         for inst in &f.instances {
             let devices = *inst.devices.get_ref();
             if devices == 0 || !devices.is_multiple_of(per_node) {
@@ -485,6 +559,13 @@ impl Scenario {
             }
             instances.extend(std::iter::repeat_n((inst.role, devices), count as usize));
             redundant_per_instance.extend(std::iter::repeat_n(inst.redundant, count as usize));
+            let limits = deployment::instance_limits(
+                inst.batch_per_device.as_ref(),
+                inst.batch_tokens_per_device.as_ref(),
+                inst.offload_gib.as_ref(),
+                &err,
+            )?;
+            instance_limits.extend(std::iter::repeat_n(limits, count as usize));
         }
         let total: u64 = instances.iter().map(|&(_, d)| d as u64).sum();
         if total > MAX_DEVICES as u64 {
@@ -519,6 +600,14 @@ impl Scenario {
             return Err(err(e.decode_steps_per_event.span(), "must be 1 to 256".into()));
         }
         let x = &f.experts;
+        let precision = deployment::precision(
+            model,
+            x.precision.as_ref(),
+            e.attention_precision.as_ref(),
+            e.kv_dtype.as_ref(),
+            &err,
+        )?;
+        let scale_up_domain = deployment::scale_up_domain(h.scale_up_domain.as_ref(), hardware, per_node, &err)?;
         let popularity = match x.popularity.get_ref().as_str() {
             "uniform" => Popularity::Uniform,
             "zipf" => {
@@ -530,6 +619,20 @@ impl Scenario {
             }
             other => return Err(err(x.popularity.span(), format!("unknown `{other}` (uniform, zipf)"))),
         };
+        let period = |v: &Spanned<f64>, least: f64| {
+            let p = *v.get_ref();
+            if p == 0.0 || (least..=MAX_EXPERT_PERIOD_S).contains(&p) {
+                Ok(p)
+            } else {
+                Err(err(v.span(), format!("must be 0 or {least} to {MAX_EXPERT_PERIOD_S} seconds")))
+            }
+        };
+        let expert_drift_s = period(&x.drift_s, MIN_DRIFT_S)?;
+        let expert_drift_share = *x.drift_share.get_ref();
+        if !(0.0..=1.0).contains(&expert_drift_share) {
+            return Err(err(x.drift_share.span(), "must be in [0, 1]".into()));
+        }
+        let rebalance_s = period(&x.rebalance_s, MIN_REBALANCE_S)?;
         let prefill_routing = match &f.routing.prefill {
             None => PrefillRouting::CacheAffinity,
             Some(p) => match p.get_ref().as_str() {
@@ -567,8 +670,11 @@ impl Scenario {
             hardware,
             model,
             devices_per_node: per_node,
+            scale_up_domain,
+            precision,
             instances,
             redundant_per_instance,
+            instance_limits,
             batch_per_device: batch,
             batch_tokens_per_device: batch_tokens,
             prefix_cache,
@@ -576,6 +682,9 @@ impl Scenario {
             decode_steps_per_event: steps_per_event,
             popularity,
             redundant_experts: x.redundant,
+            expert_drift_s,
+            expert_drift_share,
+            rebalance_s,
             traffic,
             faults,
             ttft_slo_ms: f.slo.ttft_ms,

@@ -8,7 +8,8 @@ use std::process::Command;
 
 use deepinfer::scenario::Scenario;
 use deepinfer::simulate::capacity::Criteria;
-use deepinfer::simulate::plan::{deployed, layouts, plan, CacheTiers, Plan, PlanSpace, Search};
+use deepinfer::simulate::plan::{deployed, layouts, plan, CacheTiers, KvDtype, Plan, PlanSpace, Search};
+use deepinfer_engine::cost::KvFormat;
 
 /// V4-Flash on H200, one prefill and one decode node, short runs near its capacity.
 const SMALL: &str = r#"
@@ -57,11 +58,12 @@ fn space() -> PlanSpace {
         colocated_sizes: vec![],
         redundant: vec![0],
         cache_tiers: vec![],
+        kv_dtypes: vec![],
     }
 }
 
 fn planned() -> Plan {
-    let search = Search { seed: None, criteria: Criteria::default(), steps: 1, threads: 2 };
+    let search = Search { seed: None, criteria: Criteria::default(), steps: 1, threads: 2, progress_every_s: None };
     plan(&small(), &space(), 2.0, search, |_| ()).expect("plans")
 }
 
@@ -161,4 +163,22 @@ fn cache_tiers_are_searched_as_layouts_keep_them() {
     // Without a [cache] table there is nothing to choose from.
     let err = layouts(&small(), &space).unwrap_err().to_string();
     assert!(err.contains("no [cache]"), "{err}");
+}
+
+/// The KV cache format is a dimension of the search like the cache tiers:
+/// each layout once per format, deployed with it; a format the model has
+/// no layout for is refused by name.
+#[test]
+fn kv_dtypes_are_searched_as_layouts_keep_them() {
+    let s = small();
+    let space = PlanSpace { gpus: 16, decode_sizes: vec![8], kv_dtypes: vec![KvDtype::Bf16, KvDtype::Fp8], ..space() };
+    let found = layouts(&s, &space).unwrap();
+    let labels: Vec<&str> = found.iter().map(|(l, _)| l.label.as_str()).collect();
+    assert_eq!(labels, ["1×P8 + 1×D8, 0 redundant, KV bf16", "1×P8 + 1×D8, 0 redundant, KV fp8"]);
+    let kv = |i: usize| deployed(&s, &found[i].1, &found[i].0).precision.kv;
+    assert_eq!(kv(0), Some(KvFormat::Bf16));
+    assert_eq!(kv(1), Some(KvFormat::Fp8));
+    let fp4 = PlanSpace { kv_dtypes: vec![KvDtype::Fp4], ..space };
+    let err = layouts(&s, &fp4).unwrap_err().to_string();
+    assert!(err.contains("--kv-dtypes fp4") && err.contains("bf16 or fp8"), "{err}");
 }

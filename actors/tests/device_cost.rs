@@ -99,7 +99,8 @@ fn a_decode_step_lasts_at_least_its_device_cost() {
                 expert_tokens: 0,
                 experts_hit: 0,
                 expert_parallel: 1,
-                devices_per_node: 8,
+                scale_up_domain: 8,
+                offloaded_expert_share: 0.0,
             },
             spec.efficiency,
         );

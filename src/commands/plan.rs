@@ -1,4 +1,4 @@
-//! `deepinfer plan FILE [--gpus N] [--gpu-hour-usd P] [--prefill-sizes ..] [--decode-sizes ..] [--colocated-sizes ..] [--redundant ..] [--cache-tiers ..] [--out DIR]`.
+//! `deepinfer plan FILE [--gpus N] [--gpu-hour-usd P] [--prefill-sizes ..] [--decode-sizes ..] [--colocated-sizes ..] [--redundant ..] [--cache-tiers ..] [--kv-dtypes ..] [--progress] [--out DIR]`.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -8,7 +8,8 @@ use deepinfer_actors::cluster::disagg::InstanceKind;
 
 use crate::scenario::Scenario;
 use crate::simulate::capacity::Criteria;
-use crate::simulate::plan::{plan, CacheTiers, PlanSpace, Search};
+use crate::simulate::plan::{plan, CacheTiers, KvDtype, PlanSpace, Search};
+use crate::simulate::progress::EVERY_DEFAULT_S;
 
 /// DeepSeek's own assumption for its V3/R1 cost analysis: an H800 leased at $2 an hour.
 pub const GPU_HOUR_USD_DEFAULT: f64 = 2.0;
@@ -40,6 +41,10 @@ pub struct PlanArgs {
     /// `device` (the device's prefix cache only), `host`, `all` (default: the file's as they are).
     #[arg(long, value_delimiter = ',')]
     pub cache_tiers: Vec<CacheTiers>,
+    /// KV cache formats to try: `bf16`, `fp8`, `fp4` (V4.1's own layout) —
+    /// those the model has (default: the file's `[engine] kv_dtype`).
+    #[arg(long, value_delimiter = ',')]
+    pub kv_dtypes: Vec<KvDtype>,
     /// Seed instead of the scenario's own.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -49,6 +54,13 @@ pub struct PlanArgs {
     /// Bisection steps of each layout's capacity search once bracketed.
     #[arg(long, default_value_t = 3)]
     pub capacity_steps: u32,
+    /// Besides a line per layout: a line on stderr per capacity probe, and
+    /// one every --progress-every seconds of wall time while a probe runs.
+    #[arg(long)]
+    pub progress: bool,
+    /// With --progress: seconds of wall time between two lines of a running probe.
+    #[arg(long, default_value_t = EVERY_DEFAULT_S, requires = "progress")]
+    pub progress_every: f64,
     /// Directory for plan.json, plan.md and plan.svg (created if missing).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -71,6 +83,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
         colocated_sizes: or_file(&args.colocated_sizes, InstanceKind::Both),
         redundant: if args.redundant.is_empty() { vec![s.redundant_experts] } else { args.redundant.clone() },
         cache_tiers: args.cache_tiers.clone(),
+        kv_dtypes: args.kv_dtypes.clone(),
     };
     let criteria = Criteria { slo_attainment_min: args.slo_attainment };
     anyhow::ensure!(
@@ -79,7 +92,8 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
     );
     let started = Instant::now();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let search = Search { seed: args.seed, criteria, steps: args.capacity_steps, threads };
+    let progress_every_s = args.progress.then_some(args.progress_every);
+    let search = Search { seed: args.seed, criteria, steps: args.capacity_steps, threads, progress_every_s };
     let p = plan(&s, &space, args.gpu_hour_usd, search, |c| {
         let got =
             c.capacity.as_ref().map_or("no load held".to_string(), |_| format!("{:.0} tok/s per GPU", c.tok_s_per_gpu));

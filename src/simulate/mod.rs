@@ -3,12 +3,16 @@
 //! shards on one current-thread runtime with a virtual clock, a simulated
 //! fabric and modelled full-size devices — and report what it did.
 
+pub mod balance_report;
 pub mod cache_report;
-pub mod handoff_report;
 pub mod capacity;
+pub mod handoff_report;
 pub mod plan;
 pub mod plots;
+pub mod progress;
 pub mod report;
+mod report_md;
+mod series;
 pub mod sessions;
 pub mod sweep;
 
@@ -20,6 +24,7 @@ use anyhow::Context;
 use deepinfer_actors::cluster::ctx::Timeouts;
 use deepinfer_actors::cluster::disagg::InstanceKind;
 use deepinfer_actors::cluster::simulate;
+use deepinfer_actors::modelled::balance::BalanceStats;
 use deepinfer_actors::modelled::devices::ModelledSpec;
 use deepinfer_actors::modelled::drafting::DraftTotals;
 use deepinfer_actors::modelled::tiers::{Admission, TierTotals, TIERS};
@@ -32,9 +37,10 @@ use deepinfer_engine::presets::{build, Preset};
 use deepinfer_engine::request::{FinishReason, Request};
 use deepinfer_engine::scheduler::EngineConfig;
 use deepinfer_engine::traffic::{parse_mooncake, Arrival, Synthetic, MOONCAKE_BLOCK_TOKENS};
-use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::scenario::{Fault, Scenario, Traffic};
+pub use progress::Progress;
+use progress::Reporter;
 pub use report::Report;
 
 /// How one request went, in simulated microseconds.
@@ -82,9 +88,11 @@ pub struct RunData {
     /// Per instance: highest and mean KV use (fraction of its budget).
     pub kv_use: Vec<(f64, f64)>,
     pub kv_budget_gib: Vec<f64>,
-    /// Per instance: max/mean expert load per device, and the mean device shares per layer.
+    /// Per instance: max/mean expert load per device (step-weighted mean over
+    /// the run), the device shares per layer at the end, and the balance over time.
     pub expert_imbalance: Vec<f64>,
     pub expert_shares: Vec<Vec<Vec<f64>>>,
+    pub expert_balance: Vec<BalanceStats>,
     pub simulated_s: f64,
     pub steps: u64,
     /// Lines of the run's event log (every message handled, timer fired, fault).
@@ -198,8 +206,11 @@ pub fn cluster_config(s: &Scenario, seed: u64) -> ClusterConfig {
     cfg.modelled = Some(ModelledSpec {
         hardware: s.hardware,
         model: s.model,
-        efficiency: Efficiency::default(),
+        efficiency: Efficiency::for_hardware(s.hardware),
         popularity: s.popularity,
+        drift_s: s.expert_drift_s,
+        drift_share: s.expert_drift_share,
+        rebalance_s: s.rebalance_s,
         redundant_experts: s.redundant_experts,
         redundant_per_instance: (0..s.instances.len())
             .map(|i| s.redundant_per_instance.get(i).copied().flatten().unwrap_or(s.redundant_experts))
@@ -210,6 +221,9 @@ pub fn cluster_config(s: &Scenario, seed: u64) -> ClusterConfig {
         drafting: s.speculative.clone(),
         device_kv_bytes: s.cache.as_ref().and_then(|c| c.device_kv_bytes),
         tiers: s.cache.as_ref().map(|c| c.tiers.clone()),
+        scale_up_domain: s.scale_up_domain,
+        precision: s.precision,
+        instance_limits: s.instance_limits.clone(),
         seed,
     });
     // Modelled steps take up to seconds (long prefills): only a silence much
@@ -310,18 +324,9 @@ fn fault_marks(s: &Scenario) -> Vec<(f64, String)> {
     marks
 }
 
-fn progress_bar(show: bool, seconds: u64) -> ProgressBar {
-    let bar = if show { ProgressBar::new(seconds) } else { ProgressBar::hidden() };
-    bar.set_style(
-        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} simulated s, {msg}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    bar
-}
-
-/// Run `s` (with `seed` instead of its own, if given).
-pub fn run(s: &Scenario, seed: Option<u64>, progress: bool) -> anyhow::Result<Report> {
+/// Run `s` (with `seed` instead of its own, if given), showing `progress`
+/// (`true`: a bar; see [`Progress`]).
+pub fn run(s: &Scenario, seed: Option<u64>, progress: impl Into<Progress>) -> anyhow::Result<Report> {
     let seed = seed.unwrap_or(s.seed);
     let s = &Scenario { seed, ..s.clone() };
     let arrivals = arrivals(s)?;
@@ -329,12 +334,11 @@ pub fn run(s: &Scenario, seed: Option<u64>, progress: bool) -> anyhow::Result<Re
     // The shape the actors see; modelled devices never run it.
     let model = Arc::new(build(Preset::TinyV4, 0)?);
     let cfg = cluster_config(s, seed);
-    let bar = progress_bar(progress, (s.duration_s + s.drain_s).ceil() as u64);
+    let bar = Reporter::new(&progress.into(), s.duration_s + s.drain_s);
     let kills = timed_kills(s);
     let (data, sim) =
         simulate(model, cfg, async |c: &mut Cluster| drive(c, s, &arrivals, &earlier, &kills, &bar).await)
             .map_err(|e| anyhow::anyhow!("{}: {e}", s.file))?;
-    bar.finish_and_clear();
     let mut data = data;
     data.steps = sim.steps;
     data.digest = sim.digest;
@@ -353,7 +357,7 @@ async fn drive(
     arrivals: &[Arrival],
     earlier: &[usize],
     kills: &[(u64, Vec<String>, String)],
-    bar: &ProgressBar,
+    bar: &Reporter,
 ) -> RunData {
     let modelled = c.modelled();
     let tiers = modelled.as_ref().and_then(|m| m.tiers.as_ref());
@@ -420,8 +424,7 @@ async fn drive(
             }
             kv_samples += 1;
             next_sample += sample_us;
-            bar.set_position(next_sample / 1_000_000);
-            bar.set_message(format!("{} requests, {} running", traces.len(), c.outstanding()));
+            bar.show(now as f64 / 1e6, traces.len(), c.outstanding());
         }
         if (next == arrivals.len() && !c.has_updates()) || now >= end_us {
             break;
@@ -453,13 +456,20 @@ async fn drive(
             Update::Tokens { id, tokens, .. } => {
                 let Some(&i) = ids.get(&id) else { continue };
                 let t = &mut traces[i];
+                // A burst counts evenly over the time since the request's
+                // previous tokens (its arrival, for the first): see `series`.
+                let since = if t.first_token_us.is_none() { t.arrival_us } else { t.last_token_us };
                 if t.first_token_us.is_none() {
                     t.first_token_us = Some(now);
-                    buckets[slot].input_tokens += t.input_tokens as u64;
+                    // When its prefill started is not seen here: its prompt
+                    // counts over the wait for its first token.
+                    series::spread(&mut buckets, t.input_tokens as u64, (since, now), sample_us, |b| {
+                        &mut b.input_tokens
+                    });
                 }
                 t.tokens += tokens.len();
                 t.last_token_us = now;
-                buckets[slot].output_tokens += tokens.len() as u64;
+                series::spread(&mut buckets, tokens.len() as u64, (since, now), sample_us, |b| &mut b.output_tokens);
             }
             Update::Finished { id, finished } => {
                 let Some(&i) = ids.get(&id) else { continue };
@@ -484,11 +494,14 @@ async fn drive(
         }
     }
     let simulated_s = clock.now().as_secs_f64();
-    let (mut imbalance, mut shares, mut budgets) = (Vec::new(), Vec::new(), Vec::new());
+    bar.finish(simulated_s, traces.len(), c.outstanding());
+    let (mut imbalance, mut shares, mut budgets, mut balance) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     if let Some(m) = c.modelled() {
         for i in 0..instances as u32 {
             let sh = m.shares(i);
-            imbalance.push(sh.imbalance());
+            let stats = m.balance_stats(i);
+            imbalance.push(balance_report::mean_imbalance(&stats, sh.imbalance()));
+            balance.push(stats);
             shares.push(sh.shares.clone());
             budgets.push(m.kv_bytes_per_device(i) * c.topology().size_of(i) as f64 / (1u64 << 30) as f64);
         }
@@ -519,6 +532,7 @@ async fn drive(
         kv_budget_gib: budgets,
         expert_imbalance: imbalance,
         expert_shares: shares,
+        expert_balance: balance,
         simulated_s,
         drafts,
         tiers,

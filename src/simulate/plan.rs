@@ -3,16 +3,18 @@
 //! (prefill:decode split and instance sizes, that is expert-parallel
 //! degrees, for disaggregated serving; instance sizes for colocated
 //! serving; redundant experts; the prompt-cache tiers kept) has its capacity searched
-//! ([`find_capacity`]); each gets its cost per million tokens at a GPU-hour
+//! ([`find_capacity`](super::capacity::find_capacity)); each gets its cost per million tokens at a GPU-hour
 //! price, and the layouts no other beats on both throughput per GPU and
 //! tokens/s per user form the frontier.
 
 use serde::Serialize;
 
-use super::capacity::{find_capacity, Criteria, Probe};
+use super::capacity::{find_capacity_with, Criteria, Probe};
 use super::plots::scatter_chart;
+use super::Progress;
 use crate::scenario::Scenario;
 use deepinfer_actors::cluster::disagg::InstanceKind;
+use deepinfer_engine::cost::{KvFormat, Precision};
 
 /// Most layouts one plan simulates (each is a capacity search of several runs).
 pub const MAX_LAYOUTS: usize = 48;
@@ -30,6 +32,28 @@ pub struct PlanSpace {
     pub redundant: Vec<usize>,
     /// Prompt-cache tiers to try, of those the file configures (empty: the file's as they are).
     pub cache_tiers: Vec<CacheTiers>,
+    /// KV cache formats to try (empty: the file's).
+    pub kv_dtypes: Vec<KvDtype>,
+}
+
+/// A KV cache format `plan` tries, as `[engine] kv_dtype` names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum KvDtype {
+    Bf16,
+    Fp8,
+    /// V4.1's own layout (FP8 window, FP4 compressed entries).
+    Fp4,
+}
+
+impl KvDtype {
+    pub fn format(self) -> KvFormat {
+        match self {
+            KvDtype::Bf16 => KvFormat::Bf16,
+            KvDtype::Fp8 => KvFormat::Fp8,
+            KvDtype::Fp4 => KvFormat::V41Mixed,
+        }
+    }
 }
 
 /// Which of the file's prompt-cache tiers a layout keeps below the device.
@@ -63,6 +87,8 @@ pub struct Layout {
     pub redundant: usize,
     /// The cache tiers it keeps (`None`: the file's).
     pub cache_tiers: Option<CacheTiers>,
+    /// The KV cache format it keeps (`None`: the file's).
+    pub kv_dtype: Option<KvDtype>,
     /// GPUs of the layout, and those that prefill and decode (all of them when colocated).
     pub gpus: u32,
     pub prefill_gpus: u32,
@@ -74,7 +100,7 @@ pub struct Layout {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Candidate {
     pub layout: Layout,
-    /// The highest load that held (see [`find_capacity`]); `None` if none did.
+    /// The highest load that held (see [`find_capacity`](super::capacity::find_capacity)); `None` if none did.
     pub capacity: Option<Probe>,
     /// What broke first above it, or why the layout could not run.
     pub limit: Option<String>,
@@ -112,15 +138,24 @@ fn kind_name(kind: InstanceKind) -> &'static str {
     }
 }
 
-fn layout(groups: &[(InstanceKind, u32, u32)], redundant: usize, cache_tiers: Option<CacheTiers>) -> Layout {
+fn layout(
+    groups: &[(InstanceKind, u32, u32)],
+    redundant: usize,
+    cache_tiers: Option<CacheTiers>,
+    kv_dtype: Option<KvDtype>,
+) -> Layout {
     let label = groups.iter().map(|&(k, n, d)| format!("{n}×{}{d}", kind_name(k))).collect::<Vec<_>>().join(" + ");
     let gpus = |want: fn(InstanceKind) -> bool| groups.iter().filter(|g| want(g.0)).map(|g| g.1 * g.2).sum();
-    let cache = cache_tiers.map_or(String::new(), |t| format!(", cache: {}", t.name()));
+    let mut cache = cache_tiers.map_or(String::new(), |t| format!(", cache: {}", t.name()));
+    if let Some(kv) = kv_dtype {
+        cache += &format!(", KV {}", kv.format().name());
+    }
     Layout {
         label: format!("{label}, {redundant} redundant{cache}"),
         instances: groups.iter().map(|&(k, n, d)| (kind_name(k).to_string(), n, d)).collect(),
         redundant,
         cache_tiers,
+        kv_dtype,
         gpus: groups.iter().map(|g| g.1 * g.2).sum(),
         prefill_gpus: gpus(InstanceKind::prefills),
         decode_gpus: gpus(InstanceKind::decodes),
@@ -142,6 +177,9 @@ pub struct Search {
     pub steps: u32,
     /// Layouts searched at once.
     pub threads: usize,
+    /// With a value: every probe prints a line on stderr when it ends, and
+    /// its run one at most this often (seconds of wall time) while it runs.
+    pub progress_every_s: Option<f64>,
 }
 
 pub fn layouts(s: &Scenario, space: &PlanSpace) -> anyhow::Result<Vec<(Layout, Instances)>> {
@@ -187,12 +225,25 @@ pub fn layouts(s: &Scenario, space: &PlanSpace) -> anyhow::Result<Vec<(Layout, I
         anyhow::ensure!(s.cache.is_some(), "--cache-tiers: the file configures no [cache] tiers to choose from");
         space.cache_tiers.iter().copied().map(Some).collect()
     };
+    let kv_dtypes: Vec<Option<KvDtype>> = if space.kv_dtypes.is_empty() {
+        vec![None]
+    } else {
+        for &kv in &space.kv_dtypes {
+            let kv_only = Precision { kv: Some(kv.format()), ..s.precision };
+            if let Err(why) = s.model.cost().with_precision(kv_only) {
+                anyhow::bail!("--kv-dtypes {}: {why}", kv.format().name());
+            }
+        }
+        space.kv_dtypes.iter().copied().map(Some).collect()
+    };
     let mut out = Vec::new();
     for g in &groups {
         for &r in &space.redundant {
             for &t in &tiers {
-                let instances = g.iter().flat_map(|&(k, n, d)| std::iter::repeat_n((k, d), n as usize)).collect();
-                out.push((layout(g, r, t), instances));
+                for &kv in &kv_dtypes {
+                    let instances = g.iter().flat_map(|&(k, n, d)| std::iter::repeat_n((k, d), n as usize)).collect();
+                    out.push((layout(g, r, t, kv), instances));
+                }
             }
         }
     }
@@ -218,9 +269,20 @@ pub fn deployed(s: &Scenario, instances: &[(InstanceKind, u32)], layout: &Layout
             c.tiers.host_bytes = 0.0;
         }
     }
+    // Each new instance keeps the limits and offload the file gives its role's first instance.
+    let limits_of = |kind: InstanceKind| {
+        s.instances
+            .iter()
+            .position(|(k, _)| *k == kind)
+            .and_then(|i| s.instance_limits.get(i).cloned())
+            .unwrap_or_default()
+    };
+    let precision = Precision { kv: layout.kv_dtype.map(KvDtype::format).or(s.precision.kv), ..s.precision };
     Scenario {
         instances: instances.to_vec(),
         redundant_per_instance: vec![None; instances.len()],
+        instance_limits: instances.iter().map(|&(k, _)| limits_of(k)).collect(),
+        precision,
         redundant_experts: layout.redundant,
         cache,
         ..s.clone()
@@ -235,7 +297,7 @@ pub fn plan(
     search: Search,
     on_done: impl Fn(&Candidate) + Sync,
 ) -> anyhow::Result<Plan> {
-    let Search { seed, criteria, steps, threads } = search;
+    let Search { seed, criteria, steps, threads, progress_every_s } = search;
     anyhow::ensure!(gpu_hour_usd.is_finite() && gpu_hour_usd > 0.0, "the GPU-hour price must be positive");
     let jobs = layouts(s, space)?;
     let mut candidates: Vec<Option<Candidate>> = vec![None; jobs.len()];
@@ -248,7 +310,14 @@ pub fn plan(
                     let (layout, instances) = &jobs[i];
                     let v = deployed(s, instances, layout);
                     scope.spawn(move || {
-                        let c = match find_capacity(&v, seed, criteria, steps, |_| ()) {
+                        let label = &layout.label;
+                        let progress = progress_every_s.map_or(Progress::Off, |e| Progress::lines(e, label));
+                        let on_probe = |p: &Probe| {
+                            if progress_every_s.is_some() {
+                                eprintln!("{label}: {}", p.summary());
+                            }
+                        };
+                        let c = match find_capacity_with(&v, seed, criteria, steps, &progress, on_probe) {
                             Ok(c) => priced(layout.clone(), c.capacity, c.limit, gpu_hour_usd),
                             Err(e) => priced(layout.clone(), None, Some(format!("cannot run: {e}")), gpu_hour_usd),
                         };

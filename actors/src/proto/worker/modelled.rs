@@ -91,6 +91,10 @@ impl WorkerMachine {
         let topo = &self.ctx.topology;
         let instance = topo.instance_of(self.device);
         let ep = topo.size_of(instance) as usize;
+        // The expert loads of this moment on the placement in force; the
+        // instance's first worker counts the step for the balance record.
+        let counted = if topo.devices_of(instance).start == self.device { repeat as u64 } else { 0 };
+        m.advance(instance, self.now, counted);
         let cost_us = match drafting {
             Some(d) if !lanes.is_empty() => {
                 let limits = DraftLimits {
@@ -256,7 +260,7 @@ impl Event<'_> {
             None if proposes => most,
             None => 0,
         };
-        total_us += self.repeat as f64 * m.draft_cost(self.ep, &contexts, passes);
+        total_us += self.repeat as f64 * m.draft_cost(self.instance, self.ep, &contexts, passes);
         (steps, total_us)
     }
 }
