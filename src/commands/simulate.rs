@@ -1,4 +1,4 @@
-//! `deepinfer simulate FILE [--seed N] [--speculative off|mtp|dspark] [--cache-sweep SCALES | --find-capacity] [--out DIR]`.
+//! `deepinfer simulate FILE [--seed N] [--speculative off|mtp|dspark] [--cache-sweep SCALES | --find-capacity] [--progress] [--out DIR]`.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -10,9 +10,10 @@ use clap::Args;
 use deepinfer_engine::speculative::DraftMethod;
 
 use crate::scenario::{default_drafting, Scenario};
-use crate::simulate::capacity::{find_capacity, Criteria, STEPS_DEFAULT};
+use crate::simulate::capacity::{find_capacity_with, Criteria, STEPS_DEFAULT};
+use crate::simulate::progress::EVERY_DEFAULT_S;
 use crate::simulate::sweep::cache_sweep;
-use crate::simulate::{plots, run};
+use crate::simulate::{plots, run, Progress};
 
 #[derive(Args, Debug, Clone)]
 pub struct SimulateArgs {
@@ -29,9 +30,17 @@ pub struct SimulateArgs {
     /// else five drafts, adaptive, the default acceptance model).
     #[arg(long)]
     pub speculative: Option<String>,
-    /// No progress bar.
-    #[arg(long)]
+    /// No progress bar (nor, with --find-capacity, a line per probe).
+    #[arg(long, conflicts_with = "progress")]
     pub quiet: bool,
+    /// Show progress even when stderr is not a terminal: a plain line every
+    /// --progress-every seconds of wall time (simulated seconds done, requests
+    /// submitted and running, wall time), for runs whose stderr goes to a log.
+    #[arg(long)]
+    pub progress: bool,
+    /// With --progress: seconds of wall time between two progress lines.
+    #[arg(long, default_value_t = EVERY_DEFAULT_S, requires = "progress")]
+    pub progress_every: f64,
     /// Instead of one run: hit rate and TTFT against cache capacity, the
     /// file's `[cache]` tiers added one at a time, each at these multiples
     /// of its capacities (e.g. `0.25,0.5,1,2,4`); writes cache_sweep.* into --out.
@@ -82,7 +91,7 @@ pub fn run_command(args: &SimulateArgs) -> anyhow::Result<()> {
     if args.find_capacity {
         return capacity_command(&scenario, args, started);
     }
-    let report = run(&scenario, args.seed, !args.quiet && std::io::stderr().is_terminal())?;
+    let report = run(&scenario, args.seed, progress(args))?;
     let wall_s = started.elapsed().as_secs_f64();
     let markdown = report.to_markdown();
     if let Some(dir) = &args.out {
@@ -109,6 +118,16 @@ pub fn run_command(args: &SimulateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A bar on a terminal (unless --quiet); with --progress and stderr not a terminal, lines.
+fn progress(args: &SimulateArgs) -> Progress {
+    let terminal = std::io::stderr().is_terminal();
+    match (args.progress, terminal) {
+        (true, false) => Progress::lines(args.progress_every, "progress"),
+        (true, true) => Progress::Bar,
+        (false, _) => Progress::from(terminal && !args.quiet),
+    }
+}
+
 /// `NAME.json`, `NAME.md` and `NAME.svg` into `dir` (created if missing).
 pub fn write_files(dir: &std::path::Path, name: &str, json: &str, markdown: &str, svg: &str) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
@@ -122,10 +141,11 @@ pub fn write_files(dir: &std::path::Path, name: &str, json: &str, markdown: &str
 fn capacity_command(scenario: &Scenario, args: &SimulateArgs, started: Instant) -> anyhow::Result<()> {
     let criteria = Criteria { slo_attainment_min: args.slo_attainment };
     let verbose = !args.quiet;
-    let capacity = find_capacity(scenario, args.seed, criteria, args.capacity_steps, |p| {
+    // Without --progress the probes' runs are silent; each probe's line says how it went.
+    let progress = if args.progress { progress(args) } else { Progress::Off };
+    let capacity = find_capacity_with(scenario, args.seed, criteria, args.capacity_steps, &progress, |p| {
         if verbose {
-            let held = if p.sustained { "held".to_string() } else { format!("broke: {}", p.broke.join("; ")) };
-            eprintln!("load {:.3}× ({:.2} requests/s): {held}", p.load_factor, p.offered_req_s);
+            eprintln!("{}", p.summary());
         }
     })
     .map_err(|e| anyhow::anyhow!("{}: {e}", scenario.file))?;

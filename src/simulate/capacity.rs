@@ -8,7 +8,7 @@
 use serde::Serialize;
 
 use super::plots::line_chart;
-use super::{run, Report};
+use super::{run, Progress, Report};
 use crate::scenario::{Scenario, Traffic};
 use deepinfer_engine::traffic::Pattern;
 
@@ -108,6 +108,14 @@ pub fn scaled_load(s: &Scenario, factor: f64) -> Scenario {
     Scenario { traffic, ..s.clone() }
 }
 
+impl Probe {
+    /// `load 2.000× (41.20 requests/s): held`, or what broke.
+    pub fn summary(&self) -> String {
+        let held = if self.sustained { "held".to_string() } else { format!("broke: {}", self.broke.join("; ")) };
+        format!("load {:.3}× ({:.2} requests/s): {held}", self.load_factor, self.offered_req_s)
+    }
+}
+
 fn probe(s: &Scenario, factor: f64, r: &Report, criteria: Criteria) -> Probe {
     let c = &r.requests;
     let mut broke = Vec::new();
@@ -163,6 +171,18 @@ pub fn find_capacity(
     seed: Option<u64>,
     criteria: Criteria,
     steps: u32,
+    on_probe: impl FnMut(&Probe),
+) -> anyhow::Result<Capacity> {
+    find_capacity_with(s, seed, criteria, steps, &Progress::Off, on_probe)
+}
+
+/// [`find_capacity`], each probe's run showing `progress` (lines labelled with its load).
+pub fn find_capacity_with(
+    s: &Scenario,
+    seed: Option<u64>,
+    criteria: Criteria,
+    steps: u32,
+    progress: &Progress,
     mut on_probe: impl FnMut(&Probe),
 ) -> anyhow::Result<Capacity> {
     anyhow::ensure!(
@@ -174,7 +194,7 @@ pub fn find_capacity(
     let mut first: Option<Report> = None;
     let mut at = |factor: f64, probes: &mut Vec<Probe>| -> anyhow::Result<bool> {
         let v = scaled_load(s, factor);
-        let r = run(&v, seed, false)?;
+        let r = run(&v, seed, progress.relabelled(|l| format!("{l}, load {factor:.3}×")))?;
         let p = probe(&v, factor, &r, criteria);
         on_probe(&p);
         let held = p.sustained;

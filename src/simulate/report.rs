@@ -7,7 +7,9 @@ use deepinfer_actors::modelled::drafting::DraftTotals;
 use deepinfer_engine::speculative::policy::{expected_tokens, DraftPolicy};
 use serde::Serialize;
 
+use super::balance_report::BalanceReport;
 use super::cache_report::CacheReport;
+use super::handoff_report::HandoffReport;
 use super::{End, RunData};
 use crate::scenario::{InstanceKind, Scenario};
 
@@ -59,7 +61,13 @@ pub struct Report {
     pub model: String,
     pub devices: u32,
     pub nodes: u32,
+    /// GPUs of one node: every `*_per_*_node` figure is the per-GPU one times this.
+    pub devices_per_node: u32,
+    /// GPUs of the instances that prefill (prefill and colocated ones): the
+    /// `*_per_prefill_*` figures divide by them…
     pub prefill_devices: u32,
+    /// …and of those that decode (decode and colocated ones), which the
+    /// `*_per_decode_*` figures divide by.
     pub decode_devices: u32,
     pub duration_s: f64,
     /// Throughput is measured over `[warmup_s, duration_s)`.
@@ -73,6 +81,11 @@ pub struct Report {
     pub input_tok_s_per_prefill_node: f64,
     pub output_tok_s_per_decode_gpu: f64,
     pub output_tok_s_per_decode_node: f64,
+    /// Output tokens decode steps produced over the whole run (all but each
+    /// request's first). 0 when no decode step ran (every request asked for
+    /// one token): the per-decode figures then count first tokens only, and
+    /// report.md leaves them out.
+    pub decode_tokens: u64,
     pub ttft_ms: Percentiles,
     pub tpot_ms: Percentiles,
     pub slo_ttft_ms: f64,
@@ -104,13 +117,17 @@ pub struct Report {
     /// state, or held it at another position): 0 without faults.
     pub sequences_rebuilt: u64,
     pub handovers: u64,
-    pub handoffs: super::handoff_report::HandoffReport,
+    /// Reroutes, recomputes and the backlog of the prefill → decode handoffs.
+    pub handoffs: HandoffReport,
     /// Speculative decoding, when on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub speculative: Option<SpeculativeReport>,
     /// The cache tiers below the device, when configured.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache: Option<CacheReport>,
+    /// Expert balance as the steps met it (modelled devices).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_balance: Option<BalanceReport>,
     /// Digest of the run's event log: equal for equal runs.
     pub event_digest: String,
     /// Sorted latencies, for the CDF plots.
@@ -353,6 +370,7 @@ impl Report {
             model: s.model.cost().name.to_string(),
             devices: s.devices(),
             nodes: s.nodes(),
+            devices_per_node: s.devices_per_node,
             prefill_devices: prefill,
             decode_devices: decode,
             duration_s: s.duration_s,
@@ -365,6 +383,7 @@ impl Report {
             input_tok_s_per_prefill_node: input_tok_s / prefill.max(1) as f64 * per_node,
             output_tok_s_per_decode_gpu: output_tok_s / decode.max(1) as f64,
             output_tok_s_per_decode_node: output_tok_s / decode.max(1) as f64 * per_node,
+            decode_tokens: d.traces.iter().map(|t| t.tokens.saturating_sub(1) as u64).sum(),
             ttft_ms: Percentiles::of(&ttft),
             tpot_ms: Percentiles::of(&tpot),
             slo_ttft_ms: s.ttft_slo_ms,
@@ -392,6 +411,7 @@ impl Report {
             handoffs: d.handoffs.clone(),
             speculative: d.drafts.as_ref().and_then(|t| SpeculativeReport::new(s, t)),
             cache: CacheReport::new(s, d),
+            expert_balance: BalanceReport::new(s, d),
             event_digest: format!("{:016x}", d.digest),
             ttft_sorted_ms: ttft,
             tpot_sorted_ms: tpot,
@@ -401,134 +421,6 @@ impl Report {
 
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("a report serialises") + "\n"
-    }
-
-    pub fn to_markdown(&self) -> String {
-        let r = &self.requests;
-        let mut md = format!(
-            "# Simulation: {}\n\n{} × {} running {}, {} nodes ({} prefill + {} decode devices), seed {}, {:.0} s of arrivals ({:.0} s simulated).\n\n",
-            self.scenario,
-            self.devices,
-            self.hardware,
-            self.model,
-            self.nodes,
-            self.prefill_devices,
-            self.decode_devices,
-            self.seed,
-            self.duration_s,
-            self.simulated_s
-        );
-        md += "| metric | value |\n|---|---|\n";
-        let mut row = |k: &str, v: String| md += &format!("| {k} | {v} |\n");
-        row(
-            "requests",
-            format!(
-                "{} submitted, {} completed, {} failed, {} refused, {} unfinished, **{} lost**",
-                r.submitted, r.completed, r.failed, r.refused, r.unfinished, r.lost
-            ),
-        );
-        row(
-            "input tok/s (cache hits included)",
-            format!(
-                "{:.0} total, {:.0} per prefill GPU, {:.0} per prefill node",
-                self.input_tok_s, self.input_tok_s_per_prefill_gpu, self.input_tok_s_per_prefill_node
-            ),
-        );
-        row(
-            "output tok/s",
-            format!(
-                "{:.0} total, {:.0} per decode GPU, {:.0} per decode node",
-                self.output_tok_s, self.output_tok_s_per_decode_gpu, self.output_tok_s_per_decode_node
-            ),
-        );
-        row(
-            "TTFT ms p50 / p90 / p99",
-            format!("{:.0} / {:.0} / {:.0}", self.ttft_ms.p50, self.ttft_ms.p90, self.ttft_ms.p99),
-        );
-        row(
-            "TPOT ms p50 / p90 / p99",
-            format!("{:.1} / {:.1} / {:.1}", self.tpot_ms.p50, self.tpot_ms.p90, self.tpot_ms.p99),
-        );
-        row(
-            "goodput (TTFT ≤ SLO and TPOT ≤ SLO)",
-            format!(
-                "{:.2} req/s, {:.1}% of completed, {:.1}% of all judged, unfinished ones included (SLO {:.0} ms / {:.0} ms)",
-                self.goodput_req_s,
-                self.slo_attainment * 100.0,
-                self.slo_attainment_judged * 100.0,
-                self.slo_ttft_ms,
-                self.slo_tpot_ms
-            ),
-        );
-        row("prefix hit rate", format!("{:.1}%", self.prefix_hit_rate * 100.0));
-        row(
-            "steps / actor restarts / sequences rebuilt / prefill→decode handovers",
-            format!("{} / {} / {} / {}", self.steps, self.actor_restarts, self.sequences_rebuilt, self.handovers),
-        );
-        if let Some(x) = &self.speculative {
-            let probs: Vec<String> = x.acceptance.iter().map(|p| format!("{p}")).collect();
-            row(
-                "speculative decoding",
-                format!(
-                    "{}, {}, up to {} drafts; acceptance [{}], spread {}, head noise {}",
-                    x.method,
-                    x.draft_length,
-                    x.num_draft_tokens,
-                    probs.join(", "),
-                    x.acceptance_spread,
-                    x.confidence_noise
-                ),
-            );
-            row(
-                "acceptance length",
-                format!(
-                    "{:.2} tokens per verification (the model's means give {:.2} for the lengths verified)",
-                    x.acceptance_length, x.acceptance_length_model
-                ),
-            );
-            row(
-                "wasted verification",
-                format!("{:.1}% of {} verified drafts rejected", x.wasted_verification * 100.0, x.verified_drafts),
-            );
-            row(
-                "drafts per step",
-                format!(
-                    "{:.2} verified per decoding request-step ({:.2} per verification), {:.2} tokens per step",
-                    x.drafts_per_step, x.drafts_per_verification, x.tokens_per_step
-                ),
-            );
-        }
-        md += "\n| instance | role | devices | KV budget GiB | KV use max | KV use mean | expert load max/mean |\n|---|---|---|---|---|---|---|\n";
-        for (i, x) in self.instances.iter().enumerate() {
-            md += &format!(
-                "| {i} | {} | {} | {:.0} | {:.1}% | {:.1}% | {:.2} |\n",
-                x.role,
-                x.devices,
-                x.kv_budget_gib,
-                x.kv_use_max * 100.0,
-                x.kv_use_mean * 100.0,
-                x.expert_imbalance
-            );
-        }
-        md += &self.handoffs.to_markdown();
-        if let Some(c) = &self.cache {
-            md += &c.to_markdown();
-        }
-        if !self.faults.is_empty() {
-            md += "\n| t (s) | fault |\n|---|---|\n";
-            for (t, what) in &self.faults {
-                md += &format!("| {t:.1} | {what} |\n");
-            }
-        }
-        if !r.first_errors.is_empty() {
-            md += "\nFirst errors:\n\n";
-            for e in &r.first_errors {
-                md += &format!("- {e}\n");
-            }
-        }
-        md += "\nPlots: `throughput.svg` (faults marked), `latency_cdf.svg`, `tpot_cdf.svg`, `expert_load.svg`";
-        md += if self.cache.is_some() { ", `cache_tiers.svg`.\n" } else { ".\n" };
-        md
     }
 }
 
@@ -596,5 +488,22 @@ tpot_ms = 50
         assert_eq!((r.slo_broken_ttft, r.slo_broken_tpot, r.slo_undetermined), (2, 2, 2));
         assert_eq!(r.slo_attainment_judged, 1.0 / 6.0, "one good of six known");
         assert_eq!(r.slo_attainment, 0.5, "completed ones only: one of two");
+    }
+
+    #[test]
+    fn the_output_row_says_what_it_divides_by_and_drops_per_decode_figures_without_decode() {
+        let s = scenario();
+        let decoding =
+            RunData { traces: vec![trace(0, Some(200), 550, 8, Some(End::Completed))], ..RunData::default() };
+        let md = Report::new(&s, &decoding).to_markdown();
+        assert!(md.contains("per decode GPU (of the 8 that decode)"), "{md}");
+        assert!(md.contains("per decode node (8 GPUs)") && md.contains("per prefill node (8 GPUs)"), "{md}");
+        let first_only = Trace { output_wanted: 1, ..trace(0, Some(200), 200, 1, Some(End::Completed)) };
+        let first_only = Trace { tokens: 1, ..first_only };
+        let r = Report::new(&s, &RunData { traces: vec![first_only], ..RunData::default() });
+        assert_eq!(r.decode_tokens, 0);
+        let md = r.to_markdown();
+        assert!(!md.contains("per decode GPU ("), "{md}");
+        assert!(md.contains("no decode step ran"), "{md}");
     }
 }
