@@ -208,23 +208,36 @@ impl Modelled {
         let fits = |d: u32| self.model.device_weight_bytes(slots.div_ceil(d as usize)) <= usable;
         let most = (slots as u32).div_ceil(per_node) * per_node;
         let fits_devices = (1..=most / per_node).map(|n| n * per_node).find(|&d| d > devices && fits(d));
+        // Or fewer of them in HBM: the least `offload_gib` that fits, if the host holds it.
+        let hbm_need = self.hbm_weight_bytes(instance);
+        let offload = self.limits(instance).offload_bytes + (hbm_need - usable).max(0.0);
+        let offload_hint = (offload <= self.expert_bytes(instance) && offload <= self.hardware.host_bytes())
+            .then(|| {
+                format!(
+                    "; or offload_gib = {:.0} on this instance keeps that much of its experts in host memory",
+                    gib(offload).ceil()
+                )
+            })
+            .unwrap_or_default();
         let hint = match fits_devices {
             Some(d) => format!(
                 "more devices per instance would hold them ({d} devices per instance: each then holds {} routed \
-                 expert slots, not {})",
+                 expert slots, not {}){offload_hint}",
                 slots.div_ceil(d as usize),
                 slots.div_ceil(devices as usize)
             ),
-            None => format!(
-                "no instance size would: with one routed expert per device the dense weights and embeddings alone \
+            None => {
+                format!(
+                    "no instance size would: with one routed expert per device the dense weights and embeddings alone \
                  need {:.1} GiB",
-                gib(self.model.device_weight_bytes(1))
-            ),
+                    gib(self.model.device_weight_bytes(1))
+                ) + &offload_hint
+            }
         };
         ModelledError::NoMemory {
             instance,
             devices,
-            need_gib: gib(self.weight_bytes(instance)),
+            need_gib: gib(hbm_need),
             have_gib: gib(have),
             usable_gib: gib(usable),
             reserve_pct: HBM_RESERVE * 100.0,
