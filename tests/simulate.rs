@@ -216,3 +216,25 @@ fn bad_scenarios_name_the_file_line_and_key() {
     ];
     assert_refused_with_place("drill.toml", &good, &cases);
 }
+
+#[test]
+fn expert_drift_and_rebalancing_have_defaults_and_errors_that_name_the_key() {
+    let good = std::fs::read_to_string(repo().join("simulations/fault-drill.toml")).unwrap();
+    // Without the keys: static loads, DeepSeek's 10-minute period.
+    let s = Scenario::parse("drill.toml", &good, Path::new(".")).unwrap();
+    assert_eq!((s.expert_drift_s, s.expert_drift_share, s.rebalance_s), (0.0, 0.1, 600.0));
+    let with = good.replacen("[traffic]", "[experts]\ndrift_s = 900\nrebalance_s = 0\n\n[traffic]", 1);
+    let s = Scenario::parse("drill.toml", &with, Path::new(".")).unwrap();
+    assert_eq!((s.expert_drift_s, s.expert_drift_share, s.rebalance_s), (900.0, 0.1, 0.0));
+    let experts = "[experts]\ndrift_s = 900\ndrift_share = 0.3\nrebalance_s = 60\n\n[traffic]";
+    let good = good.replacen("[traffic]", experts, 1);
+    let cases = [
+        ("drift_s = 900", "drift_s = 5", "experts.drift_s", "must be 0 or 10 to 86400 seconds"),
+        ("drift_s = 900", "drift_s = -1", "experts.drift_s", "must be 0 or 10"),
+        ("drift_share = 0.3", "drift_share = 1.5", "experts.drift_share", "must be in [0, 1]"),
+        ("rebalance_s = 60", "rebalance_s = 0.5", "experts.rebalance_s", "must be 0 or 1 to 86400 seconds"),
+        ("rebalance_s = 60", "rebalance_s = 1e9", "experts.rebalance_s", "must be 0 or 1"),
+        ("rebalance_s = 60", "rebalance_s = \"often\"", "experts.rebalance_s", "invalid type"),
+    ];
+    assert_refused_with_place("drill.toml", &good, &cases);
+}
