@@ -140,6 +140,7 @@ impl Model {
                         tokens: c.tokens,
                         state: c.state.v41.as_ref().expect("a V4.1 model runs on V4.1 states"),
                         drafts: c.drafts,
+                        spans: &[],
                     }
                 })
                 .collect();

@@ -9,6 +9,30 @@ use deepinfer_kernels::dtype::{fp8_e4m3_to_f32, ue8m0_to_f32};
 use super::config::EngramConfig;
 use super::numpy_rng::Pcg64;
 
+/// The look-back entry of an image position: it contributes no token, and an
+/// n-gram that reaches it takes the pad id there and at every older slot.
+pub const DEAD: u64 = u64::MAX;
+
+/// A look-back entry as the flat state forms carry it (−1 for [`DEAD`]).
+pub fn entry_as_f32(id: u64) -> f32 {
+    if id == DEAD {
+        -1.0
+    } else {
+        id as f32
+    }
+}
+
+/// The inverse of [`entry_as_f32`]: `None` unless an id below `limit` or −1.
+pub fn entry_from_f32(v: f32, limit: f32) -> Option<u64> {
+    if v == -1.0 {
+        Some(DEAD)
+    } else if v >= 0.0 && v < limit && v.fract() == 0.0 {
+        Some(v as u64)
+    } else {
+        None
+    }
+}
+
 /// Bucket layout and hash constants of every Engram layer.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EngramHash {
@@ -130,9 +154,19 @@ impl EngramHash {
     /// history (oldest first, current token last) is `history`: `[layers][cols]`.
     pub fn rows(&self, history: &[u64]) -> Vec<Vec<u64>> {
         let n = self.max_ngram_size;
-        // Look-back tokens, current first; slots before the sequence start take the pad id.
+        // Look-back tokens, current first; slots before the sequence start, at an
+        // image position ([`DEAD`]) and older than one take the pad id.
+        let mut blocked = false;
         let tokens: Vec<u64> = (0..n)
-            .map(|shift| if shift < history.len() { history[history.len() - 1 - shift] } else { self.pad })
+            .map(|shift| {
+                let id = history.len().checked_sub(1 + shift).map(|i| history[i]);
+                blocked |= id.is_none_or(|id| id == DEAD);
+                if blocked {
+                    self.pad
+                } else {
+                    id.unwrap()
+                }
+            })
             .collect();
         self.multipliers
             .iter()
@@ -186,4 +220,33 @@ pub fn gate(stream: &[f32], key: &[f32], weight: &[f32], eps: f32) -> f32 {
     let dot = sum(stream.iter().zip(weight).zip(key).map(|((h, w), k)| h * w * k));
     let dot = dot * rstd * (d as f64).powf(-0.5) as f32;
     sigmoid(dot.abs().max(1e-6).sqrt().copysign(dot))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_image_position_ends_the_look_back() {
+        let cfg = EngramConfig {
+            layer_ids: vec![0, 3],
+            num_embeddings: vec![10_000, 10_000],
+            max_ngram_size: 4,
+            vocab_size: 50,
+            n_heads: 2,
+            head_dim: 32,
+            pad_id: 2,
+            compressed_vocab_size: 20,
+        };
+        let hash = EngramHash::new(&cfg, (0..40).map(|t| t / 2).collect()).unwrap();
+        // the n-grams reaching the image position pad it and every older slot
+        assert_eq!(hash.rows(&[7, 9, DEAD, 4, 5]), hash.rows(&[4, 5]));
+        assert_eq!(hash.rows(&[3, DEAD]), hash.rows(&[]));
+        assert_ne!(hash.rows(&[7, 9, 3, 4, 5]), hash.rows(&[4, 5]));
+        for id in [0, 17, DEAD] {
+            assert_eq!(entry_from_f32(entry_as_f32(id), 20.0), Some(id));
+        }
+        assert_eq!(entry_from_f32(-2.0, 20.0), None);
+        assert_eq!(entry_from_f32(20.0, 20.0), None);
+    }
 }

@@ -9,20 +9,30 @@ use super::ops::{self, top_k_stable};
 use super::weights::{Expert, Moe};
 use crate::model::{Dispatch, ExpertOutputs, Route};
 
-pub fn route(cfg: &V41Config, moe: &Moe, x: &[f32], n: usize) -> Vec<Route> {
+/// Route `n` rows; a row marked in `image` (an image span's position) picks its
+/// experts with the router's image bias `bias_vl` instead of `bias` (its weights
+/// still come from the unbiased scores). `image` is empty or one flag per row.
+pub fn route(cfg: &V41Config, moe: &Moe, x: &[f32], n: usize, image: &[bool]) -> Vec<Route> {
+    assert!(image.is_empty() || image.len() == n, "one image flag per row");
     let e = moe.experts.len();
     let mut logits = vec![0.0f32; n * e];
     plain_linear(&moe.gate, x, n, &mut logits);
     logits
         .chunks_exact(e)
-        .map(|row| {
+        .enumerate()
+        .map(|(t, row)| {
             let row: Vec<f32> = row.iter().map(|v| v / cfg.gate_temp).collect();
             let scores: Vec<f32> = match cfg.score_func {
                 ScoreFunc::Softmax => ops::softmax(&row),
                 ScoreFunc::Sigmoid => row.iter().map(|&v| ops::sigmoid(v)).collect(),
                 ScoreFunc::SqrtSoftplus => row.iter().map(|&v| ops::softplus(v).sqrt()).collect(),
             };
-            let biased: Vec<f32> = scores.iter().zip(&moe.bias).map(|(s, b)| s + b).collect();
+            let bias = match (&moe.bias_vl, image.get(t)) {
+                (Some(vl), Some(true)) => vl,
+                (None, Some(true)) => panic!("image rows routed by a router without bias_vl"),
+                _ => &moe.bias,
+            };
+            let biased: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
             let experts = top_k_stable(&biased, moe.n_activated);
             let mut weights: Vec<f32> = experts.iter().map(|&i| scores[i]).collect();
             if cfg.norm_topk_prob && moe.n_activated > 1 {
@@ -83,7 +93,7 @@ pub fn combine(cfg: &V41Config, moe: &Moe, dispatch: &Dispatch, outputs: &Expert
 
 /// Route, run every expert here and combine (the DSpark layers).
 pub fn forward(cfg: &V41Config, moe: &Moe, x: &[f32], n: usize) -> Vec<f32> {
-    let dispatch = Dispatch { hidden_size: cfg.dim, x: x.to_vec(), routes: route(cfg, moe, x, n) };
+    let dispatch = Dispatch { hidden_size: cfg.dim, x: x.to_vec(), routes: route(cfg, moe, x, n, &[]) };
     let mut outputs = ExpertOutputs::new(&dispatch, moe.n_activated);
     for (e, pairs) in dispatch.rows_by_expert() {
         let weights: Vec<f32> = pairs.iter().map(|&(t, slot)| dispatch.routes[t].weights[slot]).collect();

@@ -43,6 +43,19 @@ pub struct ChunkInput<'a> {
     pub state: &'a V41State,
     /// Trailing draft tokens (see `Chunk::drafts`).
     pub drafts: usize,
+    /// Image spans inside the chunk (none for text).
+    pub spans: &'a [EmbeddedSpan<'a>],
+}
+
+/// Embedding rows `[len, dim]` (bf16 values) that replace the token embeddings
+/// at chunk positions `offset..offset + len`: an image's span
+/// (`ModelV41::span_embeddings`). Those positions route with the routers'
+/// image bias and are gaps in Engram's n-grams (no contribution, and the
+/// look-back of later tokens stops there).
+#[derive(Clone, Copy, Debug)]
+pub struct EmbeddedSpan<'a> {
+    pub offset: usize,
+    pub rows: &'a [f32],
 }
 
 pub struct ChunkResult {
@@ -56,6 +69,8 @@ pub struct ChunkResult {
 struct SeqPass {
     span: Span,
     tokens: Vec<u32>,
+    /// Per token: inside an image span.
+    image: Vec<bool>,
     streams: Vec<f32>,
     /// Per token: the `pre` the next sublayer collapses the streams with.
     pre: Vec<Vec<f32>>,
@@ -85,7 +100,19 @@ impl ModelV41 {
     /// Run `tokens` (positions `state.position..`) through the backbone.
     pub fn forward(&self, tokens: &[u32], state: &mut V41State, rows: Rows) -> ChunkResult {
         assert!(!tokens.is_empty(), "an empty chunk");
-        let mut pass = self.begin(&[ChunkInput { tokens, state: &*state, drafts: 0 }]);
+        self.forward_with(tokens, &[], state, rows)
+    }
+
+    /// [`ModelV41::forward`] with image spans inside the chunk.
+    pub fn forward_with(
+        &self,
+        tokens: &[u32],
+        spans: &[EmbeddedSpan],
+        state: &mut V41State,
+        rows: Rows,
+    ) -> ChunkResult {
+        assert!(!tokens.is_empty(), "an empty chunk");
+        let mut pass = self.begin(&[ChunkInput { tokens, state: &*state, drafts: 0, spans }]);
         while !self.is_done(&pass) {
             let dispatch = self.attend(&mut pass, &mut [&mut *state]).clone();
             let outputs = self.run_experts(pass.layer, &dispatch);
@@ -102,7 +129,7 @@ impl ModelV41 {
         let mut row = vec![0.0f32; d];
         let seqs = chunks
             .iter()
-            .map(|&ChunkInput { tokens, state, drafts }| {
+            .map(|&ChunkInput { tokens, state, drafts, spans }| {
                 let n = tokens.len();
                 // A chunk that starts the sequence lists its keys differently
                 // (see `attention`), so drafts never ride on one.
@@ -116,12 +143,28 @@ impl ModelV41 {
                         streams[(t * hc + k) * d..(t * hc + k + 1) * d].copy_from_slice(&row);
                     }
                 }
+                let mut image = vec![false; if spans.is_empty() { 0 } else { n }];
+                for s in spans {
+                    assert!(
+                        s.rows.len().is_multiple_of(d) && s.offset + s.rows.len() / d <= n,
+                        "a span inside its chunk"
+                    );
+                    assert!(drafts == 0, "drafts never ride on a chunk with images");
+                    for (t, row) in (s.offset..).zip(s.rows.chunks_exact(d)) {
+                        assert!(!image[t], "image spans overlap");
+                        image[t] = true;
+                        for k in 0..hc {
+                            streams[(t * hc + k) * d..(t * hc + k + 1) * d].copy_from_slice(row);
+                        }
+                    }
+                }
                 SeqPass {
                     span: Span { start: state.position, len: n, drafts },
                     tokens: tokens.to_vec(),
+                    engram_rows: self.engram_rows(tokens, &image, &state.engram_history),
+                    image,
                     streams,
                     pre: vec![ops::one_hot(hc); n],
-                    engram_rows: self.engram_rows(tokens, &state.engram_history),
                     shared: Shared::default(),
                     main_hidden: vec![0.0f32; n * targets * d],
                     ffn_mixes: Vec::new(),
@@ -131,11 +174,11 @@ impl ModelV41 {
         PassV41 { seqs, layer: 0, dispatch: None }
     }
 
-    /// The Engram look-back after `tokens` follow `history`.
-    fn engram_history_after(&self, history: &[u64], tokens: &[u32]) -> Vec<u64> {
+    /// The Engram look-back after `tokens` (image positions marked in `image`, or none) follow `history`.
+    fn engram_history_after(&self, history: &[u64], tokens: &[u32], image: &[bool]) -> Vec<u64> {
         let Some(hash) = &self.engram_hash else { return history.to_vec() };
         let mut out = history.to_vec();
-        out.extend(tokens.iter().map(|&t| hash.compress(t)));
+        out.extend(tokens.iter().enumerate().map(|(t, &tok)| engram_entry(hash, tok, image, t)));
         let keep = hash.max_ngram_size.min(out.len());
         out.drain(..out.len() - keep);
         out
@@ -161,7 +204,7 @@ impl ModelV41 {
         for seq in pass.seqs.iter_mut() {
             let n = seq.span.len;
             if let (Some(e), Some(slot)) = (&block.engram, cfg.layers[l].engram) {
-                self.apply_engram(e, &seq.engram_rows, slot, &mut seq.streams, n);
+                self.apply_engram(e, &seq.engram_rows, &seq.image, slot, &mut seq.streams, n);
             }
             if let Some(i) = targets.iter().position(|&x| x == l) {
                 for t in 0..n {
@@ -198,7 +241,15 @@ impl ModelV41 {
             at += n;
         }
         let n_all = x_all.len() / d;
-        let routes = ffn::route(cfg, &block.moe, &x_all, n_all);
+        let image: Vec<bool> = if pass.seqs.iter().all(|s| s.image.is_empty()) {
+            Vec::new()
+        } else {
+            pass.seqs
+                .iter()
+                .flat_map(|s| if s.image.is_empty() { vec![false; s.span.len] } else { s.image.clone() })
+                .collect()
+        };
+        let routes = ffn::route(cfg, &block.moe, &x_all, n_all, &image);
         pass.dispatch.insert(Dispatch { hidden_size: d, x: x_all, routes })
     }
 
@@ -250,10 +301,10 @@ impl ModelV41 {
                     let mark = state.draft_mark.get_or_insert_with(Default::default);
                     mark.position = state.position + n - seq.span.drafts;
                     mark.engram_history =
-                        self.engram_history_after(&state.engram_history, &seq.tokens[..n - seq.span.drafts]);
+                        self.engram_history_after(&state.engram_history, &seq.tokens[..n - seq.span.drafts], &[]);
                 }
                 state.position += n;
-                state.engram_history = self.engram_history_after(&state.engram_history, &seq.tokens);
+                state.engram_history = self.engram_history_after(&state.engram_history, &seq.tokens, &seq.image);
                 let wanted = match rows {
                     Rows::None => 0..0,
                     Rows::Last => n - 1..n,
@@ -341,13 +392,14 @@ impl ModelV41 {
     }
 
     /// Per token, per Engram layer, the table rows it looks up, after the look-back `history`.
-    fn engram_rows(&self, tokens: &[u32], history: &[u64]) -> Vec<Vec<Vec<u64>>> {
+    fn engram_rows(&self, tokens: &[u32], image: &[bool], history: &[u64]) -> Vec<Vec<Vec<u64>>> {
         let Some(hash) = &self.engram_hash else { return Vec::new() };
         let mut window: Vec<u64> = history.to_vec();
         tokens
             .iter()
-            .map(|&tok| {
-                window.push(hash.compress(tok));
+            .enumerate()
+            .map(|(t, &tok)| {
+                window.push(engram_entry(hash, tok, image, t));
                 let keep = hash.max_ngram_size.min(window.len());
                 window.drain(..window.len() - keep);
                 hash.rows(&window)
@@ -359,6 +411,7 @@ impl ModelV41 {
         &self,
         e: &super::weights::Engram,
         rows: &[Vec<Vec<u64>>],
+        image: &[bool],
         slot: usize,
         streams: &mut [f32],
         n: usize,
@@ -383,10 +436,24 @@ impl ModelV41 {
             let value = &kv_t[hc * d..];
             for k in 0..hc {
                 let s = &mut streams[(t * hc + k) * d..(t * hc + k + 1) * d];
-                let g = engram::gate(s, &kv_t[k * d..(k + 1) * d], &e.weight[k * d..(k + 1) * d], cfg.norm_eps);
+                // an image position's gate is masked to 0 (its stream keeps its bits)
+                let g = if image.get(t) == Some(&true) {
+                    0.0
+                } else {
+                    engram::gate(s, &kv_t[k * d..(k + 1) * d], &e.weight[k * d..(k + 1) * d], cfg.norm_eps)
+                };
                 s.iter_mut().zip(value).for_each(|(h, v)| *h = round_bf16(*h + g * v));
             }
         }
+    }
+}
+
+/// Token `t`'s look-back entry: its compressed id, or [`engram::DEAD`] inside an image span.
+fn engram_entry(hash: &engram::EngramHash, tok: u32, image: &[bool], t: usize) -> u64 {
+    if image.get(t) == Some(&true) {
+        engram::DEAD
+    } else {
+        hash.compress(tok)
     }
 }
 

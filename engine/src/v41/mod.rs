@@ -14,6 +14,7 @@ pub mod numpy_rng;
 pub mod ops;
 pub mod state;
 pub mod transfer;
+pub mod vision;
 pub mod weights;
 
 use std::path::Path;
@@ -21,7 +22,7 @@ use std::path::Path;
 pub use config::V41Config;
 pub use dspark::Drafts;
 use engram::EngramHash;
-pub use forward::{ChunkInput, ChunkResult, Rows};
+pub use forward::{ChunkInput, ChunkResult, EmbeddedSpan, Rows};
 use ops::RopeTable;
 pub use state::V41State;
 use weights::Weights;

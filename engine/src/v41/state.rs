@@ -199,7 +199,7 @@ impl BlockSnapshot {
             data.extend_from_slice(w);
         }
         lens.extend([HISTORY, self.engram_history.len() as u32, 0, 0]);
-        data.extend(self.engram_history.iter().map(|&id| id as f32));
+        data.extend(self.engram_history.iter().map(|&id| super::engram::entry_as_f32(id)));
         for w in &self.dspark_windows {
             lens.extend([DRAFT, w.len() as u32, 0, 0]);
             data.extend_from_slice(w);
@@ -257,10 +257,10 @@ impl BlockSnapshot {
             return Err(format!("an Engram look-back of {h}"));
         }
         let vocab = cfg.engram.as_ref().map_or(0, |e| e.compressed_vocab_size) as f32;
-        let history = take(h)?;
-        if let Some(bad) = history.iter().find(|&&v| !(v >= 0.0 && v < vocab && v.fract() == 0.0)) {
-            return Err(format!("Engram look-back holds {bad}"));
-        }
+        let history = take(h)?
+            .into_iter()
+            .map(|v| super::engram::entry_from_f32(v, vocab).ok_or_else(|| format!("Engram look-back holds {v}")))
+            .collect::<Result<Vec<u64>, _>>()?;
         let mut dspark_windows = Vec::with_capacity(drafts);
         for _ in 0..drafts {
             let [w, z1, z2] = next(DRAFT)?;
@@ -272,7 +272,7 @@ impl BlockSnapshot {
         if at != data.len() {
             return Err(format!("{} values, {at} expected", data.len()));
         }
-        Ok(Self { groups, windows, engram_history: history.into_iter().map(|v| v as u64).collect(), dspark_windows })
+        Ok(Self { groups, windows, engram_history: history, dspark_windows })
     }
 
     /// Whether this block, the last of a hit ending at `position`, holds the windows a state there has.

@@ -11,6 +11,7 @@
 //! that position, so a state read from the network can never trip the forward pass.
 
 use super::config::V41Config;
+use super::engram::{entry_as_f32, entry_from_f32, DEAD};
 use super::state::V41State;
 
 /// First length of a V4.1 state (a V4 state starts with its position, never this).
@@ -32,9 +33,9 @@ pub fn to_parts(state: &V41State) -> (Vec<u32>, Vec<f32>) {
             data.extend_from_slice(part);
         }
     }
-    assert!(state.engram_history.iter().all(|&id| id < ID_MAX), "Engram ids travel as f32");
+    assert!(state.engram_history.iter().all(|&id| id < ID_MAX || id == DEAD), "Engram ids travel as f32");
     lens.push(state.engram_history.len() as u32);
-    data.extend(state.engram_history.iter().map(|&id| id as f32));
+    data.extend(state.engram_history.iter().map(|&id| entry_as_f32(id)));
     for w in &state.dspark_windows {
         lens.push(w.len() as u32);
         data.extend_from_slice(w);
@@ -108,10 +109,10 @@ pub fn from_parts(cfg: &V41Config, lens: &[u32], data: &[f32], max_position: usi
         s.pending_score = take();
     }
     let history = take();
-    if let Some(bad) = history.iter().find(|&&v| !(v >= 0.0 && v < ID_MAX as f32 && v.fract() == 0.0)) {
-        return Err(format!("Engram look-back holds {bad}, not a token id"));
-    }
-    state.engram_history = history.into_iter().map(|v| v as u64).collect();
+    state.engram_history = history
+        .iter()
+        .map(|&v| entry_from_f32(v, ID_MAX as f32).ok_or_else(|| format!("Engram look-back holds {v}, not a token id")))
+        .collect::<Result<_, _>>()?;
     for w in state.dspark_windows.iter_mut() {
         *w = take();
     }

@@ -55,6 +55,8 @@ pub struct Moe {
     /// Router weight `[experts, dim]`, bf16 values.
     pub gate: Linear,
     pub bias: Vec<f32>,
+    /// The bias image-span rows pick their experts with (models with a vision tower).
+    pub bias_vl: Option<Vec<f32>>,
     /// The routed experts; empty when they live elsewhere ([`RoutedExperts::Elsewhere`]).
     pub experts: Vec<Arc<Expert>>,
     pub shared: Expert,
@@ -111,6 +113,8 @@ pub struct Weights {
     /// `[vocab, dim]`, used in f32.
     pub head: Linear,
     pub dspark: Vec<DsparkLayer>,
+    /// The vision tower, the aligner and the image span's vectors (`vision_n_layers > 0`).
+    pub vision: Option<super::vision::VisionWeights>,
 }
 
 pub(crate) struct Loader<'a> {
@@ -168,6 +172,10 @@ impl Loader<'_> {
         Ok(Moe {
             gate,
             bias: self.vector(&format!("{prefix}.gate.bias"), e)?,
+            bias_vl: match self.cfg.vision {
+                Some(_) => Some(self.vector(&format!("{prefix}.gate.bias_vl"), e)?),
+                None => None,
+            },
             experts: match routed {
                 RoutedExperts::Resident => (0..e)
                     .map(|i| self.expert(&format!("{prefix}.experts.{i}")).map(Arc::new))
@@ -321,8 +329,12 @@ impl Weights {
             norm: l.vector("norm.weight", d)?,
             head: l.linear("head", v, d)?,
             dspark,
+            vision: match &cfg.vision {
+                Some(v) => Some(super::vision::VisionWeights::load(ck, v, d)?),
+                None => None,
+            },
         };
-        // The vision tower and the routers' image-token bias serve image inputs, which a text-only model refuses.
+        // A text-only config (no `vision_n_layers`) leaves a checkpoint's vision tower unread: it refuses images.
         ck.check_all_used(|name| {
             name.starts_with("vision.")
                 || name.starts_with("aligner.")
