@@ -280,6 +280,18 @@ fn argmax(row: &[f32]) -> u32 {
 }
 
 #[test]
+fn models_without_a_tower_refuse_images() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/oracle");
+    for name in ["tiny-v4", "v41/r2-across-swa"] {
+        let model = deepinfer_engine::model::Model::load(&root.join(name)).unwrap();
+        let err = model.image_model().err().unwrap_or_else(|| panic!("{name} took images"));
+        assert!(matches!(err, ImageError::NoVisionTower(_)), "{name}: {err}");
+    }
+    let model = deepinfer_engine::model::Model::load(&dir()).unwrap();
+    assert!(model.image_model().unwrap().vision().is_ok());
+}
+
+#[test]
 fn a_model_without_vision_refuses_images() {
     let text = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/oracle/v41/r2-across-swa");
     let model = ModelV41::load(&text).unwrap();

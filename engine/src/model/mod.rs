@@ -53,6 +53,21 @@ pub struct Model {
 }
 
 impl Model {
+    /// The V4.1 model whose vision tower serves a request's images, or why this
+    /// model takes none (DeepSeek-V4; a V4.1 config without `vision_n_layers`; a
+    /// model on a device, whose pass takes no image spans yet): a request error.
+    pub fn image_model(&self) -> Result<&ModelV41, crate::v41::vision::ImageError> {
+        use crate::v41::vision::ImageError;
+        let Some(m) = &self.v41 else {
+            return Err(ImageError::NoVisionTower("DeepSeek-V4 has no vision tower".into()));
+        };
+        m.vision()?;
+        if self.device.is_some() {
+            return Err(ImageError::Unsupported("images on a device model (its pass takes no image spans yet)".into()));
+        }
+        Ok(m)
+    }
+
     /// Load `config.json` and the `*.safetensors` weights from a Hugging Face directory.
     pub fn load(dir: &Path) -> Result<Self, LoadError> {
         if is_v41_dir(dir)? {

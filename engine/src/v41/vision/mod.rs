@@ -92,6 +92,8 @@ impl VisionConfig {
 pub enum ImageError {
     #[error("this model takes no images: {0}")]
     NoVisionTower(String),
+    #[error("{0}")]
+    Unsupported(String),
     #[error("an image of {width}×{height} pixels has no area")]
     Empty { width: usize, height: usize },
     #[error("{got} bytes of RGB pixels for a {width}×{height} image (expected {expected})")]
