@@ -211,14 +211,14 @@ impl Modelled {
         // Or fewer of them in HBM: the least `offload_gib` that fits, if the host holds it.
         let hbm_need = self.hbm_weight_bytes(instance);
         let offload = self.limits(instance).offload_bytes + (hbm_need - usable).max(0.0);
-        let offload_hint = (offload <= self.expert_bytes(instance) && offload <= self.hardware.host_bytes())
-            .then(|| {
-                format!(
-                    "; or offload_gib = {:.0} on this instance keeps that much of its experts in host memory",
-                    gib(offload).ceil()
-                )
-            })
-            .unwrap_or_default();
+        let offload_hint = if offload <= self.expert_bytes(instance) && offload <= self.hardware.host_bytes() {
+            format!(
+                "; or offload_gib = {:.0} on this instance keeps that much of its experts in host memory",
+                gib(offload).ceil()
+            )
+        } else {
+            String::new()
+        };
         let hint = match fits_devices {
             Some(d) => format!(
                 "more devices per instance would hold them ({d} devices per instance: each then holds {} routed \
