@@ -28,7 +28,7 @@ pub enum Command {
     /// Generate a completion for a prompt, or for every request of a JSON Lines file, offline.
     Generate(GenerateArgs),
     /// Serve the OpenAI (Chat Completions, Responses) and Anthropic (Messages) HTTP APIs.
-    Serve(commands::serve::ServeArgs),
+    Serve(Box<commands::serve::ServeArgs>),
     /// Simulate a cluster scenario deterministically on this CPU and report what it did.
     Simulate(commands::simulate::SimulateArgs),
     /// Plan a deployment in simulation: the capacity of each layout of N GPUs

@@ -1,6 +1,6 @@
 //! HTTP-level behaviour of `deepinfer serve` with a real client and raw sockets:
 //! JSON bodies for every error status (405, 415, early 413, 429 with
-//! `Retry-After`), images refused by a text-only model.
+//! `Retry-After`), images refused by a model without a vision tower.
 
 mod serve_support;
 
@@ -85,18 +85,19 @@ async fn a_429_says_when_to_retry() {
 }
 
 #[tokio::test]
-async fn images_to_a_text_only_model_are_refused() {
+async fn images_to_a_model_without_a_vision_tower_are_refused() {
     let s = Served::start(&[]);
     let c = Client::new();
-    let image = json!({"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}});
+    let png = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/images/chelsea.png")).unwrap();
+    let data = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, png);
+    let image = json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{data}")}});
     let body = json!({"model": "tiny-v4", "max_tokens": 4,
                       "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]});
     let r = c.post(s.url(CHAT)).json(&body).send().await.unwrap();
     assert_eq!(r.status(), 400);
     let body: Value = r.json().await.unwrap();
-    assert!(body["error"]["message"].as_str().unwrap().contains("text-only"), "{body}");
-    let block =
-        json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}});
+    assert!(body["error"]["message"].as_str().unwrap().contains("has no vision tower"), "{body}");
+    let block = json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}});
     let body = json!({"model": "tiny-v4", "max_tokens": 4, "messages": [{"role": "user", "content": [block]}]});
     let r = c.post(s.url(MESSAGES)).json(&body).send().await.unwrap();
     assert_eq!(r.status(), 400);

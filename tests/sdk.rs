@@ -55,6 +55,11 @@ fn vllm_fields_wide_json_schemas_attachments_and_forced_tool_inputs_through_the_
 }
 
 #[test]
+fn image_parts_through_the_sdks_get_a_clear_400() {
+    run_script("images_sdk.py");
+}
+
+#[test]
 fn anthropic_sdk_messages() {
     run_script("anthropic_sdk.py");
 }

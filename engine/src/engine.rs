@@ -29,6 +29,7 @@ pub use crate::block_values::{check_restore, restore_state, BlockValues};
 use crate::constraint::TokenConstraint;
 use crate::engine_tiers::Tiers;
 pub use crate::engine_tiers::{FetchedBlock, PersistBlock, TierConfig, TierCounters, WantedBlock};
+use crate::images::{check_request, chunk_spans, span_rows};
 use crate::kv_pool::BlockId;
 use crate::model::{Chunk, LogitsWanted, Model, SequenceState};
 use crate::request::{FinishReason, Finished, Request, RequestError, RequestId, RequestUpdate, TokenOutput};
@@ -92,6 +93,8 @@ pub struct Engine<M: Deref<Target = Model> = Arc<Model>> {
     /// chain, or DSpark's block (none known: drafting is taken as free).
     draft_cost: Option<StepCost>,
     spec_stats: SpeculativeStats,
+    /// Each running request's image span rows, by image, once a step has fed part of the span.
+    image_rows: BTreeMap<RequestId, Vec<Option<Arc<[f32]>>>>,
 }
 
 impl<M: Deref<Target = Model>> Engine<M> {
@@ -109,6 +112,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
             step_cost: StepCost::linear(1.0, 1.0 / 64.0),
             draft_cost: None,
             spec_stats: SpeculativeStats::default(),
+            image_rows: BTreeMap::new(),
         })
     }
 
@@ -140,6 +144,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
 
     /// Queue a request; refused requests never affect the others.
     pub fn add_request(&mut self, request: Request) -> Result<RequestId, RequestError> {
+        check_request(&self.model, &request)?;
         self.scheduler.add(request)
     }
 
@@ -149,6 +154,7 @@ impl<M: Deref<Target = Model>> Engine<M> {
         request: Request,
         constraint: Box<dyn TokenConstraint>,
     ) -> Result<RequestId, RequestError> {
+        check_request(&self.model, &request)?;
         let id = self.scheduler.add(request)?;
         self.constraints.insert(id, constraint);
         Ok(id)
@@ -194,7 +200,14 @@ impl<M: Deref<Target = Model>> Engine<M> {
         }
         let items = plan.items;
         items.iter().for_each(|it| self.on_admitted(it));
-        let drafts = self.drafts_to_verify(&items);
+        let mut drafts = self.drafts_to_verify(&items);
+        for (i, it) in items.iter().enumerate() {
+            // Drafts never ride on a chunk with image positions.
+            if self.load_image_rows(it) {
+                drafts[i].clear();
+            }
+        }
+        let dim = self.model.v41.as_ref().map_or(0, |m| m.config.dim);
         let mut states: Vec<SequenceState> = items
             .iter()
             .map(|it| match &it.start {
@@ -241,7 +254,18 @@ impl<M: Deref<Target = Model>> Engine<M> {
                 Some(1) => LogitsWanted::Last,
                 Some(n) => LogitsWanted::Tail(n),
             };
-            let outputs = self.model.forward(&mut chunks, wanted, keep_hidden);
+            let spans: Vec<_> = members
+                .iter()
+                .map(|&i| {
+                    let (a, b, _) = segments[i][w];
+                    let id = items[i].id;
+                    self.image_rows
+                        .get(&id)
+                        .map_or_else(Vec::new, |rows| chunk_spans(&self.scheduler.request(id).images, rows, a..b, dim))
+                })
+                .collect();
+            let outputs = self.model.forward_spans(&mut chunks, &spans, wanted, keep_hidden);
+            drop(spans);
             drop(chunks);
             for (i, out) in members.into_iter().zip(outputs) {
                 let (_, end, _) = segments[i][w];
@@ -299,8 +323,27 @@ impl<M: Deref<Target = Model>> Engine<M> {
         updates.into_values().collect()
     }
 
+    /// Compute the rows of `it`'s image spans that its positions reach and that
+    /// are not kept yet (the tower runs once per image and request). True when
+    /// `it` feeds part of a span.
+    fn load_image_rows(&mut self, it: &ScheduledItem) -> bool {
+        let images = &self.scheduler.request(it.id).images;
+        let reached = |s: &std::ops::Range<usize>| s.start < it.to && it.from < s.end;
+        if !images.iter().any(|image| reached(&image.span())) {
+            return false;
+        }
+        let rows = self.image_rows.entry(it.id).or_insert_with(|| vec![None; images.len()]);
+        for (image, slot) in images.iter().zip(rows.iter_mut()) {
+            if slot.is_none() && reached(&image.span()) {
+                *slot = Some(span_rows(&self.model, image).expect("a request's images are checked on arrival"));
+            }
+        }
+        true
+    }
+
     /// Forget everything kept for a request that ended.
     fn forget(&mut self, id: RequestId) {
+        self.image_rows.remove(&id);
         self.forget_tiers(id);
         self.states.remove(&id);
         self.constraints.remove(&id);

@@ -17,6 +17,7 @@ pub mod device;
 pub mod engine;
 pub mod engine_tiers;
 pub mod eplb;
+pub mod images;
 pub mod kv_pool;
 pub mod kv_tiers;
 pub mod model;

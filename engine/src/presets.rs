@@ -36,6 +36,9 @@ pub enum Preset {
     TinyV41,
     /// DeepSeek-V4.1 with the tiny layout at hidden 1024: a benchmark-sized model.
     SmallV41,
+    /// `TinyV41` with a 2-block vision tower of width 32 (`presets_v41::vision_config_json`):
+    /// a model that takes images.
+    TinyV41Vision,
     /// DeepSeek-V4.1 with the tiny layout at hidden 2048, 128 routed experts (6 active)
     /// of width 1024: V4.1-Flash's ratios at half its width, 3.8 GB as FP8/FP4, so
     /// decode reads its experts from memory as on a server (a CPU benchmark model).
@@ -43,8 +46,15 @@ pub enum Preset {
 }
 
 impl Preset {
-    pub const ALL: [Preset; 6] =
-        [Preset::TinyV4, Preset::SmallV4, Preset::MediumV4, Preset::TinyV41, Preset::SmallV41, Preset::MediumV41];
+    pub const ALL: [Preset; 7] = [
+        Preset::TinyV4,
+        Preset::SmallV4,
+        Preset::MediumV4,
+        Preset::TinyV41,
+        Preset::SmallV41,
+        Preset::MediumV41,
+        Preset::TinyV41Vision,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -54,6 +64,7 @@ impl Preset {
             Preset::TinyV41 => "tiny-v41",
             Preset::SmallV41 => "small-v41",
             Preset::MediumV41 => "medium-v41",
+            Preset::TinyV41Vision => "tiny-v41-vision",
         }
     }
 
@@ -62,7 +73,7 @@ impl Preset {
     }
 
     pub fn is_v41(self) -> bool {
-        matches!(self, Preset::TinyV41 | Preset::SmallV41 | Preset::MediumV41)
+        matches!(self, Preset::TinyV41 | Preset::SmallV41 | Preset::MediumV41 | Preset::TinyV41Vision)
     }
 
     /// The preset's `config.json` (modern `DeepseekV4Config` keys; for V4.1 the reference's).
@@ -71,6 +82,7 @@ impl Preset {
             Preset::TinyV41 => return crate::presets_v41::config_json(&crate::presets_v41::TINY),
             Preset::SmallV41 => return crate::presets_v41::config_json(&crate::presets_v41::SMALL),
             Preset::MediumV41 => return crate::presets_v41::config_json(&crate::presets_v41::MEDIUM),
+            Preset::TinyV41Vision => return crate::presets_v41::vision_config_json(&crate::presets_v41::TINY),
             _ => {}
         }
         let (vocab, hidden, layers, heads, head_dim, rope, q_lora, groups, o_lora, window) = match self {

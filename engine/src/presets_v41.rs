@@ -193,6 +193,31 @@ pub fn config_json(s: &Shape) -> Value {
     cfg
 }
 
+/// [`config_json`] with a small vision tower: 2 blocks of width 32 (2 heads),
+/// the published patch (14) and downsample ratio (3), images scaled up to at
+/// least 56 × 56 pixels and at most 64 tokens a span; the image token is the
+/// id below the DSpark noise token.
+pub fn vision_config_json(s: &Shape) -> Value {
+    let mut cfg = config_json(s);
+    let keys = json!({
+        "vision_n_layers": 2,
+        "vision_dim": 32,
+        "vision_n_heads": 2,
+        "vision_inter_dim": 48,
+        "vision_patch_size": 14,
+        "vision_rope_theta": 10000.0,
+        "vision_downsample_ratio": 3,
+        "vision_max_n_token": 64,
+        "vision_min_pixels": 56 * 56,
+        "vision_max_wh_ratio": null,
+        "image_token_id": s.vocab - 2,
+    });
+    for (k, v) in keys.as_object().expect("an object") {
+        cfg[k] = v.clone();
+    }
+    cfg
+}
+
 /// Table rows each Engram layer's disjoint prime buckets need.
 fn engram_rows(cfg: &Value) -> Vec<u64> {
     let layers: Vec<usize> = serde_json::from_value(cfg["engram_layer_ids"].clone()).expect("layer ids");
@@ -288,10 +313,56 @@ impl Writer {
         let (e, _) = c.moe_config(layer);
         self.bf16(&format!("{f}.gate"), e, d, std);
         self.f32(&format!("{f}.gate.bias"), &[e], 0.0, 0.1);
+        if c.vision.is_some() {
+            self.f32(&format!("{f}.gate.bias_vl"), &[e], 0.0, 0.1);
+        }
         for i in 0..e {
             self.v41_expert(&format!("{f}.experts.{i}"), c, true);
         }
         self.v41_expert(&format!("{f}.shared_experts"), c, false);
+    }
+}
+
+impl Writer {
+    /// A bf16 vector under `name` exactly.
+    fn bf16_vector(&mut self, name: &str, len: usize, std: f32) {
+        let v = self.rng.vec(len, 0.0, std);
+        self.tensors.push(TensorData {
+            name: name.into(),
+            dtype: Dtype::BF16,
+            shape: vec![len],
+            data: v.iter().flat_map(|x| deepinfer_kernels::dtype::f32_to_bf16(*x).to_le_bytes()).collect(),
+        });
+    }
+
+    /// A bf16 linear `[out, inp]` and, with `bias`, its bf16 bias.
+    fn biased(&mut self, name: &str, out: usize, inp: usize, bias: bool) {
+        self.bf16(name, out, inp, 1.0 / (inp as f32).sqrt());
+        if bias {
+            self.bf16_vector(&format!("{name}.bias"), out, 0.1);
+        }
+    }
+
+    /// The vision tower, the aligner and the span vectors, named and typed as published.
+    fn vision(&mut self, v: &crate::v41::vision::VisionConfig, d: usize) {
+        let vd = v.dim;
+        self.biased("vision.patch_embed.proj", vd, 3 * v.patch_size * v.patch_size, true);
+        for i in 0..v.n_layers {
+            let p = format!("vision.blocks.{i}");
+            self.f32(&format!("{p}.norm1.weight"), &[vd], 1.0, 0.1);
+            self.biased(&format!("{p}.attn.wqkv"), 3 * vd, vd, true);
+            self.biased(&format!("{p}.attn.wo"), vd, vd, true);
+            self.f32(&format!("{p}.norm2.weight"), &[vd], 1.0, 0.1);
+            self.biased(&format!("{p}.mlp.w1"), 2 * v.inter_dim, vd, false);
+            self.biased(&format!("{p}.mlp.w2"), vd, v.inter_dim, false);
+        }
+        self.f32("vision.norm.weight", &[vd], 1.0, 0.1);
+        let r2 = v.downsample_ratio * v.downsample_ratio;
+        self.biased("aligner.w1", d, vd * r2, true);
+        self.biased("aligner.w2", d, d, true);
+        for name in ["image_start", "image_end", "image_newline"] {
+            self.bf16_vector(name, d, 1.0);
+        }
     }
 }
 
@@ -305,6 +376,9 @@ pub fn random_checkpoint(c: &V41Config, seed: u64) -> Vec<TensorData> {
     }
     w.f32("norm.weight", &[d], 1.0, 0.1);
     w.bf16("head", c.vocab_size, d, 2.0 / (d as f32).sqrt());
+    if let Some(v) = &c.vision {
+        w.vision(v, d);
+    }
     if let Some(ds) = &c.dspark {
         for k in 0..c.n_mtp_layers {
             let p = format!("mtp.{k}");

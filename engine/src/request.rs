@@ -3,7 +3,9 @@
 
 use std::fmt;
 
+use crate::images::RequestImage;
 use crate::sampling::{SamplingError, SamplingParams};
+use crate::v41::vision::ImageError;
 
 /// Most stop sequences one request may carry.
 pub const MAX_STOP_SEQUENCES: usize = 16;
@@ -57,6 +59,9 @@ pub struct Request {
     /// Admission order: a lower value is admitted first, ties in arrival
     /// order (vLLM's `priority`; 0 by default).
     pub priority: i64,
+    /// The prompt's images in prompt order, each filling its span of image
+    /// tokens (see [`crate::images`]); empty for text.
+    pub images: Vec<RequestImage>,
 }
 
 impl Request {
@@ -72,7 +77,14 @@ impl Request {
             return_logits: false,
             retention: None,
             priority: 0,
+            images: Vec::new(),
         }
+    }
+
+    /// A greedy request whose prompt holds these images' spans
+    /// ([`crate::images::PromptBuilder`] builds both).
+    pub fn with_images(prompt: Vec<u32>, images: Vec<RequestImage>, max_tokens: usize) -> Self {
+        Self { images, ..Self::new(prompt, max_tokens) }
     }
 
     pub fn with_params(mut self, params: SamplingParams) -> Self {
@@ -193,4 +205,7 @@ pub enum RequestError {
     Refused(String),
     #[error("a cache retention must be 1 ms to {MAX_CACHE_TTL_MS} ms, got {0} ms")]
     BadRetention(u64),
+    /// The model takes no images, or the images do not match the prompt.
+    #[error(transparent)]
+    Image(#[from] ImageError),
 }

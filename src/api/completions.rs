@@ -50,6 +50,7 @@ fn prepare(state: &AppState, body: &[u8]) -> Result<(Request, Ask, bool), ApiErr
     let obj = parse_object(Flavor::OpenAi, body)?;
     state.check_model(Flavor::OpenAi, obj.get("model").and_then(Value::as_str))?;
     fields::check(fields::COMPLETIONS, &obj).map_err(bad)?;
+    super::images::placeholder::refuse(&obj, &state.image_placeholders).map_err(bad)?;
     let ext = params::extensions(&obj).map_err(bad)?;
     let prompt_text = prompt(&obj)?;
     let mut prompt_ids = vec![state.bos];
@@ -191,7 +192,7 @@ async fn run(state: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     })?;
     let (request, ask, streamed) = prepare(&state, &body)?;
     let prompt_tokens = request.prompt.len();
-    let rx = state.submit(Flavor::OpenAi, request, None, arrived).await?;
+    let rx = state.submit(Flavor::OpenAi, request, &[], None, arrived).await?;
     let n = state.counter.fetch_add(1, Ordering::Relaxed);
     let id = format!("cmpl-{:016x}{:08x}", super::generate::mix(state.id_salt ^ n), n & 0xffff_ffff);
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());

@@ -29,6 +29,7 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 use super::constraint::{Limits, OutputFormat, RequestConstraint, MAX_GRAMMAR_BYTES};
 use super::errors::{ApiError, Flavor, Kind};
 use super::failure::{stream_error, Seen};
+use super::images::{Gathered, PromptImage};
 use super::inference::{inference_stream, FailureSlot, Inference};
 use super::protocols::Api;
 use super::stops::LeadingNewlines;
@@ -56,6 +57,8 @@ struct Prepared {
     id: String,
     /// vLLM's rules for the output text.
     rules: OutputRules,
+    /// The images, at their placeholders' positions in `request.prompt`.
+    images: Vec<PromptImage>,
 }
 
 /// `POST` handler of every generation route.
@@ -90,7 +93,8 @@ where
         ApiError::new(flavor, Kind::RateLimited, format!("{limit} requests are in flight already; retry later"))
     })?;
     let body = Arc::new(body);
-    let prepared = prepare_blocking::<P>(&state, &body, None).await?;
+    let images = Arc::new(super::images::gather(&state, flavor, &body).await?);
+    let prepared = prepare_blocking::<P>(&state, &body, &images, None).await?;
     let choices = prepared.choices;
     if choices == 1 {
         return answer::<P>(state, prepared, arrived, Some(permit), None).await;
@@ -118,7 +122,7 @@ where
         let mut streams = vec![(first, failure, counts)];
         let _ = ready.await;
         for i in 1..choices {
-            let prepared = prepare_blocking::<P>(&state, &body, Some(mix(seed ^ i as u64))).await?;
+            let prepared = prepare_blocking::<P>(&state, &body, &images, Some(mix(seed ^ i as u64))).await?;
             streams.push(start::<P>(&state, prepared, arrived, None, None).await?);
         }
         return Ok(sse_choices::<P>(streams, include_usage, id).into_response());
@@ -129,7 +133,7 @@ where
         AbortOnDrop(vec![tokio::spawn(answer_json::<P>(state.clone(), prepared, arrived, None, Some(prefilled)))]);
     let _ = ready.await;
     for i in 1..choices {
-        let prepared = prepare_blocking::<P>(&state, &body, Some(mix(seed ^ i as u64))).await?;
+        let prepared = prepare_blocking::<P>(&state, &body, &images, Some(mix(seed ^ i as u64))).await?;
         tasks.0.push(tokio::spawn(answer_json::<P>(state.clone(), prepared, arrived, None, None)));
     }
     let mut merged = Value::Null;
@@ -139,7 +143,7 @@ where
         if i == 0 {
             merged = value;
         } else {
-            merge_choice(&mut merged, value, i);
+            super::usage::merge_choice(&mut merged, value, i);
         }
     }
     drop(permit);
@@ -158,33 +162,13 @@ impl<T> Drop for AbortOnDrop<T> {
 async fn prepare_blocking<P: Api>(
     state: &Arc<AppState>,
     body: &Arc<Bytes>,
+    images: &Arc<Gathered>,
     seed: Option<u64>,
 ) -> Result<Prepared, ApiError> {
-    let (state, body) = (state.clone(), body.clone());
-    tokio::task::spawn_blocking(move || prepare::<P>(&state, &body, seed))
+    let (state, body, images) = (state.clone(), body.clone(), images.clone());
+    tokio::task::spawn_blocking(move || prepare::<P>(&state, &body, &images, seed))
         .await
         .map_err(|e| ApiError::new(P::FLAVOR, Kind::Internal, format!("request preparation failed: {e}")))?
-}
-
-/// Add choice `index` of another completion to a Chat Completions response:
-/// its choice, its completion tokens (the prompt is counted once).
-fn merge_choice(into: &mut Value, other: Value, index: usize) {
-    if let Some(mut choice) = other["choices"].get(0).cloned() {
-        choice["index"] = Value::from(index);
-        if let Some(choices) = into["choices"].as_array_mut() {
-            choices.push(choice);
-        }
-    }
-    for key in ["completion_tokens", "total_tokens"] {
-        let add = other["usage"]["completion_tokens"].as_u64().unwrap_or(0);
-        if let Some(v) = into["usage"][key].as_u64() {
-            into["usage"][key] = Value::from(v + add);
-        }
-    }
-    if let Some(r) = into["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64() {
-        let add = other["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap_or(0);
-        into["usage"]["completion_tokens_details"]["reasoning_tokens"] = Value::from(r + add);
-    }
 }
 
 /// Run one prepared request: streamed, or accumulated into one response.
@@ -259,9 +243,9 @@ where
     ChunkOf<P>: Serialize + Send + 'static,
 {
     let flavor = P::FLAVOR;
-    let Prepared { converted, request, constraint, logprobs, thinking, id, mut rules, .. } = prepared;
+    let Prepared { converted, request, constraint, logprobs, thinking, id, mut rules, images, .. } = prepared;
     let prompt_tokens = request.prompt.len();
-    let rx = state.submit(flavor, request, constraint, arrived).await?;
+    let rx = state.submit(flavor, request, &images, constraint, arrived).await?;
     let model = state.config.model_name.clone();
     let generator = P::chunk_generator(&converted, id, model);
     let processor = StreamProcessor::new(generator, converted.parsing_options);
@@ -468,7 +452,7 @@ fn split_usage(mut chunk: Value, include_usage: bool) -> Vec<Value> {
 }
 
 /// Validate, convert and encode one request (CPU work, off the reactor).
-fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) -> Result<Prepared, ApiError> {
+fn prepare<P: Api>(state: &AppState, body: &[u8], images: &Gathered, seed: Option<u64>) -> Result<Prepared, ApiError> {
     let flavor = P::FLAVOR;
     let bad = |m: String| ApiError::bad_request(flavor, m);
     let mut obj = parse_object(flavor, body)?;
@@ -476,6 +460,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
     fields::check(P::FIELDS, &obj).map_err(bad)?;
     params::inline_text_documents(&mut obj);
     params::refuse_attachments(&obj).map_err(bad)?;
+    super::images::substitute(state, &mut obj, images).map_err(bad)?;
     params::check_tool_choice(&obj).map_err(bad)?;
     let mut vllm = vllm::take(&mut obj).map_err(bad)?;
     let strict = strict::take(&mut obj);
@@ -507,6 +492,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
         .encode(&converted.conversation)
         .map_err(|e| bad(format!("cannot encode the conversation: {e}")))?;
     vllm.shape_prompt(&mut prompt, &converted, &state.tokenizer, state.context).map_err(bad)?;
+    let images = super::images::place(state, &prompt, images).map_err(bad)?;
     let max_tokens = converted
         .resolve_max_tokens(prompt.len().min(u32::MAX as usize) as u32, state.context.min(u32::MAX as usize) as u32)
         .map_err(|e| ApiError::conversion(flavor, e))?;
@@ -517,7 +503,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
 
     let options = &converted.inference_options;
     // Without a seed each request draws its own stream, as a hosted API does.
-    let seed = seed_override
+    let seed = seed
         .or(options.seed)
         .or(ext.seed)
         .unwrap_or_else(|| mix(state.id_salt ^ state.counter.fetch_add(1, Ordering::Relaxed)));
@@ -588,7 +574,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], seed_override: Option<u64>) ->
         Some(rid) => format!("{}{rid}", P::ID_PREFIX),
         None => format!("{}{:016x}{:08x}", P::ID_PREFIX, mix(state.id_salt ^ n), n & 0xffff_ffff),
     };
-    Ok(Prepared { converted, request, constraint, logprobs, include_usage, thinking, choices, id, rules })
+    Ok(Prepared { converted, request, constraint, logprobs, include_usage, thinking, choices, id, rules, images })
 }
 
 /// SplitMix64's finaliser: spreads a counter into an id or a seed.

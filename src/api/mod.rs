@@ -17,6 +17,7 @@ pub mod failure;
 pub mod fields;
 pub mod generate;
 pub mod health;
+pub mod images;
 pub mod inference;
 pub mod json_scan;
 pub mod limits;
@@ -82,6 +83,8 @@ pub struct ServeConfig {
     pub engine: EngineConfig,
     /// The prompt cache's host and disk tiers.
     pub cache: crate::kv_disk::CacheSetup,
+    /// Image limits and URL fetching.
+    pub images: images::ImageConfig,
 }
 
 /// Everything a handler needs; shared by all of them.
@@ -106,6 +109,14 @@ pub struct AppState {
     /// Source of response ids and default seeds.
     pub counter: AtomicU64,
     pub id_salt: u64,
+    /// Whether the model reads images (its image token), or why not.
+    pub vision: images::Vision,
+    /// Spellings of the image token refused in text.
+    pub image_placeholders: Vec<String>,
+    /// Image decodes running at once, at most one per core.
+    pub decoders: Semaphore,
+    /// `None` without `--image-fetch`.
+    pub fetcher: Option<images::fetch::Fetcher>,
 }
 
 impl AppState {
@@ -127,9 +138,23 @@ impl AppState {
         &self,
         flavor: Flavor,
         request: deepinfer_engine::request::Request,
+        images: &[images::PromptImage],
         constraint: Option<constraint::RequestConstraint>,
         arrived: std::time::Instant,
     ) -> Result<tokio::sync::mpsc::UnboundedReceiver<engine_thread::Event>, ApiError> {
+        // The boundary the model side plugs into: its image plan (token count,
+        // span layout) and the tower's rows go with `request` from here. Until
+        // then a request with images stops at this point.
+        if let Some(first) = images.first() {
+            let message = format!(
+                "the model `{}` has a vision tower, but this server does not pass image spans to its engine yet \
+                 ({} image(s), the first at prompt position {})",
+                self.config.model_name,
+                images.len(),
+                first.position
+            );
+            return Err(ApiError::bad_request(flavor, message));
+        }
         let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let submission = engine_thread::Submission { request, constraint, events, arrived };
         self.engine.submit(submission).map_err(|e| match e {
@@ -202,6 +227,11 @@ impl Server {
             }
         };
         metrics::set_model_name(&config.model_name);
+        let cluster = matches!(runner, Runner::Cluster(_));
+        let (vision, image_placeholders) = images::vision_of(&model, &tokenizer, &config.model_name, cluster);
+        let fetcher = config.images.fetch.enabled.then(|| images::fetch::Fetcher::new(&config.images.fetch));
+        let fetcher = fetcher.transpose().context("cannot set up image fetching")?;
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
         // Installed before the engine thread starts, which reports from its first moment.
         let metrics_handle = metrics::handle();
         let (engine, engine_thread) = match runner {
@@ -233,6 +263,10 @@ impl Server {
             created: now.as_secs(),
             counter: AtomicU64::new(0),
             id_salt: now.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32),
+            vision,
+            image_placeholders,
+            decoders: Semaphore::new(cores),
+            fetcher,
             config,
         });
         let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;

@@ -205,13 +205,14 @@ pub fn include_usage(body: &Map<String, Value>) -> Result<bool, String> {
     }
 }
 
-/// Content parts that carry something other than text, in any of the three
-/// protocols: images, files (a PDF), documents and audio.
-const ATTACHMENT_PARTS: &[&str] =
-    &["image_url", "input_image", "image", "file", "input_file", "document", "input_audio", "audio"];
+/// Content parts that carry something other than text or an image, in any of
+/// the three protocols: files (a PDF), documents and audio. Image parts are
+/// read by `images`.
+const ATTACHMENT_PARTS: &[&str] = &["file", "input_file", "document", "input_audio", "audio"];
 
-/// The served model reads text only: a request with an attachment is refused
-/// with the part's place, never answered with a placeholder in its stead.
+/// The model reads text and (with a vision tower) images: a request with
+/// another attachment is refused with the part's place, never answered with a
+/// placeholder in its stead.
 pub fn refuse_attachments(body: &Map<String, Value>) -> Result<(), String> {
     fn find(value: &Value, path: &mut String, depth: usize) -> Option<String> {
         // Content nests a few levels (message → content → block → tool result); bound the walk.
@@ -243,7 +244,7 @@ pub fn refuse_attachments(body: &Map<String, Value>) -> Result<(), String> {
     }
     for key in ["messages", "input", "system"] {
         if let Some(part) = body.get(key).and_then(|v| find(v, &mut key.to_string(), 0)) {
-            return Err(format!("{part}, but this deployment serves a text-only model, which cannot read it"));
+            return Err(format!("{part}, which this server does not read (it takes text and images only)"));
         }
     }
     Ok(())
@@ -337,12 +338,11 @@ mod tests {
     }
 
     #[test]
-    fn attachments_are_refused_by_their_place() {
+    fn attachments_other_than_images_are_refused_by_their_place() {
         let chat = body(json!({"messages": [{"role": "user", "content": [
             {"type": "text", "text": "what is this?"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}));
-        let err = refuse_attachments(&chat).unwrap_err();
-        assert!(err.contains("`messages[0].content[1]` is a `image_url` part"), "{err}");
+        refuse_attachments(&chat).unwrap();
         let pdf = body(json!({"messages": [{"role": "user", "content": [
             {"type": "file", "file": {"file_data": "data:application/pdf;base64,AAAA", "filename": "a.pdf"}}]}]}));
         assert!(refuse_attachments(&pdf).unwrap_err().contains("`file` part"));

@@ -221,6 +221,27 @@ fn patch_reasoning_tokens_in(value: &mut Value, counts: &Counts) {
     }
 }
 
+/// Add choice `index` of another completion to a Chat Completions response:
+/// its choice, its completion tokens (the prompt is counted once).
+pub fn merge_choice(into: &mut Value, other: Value, index: usize) {
+    if let Some(mut choice) = other["choices"].get(0).cloned() {
+        choice["index"] = Value::from(index);
+        if let Some(choices) = into["choices"].as_array_mut() {
+            choices.push(choice);
+        }
+    }
+    for key in ["completion_tokens", "total_tokens"] {
+        let add = other["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+        if let Some(v) = into["usage"][key].as_u64() {
+            into["usage"][key] = Value::from(v + add);
+        }
+    }
+    if let Some(r) = into["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64() {
+        let add = other["usage"]["completion_tokens_details"]["reasoning_tokens"].as_u64().unwrap_or(0);
+        into["usage"]["completion_tokens_details"]["reasoning_tokens"] = Value::from(r + add);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

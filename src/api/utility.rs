@@ -41,6 +41,7 @@ fn render<P: ProtocolRequest + DeserializeOwned>(
     mut obj: Map<String, Value>,
 ) -> Result<Vec<u32>, ApiError> {
     let bad = |m: String| ApiError::bad_request(flavor, m);
+    super::images::count_hook(state, &obj).map_err(bad)?;
     obj.entry("model").or_insert_with(|| Value::from(state.config.model_name.clone()));
     // Counting needs no output budget; the conversion wants one.
     obj.entry("max_tokens").or_insert(Value::from(1));

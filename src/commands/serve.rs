@@ -9,6 +9,7 @@ use anyhow::bail;
 use clap::{ArgAction, Args};
 use deepinfer_engine::engine::EngineConfig;
 
+use crate::api::images::{FetchConfig, ImageConfig, ImageLimits};
 use crate::api::{ClusterRunner, Runner, ServeConfig, Server};
 use crate::cli::{EngineArgs, ModelArgs};
 use crate::cluster::ClusterPlan;
@@ -69,6 +70,73 @@ pub struct ServeArgs {
     pub engine: EngineArgs,
     #[command(flatten)]
     pub cache: CacheArgs,
+    #[command(flatten)]
+    pub images: ImageArgs,
+}
+
+/// Image input: limits (each defaults to DeepSeek's API limit, or the one
+/// stated) and URL fetching, off unless asked for.
+#[derive(Args, Debug, Clone)]
+pub struct ImageArgs {
+    /// Fetch `http(s)` image URLs (off: such a request gets a 400).
+    #[arg(long)]
+    pub image_fetch: bool,
+    /// Fetch from this range although it is loopback, private, link-local,
+    /// multicast or unspecified (repeatable; e.g. 127.0.0.1/32 for a local server).
+    #[arg(long, value_name = "CIDR", requires = "image_fetch")]
+    pub image_fetch_allow: Vec<ipnet::IpNet>,
+    /// Time for all of one request's image fetches, in ms [default: 10000].
+    #[arg(long)]
+    pub image_fetch_timeout_ms: Option<u64>,
+    /// Most redirects followed per image URL [default: 3].
+    #[arg(long)]
+    pub image_fetch_max_redirects: Option<usize>,
+    /// Most images in one request [default: 16].
+    #[arg(long)]
+    pub max_images: Option<usize>,
+    /// Longest image URL, in characters [default: 8192].
+    #[arg(long)]
+    pub max_image_url_chars: Option<usize>,
+    /// Most encoded bytes of one image [default: 32 MiB].
+    #[arg(long)]
+    pub max_image_bytes: Option<usize>,
+    /// Most encoded bytes of a request's images together [default: 64 MiB].
+    #[arg(long)]
+    pub max_image_request_bytes: Option<usize>,
+    /// Longest image side, in pixels [default: 8192].
+    #[arg(long)]
+    pub max_image_side: Option<u32>,
+    /// Most pixels of one image, read from its header before decoding [default: 32 Mi].
+    #[arg(long)]
+    pub max_image_pixels: Option<u64>,
+    /// Most pixels of a request's images together [default: 64 Mi].
+    #[arg(long)]
+    pub max_image_request_pixels: Option<u64>,
+}
+
+impl ImageArgs {
+    pub fn config(&self) -> anyhow::Result<ImageConfig> {
+        let (l, f) = (ImageLimits::default(), FetchConfig::default());
+        let limits = ImageLimits {
+            max_images: self.max_images.unwrap_or(l.max_images),
+            max_url_chars: self.max_image_url_chars.unwrap_or(l.max_url_chars),
+            max_image_bytes: self.max_image_bytes.unwrap_or(l.max_image_bytes),
+            max_request_bytes: self.max_image_request_bytes.unwrap_or(l.max_request_bytes),
+            max_side: self.max_image_side.unwrap_or(l.max_side),
+            max_pixels: self.max_image_pixels.unwrap_or(l.max_pixels),
+            max_request_pixels: self.max_image_request_pixels.unwrap_or(l.max_request_pixels),
+        };
+        let fetch = FetchConfig {
+            enabled: self.image_fetch,
+            allow: self.image_fetch_allow.clone(),
+            timeout: self.image_fetch_timeout_ms.map_or(f.timeout, std::time::Duration::from_millis),
+            max_redirects: self.image_fetch_max_redirects.unwrap_or(f.max_redirects),
+        };
+        if fetch.timeout.is_zero() || limits.max_url_chars == 0 || limits.max_image_bytes == 0 || limits.max_side == 0 {
+            bail!("--image-fetch-timeout-ms, --max-image-url-chars, --max-image-bytes and --max-image-side must be at least 1");
+        }
+        Ok(ImageConfig { limits, fetch })
+    }
 }
 
 /// The prompt cache's tiers below the KV pool.
@@ -204,6 +272,7 @@ fn serve_config(
             ..args.engine.to_config()?
         },
         cache: args.cache.setup(model_spec, model_seed)?,
+        images: args.images.config()?,
     })
 }
 

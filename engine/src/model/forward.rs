@@ -11,6 +11,7 @@ use super::attention::{self, Segment};
 use super::state::{LayerState, SequenceState};
 use super::weights::{Block, Mtp};
 use super::{hyper, moe, Model};
+use crate::v41::EmbeddedSpan;
 
 /// New tokens of one sequence, and its state (advanced in place).
 pub struct Chunk<'a> {
@@ -96,13 +97,26 @@ pub struct MtpChunk<'a> {
 impl Model {
     /// Run the chunks through the model, advancing each state.
     pub fn forward(&self, chunks: &mut [Chunk], wanted: LogitsWanted, keep_streams: bool) -> Vec<ChunkOutput> {
+        self.forward_spans(chunks, &[], wanted, keep_streams)
+    }
+
+    /// [`Model::forward`] with image spans: `spans[i]` replaces embeddings of
+    /// chunk `i` (V4.1 on the CPU only; missing entries: none).
+    pub fn forward_spans(
+        &self,
+        chunks: &mut [Chunk],
+        spans: &[Vec<EmbeddedSpan>],
+        wanted: LogitsWanted,
+        keep_streams: bool,
+    ) -> Vec<ChunkOutput> {
         if let Some(d) = &self.device {
+            assert!(spans.iter().all(Vec::is_empty), "a device model takes no image spans");
             return d
                 .forward(chunks, wanted, keep_streams)
                 .unwrap_or_else(|e| panic!("a step on {}: {e}", d.gpu().name()));
         }
         on_workers(|| {
-            let mut pass = self.begin_pass(chunks);
+            let mut pass = self.begin_pass_spans(chunks, spans);
             while !pass.is_done() {
                 let layer = pass.layer();
                 let dispatch = self.attend(&mut pass, chunks).clone();
@@ -130,17 +144,23 @@ impl Model {
     /// Start a forward pass that the caller drives layer by layer: `attend`,
     /// run the routed experts wherever they live, `combine`; then `finish_pass`.
     pub fn begin_pass(&self, chunks: &[Chunk]) -> Pass {
+        self.begin_pass_spans(chunks, &[])
+    }
+
+    /// [`Model::begin_pass`] with image spans per chunk (see [`Model::forward_spans`]).
+    pub fn begin_pass_spans(&self, chunks: &[Chunk], spans: &[Vec<EmbeddedSpan>]) -> Pass {
         assert!(self.device.is_none(), "a device model runs whole passes (Model::forward), not layer by layer");
         if let Some(m) = &self.v41 {
             let inputs: Vec<crate::v41::ChunkInput> = chunks
                 .iter()
-                .map(|c| {
+                .enumerate()
+                .map(|(i, c)| {
                     assert!(!c.replay && !c.tokens.is_empty(), "V4.1 chunks are non-empty and never replayed");
                     crate::v41::ChunkInput {
                         tokens: c.tokens,
                         state: c.state.v41.as_ref().expect("a V4.1 model runs on V4.1 states"),
                         drafts: c.drafts,
-                        spans: &[],
+                        spans: spans.get(i).map_or(&[], Vec::as_slice),
                     }
                 })
                 .collect();
@@ -154,6 +174,7 @@ impl Model {
                 v41: Some(m.begin(&inputs)),
             };
         }
+        assert!(spans.iter().all(Vec::is_empty), "DeepSeek-V4 takes no image spans");
         let cfg = &self.config;
         let d = cfg.hidden_size;
         let hc = cfg.hc_mult;

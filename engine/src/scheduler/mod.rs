@@ -16,8 +16,9 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::config::ModelConfig;
+use crate::images::{block_key, check_spans};
 use crate::kv_pool::{BlockId, BlockKind, BlockTable, KvLayout, KvPool, LayoutError, PoolStats};
-use crate::prefix_cache::{block_hash, CachedBlocks, EvictedBlock, PrefixCache, PrefixMode, PrefixStats};
+use crate::prefix_cache::{CachedBlocks, EvictedBlock, PrefixCache, PrefixMode, PrefixStats};
 use crate::request::{
     FinishReason, Finished, Request, RequestError, RequestId, RequestStatus, MAX_CACHE_TTL_MS, MAX_STOP_SEQUENCES,
     MAX_STOP_SEQUENCE_TOKENS, MAX_STOP_TOKEN_IDS,
@@ -206,7 +207,7 @@ struct Seq {
     /// Positions below this are a prefix hit's replay.
     replay_until: usize,
     blocks: BlockTable,
-    /// Hash chain over the full blocks of `tokens` computed so far.
+    /// Key chain over the full blocks of `tokens` computed so far (images mixed in, see `images::block_key`).
     hashes: Vec<u64>,
     /// Leading compressed blocks that are in the prefix cache.
     registered: usize,
@@ -223,7 +224,8 @@ impl Seq {
         while self.hashes.len() < blocks {
             let k = self.hashes.len();
             let parent = self.hashes.last().copied().unwrap_or(0);
-            self.hashes.push(block_hash(parent, &self.tokens[k * block_tokens..(k + 1) * block_tokens]));
+            let tokens = &self.tokens[k * block_tokens..(k + 1) * block_tokens];
+            self.hashes.push(block_key(parent, tokens, k * block_tokens, &self.request.images));
         }
     }
 
@@ -501,6 +503,7 @@ impl Scheduler {
         if r.max_tokens == 0 {
             return Err(RequestError::ZeroMaxTokens);
         }
+        check_spans(r.prompt.len(), &r.images)?;
         r.params.validate(limits.vocab)?;
         if r.stop_sequences.len() > MAX_STOP_SEQUENCES {
             return Err(RequestError::TooManyStopSequences(r.stop_sequences.len()));

@@ -52,7 +52,9 @@ impl Scheduler {
 
     /// Whether `id` lets its blocks be written to shared storage.
     pub fn cache_persist(&self, id: RequestId) -> bool {
-        self.seq(id).request.retention.is_none_or(|r| r.persist)
+        // A block file's key is checked against its tokens alone, so blocks keyed with an image stay off disk.
+        let r = &self.seq(id).request;
+        r.retention.is_none_or(|r| r.persist) && r.images.is_empty()
     }
 
     /// Keys of the full blocks before `id`'s last token (those a hit can

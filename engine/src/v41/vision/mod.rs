@@ -98,6 +98,9 @@ pub enum ImageError {
     Empty { width: usize, height: usize },
     #[error("{got} bytes of RGB pixels for a {width}×{height} image (expected {expected})")]
     PixelCount { width: usize, height: usize, got: usize, expected: usize },
+    /// A request's images and its prompt's image spans disagree.
+    #[error("the request's images do not match its prompt: {0}")]
+    Mismatch(String),
 }
 
 /// What each position of an image span holds.
