@@ -9,6 +9,15 @@
 //!   them attends to.
 //! - [`choose_decode`]: decode goes where the binding resource (KV bytes or
 //!   batch slots per GPU) is least used after placing the request.
+//! - [`pick_encoder`]: an image request's encodings go to the image-encoder
+//!   instance that holds most of its images (cache affinity: the balancer
+//!   remembers where it last sent each image, so a repeated image finds its
+//!   encoding cached), unless that instance's pending patches per device,
+//!   with the request, exceed the least-loaded live encoder's by more than a
+//!   slack; otherwise to the least pending patches per device. Patches, not
+//!   images, are the load: a ViT's cost grows with its patch count (and
+//!   faster, through the attention's quadratic term), and image sizes differ
+//!   by an order of magnitude.
 //! - [`RoundRobin`]: the baseline to compare against.
 //!
 //! Every policy skips instances that are down or draining and breaks ties by
@@ -143,6 +152,39 @@ pub fn choose_decode(policy: &DecodePolicy, candidates: &[DecodeCandidate], kv_n
         .map(|(i, _, _)| i)
 }
 
+/// One image-encoder instance as the encoder balancer sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct EncoderLoad {
+    /// Up and taking work (not down, not draining).
+    pub alive: bool,
+    /// Devices of the instance (at least one is assumed).
+    pub devices: u32,
+    /// ViT patches queued or encoding there.
+    pub pending_patches: u64,
+    /// How many of this request's images the balancer last sent there (affinity).
+    pub cached: usize,
+}
+
+/// The encoder instance to encode a request's images on, or `None` when no
+/// encoder is alive. `request_patches` is the request's own patch count:
+/// loads compare after placing it, so an idle encoder with the images cached
+/// is not beaten by an idle one without them. The encoder holding most of
+/// the images wins while its load is at most `(1 + slack)` times the least
+/// load; otherwise the least load; ties go to the lowest index.
+pub fn pick_encoder(encoders: &[EncoderLoad], request_patches: u64, slack: f64) -> Option<usize> {
+    let load_after = |e: &EncoderLoad| (e.pending_patches + request_patches) as f64 / e.devices.max(1) as f64;
+    let alive = || encoders.iter().enumerate().filter(|(_, e)| e.alive);
+    // `min_by` keeps the first of equals: the lowest index.
+    let (least, least_load) = alive().map(|(i, e)| (i, load_after(e))).min_by(|a, b| a.1.total_cmp(&b.1))?;
+    let affinity = alive().filter(|(_, e)| e.cached > 0).min_by_key(|(i, e)| (std::cmp::Reverse(e.cached), *i));
+    if let Some((i, e)) = affinity {
+        if load_after(e) <= least_load * (1.0 + slack.max(0.0)) {
+            return Some(i);
+        }
+    }
+    Some(least)
+}
+
 /// Round robin over the instances that are up: the baseline.
 #[derive(Clone, Debug, Default)]
 pub struct RoundRobin {
@@ -254,6 +296,48 @@ mod tests {
         assert_eq!(choose_decode(&p, &c, 1), Some(1));
         c[1].health = Health::Down;
         assert_eq!(choose_decode(&p, &c, 1), None);
+    }
+
+    fn encoder(pending: u64, cached: usize) -> EncoderLoad {
+        EncoderLoad { alive: true, devices: 1, pending_patches: pending, cached }
+    }
+
+    #[test]
+    fn encoder_affinity_holds_within_the_slack() {
+        // Request of 100 patches; encoder 1 holds 2 of its images, encoder 2 holds 1.
+        // Loads after: 100, 150, 100 → 150 ≤ 1.5 × 100: affinity to 1.
+        let e = [encoder(0, 0), encoder(50, 2), encoder(0, 1)];
+        assert_eq!(pick_encoder(&e, 100, 0.5), Some(1));
+        // 251 > 150: too loaded, the least loaded (lowest index of equals) wins.
+        let e = [encoder(0, 0), encoder(151, 2), encoder(0, 1)];
+        assert_eq!(pick_encoder(&e, 100, 0.5), Some(0));
+        // Idle encoders: the one with the images, even with no slack.
+        let e = [encoder(0, 0), encoder(0, 1)];
+        assert_eq!(pick_encoder(&e, 100, 0.0), Some(1));
+        // Equal affinity: the lowest index.
+        let e = [encoder(0, 0), encoder(0, 1), encoder(0, 1)];
+        assert_eq!(pick_encoder(&e, 100, 0.5), Some(1));
+    }
+
+    #[test]
+    fn encoder_load_is_pending_patches_per_device() {
+        let mut e = [encoder(300, 0), encoder(500, 0)];
+        e[1].devices = 4; // (500 + 10) / 4 < 310
+        assert_eq!(pick_encoder(&e, 10, 0.5), Some(1));
+        let e = [encoder(7, 0), encoder(7, 0), encoder(3, 0)];
+        assert_eq!(pick_encoder(&e, 10, 0.5), Some(2));
+        let e = [encoder(7, 0), encoder(7, 0)];
+        assert_eq!(pick_encoder(&e, 10, 0.5), Some(0));
+    }
+
+    #[test]
+    fn encoder_skips_the_dead_and_none_when_none_is_alive() {
+        let mut e = [encoder(0, 3), encoder(1000, 0)];
+        e[0].alive = false;
+        assert_eq!(pick_encoder(&e, 10, 0.5), Some(1));
+        e[1].alive = false;
+        assert_eq!(pick_encoder(&e, 10, 0.5), None);
+        assert_eq!(pick_encoder(&[], 10, 0.5), None);
     }
 
     #[test]

@@ -14,6 +14,7 @@ pub mod config;
 pub mod constraint;
 pub mod cost;
 pub mod device;
+pub mod encoder_cache;
 pub mod engine;
 pub mod engine_tiers;
 pub mod eplb;
