@@ -14,6 +14,7 @@ pub mod hardware;
 pub mod model;
 pub mod precision;
 pub mod v41;
+pub mod vision;
 
 pub use hardware::{Hardware, HardwareKind};
 pub use model::{ModelCost, ModelKind};
