@@ -100,6 +100,10 @@ pub struct Modelled {
     pub drafts: DraftCounters,
     /// Host, disk and shared tiers, when configured.
     pub tiers: Option<ModelledTiers>,
+    /// Per instance: image-encoding time (µs per device) waiting to lengthen
+    /// its next prefill step, where images are encoded on the prefill
+    /// instance itself (no encoder instance; see `encoder.rs`).
+    colocated_encode: Vec<Mutex<f64>>,
 }
 
 /// Why a modelled cluster cannot be set up.
@@ -182,6 +186,7 @@ impl Modelled {
             balance,
             draft_head,
             drafts: DraftCounters::default(),
+            colocated_encode: (0..topology.instances).map(|_| Mutex::new(0.0)).collect(),
         };
         for instance in 0..topology.instances {
             let have = m.hardware.hbm_bytes();
@@ -405,6 +410,22 @@ impl Modelled {
         }
     }
 
+    /// Adds `per_device_us` of image encoding to `instance`'s next prefill step.
+    pub fn add_colocated_encode(&self, instance: u32, per_device_us: f64) {
+        if let Some(backlog) = self.colocated_encode.get(instance as usize) {
+            *backlog.lock().expect("encode backlog") += per_device_us.max(0.0);
+        }
+    }
+
+    /// The image encoding waiting for `instance`'s next prefill step, taken:
+    /// the first worker of the step to price it carries it, and the step
+    /// waits for its slowest worker, so the whole step is that much longer.
+    fn take_colocated_encode(&self, instance: u32) -> f64 {
+        self.colocated_encode
+            .get(instance as usize)
+            .map_or(0.0, |b| std::mem::take(&mut *b.lock().expect("encode backlog")))
+    }
+
     /// One worker's step: its sequences' attention and dense layers, and the
     /// instance's expert all-to-all, paced by the most loaded device. State
     /// imported from a prefill instance crosses the scale-out network.
@@ -438,6 +459,10 @@ impl Modelled {
             let import_us = bytes / self.hardware.scale_out_bytes_per_s() / eff.network * 1e6;
             let idle_us = (cost.compute_us + cost.memory_us) * (1.0 - eff.overlap.clamp(0.0, 1.0));
             cost.network_us += (import_us - idle_us).max(0.0);
+        }
+        if !deepinfer_engine::cost::is_decode(sequences) {
+            // Colocated image encoding runs on the same devices before the prompt's chunk.
+            cost.compute_us += self.take_colocated_encode(instance);
         }
         cost.total_us = eff.total_us(cost.compute_us + cost.memory_us, cost.network_us, cost.overhead_us);
         cost
