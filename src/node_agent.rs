@@ -73,6 +73,7 @@ pub fn node_status(ctx: &Ctx, node: u32, started: SystemTime) -> NodeStatus {
         },
         drafts_verified: m.drafts_verified,
         drafts_accepted: m.drafts_accepted,
+        encoders: Vec::new(),
     }
 }
 

@@ -3,19 +3,26 @@
 
 use deepinfer_actors::wire::{
     decode, decode_with_limit, encode, read_frame, Addr, BlockSnapshot, CacheMsg, CacheTier, Control, DispatchHeader,
-    Envelope, ExpertLoad, ExpertResultHeader, ExpertRows, FetchItem, FinishKind, FinishWire, HandoffMsg, Heartbeat,
-    InstanceMatch, Message, OutputEnd, OutputItem, Outputs, PlacementWire, PromoteItem, PromotedBlock, PromotedItem,
-    RequestSpec, ResultStatus, RetentionWire, Role, Sampling, SeqOutput, StateExport, StepItem, StepOutcome,
-    StepRequest, StepResult, StoredBlock, Submit, TokenBias, TokenCount, TokenOut, TopLogprob, Verification, WireError,
-    MAX_FRAME_BYTES,
+    EncodeImage, EncoderMsg, Envelope, ExpertLoad, ExpertResultHeader, ExpertRows, FetchItem, FinishKind, FinishWire,
+    HandoffMsg, Heartbeat, ImageData, ImageWire, InstanceMatch, Message, OutputEnd, OutputItem, Outputs, PlacementWire,
+    PlanWire, PromoteItem, PromotedBlock, PromotedItem, RequestSpec, ResultStatus, RetentionWire, Role, Sampling,
+    SeqOutput, StateExport, StepImage, StepItem, StepOutcome, StepRequest, StepResult, StoredBlock, Submit, TokenBias,
+    TokenCount, TokenOut, TopLogprob, Verification, WireError, MAX_FRAME_BYTES,
 };
 use proptest::prelude::*;
 
 fn addr() -> impl Strategy<Value = Addr> {
-    (0u8..7, any::<u32>()).prop_map(|(r, index)| {
-        let role =
-            [Role::Scheduler, Role::Worker, Role::Shard, Role::Router, Role::CacheManager, Role::Client, Role::Node]
-                [r as usize];
+    (0u8..8, any::<u32>()).prop_map(|(r, index)| {
+        let role = [
+            Role::Scheduler,
+            Role::Worker,
+            Role::Shard,
+            Role::Router,
+            Role::CacheManager,
+            Role::Client,
+            Role::Node,
+            Role::Encoder,
+        ][r as usize];
         Addr { role, index }
     })
 }
@@ -62,6 +69,25 @@ fn message() -> impl Strategy<Value = Message> {
                         drafts: (step % 7) as u32,
                         allowed: if step % 2 == 0 { vec![u32::MAX, 5] } else { Vec::new() },
                         history: vec![TokenCount { token: 3, count: 0 }, TokenCount { token: 8, count: step as u32 }],
+                        images: (step % 4 == 1)
+                            .then_some(StepImage {
+                                start: 3,
+                                plan: PlanWire {
+                                    width: 9,
+                                    height: 9,
+                                    best_width: 14,
+                                    best_height: 14,
+                                    n_vit_h: 1,
+                                    n_vit_w: 1,
+                                    n_llm_h: 1,
+                                    n_llm_w: 1,
+                                },
+                                hash: step,
+                                rows: step % 2 == 0,
+                                values: 4,
+                            })
+                            .into_iter()
+                            .collect(),
                     }],
                     release: vec![1, 2],
                     batch_tokens: step % 4096,
@@ -104,9 +130,32 @@ fn message() -> impl Strategy<Value = Message> {
                     constraint: (id % 3 == 0).then(|| format!("{{\"regex\": \"a{{{id}}}\"}}")),
                     retention: (id % 4 == 1).then_some(RetentionWire { ttl_ms: id, persist: id % 8 == 1 }),
                     priority: (id % 7) as i64 - 3,
+                    images: (id % 5 == 2)
+                        .then(|| ImageWire {
+                            start: 1,
+                            plan: PlanWire {
+                                width: 30,
+                                height: 20,
+                                best_width: 28,
+                                best_height: 28,
+                                n_vit_h: 2,
+                                n_vit_w: 2,
+                                n_llm_h: 1,
+                                n_llm_w: 1,
+                            },
+                            hash: id,
+                            content: if id % 2 == 0 {
+                                ImageData::Patches(vec![0.5; 12])
+                            } else {
+                                ImageData::Rows(vec![-1.0; 8])
+                            },
+                        })
+                        .into_iter()
+                        .collect(),
                 };
                 let decode = (id % 2 == 0).then_some(id as u32);
-                Message::Submit(Submit { spec, generated, decode })
+                let encoder = (id % 3 == 1).then_some(id as u32 / 3);
+                Message::Submit(Submit { spec, generated, decode, encoder })
             }
         ),
         prop::collection::vec(any::<u64>(), 0..5).prop_map(|ids| Message::Ack { ids }),
@@ -127,6 +176,7 @@ fn message() -> impl Strategy<Value = Message> {
                         constraint: None,
                         retention: None,
                         priority: -3,
+                        images: Vec::new(),
                     };
                     HandoffMsg::Transfer {
                         spec: Box::new(spec),
@@ -139,6 +189,23 @@ fn message() -> impl Strategy<Value = Message> {
             })
         }),
         any::<u64>().prop_map(|id| Message::Cancel { id }),
+        (any::<u64>(), any::<u32>(), ".{0,10}").prop_map(|(id, attempt, why)| {
+            let plan = PlanWire {
+                width: 40,
+                height: 30,
+                best_width: 42,
+                best_height: 28,
+                n_vit_h: 2,
+                n_vit_w: 3,
+                n_llm_h: 1,
+                n_llm_w: 1,
+            };
+            Message::Encoder(match id % 3 {
+                0 => EncoderMsg::Encode { id, attempt, images: vec![EncodeImage { hash: id, plan, values: 6 }] },
+                1 => EncoderMsg::Encoded { id, attempt, hash: id ^ 5, tokens: 4, dim: attempt % 64, cached: true },
+                _ => EncoderMsg::Refused { id, attempt, hash: 3, why },
+            })
+        }),
         (any::<u64>(), any::<u32>(), ".{0,10}").prop_map(|(id, from, why)| {
             let end = match why.len() % 3 {
                 0 => None,

@@ -265,7 +265,7 @@ impl Cluster {
         let msg = if o.cancelled {
             Message::Cancel { id: o.spec.id }
         } else {
-            Message::Submit(Submit { spec: o.spec.clone(), generated: o.tokens.clone(), decode: None })
+            Message::Submit(Submit { spec: o.spec.clone(), generated: o.tokens.clone(), decode: None, encoder: None })
         };
         self.ctx.send(self.addr, Addr::router(self.router), msg, &[]);
     }
@@ -293,6 +293,7 @@ impl Cluster {
             constraint,
             retention: request.retention.map(|r| crate::wire::RetentionWire { ttl_ms: r.ttl_ms, persist: r.persist }),
             priority: request.priority,
+            images: crate::proto::images::images_wire(&request.images),
         };
         let o = Outstanding {
             spec,

@@ -129,6 +129,9 @@ pub struct ClusterConfig {
     /// What a computing worker's step and its drafting cost, for the
     /// adaptive draft-length policy (`engine.speculative`).
     pub draft_costs: DraftCosts,
+    /// Image encoder instances: the node each runs on (empty: images are
+    /// encoded on the prefill workers).
+    pub encoder_nodes: Vec<u32>,
 }
 
 /// The prompt cache below each instance's device pool, per node: host
@@ -204,6 +207,7 @@ impl ClusterConfig {
             incarnation_base: 0,
             cache_tiers: NodeCacheTiers::default(),
             draft_costs: DraftCosts::default(),
+            encoder_nodes: Vec::new(),
         }
     }
 
@@ -228,11 +232,14 @@ impl ClusterConfig {
     pub fn node_of(&self) -> NodeOf {
         let topo = self.topology();
         let client_node = self.client_node;
+        let encoders = self.encoder_nodes.clone();
         Arc::new(move |a: Addr| match a.role {
             Role::Worker | Role::Shard => topo.node_of_device(a.index),
             Role::Scheduler => topo.home_node(a.index),
             Role::CacheManager | Role::Node | Role::Router | Role::Agent => a.index,
             Role::Client => client_node,
+            // An encoder that does not exist lives nowhere a frame can reach.
+            Role::Encoder => encoders.get(a.index as usize).copied().unwrap_or(u32::MAX),
         })
     }
 }

@@ -6,6 +6,7 @@
 
 pub mod cache;
 pub mod cursor;
+pub mod images;
 pub mod membership;
 pub mod router;
 pub mod scheduler;
@@ -85,6 +86,7 @@ pub(crate) fn test_spec(id: u64, prompt: Vec<u32>, max_tokens: u32) -> crate::wi
         constraint: None,
         retention: None,
         priority: 0,
+        images: Vec::new(),
     }
 }
 

@@ -25,8 +25,11 @@ use rkyv::rancor;
 use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
+mod images;
+pub use images::*;
+
 /// Version of the envelope layout; bumped on any change to the archived types.
-pub const WIRE_VERSION: u16 = 11;
+pub const WIRE_VERSION: u16 = 12;
 pub use crate::limits::MAX_FRAME_BYTES;
 /// "dINF" little-endian.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"dINF");
@@ -48,6 +51,8 @@ pub enum Role {
     Node,
     /// A node process's operations endpoint: status reports.
     Agent,
+    /// An image encoder instance (its index: the encoder's number).
+    Encoder,
 }
 
 /// An actor's address on the fabric: its role and index (device, instance).
@@ -86,6 +91,9 @@ impl Addr {
     pub const fn agent(node: u32) -> Self {
         Self::new(Role::Agent, node)
     }
+    pub const fn encoder(index: u32) -> Self {
+        Self::new(Role::Encoder, index)
+    }
 }
 
 impl std::fmt::Display for Addr {
@@ -99,6 +107,7 @@ impl std::fmt::Display for Addr {
             Role::Client => "client",
             Role::Node => "node",
             Role::Agent => "agent",
+            Role::Encoder => "encoder",
         };
         write!(f, "{role}{}", self.index)
     }
@@ -209,10 +218,14 @@ pub struct StepItem {
     /// With penalties: every distinct token of the prompt and the output,
     /// ascending, with its count in the output; empty without.
     pub history: Vec<TokenCount>,
+    /// The images whose spans the item's positions reach, in prompt order;
+    /// their values follow the item's restored blocks and imported state.
+    pub images: Vec<StepImage>,
 }
 
 /// Scheduler → worker: run one forward step over these sequences and sample.
-/// Body: the values of every item's `restore` blocks then its `import`, in item order.
+/// Body: the values of every item's `restore` blocks, then its `import`,
+/// then its images', in item order.
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[rkyv(derive(Debug))]
 pub struct StepRequest {
@@ -496,6 +509,24 @@ pub struct NodeStatus {
     /// Drafts its workers verified and the target accepted (speculative decoding).
     pub drafts_verified: u64,
     pub drafts_accepted: u64,
+    /// Its image encoders (encoder instances on this node), since it started.
+    pub encoders: Vec<EncoderStatus>,
+}
+
+/// An image encoder instance's counters.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct EncoderStatus {
+    pub encoder: u32,
+    /// Images whose rows it computed with the tower.
+    pub images_encoded: u64,
+    /// Images its cache answered without the tower.
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    /// Images waiting for the tower now.
+    pub queue_images: u64,
+    /// Time the tower ran, in microseconds.
+    pub encode_us: u64,
 }
 
 /// A node's prompt cache counters, in blocks.
@@ -558,6 +589,8 @@ pub struct RequestSpec {
     /// Admission order at its scheduler: lower first, ties by arrival
     /// (vLLM's `priority`; 0 by default).
     pub priority: i64,
+    /// Its images, in prompt order (their spans laid out in `prompt`).
+    pub images: Vec<ImageWire>,
 }
 
 #[derive(Archive, Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
@@ -580,6 +613,8 @@ pub struct Submit {
     pub generated: Vec<u32>,
     /// Once it has sampled, hand it (with its state) to this decode instance.
     pub decode: Option<u32>,
+    /// Have its images encoded by this encoder instance (none: on the prefill workers).
+    pub encoder: Option<u32>,
 }
 
 #[derive(Archive, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -828,6 +863,7 @@ pub enum Message {
     Outputs(Outputs),
     Cache(CacheMsg),
     Handoff(HandoffMsg),
+    Encoder(EncoderMsg),
 }
 
 /// The message kinds, as the preamble's `kind` byte names them.
@@ -846,10 +882,11 @@ pub enum MsgKind {
     Outputs = 10,
     Cache = 11,
     Handoff = 12,
+    Encoder = 13,
 }
 
 impl MsgKind {
-    pub const ALL: [MsgKind; 12] = [
+    pub const ALL: [MsgKind; 13] = [
         MsgKind::StepRequest,
         MsgKind::StepResult,
         MsgKind::Dispatch,
@@ -862,6 +899,7 @@ impl MsgKind {
         MsgKind::Outputs,
         MsgKind::Cache,
         MsgKind::Handoff,
+        MsgKind::Encoder,
     ];
 
     pub fn from_u8(v: u8) -> Option<Self> {
@@ -879,6 +917,7 @@ impl MsgKind {
                 | MsgKind::Outputs
                 | MsgKind::Cache
                 | MsgKind::Handoff
+                | MsgKind::Encoder
         )
     }
 
@@ -896,6 +935,7 @@ impl MsgKind {
             MsgKind::Outputs => "outputs",
             MsgKind::Cache => "cache",
             MsgKind::Handoff => "handoff",
+            MsgKind::Encoder => "encoder",
         }
     }
 }
@@ -915,6 +955,7 @@ impl Message {
             Message::Outputs(_) => MsgKind::Outputs,
             Message::Cache(_) => MsgKind::Cache,
             Message::Handoff(_) => MsgKind::Handoff,
+            Message::Encoder(_) => MsgKind::Encoder,
         }
     }
 }
@@ -934,6 +975,7 @@ impl ArchivedMessage {
             ArchivedMessage::Outputs(_) => MsgKind::Outputs,
             ArchivedMessage::Cache(_) => MsgKind::Cache,
             ArchivedMessage::Handoff(_) => MsgKind::Handoff,
+            ArchivedMessage::Encoder(_) => MsgKind::Encoder,
         }
     }
 }

@@ -211,7 +211,7 @@ impl RouterMachine {
             self.ctx
                 .events
                 .record(format_args!("router moves request {id} off scheduler{} (node{node} down)", f.instance));
-            self.on_submit(f.client, Submit { spec: f.spec, generated: f.tokens, decode: None });
+            self.on_submit(f.client, Submit { spec: f.spec, generated: f.tokens, decode: None, encoder: None });
         }
     }
 

@@ -166,7 +166,12 @@ impl RouterMachine {
         let msg = if f.cancelled {
             Message::Cancel { id: f.spec.id }
         } else {
-            Message::Submit(Submit { spec: f.spec.clone(), generated: f.tokens.clone(), decode: f.decode })
+            Message::Submit(Submit {
+                spec: f.spec.clone(),
+                generated: f.tokens.clone(),
+                decode: f.decode,
+                encoder: None,
+            })
         };
         self.send(Addr::scheduler(f.instance), msg, &[]);
     }

@@ -29,7 +29,7 @@ fn spec(id: u64) -> RequestSpec {
 }
 
 fn submit(id: u64, generated: Vec<u32>) -> RouterInput {
-    frame(CLIENT, Message::Submit(Submit { spec: spec(id), generated, decode: None }))
+    frame(CLIENT, Message::Submit(Submit { spec: spec(id), generated, decode: None, encoder: None }))
 }
 
 fn outputs(id: u64, from: u32, tokens: &[u32]) -> RouterInput {

@@ -34,8 +34,8 @@ use std::time::Duration;
 use deepinfer_engine::constraint::{allowed_tokens, TokenConstraint};
 use deepinfer_engine::engine::step_segments;
 use deepinfer_engine::eplb::ExpertLoadTracker;
+use deepinfer_engine::images::block_key;
 use deepinfer_engine::kv_pool::BlockId;
-use deepinfer_engine::prefix_cache::block_hash;
 use deepinfer_engine::request::{FinishReason, Finished, Request, RequestId, Retention};
 use deepinfer_engine::sampling::token_history;
 use deepinfer_engine::scheduler::{Registration, SampledToken, Scheduler, StepPlan};
@@ -355,6 +355,7 @@ pub(crate) fn request_of(spec: &RequestSpec) -> Request {
     r.return_logits = spec.logits;
     r.retention = spec.retention.map(|w| Retention { ttl_ms: w.ttl_ms, persist: w.persist });
     r.priority = spec.priority;
+    r.images = crate::proto::images::request_images(&spec.images);
     r
 }
 

@@ -88,16 +88,20 @@ impl SchedulerMachine {
         let bt = self.ctx.block_tokens;
         let l = self.live.get_mut(&id).expect("live request");
         let tokens = self.policy.tokens(l.rid);
+        // Keys chained with the images a block covers: two images never share KV.
+        let images = &self.policy.request(l.rid).images;
         while l.hashes.len() < blocks {
             let k = l.hashes.len();
             let parent = l.hashes.last().copied().unwrap_or(0);
-            l.hashes.push(block_hash(parent, &tokens[k * bt..(k + 1) * bt]));
+            l.hashes.push(block_key(parent, &tokens[k * bt..(k + 1) * bt], k * bt, images));
         }
         l.hashes[..blocks].to_vec()
     }
 
     pub(super) fn on_submit(&mut self, submit: Submit) {
-        let Submit { spec, generated, decode } = submit;
+        let Submit { spec, generated, decode, encoder } = submit;
+        // Encoder instances come with the next change; images are encoded on the workers.
+        let _ = encoder;
         let id = spec.id;
         let mut worker = None;
         if self.handoffs.contains_key(&id) {
@@ -139,6 +143,13 @@ impl SchedulerMachine {
             }
         };
         let request = request_of(&spec);
+        if let Err(why) = self.check_images(&spec, &request) {
+            let end = Some(OutputEnd::Refused(why));
+            let item =
+                OutputItem { id, from: generated.len() as u32, tokens: Vec::new(), logits: false, end, cached: 0 };
+            self.send_outputs(vec![item], &[]);
+            return;
+        }
         let added = if generated.is_empty() {
             self.policy.add(request)
         } else {
@@ -170,6 +181,17 @@ impl SchedulerMachine {
                 self.tick();
             }
         }
+    }
+
+    /// A request's images checked before the engine sees them: plans the
+    /// model's (which bounds every size), then the engine's own rule (spans,
+    /// image tokens, sizes, hashes of patches).
+    fn check_images(&self, spec: &RequestSpec, request: &Request) -> Result<(), String> {
+        if spec.images.is_empty() {
+            return Ok(());
+        }
+        crate::proto::images::check_images(&self.ctx.model, spec.prompt.len(), &spec.images)?;
+        deepinfer_engine::images::check_request(&self.ctx.model, request).map_err(|e| e.to_string())
     }
 
     pub(super) fn on_cancel(&mut self, id: u64) {

@@ -3,6 +3,7 @@
 //! gathered.
 
 use super::*;
+use crate::proto::images::step_images;
 
 impl SchedulerMachine {
     /// Start a step: faults, a placement change, then the plan.
@@ -276,6 +277,9 @@ impl SchedulerMachine {
                     }
                     _ => Vec::new(),
                 };
+                // The images the item's positions reach travel with it: a
+                // worker keeps no image between steps.
+                let images = step_images(&self.policy.request(it.rid).images, position..it.to, &mut body);
                 StepItem {
                     seq: it.id,
                     position: position as u64,
@@ -292,6 +296,7 @@ impl SchedulerMachine {
                     drafts: self.drafts_to_send(it, position, replay_until),
                     allowed: it.allowed.clone(),
                     history: it.history.clone(),
+                    images,
                 }
             })
             .collect();

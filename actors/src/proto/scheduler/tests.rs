@@ -32,10 +32,12 @@ fn frame(from: Addr, msg: Message, body: &[f32]) -> Input {
 
 fn submit(id: u64, prompt: Vec<u32>, max_tokens: u32) -> Input {
     let spec = crate::proto::test_spec(id, prompt, max_tokens);
-    frame(ROUTER, Message::Submit(Submit { spec, generated: Vec::new(), decode: None }), &[])
+    frame(ROUTER, Message::Submit(Submit { spec, generated: Vec::new(), decode: None, encoder: None }), &[])
 }
 
 /// The machine's effects, with every frame decoded.
+// A test's decoded frames: their size does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum Seen {
     Sent(Addr, Message),
@@ -313,7 +315,7 @@ fn a_submitted_priority_reaches_the_engine_request() {
         &Envelope {
             from: ROUTER,
             to: Addr::scheduler(0),
-            msg: Message::Submit(Submit { spec, generated: Vec::new(), decode: None }),
+            msg: Message::Submit(Submit { spec, generated: Vec::new(), decode: None, encoder: None }),
         },
         &[],
     )

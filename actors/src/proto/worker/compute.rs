@@ -4,19 +4,23 @@
 //! samples, captures the blocks the scheduler asked for and answers.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use deepinfer_engine::cost::SeqWork;
 use deepinfer_engine::engine::{check_restore, restore_state, step_segments, BlockValues};
+use deepinfer_engine::images::RequestImage;
 use deepinfer_engine::model::{Chunk, ExpertOutputs, LogitsWanted, Pass, SequenceState};
 use deepinfer_engine::sampling::SamplingParams;
 use deepinfer_engine::transfer::{parts_values, state_to_parts};
 
+use super::images::{embedded, wave_span_parts};
 use super::validate::{check_request, Device};
 use super::{Effect, WorkerMachine};
 use crate::cluster::placement::{row_key, Placement};
 use crate::limits::MAX_EXPORT_BYTES;
 use crate::proto::cache::parts_len;
+use crate::proto::images::{dim as image_dim, step_image_values, step_request_images};
 use crate::proto::{sampling_params, Crash, Outgoing};
 use crate::sim::events::bump;
 use crate::sim::faults::Target;
@@ -50,13 +54,16 @@ pub(super) struct ItemRun {
     pub(super) history: Vec<(u32, u32)>,
     pub(super) logits: bool,
     /// `(start, end, replay)` per wave, absolute positions.
-    segments: Vec<(usize, usize, bool)>,
+    pub(super) segments: Vec<(usize, usize, bool)>,
     snapshots: Vec<usize>,
     /// The logits rows to sample from: the last real token's, then one per draft.
     pub(super) row: Option<Vec<f32>>,
     /// Hidden rows of every position the step fed (drafting reads them).
     pub(super) hidden: Vec<f32>,
     pub(super) export: bool,
+    /// The images its positions reach, and each one's span rows once computed.
+    pub(super) images: Vec<RequestImage>,
+    pub(super) image_rows: Vec<Option<Arc<[f32]>>>,
 }
 
 impl ItemRun {
@@ -122,6 +129,7 @@ impl Running {
 struct Inbound {
     blocks: Vec<BlockValues>,
     import: Option<SequenceState>,
+    images: Vec<RequestImage>,
 }
 
 impl WorkerMachine {
@@ -152,7 +160,12 @@ impl WorkerMachine {
         }
         let mut items = Vec::with_capacity(req.items.len());
         let allowances: Vec<usize> = req.items.iter().map(|it| it.drafts as usize).collect();
-        for (it, inbound) in std::mem::take(&mut req.items).into_iter().zip(inbound) {
+        for (it, mut inbound) in std::mem::take(&mut req.items).into_iter().zip(inbound) {
+            let images = std::mem::take(&mut inbound.images);
+            let image_rows = match self.image_rows(&images) {
+                Ok(rows) => rows,
+                Err(why) => return self.refuse(from, &req, format!("sequence {}: {why}", it.seq)),
+            };
             let state = match self.starting_state(&it, inbound) {
                 Ok(state) => state,
                 Err(why) => {
@@ -181,6 +194,8 @@ impl WorkerMachine {
                 hidden: Vec::new(),
                 export: it.export,
                 drafts: 0,
+                images,
+                image_rows,
             });
         }
         self.attach_drafts(&mut items, &allowances);
@@ -248,7 +263,12 @@ impl WorkerMachine {
                     });
                 Some(state.map_err(|why| format!("sequence {}: imported state: {why}", it.seq))?)
             };
-            inbound.push(Inbound { blocks, import });
+            let to = (it.position as usize).saturating_add(it.tokens.len());
+            let images = step_image_values(model, &it.images)
+                .and_then(&mut take)
+                .and_then(|values| step_request_images(&it.images, values, it.position as usize..to, context))
+                .map_err(|why| format!("sequence {}: images: {why}", it.seq))?;
+            inbound.push(Inbound { blocks, import, images });
         }
         if at != body.len() {
             return Err(format!("{} body values, {at} expected", body.len()));
@@ -289,8 +309,11 @@ impl WorkerMachine {
                 row_keys.extend((a..b + it.drafts_after(b)).map(|p| row_key(it.seq, p as u64)));
             }
         }
+        // Each chunk's image span rows, held apart from the items, whose states the chunks borrow.
+        let parts = wave_span_parts(&run.items, wave, image_dim(&self.ctx.model));
+        let spans = embedded(&parts);
         let chunks = wave_chunks(&mut run.items, wave);
-        run.pass = self.ctx.model.begin_pass(&chunks);
+        run.pass = self.ctx.model.begin_pass_spans(&chunks, &spans);
         drop(chunks);
         run.row_keys = row_keys;
         run.outputs = None;

@@ -20,6 +20,7 @@
 
 mod compute;
 mod drafting;
+mod images;
 mod modelled;
 mod validate;
 

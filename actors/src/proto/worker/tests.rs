@@ -149,6 +149,7 @@ fn item(seq: u64, position: u64, tokens: Vec<u32>) -> StepItem {
         drafts: 0,
         allowed: Vec::new(),
         history: Vec::new(),
+        images: Vec::new(),
     }
 }
 

@@ -1,0 +1,154 @@
+//! Images through the cluster: a request's images travel client → router →
+//! scheduler → the prefill worker, which feeds the spans as embedding
+//! overrides (bias_vl routing, Engram gaps), across chunked prefill too; the
+//! greedy tokens are the single-process engine's; the cluster's prefix-cache
+//! keys carry the image, so two images never share cached KV and the same
+//! image hits; requests whose images disagree with their prompt are refused.
+
+use std::collections::BTreeMap;
+
+use deepinfer_actors::{simulate, Cluster, ClusterConfig, GenRequest, Update};
+use deepinfer_engine::engine::{Engine, EngineConfig};
+use deepinfer_engine::images::{ImageContent, PromptBuilder, RequestImage};
+use deepinfer_engine::model::Model;
+use deepinfer_engine::prefix_cache::PrefixMode;
+use deepinfer_engine::presets::{build, Preset};
+use deepinfer_engine::request::{Finished, Request};
+use deepinfer_engine::sampling::SamplingParams;
+
+/// A synthetic picture (the engine tests' pattern).
+fn picture(w: usize, h: usize, salt: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(w * h * 3);
+    for y in 0..h {
+        for x in 0..w {
+            for c in 0..3 {
+                let v = x * (37 + salt) + y * 91 + c * 53 + ((x * y) % 29) * 7 + ((x / 5 + y / 3) % 2) * 100;
+                out.push((v % 256) as u8);
+            }
+        }
+    }
+    out
+}
+
+fn text(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| 5 + (i * 131 + salt * 17) % 400).collect()
+}
+
+fn model() -> Model {
+    build(Preset::TinyV41Vision, 3).expect("tiny-v41-vision builds")
+}
+
+/// Text, an image, text, a second image, text: `salt` changes the first image only.
+fn two_images(model: &Model, salt: usize) -> (Vec<u32>, Vec<RequestImage>) {
+    let cfg = model.image_model().unwrap().config.vision.clone().unwrap();
+    let mut b = PromptBuilder::new(&cfg);
+    b.text(&text(10, 1)).image(&picture(200, 120, salt), 200, 120).unwrap();
+    b.text(&text(7, 2)).image(&picture(90, 160, 3), 90, 160).unwrap().text(&text(12, 3));
+    b.finish()
+}
+
+fn greedy(prompt: &[u32], images: &[RequestImage], max_tokens: usize) -> GenRequest {
+    let mut r = Request::with_images(prompt.to_vec(), images.to_vec(), max_tokens);
+    r.params = SamplingParams::default();
+    r.ignore_eos = true;
+    r
+}
+
+fn engine_config() -> EngineConfig {
+    EngineConfig { block_tokens: Some(8), prefix_mode: PrefixMode::Exact, ..EngineConfig::default() }
+}
+
+/// Each request alone through one engine, in order (the cache warm from the ones before).
+fn engine_runs(model: &Model, requests: &[GenRequest]) -> Vec<(Vec<u32>, usize)> {
+    let mut engine = Engine::new(model, engine_config()).unwrap();
+    requests
+        .iter()
+        .map(|r| {
+            let id = engine.add_request(r.clone()).unwrap();
+            let c = engine.run_to_completion().remove(&id).unwrap();
+            (c.token_ids(), c.finished.cached_tokens)
+        })
+        .collect()
+}
+
+/// Each request through the cluster, one after another: tokens and the end.
+async fn cluster_runs(c: &mut Cluster, requests: &[GenRequest]) -> Vec<Result<(Vec<u32>, Finished), String>> {
+    let mut out = Vec::new();
+    for r in requests {
+        let id = c.submit(r.clone());
+        let mut tokens = Vec::new();
+        let mut ends: BTreeMap<u64, Result<Finished, String>> = BTreeMap::new();
+        while !ends.contains_key(&id) {
+            match c.next_update().await.expect("the cluster runs") {
+                Update::Tokens { id: i, tokens: t, .. } if i == id => tokens.extend(t.iter().map(|t| t.token)),
+                Update::Finished { id, finished } => drop(ends.insert(id, Ok(finished))),
+                Update::Refused { id, reason } => drop(ends.insert(id, Err(reason))),
+                _ => {}
+            }
+        }
+        out.push(ends.remove(&id).unwrap().map(|f| (tokens, f)));
+    }
+    out
+}
+
+fn cluster(instances: u32, engine: EngineConfig) -> ClusterConfig {
+    let mut cfg = ClusterConfig::new(2 * instances, 2);
+    cfg.devices_per_node = 2;
+    cfg.instances = instances;
+    cfg.engine = engine;
+    cfg.seed = 5;
+    cfg
+}
+
+#[test]
+fn two_images_through_the_cluster_give_the_engines_tokens_and_cache_by_image() {
+    let m = model();
+    let (prompt, x) = two_images(&m, 0);
+    let (prompt_y, y) = two_images(&m, 9);
+    assert_eq!(prompt, prompt_y, "the same token ids, another first image");
+    assert_ne!(x[0].hash, y[0].hash);
+    let reqs = [greedy(&prompt, &x, 6), greedy(&prompt, &y, 6), greedy(&prompt, &x, 6)];
+    let want = engine_runs(&m, &reqs);
+    assert_ne!(want[0].0, want[1].0, "the image matters");
+    let span = x[0].span();
+    assert_eq!(want[1].1, span.start / 8 * 8, "another image hits only the text before it");
+    assert_eq!(want[2].1, (prompt.len() - 1) / 8 * 8, "the same image hits through its span");
+    let chunked = EngineConfig { max_batch_tokens: 7, ..engine_config() };
+    for (name, cfg) in [("one instance", cluster(1, engine_config())), ("chunks of 7", cluster(1, chunked))] {
+        let (got, report) =
+            simulate(std::sync::Arc::new(model()), cfg, async |c: &mut Cluster| cluster_runs(c, &reqs).await).unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let (tokens, finished) = g.as_ref().unwrap_or_else(|e| panic!("{name}: request {i} refused: {e}"));
+            assert_eq!(tokens, &w.0, "{name}: tokens of request {i}");
+            assert_eq!(finished.cached_tokens, w.1, "{name}: cached tokens of request {i}");
+        }
+        assert!(report.metrics.cache_hits > 0, "{name}: the same image hit the cluster's cache");
+    }
+}
+
+#[test]
+fn images_that_disagree_with_the_prompt_are_refused_by_the_cluster() {
+    let m = model();
+    let (prompt, x) = two_images(&m, 0);
+    let mut moved = x.clone();
+    moved[1].start += 1;
+    let mut other_hash = x.clone();
+    other_hash[0].hash ^= 1;
+    let mut short_rows = x.clone();
+    short_rows[0].content = ImageContent::Rows(vec![0.0; 5].into());
+    let text_only = build(Preset::TinyV41, 3).unwrap();
+    let reqs = [greedy(&prompt, &moved, 2), greedy(&prompt, &other_hash, 2), greedy(&prompt, &short_rows, 2)];
+    let (got, _) = simulate(std::sync::Arc::new(m), cluster(1, engine_config()), async |c: &mut Cluster| {
+        cluster_runs(c, &reqs).await
+    })
+    .unwrap();
+    for (g, want) in got.iter().zip(["outside every image span", "hash", "row values"]) {
+        let why = g.as_ref().err().unwrap_or_else(|| panic!("refused for {want}"));
+        assert!(why.contains(want), "{why:?} names {want}");
+    }
+    let (got, _) = simulate(std::sync::Arc::new(text_only), cluster(1, engine_config()), async |c: &mut Cluster| {
+        cluster_runs(c, &reqs[..1]).await
+    })
+    .unwrap();
+    assert!(got[0].as_ref().is_err_and(|e| e.contains("takes no images")), "{got:?}");
+}
