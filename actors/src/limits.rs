@@ -60,6 +60,18 @@ pub const MAX_DISK_KEYS: usize = 1 << 20;
 pub const MAX_PROMOTE_BYTES: usize = 32 << 20;
 /// Promotions a cache manager has waiting on its disk at once; past it a promotion is answered from memory only.
 pub const MAX_PENDING_PROMOTES: usize = 1024;
+/// Images one encoder instance holds waiting for its tower; past it a new
+/// image is refused (its scheduler encodes it on its own workers).
+pub const MAX_ENCODER_QUEUE: usize = 256;
+/// Images one encode request may carry (a request's images).
+pub const MAX_ENCODE_IMAGES: usize = 64;
+/// Bytes of encoded rows an encoder instance keeps for repeated images.
+pub const ENCODER_CACHE_BYTES: u64 = 1 << 30;
+/// Images a scheduler has out at encoders at once; past it a request's
+/// images are encoded on its own workers.
+pub const MAX_PENDING_ENCODES: usize = 1024;
+/// Image hashes a router remembers the encoder of (cache affinity).
+pub const MAX_ENCODER_AFFINITY: usize = 1 << 16;
 
 // A promotion's answer fits one frame.
 const _: () = assert!(MAX_PROMOTE_BYTES + FRAME_HEADER_BYTES_MAX as usize <= MAX_FRAME_BYTES as usize);
@@ -84,3 +96,5 @@ const _: () = assert!(
 );
 // The worst case a peer's data lane holds stays within a few GiB.
 const _: () = assert!(DATA_QUEUE as u64 * MAX_FRAME_BYTES as u64 <= 4 << 30);
+// A queue of encodes is bounded by the encoder's mailbox and its own queue.
+const _: () = assert!(MAX_ENCODE_IMAGES > 0 && MAX_ENCODE_IMAGES <= MAX_ENCODER_QUEUE);

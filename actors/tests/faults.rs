@@ -81,6 +81,7 @@ fn a_random_kill_in_each_of_60_seeds_never_changes_the_output() {
             Target::CacheManager(_) => 3,
             Target::Router => 4,
             Target::Node(_) => 5,
+            Target::Encoder(_) => unreachable!("a cluster without encoders draws none"),
         }] += 1;
         cfg.faults = Some(plan.clone());
         let report = run_simulated(m.clone(), cfg, &reqs).unwrap();

@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 
+use deepinfer_actors::sim::faults::{FaultPlan, KillRule, Target};
 use deepinfer_actors::{simulate, Cluster, ClusterConfig, GenRequest, Update};
 use deepinfer_engine::engine::{Engine, EngineConfig};
 use deepinfer_engine::images::{ImageContent, PromptBuilder, RequestImage};
@@ -151,4 +152,78 @@ fn images_that_disagree_with_the_prompt_are_refused_by_the_cluster() {
     })
     .unwrap();
     assert!(got[0].as_ref().is_err_and(|e| e.contains("takes no images")), "{got:?}");
+}
+
+/// One instance on node 0 and `encoders` encoder instances on nodes of their own.
+fn with_encoders(encoders: u32) -> ClusterConfig {
+    let mut cfg = cluster(1, engine_config());
+    cfg.encoder_nodes = (1..=encoders).collect();
+    cfg
+}
+
+#[test]
+fn an_encoder_instance_encodes_the_images_and_its_cache_serves_a_repeat() {
+    let m = model();
+    let (prompt, x) = two_images(&m, 0);
+    let (_, y) = two_images(&m, 9);
+    let reqs = [greedy(&prompt, &x, 6), greedy(&prompt, &y, 6), greedy(&prompt, &x, 6)];
+    let want = engine_runs(&m, &reqs);
+    let (got, report) =
+        simulate(std::sync::Arc::new(model()), with_encoders(2), async |c: &mut Cluster| cluster_runs(c, &reqs).await)
+            .unwrap();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let (tokens, finished) = g.as_ref().unwrap_or_else(|e| panic!("request {i} refused: {e}"));
+        assert_eq!(tokens, &w.0, "tokens of request {i}");
+        assert_eq!(finished.cached_tokens, w.1, "cached tokens of request {i}");
+    }
+    let m = &report.metrics;
+    assert_eq!(m.images_sent_to_encoders, 6, "two images a request: {m:?}");
+    assert_eq!(m.images_colocated, 0);
+    // The second shares x's second image, the third repeats both: the
+    // balancer sends them to the encoder that has them, whose cache answers.
+    assert_eq!(m.encoder_cache_hits, 3, "x's two images and y's second: {m:?}");
+    // One after another, the idle encoder that holds the images wins each time.
+    assert!(!report.log.iter().any(|l| l.contains("images to encoder1")), "affinity kept them on encoder0");
+}
+
+#[test]
+fn an_encoder_lost_mid_batch_costs_a_retry_never_the_request() {
+    let m = model();
+    let (prompt, x) = two_images(&m, 0);
+    let (_, y) = two_images(&m, 9);
+    let reqs = [greedy(&prompt, &x, 5), greedy(&prompt, &y, 5)];
+    let want = engine_runs(&m, &reqs);
+    for (encoders, kill_at) in [(2, 1), (1, 1), (2, 2)] {
+        let mut cfg = with_encoders(encoders);
+        let kill = KillRule { target: Target::Encoder(0), step: kill_at, layer: 0, repeat: false };
+        cfg.faults = Some(FaultPlan { kills: vec![kill], ..FaultPlan::default() });
+        let (got, report) = simulate(std::sync::Arc::new(model()), cfg, async |c: &mut Cluster| {
+            // Both at once: the encoder dies with images of both in its queue.
+            let ids: Vec<u64> = reqs.iter().map(|r| c.submit(r.clone())).collect();
+            let mut tokens: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+            let mut ends = BTreeMap::new();
+            while ends.len() < ids.len() {
+                match c.next_update().await.expect("the cluster runs") {
+                    Update::Tokens { id, tokens: t, .. } => {
+                        tokens.entry(id).or_default().extend(t.iter().map(|t| t.token))
+                    }
+                    Update::Finished { id, finished } => drop(ends.insert(id, Ok(finished))),
+                    Update::Refused { id, reason } => drop(ends.insert(id, Err(reason))),
+                }
+            }
+            ids.iter().map(|id| (tokens.remove(id).unwrap_or_default(), ends.remove(id).unwrap())).collect::<Vec<_>>()
+        })
+        .unwrap();
+        let what = format!("{encoders} encoders, killed at image {kill_at}");
+        for (i, ((tokens, end), w)) in got.iter().zip(&want).enumerate() {
+            assert!(end.is_ok(), "{what}: request {i} ended {end:?}");
+            assert_eq!(tokens, &w.0, "{what}: tokens of request {i}");
+        }
+        let m = &report.metrics;
+        assert_eq!((m.kills_injected, m.encoder_restarts), (1, 1), "{what}: {m:?}");
+        assert!(m.encode_retries >= 1, "{what}: the lost images were asked for again: {m:?}");
+        if encoders == 1 {
+            assert!(m.images_colocated >= 1, "{what}: with no other encoder, the workers encode: {m:?}");
+        }
+    }
 }

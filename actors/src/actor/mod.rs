@@ -1,9 +1,10 @@
 //! The ractor actors and their supervision. `scheduler`, `router`, `cache`,
-//! `shard`, `worker` and `member` are thin shells around protocol machines
+//! `shard`, `worker`, `encoder` and `member` are thin shells around protocol machines
 //! of [`crate::proto`]: they feed a machine its inputs with the clock's time
 //! and carry out the effects it leaves.
 
 pub mod cache;
+pub mod encoder;
 pub mod member;
 pub mod router;
 pub mod scheduler;

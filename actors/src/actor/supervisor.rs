@@ -41,6 +41,8 @@ pub enum ChildKind {
     Router,
     /// A node's membership actor (simulated clusters).
     Member,
+    /// An image encoder instance.
+    Encoder,
     Supervisor,
 }
 
@@ -245,6 +247,7 @@ impl Actor for Supervisor {
             ChildKind::CacheManager => &state.env.metrics.cache_restarts,
             ChildKind::Router => &state.env.metrics.router_restarts,
             ChildKind::Member => &state.env.metrics.member_restarts,
+            ChildKind::Encoder => &state.env.metrics.encoder_restarts,
             ChildKind::Supervisor => &state.env.metrics.supervisor_restarts,
         };
         bump(counter);

@@ -137,6 +137,32 @@ pub struct Ctx {
     pub cache_tiers: crate::cluster::NodeCacheTiers,
     /// A computing worker's step and drafting costs (adaptive draft lengths).
     pub draft_costs: DraftCosts,
+    /// Image encoder instances: the node each runs on (empty: the prefill
+    /// workers encode their requests' images).
+    pub encoders: Vec<u32>,
+    /// Each encoder's counters. Shared state rather than messages because
+    /// a node's status agent reads them at any time, as it reads the
+    /// instance gauges; only the encoder's shell writes them.
+    pub encoder_gauges: Arc<[EncoderGauges]>,
+}
+
+/// An image encoder's counters since its node started.
+#[derive(Debug, Default)]
+pub struct EncoderGauges {
+    pub images_encoded: std::sync::atomic::AtomicU64,
+    pub cache_hits: std::sync::atomic::AtomicU64,
+    pub cache_misses: std::sync::atomic::AtomicU64,
+    /// Images waiting for the tower now.
+    pub queue_images: std::sync::atomic::AtomicU64,
+    /// Time the tower ran (wall time on a real clock; 0 on a virtual one).
+    pub encode_us: std::sync::atomic::AtomicU64,
+}
+
+impl Ctx {
+    /// The encoders on `node`.
+    pub fn encoders_on(&self, node: u32) -> Vec<u32> {
+        (0..self.encoders.len() as u32).filter(|&e| self.encoders[e as usize] == node).collect()
+    }
 }
 
 /// The time a computing worker's verification step takes by the tokens it

@@ -44,6 +44,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use crate::actor::cache::{CacheArgs, CacheManager};
+use crate::actor::encoder::{EncoderArgs, ImageEncoder};
 use crate::actor::member::{MemberActor, MemberArgs};
 use crate::actor::router::{Router, RouterArgs};
 use crate::actor::scheduler::{InstanceScheduler, SchedulerArgs};
@@ -212,20 +213,25 @@ impl ClusterConfig {
     }
 
     pub fn topology(&self) -> Topology {
-        if self.instance_devices.is_empty() {
+        let t = if self.instance_devices.is_empty() {
             Topology::uniform(self.devices, self.devices_per_node, self.instances)
         } else {
             Topology::with_sizes(self.devices_per_node, &self.instance_devices)
-        }
+        };
+        // An encoder may run on a node of its own, after the serving ones.
+        let last = self.encoder_nodes.iter().map(|&n| n.saturating_add(1)).max().unwrap_or(0);
+        let extra = last.saturating_sub(t.serving_nodes());
+        t.with_extra_nodes(extra)
     }
 
     pub fn nodes(&self) -> u32 {
         self.topology().nodes()
     }
 
-    /// The nodes that run a router: `routers`, at least one and at most every node.
+    /// The nodes that run a router: `routers`, at least one and at most
+    /// every serving node (an encoder's own node runs none).
     pub fn router_nodes(&self) -> u32 {
-        self.routers.clamp(1, self.nodes())
+        self.routers.clamp(1, self.topology().serving_nodes())
     }
 
     /// Which node an address lives on.
@@ -386,6 +392,16 @@ fn node_spec(node: u32, ctx: &Arc<Ctx>, intensity: Intensity, env: SupervisorEnv
                 |device, incarnation, ctx| WorkerArgs { device, incarnation, ctx },
             )
         }));
+        children.extend(ctx.encoders_on(node).into_iter().map(|e| {
+            spec(
+                format!("encoder{e}"),
+                ChildKind::Encoder,
+                e,
+                &ctx,
+                || ImageEncoder,
+                |index, incarnation, ctx| EncoderArgs { index, incarnation, ctx },
+            )
+        }));
         children.extend(topo.instances_on(node).into_iter().map(|i| {
             spec(
                 format!("scheduler{i}"),
@@ -416,6 +432,15 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         || (0..topo.instances).any(|i| topo.size_of(i) == 0)
     {
         return Err(ClusterError::Instances { devices: cfg.devices, instances: cfg.instances });
+    }
+    // Each encoder on a serving node or on one of its own right after them.
+    let most = topo.serving_nodes().saturating_add(cfg.encoder_nodes.len() as u32);
+    if cfg.encoder_nodes.len() > 64 || cfg.encoder_nodes.iter().any(|&n| n >= most) {
+        return Err(ClusterError::Start(format!(
+            "encoders on nodes {:?}: each runs on one of the {} serving nodes or a node of its own after them",
+            cfg.encoder_nodes,
+            topo.serving_nodes()
+        )));
     }
     let modelled = match &cfg.modelled {
         Some(spec) if env.clock.is_virtual() => {
@@ -504,6 +529,8 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         node_news: OnceLock::new(),
         cache_tiers: cfg.cache_tiers.clone(),
         draft_costs: cfg.draft_costs.clone(),
+        encoders: cfg.encoder_nodes.clone(),
+        encoder_gauges: cfg.encoder_nodes.iter().map(|_| Default::default()).collect(),
     });
     for instance in 0..topo.instances {
         Scheduler::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| ClusterError::Engine(e.to_string()))?;

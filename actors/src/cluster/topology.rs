@@ -15,6 +15,8 @@ pub struct Topology {
     pub instances: u32,
     /// First device of each instance, then `devices`.
     starts: Arc<[u32]>,
+    /// Nodes after the serving ones, with no serving device: image encoders' nodes.
+    pub extra_nodes: u32,
 }
 
 impl Topology {
@@ -34,10 +36,28 @@ impl Topology {
             at += n;
         }
         starts.push(at);
-        Self { devices: at, per_node: per_node.max(1), instances: sizes.len() as u32, starts: starts.into() }
+        Self {
+            devices: at,
+            per_node: per_node.max(1),
+            instances: sizes.len() as u32,
+            starts: starts.into(),
+            extra_nodes: 0,
+        }
     }
 
+    /// With `extra` nodes after the serving ones (they hold no serving device).
+    pub fn with_extra_nodes(mut self, extra: u32) -> Self {
+        self.extra_nodes = extra;
+        self
+    }
+
+    /// Every node: the serving ones, then the extra ones.
     pub fn nodes(&self) -> u32 {
+        self.serving_nodes() + self.extra_nodes
+    }
+
+    /// Nodes with serving devices (the first ones).
+    pub fn serving_nodes(&self) -> u32 {
         self.devices.div_ceil(self.per_node.max(1))
     }
 

@@ -6,6 +6,7 @@
 
 pub mod cache;
 pub mod cursor;
+pub mod encoder;
 pub mod images;
 pub mod membership;
 pub mod router;

@@ -129,6 +129,16 @@ pub struct Metrics {
     pub scheduler_restarts: AtomicU64,
     pub cache_restarts: AtomicU64,
     pub router_restarts: AtomicU64,
+    /// Image encoders restarted by their supervisor.
+    pub encoder_restarts: AtomicU64,
+    /// Images a scheduler asked an encoder instance to encode (each try).
+    pub images_sent_to_encoders: AtomicU64,
+    /// Encodes tried again after an encoder was lost, refused or silent.
+    pub encode_retries: AtomicU64,
+    /// Images encoded on the prefill workers instead of an encoder instance.
+    pub images_colocated: AtomicU64,
+    /// Images an encoder instance answered from its cache.
+    pub encoder_cache_hits: AtomicU64,
     pub submits_resent: AtomicU64,
     pub requests_resumed: AtomicU64,
     /// Requests moved from a prefill instance to a decode instance.
@@ -199,6 +209,11 @@ pub struct MetricsSnapshot {
     pub scheduler_restarts: u64,
     pub cache_restarts: u64,
     pub router_restarts: u64,
+    pub encoder_restarts: u64,
+    pub images_sent_to_encoders: u64,
+    pub encode_retries: u64,
+    pub images_colocated: u64,
+    pub encoder_cache_hits: u64,
     pub submits_resent: u64,
     pub requests_resumed: u64,
     pub handovers: u64,
@@ -240,6 +255,7 @@ impl MetricsSnapshot {
             + self.scheduler_restarts
             + self.cache_restarts
             + self.router_restarts
+            + self.encoder_restarts
     }
 }
 
@@ -329,6 +345,11 @@ impl Metrics {
             scheduler_restarts: g(&self.scheduler_restarts),
             cache_restarts: g(&self.cache_restarts),
             router_restarts: g(&self.router_restarts),
+            encoder_restarts: g(&self.encoder_restarts),
+            images_sent_to_encoders: g(&self.images_sent_to_encoders),
+            encode_retries: g(&self.encode_retries),
+            images_colocated: g(&self.images_colocated),
+            encoder_cache_hits: g(&self.encoder_cache_hits),
             submits_resent: g(&self.submits_resent),
             requests_resumed: g(&self.requests_resumed),
             handovers: g(&self.handovers),

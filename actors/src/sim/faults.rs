@@ -21,6 +21,8 @@ pub enum Target {
     /// The cache manager of a node.
     CacheManager(u32),
     Router,
+    /// An image encoder instance.
+    Encoder(u32),
 }
 
 impl std::fmt::Display for Target {
@@ -32,6 +34,7 @@ impl std::fmt::Display for Target {
             Target::Scheduler(i) => write!(f, "scheduler{i}"),
             Target::CacheManager(n) => write!(f, "cache{n}"),
             Target::Router => write!(f, "router0"),
+            Target::Encoder(e) => write!(f, "encoder{e}"),
         }
     }
 }

@@ -235,6 +235,7 @@ mod tests {
             instance,
             cached_tokens: prompt / 3,
             decode: None,
+            encoder: None,
             prefilled_on: None,
             tokens: Vec::new(),
             client: Addr::client(0),

@@ -29,6 +29,7 @@ use deepinfer_engine::scheduler::Scheduler;
 use self::flight_table::FlightTable;
 use super::Outgoing;
 
+mod encoders;
 mod flight_table;
 mod flights;
 mod routing;
@@ -57,6 +58,8 @@ struct Flight {
     cached_tokens: usize,
     /// At a prefill instance: the decode instance it is to move to.
     decode: Option<u32>,
+    /// The encoder instance its images go to (the image-encoder balancer's choice).
+    encoder: Option<u32>,
     /// The prefill instance it left (late outputs from there are still its own).
     prefilled_on: Option<u32>,
     tokens: Vec<u32>,
@@ -91,6 +94,8 @@ pub struct RouterMachine {
     /// requests of one silent for too long are cancelled (it is gone).
     watched: BTreeMap<Addr, Duration>,
     flights: FlightTable,
+    /// Which encoder each recent image went to (the encoder balancer's cache affinity).
+    affinity: encoders::Affinity,
     routing: BTreeMap<u64, Routing>,
     next_query: u64,
     /// The time of the input being handled.
@@ -170,7 +175,7 @@ impl RouterMachine {
                 spec: f.spec.clone(),
                 generated: f.tokens.clone(),
                 decode: f.decode,
-                encoder: None,
+                encoder: f.encoder,
             })
         };
         self.send(Addr::scheduler(f.instance), msg, &[]);
@@ -196,6 +201,7 @@ impl RouterMachine {
             draining: BTreeSet::new(),
             watched: BTreeMap::new(),
             flights: FlightTable::new(layout, PrefillPolicy::default().attention_tokens),
+            affinity: Default::default(),
             routing: BTreeMap::new(),
             next_query: 0,
             now,

@@ -158,6 +158,7 @@ impl RouterMachine {
         .unwrap_or(0) as u32;
         let cached_tokens = candidates.get(instance as usize).map_or(0, |c| c.cached_tokens);
         let decode = (!self.ctx.kind(instance).decodes()).then(|| self.choose_decode(None)).flatten();
+        let encoder = self.choose_encoder(&r.submit.spec);
         let id = r.submit.spec.id;
         self.ctx.events.record(format_args!(
             "router sends request {id} to scheduler{instance} ({} cached blocks)",
@@ -168,6 +169,7 @@ impl RouterMachine {
             instance,
             cached_tokens,
             decode,
+            encoder,
             prefilled_on: None,
             tokens: r.submit.generated,
             client: r.client,

@@ -61,6 +61,7 @@ mod by_seq;
 use by_seq::{BySeq, SeqSlots};
 mod drafts;
 use drafts::{Outs, Shape};
+mod encoding;
 mod handoffs;
 mod invariants;
 mod promotion;
@@ -324,6 +325,8 @@ pub struct SchedulerMachine {
     /// Modelled cache tiers below the device pool.
     tier_glue: TierGlue,
     promotions: promotion::Promotions,
+    /// Requests waiting for an encoder instance's rows of their images.
+    encodes: encoding::Encodes,
     ctx: Arc<Ctx>,
 }
 
@@ -467,6 +470,7 @@ impl SchedulerMachine {
             in_flight: BTreeMap::new(),
             tier_glue: TierGlue::default(),
             promotions: Default::default(),
+            encodes: Default::default(),
             ctx,
         };
         machine.send(cache, Message::Cache(CacheMsg::Clear { instance }), &[]);
@@ -505,7 +509,10 @@ impl SchedulerMachine {
 
     fn dispatch(&mut self, input: Input) -> Result<(), Crash> {
         let d = match input {
-            Input::Tick => return self.begin_step(),
+            Input::Tick => {
+                self.check_encodes(None);
+                return self.begin_step();
+            }
             Input::Timeout(serial) => {
                 self.on_timeout(serial);
                 return Ok(());
@@ -527,8 +534,11 @@ impl SchedulerMachine {
             }
             (Role::Router, Message::Cancel { id }) => {
                 self.owned_by(from, id);
-                self.on_cancel(id)
+                if !self.cancel_encoding(id) {
+                    self.on_cancel(id)
+                }
             }
+            (Role::Encoder, Message::Encoder(msg)) => self.on_encoder(from, msg, m.body),
             (Role::Scheduler, Message::Handoff(HandoffMsg::Transfer { spec, generated, lens, router, .. })) => {
                 self.owners.insert(spec.id, router);
                 self.on_transfer(from, *spec, generated, lens, m.body)
@@ -567,7 +577,8 @@ impl SchedulerMachine {
             (Role::Node, Message::Control(Control::NodeDown { node }))
                 if from == Addr::node(self.ctx.topology.home_node(self.instance)) =>
             {
-                return self.on_node_down(node)
+                self.check_encodes(Some(node));
+                return self.on_node_down(node);
             }
             (Role::Node, Message::Control(Control::NodeUp { node }))
                 if from == Addr::node(self.ctx.topology.home_node(self.instance)) =>

@@ -99,9 +99,8 @@ impl SchedulerMachine {
     }
 
     pub(super) fn on_submit(&mut self, submit: Submit) {
-        let Submit { spec, generated, decode, encoder } = submit;
-        // Encoder instances come with the next change; images are encoded on the workers.
-        let _ = encoder;
+        let Some(submit) = self.encode_first(submit) else { return };
+        let Submit { spec, generated, decode, .. } = submit;
         let id = spec.id;
         let mut worker = None;
         if self.handoffs.contains_key(&id) {
@@ -186,7 +185,7 @@ impl SchedulerMachine {
     /// A request's images checked before the engine sees them: plans the
     /// model's (which bounds every size), then the engine's own rule (spans,
     /// image tokens, sizes, hashes of patches).
-    fn check_images(&self, spec: &RequestSpec, request: &Request) -> Result<(), String> {
+    pub(super) fn check_images(&self, spec: &RequestSpec, request: &Request) -> Result<(), String> {
         if spec.images.is_empty() {
             return Ok(());
         }
