@@ -3,10 +3,12 @@
 //! model, instances), the engine's limits, expert popularity, traffic
 //! (synthetic, multi-turn sessions or a Mooncake trace), faults at given
 //! times, SLOs, seed and duration, speculative decoding, the prompt cache's
-//! tiers. Errors name the file, line and key.
+//! tiers, image traffic and image-encoder instances. Errors name the file,
+//! line and key.
 
 mod cache;
 mod deployment;
+mod images;
 mod speculative;
 
 use std::path::{Path, PathBuf};
@@ -14,6 +16,7 @@ use std::path::{Path, PathBuf};
 use deepinfer_actors::cluster::disagg::PrefillRouting;
 use deepinfer_actors::modelled::deployment::InstanceLimits;
 use deepinfer_actors::modelled::drafting::Drafting;
+use deepinfer_actors::modelled::encoder::EncoderSpec;
 use deepinfer_engine::cost::experts::Popularity;
 use deepinfer_engine::cost::{HardwareKind, ModelKind, Precision};
 use deepinfer_engine::traffic::{Lengths, Pattern};
@@ -22,6 +25,7 @@ use toml::Spanned;
 
 use crate::config_file::{parse_toml, read_text, value_error, FileError};
 pub use cache::{CacheConfig, CacheSpec};
+pub use images::{ImageSize, ImageTraffic, ImagesSpec, DEFAULT_ENCODER_CACHE_GIB};
 pub use speculative::{default_drafting, SpeculativeSpec, DSPARK_ACCEPTANCE, MTP_ACCEPTANCE};
 
 /// Most devices one scenario may simulate.
@@ -70,10 +74,22 @@ fn default_devices_per_node() -> Spanned<u32> {
     Spanned::new(0..0, 8)
 }
 
+/// What an `[[instance]]` of a scenario is: a serving instance of the
+/// cluster, or an image encoder in front of it.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Both,
+    Prefill,
+    Decode,
+    /// Encodes images (V4.1's vision tower) for the prefill instances.
+    Encoder,
+}
+
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct InstanceSpec {
-    pub role: InstanceKind,
+    pub role: Spanned<Role>,
     /// Devices of each instance (its expert-parallel degree); a multiple of `devices_per_node`.
     pub devices: Spanned<u32>,
     #[serde(default = "one")]
@@ -89,6 +105,9 @@ pub struct InstanceSpec {
     /// GiB of each device's routed-expert weights kept in host memory (0: none).
     #[serde(default)]
     pub offload_gib: Option<Spanned<f64>>,
+    /// Encoders: GiB of encoded images the instance's cache keeps.
+    #[serde(default)]
+    pub cache_gib: Option<Spanned<f64>>,
 }
 
 fn one() -> Spanned<u32> {
@@ -404,6 +423,8 @@ struct ScenarioFile {
     speculative: Option<SpeculativeSpec>,
     #[serde(default)]
     cache: Option<CacheSpec>,
+    #[serde(default)]
+    images: Option<ImagesSpec>,
 }
 
 /// Where requests come from.
@@ -490,6 +511,10 @@ pub struct Scenario {
     pub speculative: Option<Drafting>,
     /// Cache tiers below the device and the blocks' TTL; `None`: the device's prefix cache only.
     pub cache: Option<CacheConfig>,
+    /// Requests' images; `None`: text only.
+    pub images: Option<ImageTraffic>,
+    /// Image-encoder instances, in order (none: images are encoded on the prefill instances).
+    pub encoders: Vec<EncoderSpec>,
 }
 
 impl Scenario {
@@ -539,13 +564,47 @@ impl Scenario {
             Some(s) => *s.get_ref(),
             None => duration_s / 120.0,
         };
-        if f.instances.is_empty() {
-            return Err(err(0..0, "a scenario needs at least one [[instance]] table".into()));
+        if f.instances.iter().all(|i| *i.role.get_ref() == Role::Encoder) {
+            return Err(err(0..0, "a scenario needs at least one [[instance]] table that serves text".into()));
         }
         let mut instances = Vec::new();
         let mut redundant_per_instance = Vec::new();
         let mut instance_limits = Vec::new();
+        let mut encoders = Vec::new();
         for inst in &f.instances {
+            let kind = match *inst.role.get_ref() {
+                Role::Both => InstanceKind::Both,
+                Role::Prefill => InstanceKind::Prefill,
+                Role::Decode => InstanceKind::Decode,
+                Role::Encoder => {
+                    let misplaced = [
+                        ("redundant", inst.redundant.is_some()),
+                        ("batch_per_device", inst.batch_per_device.is_some()),
+                        ("batch_tokens_per_device", inst.batch_tokens_per_device.is_some()),
+                        ("offload_gib", inst.offload_gib.is_some()),
+                    ];
+                    if let Some((key, _)) = misplaced.iter().find(|(_, set)| *set) {
+                        return Err(err(inst.role.span(), format!("an encoder instance takes no `{key}`")));
+                    }
+                    let spec = images::encoder_spec(
+                        model,
+                        hardware,
+                        &inst.devices,
+                        inst.cache_gib.as_ref(),
+                        inst.role.span(),
+                        &err,
+                    )?;
+                    let count = *inst.count.get_ref();
+                    if count == 0 {
+                        return Err(err(inst.count.span(), "must be at least 1".into()));
+                    }
+                    encoders.extend(std::iter::repeat_n(spec, count as usize));
+                    continue;
+                }
+            };
+            if let Some(c) = &inst.cache_gib {
+                return Err(err(c.span(), "only an encoder instance has an image cache".into()));
+            }
             let devices = *inst.devices.get_ref();
             if devices == 0 || !devices.is_multiple_of(per_node) {
                 return Err(err(
@@ -557,7 +616,7 @@ impl Scenario {
             if count == 0 {
                 return Err(err(inst.count.span(), "must be at least 1".into()));
             }
-            instances.extend(std::iter::repeat_n((inst.role, devices), count as usize));
+            instances.extend(std::iter::repeat_n((kind, devices), count as usize));
             redundant_per_instance.extend(std::iter::repeat_n(inst.redundant, count as usize));
             let limits = deployment::instance_limits(
                 inst.batch_per_device.as_ref(),
@@ -574,7 +633,7 @@ impl Scenario {
         if instances.iter().all(|&(r, _)| r == InstanceKind::Prefill)
             || instances.iter().all(|&(r, _)| r == InstanceKind::Decode)
         {
-            let first = &f.instances[0];
+            let first = f.instances.iter().find(|i| *i.role.get_ref() != Role::Encoder).expect("checked above");
             return Err(err(first.devices.span(), "instances must be able to prefill and to decode".into()));
         }
         let e = &f.engine;
@@ -652,6 +711,10 @@ impl Scenario {
             Some(c) => Some(c.config(block_tokens, &err)?),
             None => None,
         };
+        let images = match &f.images {
+            Some(i) => Some(i.traffic(model, &err)?),
+            None => None,
+        };
         let devices_total = total as u32;
         let nodes_total = devices_total.div_ceil(per_node);
         let mut faults = Vec::new();
@@ -692,6 +755,8 @@ impl Scenario {
             prefill_routing,
             speculative,
             cache,
+            images,
+            encoders,
         })
     }
 

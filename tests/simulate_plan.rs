@@ -59,6 +59,7 @@ fn space() -> PlanSpace {
         redundant: vec![0],
         cache_tiers: vec![],
         kv_dtypes: vec![],
+        encoders: vec![],
     }
 }
 

@@ -1,4 +1,4 @@
-//! `deepinfer plan FILE [--gpus N] [--gpu-hour-usd P] [--prefill-sizes ..] [--decode-sizes ..] [--colocated-sizes ..] [--redundant ..] [--cache-tiers ..] [--kv-dtypes ..] [--progress] [--out DIR]`.
+//! `deepinfer plan FILE [--gpus N] [--gpu-hour-usd P] [--prefill-sizes ..] [--decode-sizes ..] [--colocated-sizes ..] [--redundant ..] [--cache-tiers ..] [--kv-dtypes ..] [--encoders ..] [--progress] [--out DIR]`.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -45,6 +45,11 @@ pub struct PlanArgs {
     /// those the model has (default: the file's `[engine] kv_dtype`).
     #[arg(long, value_delimiter = ',')]
     pub kv_dtypes: Vec<KvDtype>,
+    /// Image-encoder instances to try, each like the file's first `role =
+    /// "encoder"` instance (0: images encoded on the prefill instances;
+    /// default: the file's count). Needs `[images]` traffic.
+    #[arg(long, value_delimiter = ',')]
+    pub encoders: Vec<u32>,
     /// Seed instead of the scenario's own.
     #[arg(long)]
     pub seed: Option<u64>,
@@ -84,6 +89,7 @@ pub fn run(args: &PlanArgs) -> anyhow::Result<()> {
         redundant: if args.redundant.is_empty() { vec![s.redundant_experts] } else { args.redundant.clone() },
         cache_tiers: args.cache_tiers.clone(),
         kv_dtypes: args.kv_dtypes.clone(),
+        encoders: args.encoders.clone(),
     };
     let criteria = Criteria { slo_attainment_min: args.slo_attainment };
     anyhow::ensure!(

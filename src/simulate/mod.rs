@@ -6,7 +6,9 @@
 pub mod balance_report;
 pub mod cache_report;
 pub mod capacity;
+pub mod encoder_report;
 pub mod handoff_report;
+pub mod images;
 pub mod plan;
 pub mod plots;
 pub mod progress;
@@ -58,6 +60,11 @@ pub struct Trace {
     /// it waited for lower tiers.
     pub cached_by_tier: Option<[usize; TIERS]>,
     pub tier_load_us: u64,
+    /// Its images, their tokens (in `input_tokens`), and how long after its
+    /// arrival their rows were at the prefill instance (it reached the router then).
+    pub images: u32,
+    pub image_tokens: usize,
+    pub images_ready_us: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -107,6 +114,8 @@ pub struct RunData {
     pub drafts: Option<DraftTotals>,
     /// What the cache tiers did, when configured.
     pub tiers: Option<TierRun>,
+    /// What the image encoders did, when the traffic has images.
+    pub encoders: Option<encoder_report::EncoderRun>,
 }
 
 /// The cache tiers' side of a run.
@@ -329,16 +338,19 @@ fn fault_marks(s: &Scenario) -> Vec<(f64, String)> {
 pub fn run(s: &Scenario, seed: Option<u64>, progress: impl Into<Progress>) -> anyhow::Result<Report> {
     let seed = seed.unwrap_or(s.seed);
     let s = &Scenario { seed, ..s.clone() };
-    let arrivals = arrivals(s)?;
+    let mut arrivals = arrivals(s)?;
+    let image_jobs = images::images_of(s, &mut arrivals);
     let earlier = earlier_blocks(s);
     // The shape the actors see; modelled devices never run it.
     let model = Arc::new(build(Preset::TinyV4, 0)?);
     let cfg = cluster_config(s, seed);
     let bar = Reporter::new(&progress.into(), s.duration_s + s.drain_s);
     let kills = timed_kills(s);
-    let (data, sim) =
-        simulate(model, cfg, async |c: &mut Cluster| drive(c, s, &arrivals, &earlier, &kills, &bar).await)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", s.file))?;
+    let (data, sim) = simulate(model, cfg, async |c: &mut Cluster| {
+        let stage = images::ImageStage::new(s, image_jobs);
+        drive(c, s, &arrivals, &earlier, &kills, &bar, stage).await
+    })
+    .map_err(|e| anyhow::anyhow!("{}: {e}", s.file))?;
     let mut data = data;
     data.steps = sim.steps;
     data.digest = sim.digest;
@@ -351,6 +363,37 @@ pub fn run(s: &Scenario, seed: Option<u64>, progress: impl Into<Progress>) -> an
     Ok(Report::new(s, &data))
 }
 
+/// Hand arrival `index` to the cluster at `now` (its arrival, or when its
+/// images' rows reached the prefill instance); its trace is `traces[index]`.
+#[allow(clippy::too_many_arguments)]
+fn submit(
+    c: &mut Cluster,
+    s: &Scenario,
+    arrivals: &[Arrival],
+    earlier: &[usize],
+    tiers: Option<&deepinfer_actors::modelled::tiers::ModelledTiers>,
+    index: usize,
+    now: u64,
+    ids: &mut BTreeMap<u64, usize>,
+) {
+    let a = &arrivals[index];
+    let prompt = prompt_of(a, 129_280, index as u64);
+    if let (Some(t), Some(&blocks)) = (tiers, earlier.get(index)) {
+        // History computed before the run: in the shared store, block by engine block.
+        let bt = s.block_tokens;
+        let mut parent = 0;
+        for chunk in prompt[..blocks * MOONCAKE_BLOCK_TOKENS].chunks_exact(bt) {
+            let key = deepinfer_engine::prefix_cache::block_hash(parent, chunk);
+            t.preload(now / 1000, key, parent);
+            parent = key;
+        }
+    }
+    let mut r = Request::new(prompt, a.output_tokens.max(1));
+    r.ignore_eos = true;
+    let id = c.submit(r);
+    ids.insert(id, index);
+}
+
 async fn drive(
     c: &mut Cluster,
     s: &Scenario,
@@ -358,11 +401,11 @@ async fn drive(
     earlier: &[usize],
     kills: &[(u64, Vec<String>, String)],
     bar: &Reporter,
+    mut stage: images::ImageStage,
 ) -> RunData {
     let modelled = c.modelled();
     let tiers = modelled.as_ref().and_then(|m| m.tiers.as_ref());
     let clock = c.clock();
-    let vocab = 129_280;
     let us = |d: Duration| d.as_micros() as u64;
     let sample_us = ((s.sample_s * 1e6) as u64).max(1000);
     let end_us = ((s.duration_s + s.drain_s) * 1e6) as u64;
@@ -386,28 +429,23 @@ async fn drive(
         }
         while next < arrivals.len() && arrivals[next].at_us <= now {
             let a = &arrivals[next];
-            let prompt = prompt_of(a, vocab, next as u64);
-            if let (Some(t), Some(&blocks)) = (tiers, earlier.get(next)) {
-                // History computed before the run: in the shared store, block by engine block.
-                let bt = s.block_tokens;
-                let mut parent = 0;
-                for chunk in prompt[..blocks * MOONCAKE_BLOCK_TOKENS].chunks_exact(bt) {
-                    let key = deepinfer_engine::prefix_cache::block_hash(parent, chunk);
-                    t.preload(now / 1000, key, parent);
-                    parent = key;
-                }
-            }
-            let mut r = Request::new(prompt, a.output_tokens.max(1));
-            r.ignore_eos = true;
-            let id = c.submit(r);
-            ids.insert(id, traces.len());
+            let jobs = &stage.jobs[next];
             traces.push(Trace {
                 arrival_us: a.at_us,
                 input_tokens: a.input_tokens,
                 output_wanted: a.output_tokens.max(1),
+                images: jobs.len() as u32,
+                image_tokens: jobs.iter().map(|j| j.tokens).sum(),
                 ..Trace::default()
             });
+            let ready = stage.arrive(next, now, modelled.as_deref());
             next += 1;
+            if ready {
+                submit(c, s, arrivals, earlier, tiers, next - 1, now, &mut ids);
+            }
+        }
+        while let Some(i) = stage.ready(now) {
+            submit(c, s, arrivals, earlier, tiers, i, now, &mut ids);
         }
         while next_sample <= now {
             let slot = (next_sample / sample_us) as usize;
@@ -426,7 +464,7 @@ async fn drive(
             next_sample += sample_us;
             bar.show(now as f64 / 1e6, traces.len(), c.outstanding());
         }
-        if (next == arrivals.len() && !c.has_updates()) || now >= end_us {
+        if (next == arrivals.len() && stage.waiting.is_empty() && !c.has_updates()) || now >= end_us {
             break;
         }
         let mut wake = end_us.min(next_sample);
@@ -435,6 +473,9 @@ async fn drive(
         }
         if let Some(k) = kills.get(next_kill) {
             wake = wake.min(k.0);
+        }
+        if let Some(at) = stage.next_ready_us() {
+            wake = wake.min(at);
         }
         let sleep = clock.sleep(Duration::from_micros(wake.saturating_sub(now)));
         let update = if c.has_updates() {
@@ -506,6 +547,9 @@ async fn drive(
             budgets.push(m.kv_bytes_per_device(i) * c.topology().size_of(i) as f64 / (1u64 << 30) as f64);
         }
     }
+    for (t, &waited) in traces.iter_mut().zip(&stage.waited_us) {
+        t.images_ready_us = waited;
+    }
     let samples = kv_samples.max(1) as f64;
     let drafts = c.modelled().filter(|m| m.drafting().is_some()).map(|m| m.drafts.totals());
     let tiers = c.modelled().and_then(|m| {
@@ -536,6 +580,11 @@ async fn drive(
         simulated_s,
         drafts,
         tiers,
+        encoders: s.images.as_ref().map(|_| encoder_report::EncoderRun {
+            instances: stage.stage.stats(),
+            colocated_images: stage.stage.colocated_images,
+            colocated_encode_us: stage.stage.colocated_encode_us,
+        }),
         // The run's totals are filled in from the cluster's report.
         ..RunData::default()
     }

@@ -12,12 +12,15 @@ use serde::Serialize;
 use super::capacity::{find_capacity_with, Criteria, Probe};
 use super::plots::scatter_chart;
 use super::Progress;
-use crate::scenario::Scenario;
+use crate::scenario::{Scenario, DEFAULT_ENCODER_CACHE_GIB};
 use deepinfer_actors::cluster::disagg::InstanceKind;
+use deepinfer_actors::modelled::encoder::EncoderSpec;
 use deepinfer_engine::cost::{KvFormat, Precision};
 
 /// Most layouts one plan simulates (each is a capacity search of several runs).
 pub const MAX_LAYOUTS: usize = 48;
+/// Devices of an encoder instance `--encoders` adds when the file has none to copy.
+pub const ENCODER_DEVICES_DEFAULT: u32 = 1;
 
 /// What a plan searches over.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -34,6 +37,9 @@ pub struct PlanSpace {
     pub cache_tiers: Vec<CacheTiers>,
     /// KV cache formats to try (empty: the file's).
     pub kv_dtypes: Vec<KvDtype>,
+    /// Image-encoder instances to try, each like the file's first (0:
+    /// images encoded on the prefill instances; empty: the file's count).
+    pub encoders: Vec<u32>,
 }
 
 /// A KV cache format `plan` tries, as `[engine] kv_dtype` names it.
@@ -89,6 +95,12 @@ pub struct Layout {
     pub cache_tiers: Option<CacheTiers>,
     /// The KV cache format it keeps (`None`: the file's).
     pub kv_dtype: Option<KvDtype>,
+    /// Image-encoder instances (0: images encoded on the prefill instances)
+    /// and their GPUs, which `gpus` includes.
+    pub encoders: u32,
+    pub encoder_gpus: u32,
+    /// Whether the traffic has images (then `encoders` is the layout's choice).
+    pub images: bool,
     /// GPUs of the layout, and those that prefill and decode (all of them when colocated).
     pub gpus: u32,
     pub prefill_gpus: u32,
@@ -128,6 +140,10 @@ pub struct Plan {
     pub criteria: Criteria,
     /// In the order of `layouts`.
     pub candidates: Vec<Candidate>,
+    /// The layout with the most tokens/s per GPU at its capacity (fewer GPUs,
+    /// then fewer encoders, on ties) and its encoder count, when any held a load.
+    pub chosen: Option<usize>,
+    pub chosen_encoders: Option<u32>,
 }
 
 fn kind_name(kind: InstanceKind) -> &'static str {
@@ -143,6 +159,7 @@ fn layout(
     redundant: usize,
     cache_tiers: Option<CacheTiers>,
     kv_dtype: Option<KvDtype>,
+    encoders: Option<(u32, u32)>,
 ) -> Layout {
     let label = groups.iter().map(|&(k, n, d)| format!("{n}×{}{d}", kind_name(k))).collect::<Vec<_>>().join(" + ");
     let gpus = |want: fn(InstanceKind) -> bool| groups.iter().filter(|g| want(g.0)).map(|g| g.1 * g.2).sum();
@@ -150,13 +167,24 @@ fn layout(
     if let Some(kv) = kv_dtype {
         cache += &format!(", KV {}", kv.format().name());
     }
+    let images = encoders.is_some();
+    let (encoders, encoder_devices) = encoders.unwrap_or((0, 0));
+    if images {
+        cache += &match encoders {
+            0 => ", images on prefill".to_string(),
+            n => format!(", {n}×E{encoder_devices}"),
+        };
+    }
     Layout {
         label: format!("{label}, {redundant} redundant{cache}"),
         instances: groups.iter().map(|&(k, n, d)| (kind_name(k).to_string(), n, d)).collect(),
         redundant,
         cache_tiers,
         kv_dtype,
-        gpus: groups.iter().map(|g| g.1 * g.2).sum(),
+        encoders,
+        encoder_gpus: encoders * encoder_devices,
+        images,
+        gpus: groups.iter().map(|g| g.1 * g.2).sum::<u32>() + encoders * encoder_devices,
         prefill_gpus: gpus(InstanceKind::prefills),
         decode_gpus: gpus(InstanceKind::decodes),
         colocated: groups.iter().all(|g| g.0 == InstanceKind::Both),
@@ -236,13 +264,24 @@ pub fn layouts(s: &Scenario, space: &PlanSpace) -> anyhow::Result<Vec<(Layout, I
         }
         space.kv_dtypes.iter().copied().map(Some).collect()
     };
+    // Encoder counts, with the devices of one encoder instance (`None`: text only).
+    let encoder_devices = s.encoders.first().map_or(ENCODER_DEVICES_DEFAULT, |e| e.devices);
+    let encoders: Vec<Option<(u32, u32)>> = match (&s.images, space.encoders.is_empty()) {
+        (None, true) => vec![None],
+        (None, false) => anyhow::bail!("--encoders: the file's traffic has no [images]"),
+        (Some(_), true) => vec![Some((s.encoders.len() as u32, encoder_devices))],
+        (Some(_), false) => space.encoders.iter().map(|&n| Some((n, encoder_devices))).collect(),
+    };
     let mut out = Vec::new();
     for g in &groups {
         for &r in &space.redundant {
             for &t in &tiers {
                 for &kv in &kv_dtypes {
-                    let instances = g.iter().flat_map(|&(k, n, d)| std::iter::repeat_n((k, d), n as usize)).collect();
-                    out.push((layout(g, r, t, kv), instances));
+                    for &e in &encoders {
+                        let instances =
+                            g.iter().flat_map(|&(k, n, d)| std::iter::repeat_n((k, d), n as usize)).collect();
+                        out.push((layout(g, r, t, kv, e), instances));
+                    }
                 }
             }
         }
@@ -278,7 +317,13 @@ pub fn deployed(s: &Scenario, instances: &[(InstanceKind, u32)], layout: &Layout
             .unwrap_or_default()
     };
     let precision = Precision { kv: layout.kv_dtype.map(KvDtype::format).or(s.precision.kv), ..s.precision };
+    let encoder = s.encoders.first().copied().unwrap_or(EncoderSpec {
+        devices: ENCODER_DEVICES_DEFAULT,
+        cache_bytes: (DEFAULT_ENCODER_CACHE_GIB * (1u64 << 30) as f64) as u64,
+    });
+    let encoders = if s.images.is_some() { vec![encoder; layout.encoders as usize] } else { s.encoders.clone() };
     Scenario {
+        encoders,
         instances: instances.to_vec(),
         redundant_per_instance: vec![None; instances.len()],
         instance_limits: instances.iter().map(|&(k, _)| limits_of(k)).collect(),
@@ -334,7 +379,10 @@ pub fn plan(
     }
     let mut candidates: Vec<Candidate> = candidates.into_iter().map(|c| c.expect("every layout ran")).collect();
     mark_frontier(&mut candidates);
+    let chosen = choose(&candidates);
     Ok(Plan {
+        chosen,
+        chosen_encoders: chosen.map(|i| candidates[i].layout.encoders),
         scenario: s.name.clone(),
         hardware: s.hardware.name().to_string(),
         model: s.model.cost().name.to_string(),
@@ -356,7 +404,8 @@ fn priced(layout: Layout, capacity: Option<Probe>, limit: Option<String>, gpu_ho
         let per_million = |gpus: f64, tok_s: f64| (tok_s > 0.0).then(|| gpus * gpu_hour_usd / (tok_s * 3600.0 / 1e6));
         blended = per_million(all_gpus, p.input_tok_s + p.output_tok_s);
         if !layout.colocated {
-            input = per_million(f64::from(layout.prefill_gpus), p.input_tok_s);
+            // Images are part of the input: encoder GPUs are charged with the prefill ones.
+            input = per_million(f64::from(layout.prefill_gpus + layout.encoder_gpus), p.input_tok_s);
             output = per_million(f64::from(layout.decode_gpus), p.output_tok_s);
         }
     }
@@ -371,6 +420,23 @@ fn priced(layout: Layout, capacity: Option<Probe>, limit: Option<String>, gpu_ho
         usd_per_million_tokens: blended,
         on_frontier: false,
     }
+}
+
+/// The index of the candidate with the most tokens/s per GPU; ties go to
+/// fewer GPUs, then fewer encoders, then the first.
+fn choose(candidates: &[Candidate]) -> Option<usize> {
+    candidates
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.capacity.is_some())
+        .min_by(|(i, a), (j, b)| {
+            b.tok_s_per_gpu
+                .total_cmp(&a.tok_s_per_gpu)
+                .then(a.layout.gpus.cmp(&b.layout.gpus))
+                .then(a.layout.encoders.cmp(&b.layout.encoders))
+                .then(i.cmp(j))
+        })
+        .map(|(i, _)| i)
 }
 
 /// A candidate with a capacity is on the frontier when no other is at least
@@ -397,7 +463,7 @@ impl Plan {
         let mut md = format!(
             "# Plan: {} on {} {} GPUs\n\n{} layouts, each searched for the highest load that holds with at least \
              {:.0}% of requests within the scenario's TTFT and TPOT SLOs. Costs at ${:.2} per GPU-hour; input is \
-             charged to the prefill GPUs, output to the decode GPUs. ★: on the frontier (no layout has both more \
+             charged to the prefill (and image-encoder) GPUs, output to the decode GPUs. ★: on the frontier (no layout has both more \
              tokens/s per GPU and more tokens/s per user).\n\n\
              | layout | tok/s per GPU | tok/s per user | $/M input | $/M output | $/M tokens | limit above capacity |\n\
              |---|---|---|---|---|---|---|\n",
@@ -408,6 +474,23 @@ impl Plan {
             self.criteria.slo_attainment_min * 100.0,
             self.gpu_hour_usd
         );
+        if let Some(i) = self.chosen {
+            let c = &self.candidates[i];
+            md = md.replacen(
+                "| layout |",
+                &format!(
+                    "Chosen: **{}** ({:.0} tok/s per GPU{}).\n\n| layout |",
+                    c.layout.label,
+                    c.tok_s_per_gpu,
+                    match (c.layout.images, c.layout.encoders) {
+                        (false, _) => String::new(),
+                        (true, 0) => ", images encoded on the prefill instances".to_string(),
+                        (true, n) => format!(", {n} encoder instances on {} GPUs", c.layout.encoder_gpus),
+                    }
+                ),
+                1,
+            );
+        }
         let mut order: Vec<&Candidate> = self.candidates.iter().collect();
         order.sort_by(|a, b| b.tok_s_per_gpu.total_cmp(&a.tok_s_per_gpu));
         for c in order {

@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use super::balance_report::BalanceReport;
 use super::cache_report::CacheReport;
+use super::encoder_report::EncoderReport;
 use super::handoff_report::HandoffReport;
 use super::{End, RunData};
 use crate::scenario::{InstanceKind, Scenario};
@@ -128,6 +129,9 @@ pub struct Report {
     /// Expert balance as the steps met it (modelled devices).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expert_balance: Option<BalanceReport>,
+    /// The image encoders, when the traffic has images.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub encoders: Option<EncoderReport>,
     /// Digest of the run's event log: equal for equal runs.
     pub event_digest: String,
     /// Sorted latencies, for the CDF plots.
@@ -412,6 +416,7 @@ impl Report {
             speculative: d.drafts.as_ref().and_then(|t| SpeculativeReport::new(s, t)),
             cache: CacheReport::new(s, d),
             expert_balance: BalanceReport::new(s, d),
+            encoders: EncoderReport::new(d),
             event_digest: format!("{:016x}", d.digest),
             ttft_sorted_ms: ttft,
             tpot_sorted_ms: tpot,

@@ -113,6 +113,9 @@ impl Report {
         if let Some(c) = &self.cache {
             md += &c.to_markdown();
         }
+        if let Some(e) = &self.encoders {
+            md += &e.to_markdown();
+        }
         if !self.faults.is_empty() {
             md += "\n| t (s) | fault |\n|---|---|\n";
             for (t, what) in &self.faults {
