@@ -80,6 +80,8 @@ fn image_traffic_is_deterministic_by_seed() {
     let c = run(&s, Some(99));
     assert_ne!(a.encoders, c.encoders, "another seed draws other images");
     assert!(a.to_markdown().contains("## Image encoders"));
+    assert!(a.series.iter().any(|p| p.images_s > 0.0 && p.images_ready_max_ms > 0.0), "{:?}", a.series);
+    assert!(a.to_json().contains("\"images_ready_max_ms\""));
 }
 
 #[test]

@@ -103,6 +103,18 @@ pub fn images_of(s: &Scenario, arrivals: &mut [Arrival]) -> Vec<Vec<ImageJob>> {
         .collect()
 }
 
+/// Count an arrival's `images` and their wait in the time series' slice `slot`.
+pub fn record(buckets: &mut Vec<super::Bucket>, slot: usize, images: usize, waited_us: u64) {
+    if images == 0 {
+        return;
+    }
+    if buckets.len() <= slot {
+        buckets.resize(slot + 1, super::Bucket::default());
+    }
+    buckets[slot].images += images as u64;
+    buckets[slot].images_ready_max_us = buckets[slot].images_ready_max_us.max(waited_us);
+}
+
 /// The encoder stage as the driver uses it: requests held until their images' rows are ready.
 pub struct ImageStage {
     pub jobs: Vec<Vec<ImageJob>>,

@@ -83,6 +83,10 @@ pub struct Bucket {
     pub failed: u64,
     /// Highest KV use of any instance seen in the slice (fraction of its budget).
     pub kv_use_max: f64,
+    /// Images arriving in the slice, and the longest wait for a request's
+    /// images' rows among its arrivals, µs.
+    pub images: u64,
+    pub images_ready_max_us: u64,
 }
 
 /// Everything a run produced, before it is summarised.
@@ -439,6 +443,7 @@ async fn drive(
                 ..Trace::default()
             });
             let ready = stage.arrive(next, now, modelled.as_deref());
+            images::record(&mut buckets, (now / sample_us) as usize, stage.jobs[next].len(), stage.waited_us[next]);
             next += 1;
             if ready {
                 submit(c, s, arrivals, earlier, tiers, next - 1, now, &mut ids);

@@ -52,6 +52,16 @@ pub struct SeriesPoint {
     pub completed: u64,
     pub failed: u64,
     pub kv_use_max: f64,
+    /// With image traffic: images arriving per second, and the longest any
+    /// request arriving in the slice waited for its images' rows, ms.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub images_s: f64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub images_ready_max_ms: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -365,6 +375,8 @@ impl Report {
                 completed: b.completed,
                 failed: b.failed,
                 kv_use_max: b.kv_use_max,
+                images_s: b.images as f64 / sample_s,
+                images_ready_max_ms: b.images_ready_max_us as f64 / 1e3,
             })
             .collect();
         Self {
