@@ -9,9 +9,11 @@ use std::path::Path;
 use deepinfer::scenario::Scenario;
 use deepinfer::simulate::capacity::Criteria;
 use deepinfer::simulate::plan::{plan, PlanSpace, Search};
-use deepinfer::simulate::{self, Report};
+use deepinfer::simulate::{self, cluster_config, Report};
+use deepinfer_actors::cluster::topology::Topology;
+use deepinfer_actors::modelled::devices::Modelled;
 use deepinfer_engine::cost::vision::VisionCost;
-use deepinfer_engine::cost::{Efficiency, HardwareKind, ModelKind};
+use deepinfer_engine::cost::{Efficiency, HardwareKind, ModelKind, SeqWork};
 
 /// V4.1-Flash on one colocated B200 node, most requests with images, `{ENCODERS}` encoder instances.
 const BASE: &str = r#"
@@ -129,9 +131,21 @@ fn without_an_encoder_instance_the_prefill_instance_carries_the_encoding() {
     assert!((e.colocated_encode_device_s - e.images as f64 * each_s).abs() < 1e-6, "{e:?}");
     assert_eq!(e.images_ready_ms.p99, 0.0, "nothing waits before prefill");
     assert_eq!(e.image_tokens, e.images * plan.tokens() as u64);
-    // The same traffic with images encoded elsewhere: the prefill steps are shorter.
-    let apart = run(&scenario(4, 0.0), None);
-    assert!(apart.ttft_ms.p50 > 0.0 && r.ttft_ms.p50 > 0.0);
+}
+
+#[test]
+fn colocated_encoding_lengthens_the_next_prefill_step_once_and_no_decode_step() {
+    let s = scenario(0, 0.0);
+    let spec = cluster_config(&s, s.seed).modelled.expect("a modelled cluster");
+    let m = Modelled::new(spec, &Topology::with_sizes(8, &[8])).unwrap();
+    let prefill = [SeqWork { new_tokens: 2048, context: 0 }];
+    let decode = [SeqWork { new_tokens: 1, context: 2048 }; 16];
+    let (p0, d0) = (m.step(0, 8, &prefill, 2048, 0).total_us, m.step(0, 8, &decode, 16, 0).total_us);
+    m.add_colocated_encode(0, 3000.0);
+    assert_eq!(m.step(0, 8, &decode, 16, 0).total_us, d0, "a decode step leaves it");
+    let with = m.step(0, 8, &prefill, 2048, 0).total_us;
+    assert!((with - p0 - 3000.0).abs() < 1e-6, "{with} vs {p0}");
+    assert_eq!(m.step(0, 8, &prefill, 2048, 0).total_us, p0, "taken once");
 }
 
 #[test]
