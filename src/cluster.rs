@@ -27,7 +27,7 @@ use deepinfer_engine::scheduler::EngineConfig;
 
 use crate::api::constraint::ConstraintFactory;
 use crate::config_file::{read_text, value_error, FileError};
-use crate::topology::{Backend, Topology};
+use crate::topology::{Backend, InstanceRole, Topology};
 
 /// A topology checked for what this program can launch.
 pub struct ClusterPlan {
@@ -38,8 +38,12 @@ pub struct ClusterPlan {
     pub instances: u32,
     pub expert_parallel: u32,
     pub redundant_experts: usize,
-    /// What each instance serves (prefill, decode or both).
+    /// What each serving instance serves (prefill, decode or both).
     pub kinds: Vec<InstanceKind>,
+    /// Nodes with serving devices (the first ones); image encoders' nodes follow.
+    pub serving_nodes: u32,
+    /// The node of each image encoder (`role = "encoder"`, one per node).
+    pub encoder_nodes: Vec<u32>,
     pub heartbeat: Duration,
     pub failure_timeout: Duration,
     pub startup_grace: Duration,
@@ -58,7 +62,13 @@ impl ClusterPlan {
         let err = |span: std::ops::Range<usize>, m: String| value_error(file, text, span, m);
         let first = &topology.nodes[0];
         let per_node = *first.devices.get_ref();
-        for n in &topology.nodes {
+        let encoder_node = |name: &str| {
+            topology
+                .instances
+                .iter()
+                .any(|i| i.role == InstanceRole::Encoder && i.nodes.iter().any(|n| n.get_ref() == name))
+        };
+        for n in topology.nodes.iter().filter(|n| !encoder_node(n.name.get_ref())) {
             if *n.devices.get_ref() != per_node {
                 return Err(err(
                     n.devices.span(),
@@ -71,12 +81,23 @@ impl ClusterPlan {
         }
         let mut next_node = 0;
         let mut shape = None;
+        let mut serving_nodes = None;
+        let mut encoder_nodes = Vec::new();
         for inst in &topology.instances {
             for n in &inst.nodes {
                 if topology.nodes.get(next_node).map(|x| x.name.get_ref()) != Some(n.get_ref()) {
                     return Err(err(n.span(), "instances must take the nodes in the order they are declared".into()));
                 }
                 next_node += 1;
+            }
+            if inst.role == InstanceRole::Encoder {
+                // Encoders' nodes come after every serving node: they hold no serving device.
+                serving_nodes.get_or_insert(next_node - inst.nodes.len());
+                encoder_nodes.extend((next_node - inst.nodes.len()..next_node).map(|n| n as u32));
+                continue;
+            }
+            if serving_nodes.is_some() {
+                return Err(err(inst.name.span(), "serving instances come before the encoder instances".into()));
             }
             let devices = inst.nodes.len() * per_node;
             if let Some(dp) = &inst.attention_dp {
@@ -100,6 +121,7 @@ impl ClusterPlan {
                 }
             }
         }
+        let serving_nodes = serving_nodes.unwrap_or(next_node) as u32;
         if next_node != topology.nodes.len() {
             let n = &topology.nodes[next_node];
             return Err(err(n.name.span(), format!("node `{}` serves no instance", n.name.get_ref())));
@@ -122,10 +144,12 @@ impl ClusterPlan {
             path: path.to_path_buf(),
             nodes,
             devices_per_node: per_node as u32,
-            instances: topology.instances.len() as u32,
+            instances: topology.instances.iter().filter(|i| i.role.kind().is_some()).count() as u32,
             expert_parallel: ep as u32,
             redundant_experts: redundant,
-            kinds: topology.instances.iter().map(|i| i.role).collect(),
+            kinds: topology.instances.iter().filter_map(|i| i.role.kind()).collect(),
+            serving_nodes,
+            encoder_nodes,
             heartbeat: Duration::from_millis(*topology.cluster.heartbeat_ms.get_ref()),
             failure_timeout: Duration::from_millis(*topology.cluster.failure_timeout_ms.get_ref()),
             startup_grace: Duration::from_millis(*topology.cluster.startup_grace_ms.get_ref()),
@@ -152,8 +176,9 @@ impl ClusterPlan {
         self.topology.cluster.api_listen.get_ref().parse().expect("checked when the topology was read")
     }
 
+    /// Serving devices (an encoder's node holds none of them).
     pub fn devices(&self) -> u32 {
-        self.devices_per_node * self.nodes.len() as u32
+        self.devices_per_node * self.serving_nodes
     }
 
     pub fn node_index(&self, name: &str) -> anyhow::Result<u32> {
@@ -186,6 +211,7 @@ impl ClusterPlan {
         let mut cfg = ClusterConfig::new(self.devices(), self.expert_parallel);
         cfg.devices_per_node = self.devices_per_node;
         cfg.instances = self.instances;
+        cfg.encoder_nodes = self.encoder_nodes.clone();
         if self.kinds.iter().any(|&k| k != InstanceKind::Both) {
             cfg.instance_kinds = self.kinds.clone();
         }
@@ -387,13 +413,17 @@ pub fn run_node(opts: &NodeOptions) -> anyhow::Result<()> {
         let drained = Arc::new(tokio::sync::Notify::new());
         crate::node_agent::spawn(Arc::clone(&actors.ctx), me, std::time::SystemTime::now(), Arc::clone(&drained));
         let devices = me * plan.devices_per_node..(me + 1) * plan.devices_per_node;
-        eprintln!(
-            "node {name}: listening on {} (QUIC), devices {}..{} of {}",
-            transport.local_addr(),
-            devices.start,
-            devices.end,
-            plan.devices()
-        );
+        if plan.encoder_nodes.contains(&me) {
+            eprintln!("node {name}: listening on {} (QUIC), an image encoder", transport.local_addr());
+        } else {
+            eprintln!(
+                "node {name}: listening on {} (QUIC), devices {}..{} of {}",
+                transport.local_addr(),
+                devices.start,
+                devices.end,
+                plan.devices()
+            );
+        }
         let total = plan.nodes.len();
         let mut ready = total == 1;
         if ready {

@@ -13,7 +13,8 @@ use tokio::sync::Notify;
 use deepinfer_actors::cluster::ctx::Ctx;
 use deepinfer_actors::net::transport::Transport;
 use deepinfer_actors::wire::{
-    self, Addr, Control, DeviceStatus, Envelope, InstanceStatus, Message, NodeCacheStatus, NodeStatus, Role,
+    self, Addr, Control, DeviceStatus, EncoderStatus, Envelope, InstanceStatus, Message, NodeCacheStatus, NodeStatus,
+    Role,
 };
 
 /// What a node reports now.
@@ -73,8 +74,27 @@ pub fn node_status(ctx: &Ctx, node: u32, started: SystemTime) -> NodeStatus {
         },
         drafts_verified: m.drafts_verified,
         drafts_accepted: m.drafts_accepted,
-        encoders: Vec::new(),
+        encoders: encoder_status(ctx, node),
     }
+}
+
+/// The image encoders of `node`, from the gauges their shells publish.
+pub fn encoder_status(ctx: &Ctx, node: u32) -> Vec<EncoderStatus> {
+    let load = |g: &std::sync::atomic::AtomicU64| g.load(std::sync::atomic::Ordering::Relaxed);
+    ctx.encoders_on(node)
+        .into_iter()
+        .filter_map(|e| {
+            let g = ctx.encoder_gauges.get(e as usize)?;
+            Some(EncoderStatus {
+                encoder: e,
+                images_encoded: load(&g.images_encoded),
+                cache_hits: load(&g.cache_hits),
+                cache_misses: load(&g.cache_misses),
+                queue_images: load(&g.queue_images),
+                encode_us: load(&g.encode_us),
+            })
+        })
+        .collect()
 }
 
 /// Resident memory of this process (`VmRSS`); 0 where the system does not say.
@@ -185,9 +205,24 @@ pub fn status_line(name: &str, status: &NodeStatus, heard_ago: Option<Duration>)
     } else {
         format!("  drafts accepted {} of {}", status.drafts_accepted, status.drafts_verified)
     };
+    let encoders: String = status
+        .encoders
+        .iter()
+        .map(|e| {
+            format!(
+                "  encoder{}: images encoded {}, cache hits {}, misses {}, queue {}, encode time {:.3} s",
+                e.encoder,
+                e.images_encoded,
+                e.cache_hits,
+                e.cache_misses,
+                e.queue_images,
+                e.encode_us as f64 / 1e6
+            )
+        })
+        .collect();
     format!(
         "{name:<10} up {:>6} s (incarnation {})  devices {:?}  experts {experts:>4} ({expert_bytes})  \
-         RSS {:.0} MiB  running {running:>3}  waiting {waiting:>3}  KV {kv:>6}{epochs}{moved}{cache}{drafts}  heard {heard}{down}",
+         RSS {:.0} MiB  running {running:>3}  waiting {waiting:>3}  KV {kv:>6}{epochs}{moved}{cache}{drafts}{encoders}  heard {heard}{down}",
         status.uptime_ms / 1000,
         status.started_unix_ms,
         status.devices.iter().map(|d| d.device).collect::<Vec<_>>(),

@@ -193,11 +193,35 @@ fn default_hardware() -> Spanned<String> {
     Spanned::new(0..0, "cpu".into())
 }
 
+/// What an `[[instance]]` is: a serving instance (`prefill`, `decode`,
+/// `both`), or an image encoder (`encoder`: V4.1's vision tower for the
+/// prefill instances, on nodes of its own).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum InstanceRole {
+    Both,
+    Prefill,
+    Decode,
+    Encoder,
+}
+
+impl InstanceRole {
+    /// The serving kind; `None` for an encoder.
+    pub fn kind(self) -> Option<InstanceKind> {
+        match self {
+            InstanceRole::Both => Some(InstanceKind::Both),
+            InstanceRole::Prefill => Some(InstanceKind::Prefill),
+            InstanceRole::Decode => Some(InstanceKind::Decode),
+            InstanceRole::Encoder => None,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Instance {
     pub name: Spanned<String>,
-    pub role: InstanceKind,
+    pub role: InstanceRole,
     /// Nodes whose devices this instance uses, all of them.
     pub nodes: Vec<Spanned<String>>,
     /// Attention data-parallel degree (default: every device).
@@ -327,6 +351,19 @@ impl Topology {
                 }
                 devices += node.devices.get_ref();
             }
+            if inst.role == InstanceRole::Encoder {
+                // An encoder runs the vision tower alone: no experts, no attention ranks.
+                for (value, what) in [(&inst.attention_dp, "attention_dp"), (&inst.expert_parallel, "expert_parallel")]
+                {
+                    if let Some(v) = value {
+                        return Err(err(v.span(), format!("an encoder instance takes no `{what}`")));
+                    }
+                }
+                if inst.redundant_experts > 0 {
+                    return Err(err(inst.name.span(), "an encoder instance takes no `redundant_experts`".into()));
+                }
+                continue;
+            }
             for (value, what) in [(&inst.attention_dp, "attention_dp"), (&inst.expert_parallel, "expert_parallel")] {
                 if let Some(v) = value {
                     let n = *v.get_ref();
@@ -334,6 +371,14 @@ impl Topology {
                         return Err(err(v.span(), format!("{what} {n} must divide the instance's {devices} devices")));
                     }
                 }
+            }
+        }
+        if let Some(first) = t.instances.iter().find(|i| i.role == InstanceRole::Encoder) {
+            if t.instances.iter().all(|i| i.role == InstanceRole::Encoder) {
+                return Err(err(
+                    first.name.span(),
+                    "encoders need a serving instance (prefill, decode or both)".into(),
+                ));
             }
         }
         Ok(t)
@@ -392,7 +437,7 @@ expert_parallel = 4
         let t = Topology::parse("t.toml", GOOD).unwrap();
         assert_eq!(t.total_devices(), 4);
         assert_eq!(*t.cluster.failure_timeout_ms.get_ref(), 1000);
-        assert_eq!(t.instances[0].role, InstanceKind::Both);
+        assert_eq!(t.instances[0].role, InstanceRole::Both);
     }
 
     #[test]

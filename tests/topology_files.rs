@@ -22,9 +22,49 @@ fn shipped_topologies_are_valid() {
             ("b200-128.toml".to_string(), 128),
             ("local-1.toml".to_string(), 1),
             ("local-4-ep4.toml".to_string(), 4),
-            ("local-4.toml".to_string(), 4)
+            ("local-4.toml".to_string(), 4),
+            ("local-encoder.toml".to_string(), 2)
         ]
     );
+}
+
+/// An encoder instance takes a node of its own after the serving ones: the
+/// serving devices are node0's, the encoder runs on node1.
+#[test]
+fn an_encoder_instance_runs_on_its_own_node() {
+    use deepinfer::cluster::ClusterPlan;
+
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("cluster-configs");
+    let plan = ClusterPlan::load(&dir.join("local-encoder.toml")).unwrap();
+    assert_eq!((plan.instances, plan.devices(), plan.encoder_nodes.clone()), (1, 1, vec![1]));
+    let topo = plan.base_config().topology();
+    assert_eq!((topo.serving_nodes(), topo.nodes()), (1, 2));
+    let text = std::fs::read_to_string(dir.join("local-encoder.toml")).unwrap();
+    let at = |needle: &str| text[..text.find(needle).unwrap()].matches('\n').count() + 1;
+    for (edit, want, line) in [
+        (
+            ("nodes = [\"node1\"]", "nodes = [\"node1\"]\nexpert_parallel = 1"),
+            "an encoder instance takes no `expert_parallel`",
+            at("nodes = [\"node1\"]") + 1,
+        ),
+        (("role = \"both\"", "role = \"encoder\""), "encoders need a serving instance", at("name = \"main\"")),
+    ] {
+        let bad = text.replace(edit.0, edit.1);
+        let e = Topology::parse("local-encoder.toml", &bad).map(|_| ()).unwrap_err().to_string();
+        assert!(e.contains(want) && e.contains(&format!("local-encoder.toml:{line}:")), "{e}");
+    }
+    // Serving instances first: an encoder before one is refused, naming the serving one.
+    let swapped = text
+        .replace(
+            "name = \"main\"\nrole = \"both\"\nnodes = [\"node0\"]",
+            "name = \"main\"\nrole = \"encoder\"\nnodes = [\"node0\"]",
+        )
+        .replace("name = \"vision\"\nrole = \"encoder\"", "name = \"vision\"\nrole = \"both\"");
+    let path = std::env::temp_dir().join(format!("deepinfer-encoder-first-{}.toml", std::process::id()));
+    std::fs::write(&path, swapped).unwrap();
+    let e = ClusterPlan::load(&path).map(|_| ()).unwrap_err();
+    let _ = std::fs::remove_file(&path);
+    assert!(format!("{e:#}").contains("serving instances come before the encoder instances"), "{e:#}");
 }
 
 /// The shipped four-node layout serves on with any one node gone: two

@@ -22,6 +22,14 @@ use super::metrics as m;
 
 /// How often requests whose client left are looked for.
 const CANCEL_SCAN: Duration = Duration::from_millis(20);
+/// Scans between two status queries to the image encoders' nodes (about a second).
+const ENCODER_STATUS_SCANS: u32 = 50;
+
+/// The image encoders' counters, as their nodes report them (each labelled `encoder`).
+pub const IMAGES_ENCODED: &str = "deepinfer_images_encoded_total";
+pub const ENCODER_CACHE_HITS: &str = "deepinfer_encoder_cache_hits_total";
+pub const ENCODER_QUEUE: &str = "deepinfer_encoder_queue_images";
+pub const ENCODER_SECONDS: &str = "deepinfer_encoder_seconds";
 
 /// A request sent to the cluster.
 struct Live {
@@ -56,6 +64,10 @@ pub fn spawn(
     (max_outstanding, failure_timeout): (usize, Duration),
 ) -> anyhow::Result<(EngineHandle, JoinHandle<()>)> {
     assert!(max_outstanding > 0, "room for at least one request");
+    metrics::describe_counter!(IMAGES_ENCODED, "Images the image encoder instances ran their tower on");
+    metrics::describe_counter!(ENCODER_CACHE_HITS, "Images the encoder instances answered from their cache");
+    metrics::describe_gauge!(ENCODER_QUEUE, "Images waiting for an encoder instance's tower");
+    metrics::describe_gauge!(ENCODER_SECONDS, "Seconds the encoder instances' towers ran");
     let checker = Scheduler::new(&model.config, config.clone())?;
     let (tx, rx) = mpsc::channel(config.max_waiting.max(1));
     let eos = model.config.eos_token_id;
@@ -78,6 +90,7 @@ async fn drive(
     let mut scan = tokio::time::interval(CANCEL_SCAN);
     scan.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut open = true;
+    let mut scans = 0u32;
     while open || cluster.has_updates() {
         let room = open && cluster.outstanding() < max_outstanding;
         let busy = cluster.has_updates();
@@ -99,6 +112,11 @@ async fn drive(
                 }
                 // Follow the routers while idle too, and tell `/health`.
                 cluster.poll_news();
+                scans += 1;
+                if scans % ENCODER_STATUS_SCANS == 1 && !cluster.encoder_nodes().is_empty() {
+                    publish_encoders(&cluster);
+                    cluster.ask_status(cluster.encoder_nodes());
+                }
                 let now = cluster.down_reason().map(str::to_string);
                 let mut was = unavailable.lock().unwrap_or_else(|e| e.into_inner());
                 if was.is_some() && now.is_none() {
@@ -110,6 +128,19 @@ async fn drive(
         }
     }
     cluster
+}
+
+/// The encoders' counters from their nodes' last reports, as `/metrics` series.
+fn publish_encoders(cluster: &Cluster) {
+    for status in cluster.statuses().values() {
+        for e in &status.encoders {
+            let label = e.encoder.to_string();
+            metrics::counter!(IMAGES_ENCODED, "encoder" => label.clone()).absolute(e.images_encoded);
+            metrics::counter!(ENCODER_CACHE_HITS, "encoder" => label.clone()).absolute(e.cache_hits);
+            metrics::gauge!(ENCODER_QUEUE, "encoder" => label.clone()).set(e.queue_images as f64);
+            metrics::gauge!(ENCODER_SECONDS, "encoder" => label).set(e.encode_us as f64 / 1e6);
+        }
+    }
 }
 
 fn admit(cluster: &mut Cluster, live: &mut BTreeMap<u64, Live>, s: Submission, checker: &Scheduler, eos: u32) {

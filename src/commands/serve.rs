@@ -200,7 +200,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<()> {
             let plan = ClusterPlan::load(path)?;
             let listen = args.listen.unwrap_or_else(|| plan.api_listen());
             topology_drafting = Some(plan.base_config().engine.speculative);
-            (plan.model_spec(), listen, (plan.devices() > 1).then_some(plan))
+            // A cluster with an image encoder instance is fronted even with one serving device.
+            let fronted = plan.devices() > 1 || !plan.encoder_nodes.is_empty();
+            (plan.model_spec(), listen, fronted.then_some(plan))
         }
     };
     // A front end of a cluster computes nothing: the shards hold the routed experts.

@@ -57,15 +57,8 @@ pub struct Cluster {
     /// Every outstanding request's deadline, earliest first.
     deadlines: BTreeSet<(Duration, u64)>,
     ready: VecDeque<Update>,
-}
-
-fn finish_reason(k: FinishKind) -> FinishReason {
-    match k {
-        FinishKind::Stop => FinishReason::Stop,
-        FinishKind::Length => FinishReason::Length,
-        FinishKind::Cancelled => FinishReason::Cancelled,
-        FinishKind::Error(e) => FinishReason::Error(e),
-    }
+    /// The last status report of each node asked (`ask_status`).
+    statuses: BTreeMap<u32, crate::wire::NodeStatus>,
 }
 
 impl Cluster {
@@ -157,6 +150,7 @@ impl Cluster {
             outstanding: BTreeMap::new(),
             deadlines: BTreeSet::new(),
             ready: VecDeque::new(),
+            statuses: BTreeMap::new(),
         }
     }
 
@@ -512,6 +506,12 @@ impl Cluster {
     pub fn poll_news(&mut self) {
         while let Ok(news) = self.nodes_rx.try_recv() {
             self.on_node_news(news);
+        }
+        // Frames that came while nothing waited for them (status reports, late outputs).
+        while let Some(d) = self.inbox.try_recv() {
+            if let Some(m) = self.ctx.open(self.addr, &d) {
+                self.on_message(m.envelope.from, m.envelope.msg, m.body);
+            }
         }
         if let Ok(why) = self.down_rx.try_recv() {
             self.ctx.events.record(format_args!("client: cluster down: {why}"));

@@ -5,8 +5,43 @@
 
 use super::*;
 
+fn finish_reason(k: FinishKind) -> FinishReason {
+    match k {
+        FinishKind::Stop => FinishReason::Stop,
+        FinishKind::Length => FinishReason::Length,
+        FinishKind::Cancelled => FinishReason::Cancelled,
+        FinishKind::Error(e) => FinishReason::Error(e),
+    }
+}
+
 impl Cluster {
+    /// Ask the agents of `nodes` for their status; the reports land in
+    /// [`Self::statuses`] as they arrive (while updates are awaited, or at
+    /// [`Self::poll_news`]).
+    pub fn ask_status(&self, nodes: &[u32]) {
+        for &n in nodes {
+            let msg = Message::Control(crate::wire::Control::StatusQuery { nonce: u64::from(self.addr.index) });
+            self.ctx.send(self.addr, Addr::agent(n), msg, &[]);
+        }
+    }
+
+    /// The last status report of each node asked.
+    pub fn statuses(&self) -> &BTreeMap<u32, crate::wire::NodeStatus> {
+        &self.statuses
+    }
+
+    /// The node each image encoder runs on.
+    pub fn encoder_nodes(&self) -> &[u32] {
+        &self.ctx.encoders
+    }
+
     pub(super) fn on_message(&mut self, from: crate::wire::Addr, msg: Message, body: Vec<f32>) {
+        if let (Role::Agent, Message::Control(crate::wire::Control::StatusReport { status, .. })) = (from.role, &msg) {
+            if status.node == from.index {
+                self.statuses.insert(from.index, (**status).clone());
+            }
+            return;
+        }
         if from.role != Role::Router {
             return;
         }

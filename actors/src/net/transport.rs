@@ -61,6 +61,11 @@ impl Inbox {
     pub async fn recv(&mut self) -> Option<Delivery> {
         self.rx.recv().await
     }
+
+    /// A frame that is already there, without waiting.
+    pub fn try_recv(&mut self) -> Option<Delivery> {
+        self.rx.try_recv().ok()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
