@@ -175,12 +175,13 @@ pub async fn gather(state: &Arc<AppState>, flavor: Flavor, body: &Arc<bytes::Byt
 }
 
 /// Whether `model` (served as `name`) reads images, and the image token's
-/// spellings refused in text. A cluster's workers are not given images.
+/// spellings refused in text. A cluster reads them as one process does (its
+/// prefill workers or its encoder instances run the tower).
 pub fn vision_of(
     model: &deepinfer_engine::model::Model,
     tokenizer: &tokenizers::Tokenizer,
     name: &str,
-    cluster: bool,
+    _cluster: bool,
 ) -> (Vision, Vec<String>) {
     use deepinfer_engine::v41::vision::ImageError;
     let configured = model.v41.as_ref().and_then(|m| m.config.vision.as_ref()).map(|v| v.image_token_id);
@@ -191,7 +192,6 @@ pub fn vision_of(
             Err(format!("the model `{name}` has no vision tower, so it reads no images ({why})"))
         }
         Err(e) => Err(format!("the model `{name}` takes no images here: {e}")),
-        Ok(_) if cluster => Err(format!("the model `{name}` is served by a cluster, whose workers take no images")),
         Ok(_) => match tokenizer.get_added_tokens_decoder().get(&id) {
             Some(token) => Ok((id, token.content.clone())),
             None => {
