@@ -84,7 +84,7 @@ pub fn encoder_status(ctx: &Ctx, node: u32) -> Vec<EncoderStatus> {
     ctx.encoders_on(node)
         .into_iter()
         .filter_map(|e| {
-            let g = ctx.encoder_gauges.get(e as usize)?;
+            let g = ctx.durable.encoder_gauges().get(e as usize)?;
             Some(EncoderStatus {
                 encoder: e,
                 images_encoded: load(&g.images_encoded),

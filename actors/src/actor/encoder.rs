@@ -32,7 +32,7 @@ pub struct EncoderShell {
 
 impl EncoderShell {
     fn publish(&self) {
-        let Some(g) = self.ctx.encoder_gauges.get(self.index as usize) else { return };
+        let Some(g) = self.ctx.durable.encoder_gauges().get(self.index as usize) else { return };
         let c = self.machine.counters();
         g.images_encoded.store(c.images_encoded, Ordering::Relaxed);
         g.cache_hits.store(c.cache_hits, Ordering::Relaxed);
@@ -73,7 +73,7 @@ impl Actor for ImageEncoder {
         } else {
             shell.machine.handle(now, input)
         };
-        if let (Some(t), Some(g)) = (started, shell.ctx.encoder_gauges.get(shell.index as usize)) {
+        if let (Some(t), Some(g)) = (started, shell.ctx.durable.encoder_gauges().get(shell.index as usize)) {
             g.encode_us.fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
         }
         for _ in hits..shell.machine.counters().cache_hits {

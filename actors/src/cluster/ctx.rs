@@ -84,7 +84,7 @@ impl Timeouts {
     }
 }
 
-pub use crate::cluster::durable::{Durable, InstanceGauges};
+pub use crate::cluster::durable::{Durable, EncoderGauges, InstanceGauges};
 
 /// What every actor of a cluster is handed: configuration, services
 /// (transport, clock, log, counters, faults) and the [`Durable`] state.
@@ -140,22 +140,6 @@ pub struct Ctx {
     /// Image encoder instances: the node each runs on (empty: the prefill
     /// workers encode their requests' images).
     pub encoders: Vec<u32>,
-    /// Each encoder's counters. Shared state rather than messages because
-    /// a node's status agent reads them at any time, as it reads the
-    /// instance gauges; only the encoder's shell writes them.
-    pub encoder_gauges: Arc<[EncoderGauges]>,
-}
-
-/// An image encoder's counters since its node started.
-#[derive(Debug, Default)]
-pub struct EncoderGauges {
-    pub images_encoded: std::sync::atomic::AtomicU64,
-    pub cache_hits: std::sync::atomic::AtomicU64,
-    pub cache_misses: std::sync::atomic::AtomicU64,
-    /// Images waiting for the tower now.
-    pub queue_images: std::sync::atomic::AtomicU64,
-    /// Time the tower ran (wall time on a real clock; 0 on a virtual one).
-    pub encode_us: std::sync::atomic::AtomicU64,
 }
 
 impl Ctx {

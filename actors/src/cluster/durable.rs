@@ -37,6 +37,20 @@ pub struct InstanceGauges {
     pub waiting: AtomicU64,
 }
 
+/// An image encoder's counters since its node started. Shared state rather
+/// than messages because a node's status agent reads them at any time, as
+/// it reads the instance gauges; only the encoder's shell writes them.
+#[derive(Debug, Default)]
+pub struct EncoderGauges {
+    pub images_encoded: AtomicU64,
+    pub cache_hits: AtomicU64,
+    pub cache_misses: AtomicU64,
+    /// Images waiting for the tower now.
+    pub queue_images: AtomicU64,
+    /// Time the tower ran (wall time on a real clock; 0 on a virtual one).
+    pub encode_us: AtomicU64,
+}
+
 pub struct Durable {
     /// Per node, per instance: the table that node's process holds.
     placements: Vec<Vec<RwLock<Placement>>>,
@@ -44,6 +58,7 @@ pub struct Durable {
     initial: Vec<Placement>,
     steps: Vec<AtomicU64>,
     gauges: Vec<InstanceGauges>,
+    encoder_gauges: Vec<EncoderGauges>,
     incarnations: AtomicU64,
     up: AtomicBool,
     lost_devices: Vec<RwLock<BTreeSet<u32>>>,
@@ -68,6 +83,7 @@ impl Durable {
             initial: placements,
             steps: (0..instances).map(|_| AtomicU64::new(0)).collect(),
             gauges: (0..instances).map(|_| InstanceGauges::default()).collect(),
+            encoder_gauges: Vec::new(),
             incarnations: AtomicU64::new(incarnation_base),
             up: AtomicBool::new(false),
             lost_devices: (0..nodes).map(|_| RwLock::new(BTreeSet::new())).collect(),
@@ -232,5 +248,15 @@ impl Durable {
 
     pub fn gauges(&self) -> &[InstanceGauges] {
         &self.gauges
+    }
+
+    /// With counters for `encoders` image encoders.
+    pub fn with_encoders(mut self, encoders: usize) -> Self {
+        self.encoder_gauges = (0..encoders).map(|_| EncoderGauges::default()).collect();
+        self
+    }
+
+    pub fn encoder_gauges(&self) -> &[EncoderGauges] {
+        &self.encoder_gauges
     }
 }

@@ -523,14 +523,14 @@ pub(crate) fn build_ctx(model: Arc<Model>, cfg: &ClusterConfig, env: Env) -> Res
         membership: cfg.membership,
         prefill_routing: cfg.prefill_routing,
         root: OnceLock::new(),
-        durable: Durable::new(placements, topo.nodes(), topo.devices, cfg.incarnation_base),
+        durable: Durable::new(placements, topo.nodes(), topo.devices, cfg.incarnation_base)
+            .with_encoders(cfg.encoder_nodes.len()),
         constraints: cfg.constraints.as_ref().map(|c| Arc::clone(&c.0)),
         routers: cfg.router_nodes(),
         node_news: OnceLock::new(),
         cache_tiers: cfg.cache_tiers.clone(),
         draft_costs: cfg.draft_costs.clone(),
         encoders: cfg.encoder_nodes.clone(),
-        encoder_gauges: cfg.encoder_nodes.iter().map(|_| Default::default()).collect(),
     });
     for instance in 0..topo.instances {
         Scheduler::new(&ctx.config, ctx.engine_for(instance)).map_err(|e| ClusterError::Engine(e.to_string()))?;
