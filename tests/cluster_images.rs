@@ -113,6 +113,8 @@ fn series(page: &str, name: &str) -> Option<f64> {
 #[test]
 fn an_encoder_process_serves_images_caches_repeats_and_its_loss_costs_no_request() {
     let site = Site::new();
+    // The nodes log their actors' events: the retry after the kill shows in node0's.
+    std::env::set_var("DEEPINFER_EVENTS", "1");
     let mut nodes: Vec<Proc> = (0..2).map(|i| spawn_node_of(&site, i)).collect();
     for n in &nodes {
         n.wait_for("cluster ready", Duration::from_secs(120));
@@ -171,6 +173,12 @@ fn an_encoder_process_serves_images_caches_repeats_and_its_loss_costs_no_request
     assert!(killed.elapsed() < Duration::from_secs(60), "a retry, not a request timeout: {:?}", killed.elapsed());
     let log = nodes[0].text();
     assert!(log.contains("node node1 down"), "{log}");
+    let lost = log.lines().filter(|l| l.contains("lost request") && l.contains("encoder0")).count();
+    let here = log.lines().filter(|l| l.contains("images are encoded here")).count();
+    assert!(
+        lost >= 1 && lost == here,
+        "images sent to the dead encoder are encoded on node0: {lost} lost, {here} here"
+    );
     rt.block_on(cluster.shutdown());
     drop(nodes.remove(1));
     drop(nodes.remove(0).child.stdin.take());
