@@ -67,6 +67,9 @@ pub const MAX_ENCODER_QUEUE: usize = 256;
 pub const MAX_ENCODE_IMAGES: usize = 64;
 /// Bytes of encoded rows an encoder instance keeps for repeated images.
 pub const ENCODER_CACHE_BYTES: u64 = 1 << 30;
+/// Bytes of span rows a prefill worker keeps of the images it encoded
+/// itself (a span chunked over steps is encoded once).
+pub const WORKER_IMAGE_CACHE_BYTES: u64 = 256 << 20;
 /// Images a scheduler has out at encoders at once; past it a request's
 /// images are encoded on its own workers.
 pub const MAX_PENDING_ENCODES: usize = 1024;

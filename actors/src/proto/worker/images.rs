@@ -5,7 +5,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use deepinfer_engine::images::RequestImage;
+use deepinfer_engine::images::{span_rows, ImageContent, RequestImage};
 use deepinfer_engine::v41::EmbeddedSpan;
 
 use super::compute::ItemRun;
@@ -55,15 +55,26 @@ pub(super) fn embedded(parts: &[Vec<SpanPart>]) -> Vec<Vec<EmbeddedSpan<'_>>> {
 }
 
 impl WorkerMachine {
-    /// The span rows of a step item's images: given, or computed with the
-    /// tower here (colocated encoding; a span the step feeds in several
-    /// chunks is encoded once per step).
+    /// The span rows of a step item's images: given, kept from an earlier
+    /// step, or computed with the tower here (colocated encoding). Patches
+    /// reach here only with their hash checked, so rows kept by hash are
+    /// the rows of these patches.
     pub(super) fn image_rows(&mut self, images: &[RequestImage]) -> Result<Vec<Option<Arc<[f32]>>>, String> {
-        images
-            .iter()
-            .map(|image| {
-                deepinfer_engine::images::span_rows(&self.ctx.model, image).map(Some).map_err(|e| e.to_string())
-            })
-            .collect()
+        let mut out = Vec::with_capacity(images.len());
+        for image in images {
+            let rows = match &image.content {
+                ImageContent::Rows(rows) => Arc::clone(rows),
+                ImageContent::Patches(_) => match self.image_cache.get(image.hash) {
+                    Some(rows) => Arc::clone(rows),
+                    None => {
+                        let rows = span_rows(&self.ctx.model, image).map_err(|e| e.to_string())?;
+                        self.image_cache.insert(image.hash, Arc::clone(&rows), rows.len() as u64 * 4);
+                        rows
+                    }
+                },
+            };
+            out.push(Some(rows));
+        }
+        Ok(out)
     }
 }

@@ -102,6 +102,9 @@ pub struct WorkerMachine {
     /// The time of the input being handled.
     now: Duration,
     effects: Vec<Effect>,
+    /// Span rows this worker encoded, by image hash: a span fed over several
+    /// chunks (or a repeated image) runs the tower once.
+    image_cache: deepinfer_engine::encoder_cache::EncoderCache<Arc<[f32]>>,
     ctx: Arc<Ctx>,
 }
 
@@ -130,6 +133,7 @@ impl WorkerMachine {
             modelled_due: None,
             now,
             effects: Vec::new(),
+            image_cache: deepinfer_engine::encoder_cache::EncoderCache::new(crate::limits::WORKER_IMAGE_CACHE_BYTES),
             ctx,
         };
         let hello =
