@@ -486,3 +486,54 @@ fn a_drafting_worker_verifies_its_proposals_and_refuses_drafts_it_cannot_hold() 
     let positions: Vec<u64> = outputs.iter().map(|o| o.position).collect();
     assert_eq!(positions, (position + 1..position + 2 + u64::from(v.accepted)).collect::<Vec<_>>());
 }
+
+/// A computing worker with images: a prompt with an image span sampled in
+/// one step gives the engine's first token; images whose hash, value count
+/// or span does not hold are refused before any layer runs.
+#[test]
+fn a_step_with_an_image_samples_the_engines_token_and_bad_images_are_refused() {
+    use deepinfer_engine::images::{PromptBuilder, RequestImage};
+    use deepinfer_engine::presets::{build, Preset};
+
+    let model = Arc::new(build(Preset::TinyV41Vision, 3).expect("the vision preset builds"));
+    let cfg = crate::cluster::ClusterConfig { devices_per_node: 8, ..crate::cluster::ClusterConfig::new(2, 2) };
+    let ctx = crate::cluster::build_ctx(Arc::clone(&model), &cfg, crate::cluster::in_process_env(&cfg)).unwrap();
+    let vision = model.image_model().unwrap().config.vision.clone().unwrap();
+    let rgb: Vec<u8> = (0..70 * 50 * 3).map(|i| (i * 13 % 253) as u8).collect();
+    let mut b = PromptBuilder::new(&vision);
+    b.text(&[5, 6, 7]).image(&rgb, 70, 50).unwrap().text(&[8, 9]);
+    let (prompt, images): (Vec<u32>, Vec<RequestImage>) = b.finish();
+    let mut engine = Engine::new(&*model, EngineConfig::default()).expect("an engine");
+    let mut r = Request::with_images(prompt.clone(), images.clone(), 1);
+    r.ignore_eos = true;
+    let id = engine.add_request(r).unwrap();
+    let want = engine.run_to_completion().remove(&id).unwrap().token_ids();
+
+    let mut rig = Rig::with_ctx(ctx);
+    let mut body = Vec::new();
+    let step_images = crate::proto::images::step_images(&images, 0..prompt.len(), &mut body);
+    let item = StepItem { images: step_images.clone(), ..item(1, 0, prompt.clone()) };
+    let step = rig.step(1, vec![item.clone()]);
+    let seen = rig.feed(SCHEDULER, Message::StepRequest(step), &body);
+    assert_eq!(tokens_of(&rig.run(seen, |_| false)), want, "the engine's token");
+
+    let mut bad_hash = step_images.clone();
+    bad_hash[0].hash ^= 1;
+    let mut outside = step_images.clone();
+    outside[0].start = prompt.len() as u32;
+    let cases = [
+        (bad_hash, body.clone(), "hash"),
+        (step_images.clone(), body[1..].to_vec(), "body"),
+        (outside, body.clone(), "misses positions"),
+    ];
+    for (n, (images, body, want)) in cases.into_iter().enumerate() {
+        let item = StepItem { seq: 10 + n as u64, images, ..item.clone() };
+        let step = rig.step(2 + n as u64, vec![item]);
+        let seen = rig.feed(SCHEDULER, Message::StepRequest(step), &body);
+        let why = seen.iter().find_map(|s| match s {
+            Seen::Sent(_, Message::StepResult(StepResult { outcome: StepOutcome::Failed(why), .. }), _) => Some(why),
+            _ => None,
+        });
+        assert!(why.is_some_and(|w| w.contains(want)), "{want}: {seen:?}");
+    }
+}
