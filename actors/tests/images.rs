@@ -6,7 +6,10 @@
 //! image hits; requests whose images disagree with their prompt are refused.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
+use deepinfer_actors::proto::membership::MembershipConfig;
+use deepinfer_actors::sim::fabric::Partition;
 use deepinfer_actors::sim::faults::{FaultPlan, KillRule, Target};
 use deepinfer_actors::{simulate, Cluster, ClusterConfig, GenRequest, Update};
 use deepinfer_engine::engine::{Engine, EngineConfig};
@@ -98,6 +101,7 @@ fn cluster(instances: u32, engine: EngineConfig) -> ClusterConfig {
     cfg.instances = instances;
     cfg.engine = engine;
     cfg.seed = 5;
+    cfg.keep_events = 1 << 20;
     cfg
 }
 
@@ -226,4 +230,39 @@ fn an_encoder_lost_mid_batch_costs_a_retry_never_the_request() {
             assert!(m.images_colocated >= 1, "{what}: with no other encoder, the workers encode: {m:?}");
         }
     }
+}
+
+/// The encoder's node cut off from the cluster (simulated membership): the
+/// images sent to it before membership declares it down are encoded on the
+/// prefill workers once it does; every request gets the engine's tokens.
+#[test]
+fn an_encoder_node_cut_off_mid_run_costs_a_retry_never_the_request() {
+    let m = model();
+    let reqs: Vec<GenRequest> = (0..4)
+        .map(|k| {
+            let (prompt, images) = two_images(&m, 7 * k);
+            greedy(&prompt, &images, 4)
+        })
+        .collect();
+    let want = engine_runs(&m, &reqs);
+    let mut cfg = with_encoders(1);
+    cfg.membership = Some(MembershipConfig::simulated());
+    let cut = Duration::from_millis(300);
+    cfg.fabric.partitions = vec![Partition { a: vec![1], b: vec![0], from: cut, until: Duration::MAX }];
+    let (got, report) = simulate(std::sync::Arc::new(model()), cfg, async |c: &mut Cluster| {
+        let mut all = cluster_runs(c, &reqs[..2]).await;
+        // Past the cut, before membership's failure timeout: the router still names the encoder.
+        let clock = c.clock();
+        clock.sleep(cut.saturating_sub(clock.now()) + Duration::from_millis(20)).await;
+        all.extend(cluster_runs(c, &reqs[2..]).await);
+        all
+    })
+    .unwrap();
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        let (tokens, _) = g.as_ref().unwrap_or_else(|e| panic!("request {i}: {e}"));
+        assert_eq!(tokens, &w.0, "tokens of request {i}");
+    }
+    let mx = &report.metrics;
+    assert!(report.log.iter().any(|l| l.contains("encoder0 lost request")), "the cut lost images in flight");
+    assert!(mx.encode_retries >= 1 && mx.images_colocated >= 2, "{mx:?}");
 }
