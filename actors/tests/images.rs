@@ -142,12 +142,20 @@ fn images_that_disagree_with_the_prompt_are_refused_by_the_cluster() {
     let mut short_rows = x.clone();
     short_rows[0].content = ImageContent::Rows(vec![0.0; 5].into());
     let text_only = build(Preset::TinyV41, 3).unwrap();
-    let reqs = [greedy(&prompt, &moved, 2), greedy(&prompt, &other_hash, 2), greedy(&prompt, &short_rows, 2)];
+    // Past what one frame carries: refused by the client, not lost on the way.
+    let mut huge = x.clone();
+    huge[0].content = ImageContent::Rows(vec![0.0; 15 << 20].into());
+    let reqs = [
+        greedy(&prompt, &moved, 2),
+        greedy(&prompt, &other_hash, 2),
+        greedy(&prompt, &short_rows, 2),
+        greedy(&prompt, &huge, 2),
+    ];
     let (got, _) = simulate(std::sync::Arc::new(m), cluster(1, engine_config()), async |c: &mut Cluster| {
         cluster_runs(c, &reqs).await
     })
     .unwrap();
-    for (g, want) in got.iter().zip(["outside every image span", "hash", "row values"]) {
+    for (g, want) in got.iter().zip(["outside every image span", "hash", "row values", "a request may carry"]) {
         let why = g.as_ref().err().unwrap_or_else(|| panic!("refused for {want}"));
         assert!(why.contains(want), "{why:?} names {want}");
     }

@@ -289,13 +289,12 @@ impl Cluster {
             priority: request.priority,
             images: crate::proto::images::images_wire(&request.images),
         };
-        let o = Outstanding {
-            spec,
-            tokens: Vec::new(),
-            cancelled: false,
-            attempts: 0,
-            deadline: self.ctx.clock.now() + self.ctx.timeouts.request,
-        };
+        if let Some(reason) = outputs::oversized(&spec) {
+            self.ready.push_back(Update::Refused { id, reason });
+            return id;
+        }
+        let deadline = self.ctx.clock.now() + self.ctx.timeouts.request;
+        let o = Outstanding { spec, tokens: Vec::new(), cancelled: false, attempts: 0, deadline };
         self.send_submit(&o);
         self.deadlines.insert((o.deadline, id));
         self.outstanding.insert(id, o);

@@ -14,6 +14,28 @@ fn finish_reason(k: FinishKind) -> FinishReason {
     }
 }
 
+/// Why `spec` cannot travel in one frame (its images' values ride in the
+/// request's archive), or `None`: refused at once rather than lost on the way.
+pub(super) fn oversized(spec: &RequestSpec) -> Option<String> {
+    use crate::limits::{FRAME_HEADER_BYTES_MAX, MAX_FRAME_BYTES};
+    use crate::wire::ImageData;
+    let values: usize = spec
+        .images
+        .iter()
+        .map(|i| match &i.content {
+            ImageData::Patches(v) | ImageData::Rows(v) => v.len(),
+        })
+        .sum();
+    let bytes = (values + spec.prompt.len()).saturating_mul(4);
+    let most = (MAX_FRAME_BYTES - FRAME_HEADER_BYTES_MAX) as usize;
+    (bytes > most).then(|| {
+        format!(
+            "the request's {} images take {bytes} bytes, more than the {most} a request may carry",
+            spec.images.len()
+        )
+    })
+}
+
 impl Cluster {
     /// Ask the agents of `nodes` for their status; the reports land in
     /// [`Self::statuses`] as they arrive (while updates are awaited, or at
