@@ -145,19 +145,25 @@ fn images_that_disagree_with_the_prompt_are_refused_by_the_cluster() {
     // Past what one frame carries: refused by the client, not lost on the way.
     let mut huge = x.clone();
     huge[0].content = ImageContent::Rows(vec![0.0; 15 << 20].into());
+    // A plan no image has (its sizes would overflow whoever believed them).
+    let mut bogus = x.clone();
+    bogus[0].plan.n_llm_h = u32::MAX as usize;
+    bogus[0].plan.n_vit_h = u32::MAX as usize;
     let reqs = [
         greedy(&prompt, &moved, 2),
         greedy(&prompt, &other_hash, 2),
         greedy(&prompt, &short_rows, 2),
         greedy(&prompt, &huge, 2),
+        greedy(&prompt, &bogus, 2),
     ];
-    let (got, _) = simulate(std::sync::Arc::new(m), cluster(1, engine_config()), async |c: &mut Cluster| {
-        cluster_runs(c, &reqs).await
-    })
-    .unwrap();
-    for (g, want) in got.iter().zip(["outside every image span", "hash", "row values", "a request may carry"]) {
-        let why = g.as_ref().err().unwrap_or_else(|| panic!("refused for {want}"));
-        assert!(why.contains(want), "{why:?} names {want}");
+    let m = std::sync::Arc::new(m);
+    for cfg in [cluster(1, engine_config()), with_encoders(1)] {
+        let (got, _) = simulate(m.clone(), cfg, async |c: &mut Cluster| cluster_runs(c, &reqs).await).unwrap();
+        let wants = ["outside every image span", "hash", "row values", "a request may carry", "not the model's plan"];
+        for (g, want) in got.iter().zip(wants) {
+            let why = g.as_ref().err().unwrap_or_else(|| panic!("refused for {want}"));
+            assert!(why.contains(want), "{why:?} names {want}");
+        }
     }
     let (got, _) = simulate(std::sync::Arc::new(text_only), cluster(1, engine_config()), async |c: &mut Cluster| {
         cluster_runs(c, &reqs[..1]).await

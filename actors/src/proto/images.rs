@@ -78,8 +78,14 @@ pub(crate) fn request_images(images: &[ImageWire]) -> Vec<RequestImage> {
 }
 
 /// The images as far as block keys go (span and hash, no content): what
-/// the router needs to ask the caches about a prompt.
-pub(crate) fn key_images(images: &[ImageWire]) -> Vec<RequestImage> {
+/// the router needs to ask the caches about a prompt. Plans that are not
+/// `model`'s give no keys at all (spans computed from them could be any
+/// size); the scheduler refuses such a request.
+pub(crate) fn key_images(model: &Model, images: &[ImageWire]) -> Vec<RequestImage> {
+    let Ok(cfg) = vision(model) else { return Vec::new() };
+    if images.iter().any(|i| check_plan(cfg, &i.plan).is_err()) {
+        return Vec::new();
+    }
     images
         .iter()
         .map(|i| RequestImage {

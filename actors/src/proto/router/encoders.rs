@@ -50,15 +50,21 @@ impl RouterMachine {
     /// without images to encode, or with every encoder's node down or
     /// draining (the prefill workers encode them).
     pub(super) fn choose_encoder(&mut self, spec: &RequestSpec) -> Option<u32> {
-        let need: u64 = spec.images.iter().map(patches).sum();
-        if self.ctx.encoders.is_empty() || need == 0 {
+        if self.ctx.encoders.is_empty() || !spec.images.iter().any(|i| patches(i) > 0) {
             return None;
         }
+        // Plans that are not the model's are refused by the scheduler; they
+        // never reach an encoder (and their sizes are not summed).
+        if crate::proto::images::key_images(&self.ctx.model, &spec.images).is_empty() {
+            return None;
+        }
+        let need: u64 = spec.images.iter().map(patches).sum();
         let mut pending = vec![0u64; self.ctx.encoders.len()];
         for (_, f) in self.flights.iter() {
             if let Some(e) = f.encoder.filter(|_| f.tokens.is_empty()) {
                 if let Some(p) = pending.get_mut(e as usize) {
-                    *p += f.spec.images.iter().map(patches).sum::<u64>();
+                    // Flights name an encoder only once their plans were checked.
+                    *p = p.saturating_add(f.spec.images.iter().map(patches).sum::<u64>());
                 }
             }
         }

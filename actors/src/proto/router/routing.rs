@@ -34,7 +34,7 @@ impl RouterMachine {
         let ctx = Arc::clone(&self.ctx);
         let topo = &ctx.topology;
         // Keys chained with the request's images, as its scheduler stores them.
-        let images = crate::proto::images::key_images(&submit.spec.images);
+        let images = crate::proto::images::key_images(&ctx.model, &submit.spec.images);
         let chain = crate::proto::images::prompt_chain(&submit.spec.prompt, self.ctx.block_tokens, &images);
         let query = self.next_query;
         self.next_query += 1;
