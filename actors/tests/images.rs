@@ -280,3 +280,37 @@ fn an_encoder_node_cut_off_mid_run_costs_a_retry_never_the_request() {
     assert!(report.log.iter().any(|l| l.contains("encoder0 lost request")), "the cut lost images in flight");
     assert!(mx.encode_retries >= 1 && mx.images_colocated >= 2, "{mx:?}");
 }
+
+/// With modelled device time, the encoder instance is busy for the cost
+/// model's price of V4.1-Flash's tower per image (H800 here): the run takes
+/// that much longer, and the tokens do not change.
+#[test]
+fn an_encoder_on_a_modelled_device_takes_the_towers_time() {
+    use deepinfer_actors::DeviceCostModel;
+    use deepinfer_engine::cost::vision::VisionCost;
+    use deepinfer_engine::cost::{Efficiency, HardwareKind, ModelKind};
+
+    let m = model();
+    let (prompt, x) = two_images(&m, 0);
+    let reqs = [greedy(&prompt, &x, 3)];
+    let want = engine_runs(&m, &reqs);
+    let run = |cost: Option<HardwareKind>| {
+        let mut cfg = with_encoders(1);
+        cfg.device_cost = cost.map(|hw| DeviceCostModel::new(hw, ModelKind::V41Flash));
+        let (got, report) =
+            simulate(std::sync::Arc::new(model()), cfg, async |c: &mut Cluster| cluster_runs(c, &reqs).await).unwrap();
+        assert_eq!(got[0].as_ref().unwrap().0, want[0].0, "the engine's tokens");
+        report
+    };
+    let timed = run(Some(HardwareKind::H800));
+    let cost = VisionCost::of(ModelKind::V41Flash).unwrap();
+    let hw = HardwareKind::H800.spec();
+    let tower_us: f64 = x
+        .iter()
+        .map(|i| cost.encode_us(&cost.plan(i.plan.width, i.plan.height).unwrap(), &hw, Efficiency::default()))
+        .sum();
+    assert!(tower_us > 1000.0, "a published tower takes milliseconds: {tower_us} µs");
+    assert!(timed.elapsed.as_secs_f64() * 1e6 > tower_us, "{:?} covers the tower's {tower_us} µs", timed.elapsed);
+    let busy = timed.log.iter().filter(|l| l.contains("encoder0->scheduler0")).count();
+    assert!(busy >= 2, "the rows came back");
+}

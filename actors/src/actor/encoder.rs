@@ -82,6 +82,7 @@ impl Actor for ImageEncoder {
         let from = shell.machine.addr();
         for effect in shell.machine.take_effects() {
             match effect {
+                Effect::Busy(t) => shell.ctx.clock.sleep(t).await,
                 Effect::Send(o) => shell.ctx.send_frame(from, o.to, o.frame),
                 Effect::Work => {
                     let _ = me.send_message(Input::Work);

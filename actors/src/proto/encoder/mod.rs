@@ -42,6 +42,9 @@ pub enum Input {
 /// What the machine asks its shell to do, in order.
 #[derive(Debug, PartialEq)]
 pub enum Effect {
+    /// The device is busy this long (modelled device time, on a virtual
+    /// clock with a cost model): the shell sleeps before what follows.
+    Busy(Duration),
     Send(Outgoing),
     /// Feed `Input::Work` back (after the frames before it are sent).
     Work,
@@ -229,6 +232,19 @@ impl EncoderMachine {
         self.send(to, Message::Encoder(msg), rows);
     }
 
+    /// The tower's time on the modelled device, when the cluster models
+    /// device time: the cost model's price of the modelled model's published
+    /// tower for an image of this size (as workers price the modelled
+    /// model's layers while the small one computes). `None`: the wall
+    /// clock's own time, or a modelled model without a tower.
+    fn device_time(&self, plan: &deepinfer_engine::v41::vision::ImagePlan) -> Option<Duration> {
+        let dc = self.ctx.device_cost.as_ref()?;
+        let cost = deepinfer_engine::cost::vision::VisionCost::of(dc.spec.model)?;
+        let published = cost.plan(plan.width, plan.height).ok()?;
+        let us = cost.encode_us(&published, &dc.hardware, dc.spec.efficiency);
+        Some(Duration::from_nanos((us * 1e3).clamp(0.0, 1e15) as u64))
+    }
+
     /// Run the tower and the aligner on the oldest queued image.
     fn work(&mut self) -> Result<(), Crash> {
         let Some(job) = self.queue.pop_front() else { return Ok(()) };
@@ -242,6 +258,9 @@ impl EncoderMachine {
         });
         match rows {
             Ok(rows) => {
+                if let Some(busy) = self.device_time(&job.image.plan) {
+                    self.effects.push(Effect::Busy(busy));
+                }
                 let rows: Arc<[f32]> = rows.into();
                 self.counters.images_encoded += 1;
                 self.cache.insert(job.hash, Arc::clone(&rows), rows.len() as u64 * 4);

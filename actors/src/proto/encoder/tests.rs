@@ -52,6 +52,7 @@ fn drain(m: &mut EncoderMachine) -> (Vec<(EncoderMsg, Vec<f32>)>, bool) {
                 sent.push((msg, d.body));
             }
             Effect::Work => work = true,
+            Effect::Busy(_) => {}
         }
     }
     (sent, work)
