@@ -113,7 +113,17 @@ pub fn load_model_with(
     let tokenizer = match (tokenizer_path.map(Path::to_path_buf).or(dir_tokenizer), own_tokenizer) {
         (Some(path), _) => load_tokenizer(&path)?,
         (None, Some(own)) => own,
-        (None, None) => builtin_tokenizer(),
+        (None, None) => match model.v41.as_ref().and_then(|m| m.config.vision.as_ref()) {
+            Some(vision) => {
+                crate::tokenizer::builtin_tokenizer_with_image_token(vision.image_token_id).with_context(|| {
+                    format!(
+                        "the image token id {} is not a reserved id of the built-in tokenizer",
+                        vision.image_token_id
+                    )
+                })?
+            }
+            None => builtin_tokenizer(),
+        },
     };
     let vocab = tokenizer.get_vocab_size(true);
     if vocab > model.config.vocab_size {

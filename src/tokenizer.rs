@@ -409,6 +409,31 @@ pub fn builtin_tokenizer() -> Tokenizer {
     Tokenizer::from_str(&builtin_tokenizer_json()).expect("the built-in tokenizer.json is valid")
 }
 
+/// The built-in tokenizer for a model that reads images: the reserved id
+/// `image_token_id` spells DeepSeek's image token (`<｜image｜>`) instead of
+/// its usual marker, so a chat template's image part encodes to that id.
+/// Every other id keeps its spelling. `None` when the id is not a reserved
+/// one (a byte or a merge cannot be given up).
+pub fn builtin_tokenizer_with_image_token(image_token_id: u32) -> Option<Tokenizer> {
+    let id = image_token_id as usize;
+    if !(FIRST_RESERVED_ID..BUILTIN_VOCAB_SIZE).contains(&id) {
+        return None;
+    }
+    let image = deepseek_recipe_core::special_tokens::SpecialToken::Image.default_str();
+    let (old, _) = BUILTIN_RESERVED_TOKENS[id - FIRST_RESERVED_ID];
+    let mut json: Value =
+        serde_json::from_str(&builtin_tokenizer_json()).expect("the built-in tokenizer.json is valid");
+    for token in json["added_tokens"].as_array_mut().expect("added tokens") {
+        if token["id"] == json!(id) {
+            *token = added_token(id, image, true);
+        }
+    }
+    let vocab = json["model"]["vocab"].as_object_mut().expect("a vocabulary");
+    vocab.remove(old);
+    vocab.insert(image.to_string(), json!(id));
+    Some(Tokenizer::from_str(&json.to_string()).expect("the edited tokenizer.json is valid"))
+}
+
 /// Loads a Hugging Face `tokenizer.json`.
 pub fn load_tokenizer(path: &Path) -> anyhow::Result<Tokenizer> {
     let text =

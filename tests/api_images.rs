@@ -122,11 +122,11 @@ async fn each_limit_is_a_400_naming_the_field_and_the_limit() {
         {"role": "system", "content": [image_part(&coffee)]}, {"role": "user", "content": "Hi"}]});
     refused(&s, CHAT, &system, &["`messages[0].content[0]`", "only in the content of user messages"]).await;
 
-    let s = Served::start(&["--max-image-side", "150", "--max-image-pixels", "10000"]);
-    let body = chat_with(vec![image_part(&coffee)]);
-    refused(&s, CHAT, &body, &["image_url.url`", "200×133 pixels; a side may be at most 150"]).await;
+    let s = Served::start(&["--max-image-side", "300", "--max-image-pixels", "10000"]);
     let body = chat_with(vec![image_part(&chelsea())]);
-    refused(&s, CHAT, &body, &["image_url.url`", "15000 pixels; the limit is 10000 per image"]).await;
+    refused(&s, CHAT, &body, &["image_url.url`", "451×300 pixels; a side may be at most 300"]).await;
+    let body = chat_with(vec![image_part(&coffee)]);
+    refused(&s, CHAT, &body, &["image_url.url`", "26600 pixels; the limit is 10000 per image"]).await;
 }
 
 #[tokio::test]

@@ -16,11 +16,18 @@ fn run_script(script: &str) {
 
 /// `script` against `serve --model builtin:<preset>`.
 fn run_script_on(script: &str, preset: &str) {
+    run_script_with(script, preset, &[]);
+}
+
+/// `script` against `serve --model builtin:<preset>` with `extra` flags.
+fn run_script_with(script: &str, preset: &str, extra: &[&str]) {
     if !sdks_available() {
         return;
     }
     let model = format!("builtin:{preset}");
-    let server = Served::start(&["--model", &model]);
+    let mut args = vec!["--model", &model];
+    args.extend_from_slice(extra);
+    let server = Served::start(&args);
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sdk").join(script);
     let out = Command::new("python3")
         .arg(&path)
@@ -57,6 +64,13 @@ fn vllm_fields_wide_json_schemas_attachments_and_forced_tool_inputs_through_the_
 #[test]
 fn image_parts_through_the_sdks_get_a_clear_400() {
     run_script("images_sdk.py");
+}
+
+/// scikit-image's chelsea.png and coffee.png read by a model with a vision
+/// tower: data URLs and URLs of a local HTTP server, each limit a 400.
+#[test]
+fn images_through_the_sdks_on_a_model_with_a_vision_tower() {
+    run_script_with("vision_sdk.py", "tiny-v41-vision", &["--image-fetch", "--image-fetch-allow", "127.0.0.1/32"]);
 }
 
 #[test]

@@ -192,7 +192,7 @@ async fn run(state: Arc<AppState>, body: Bytes) -> Result<Response, ApiError> {
     })?;
     let (request, ask, streamed) = prepare(&state, &body)?;
     let prompt_tokens = request.prompt.len();
-    let rx = state.submit(Flavor::OpenAi, request, &[], None, arrived).await?;
+    let rx = state.submit(Flavor::OpenAi, request, None, arrived).await?;
     let n = state.counter.fetch_add(1, Ordering::Relaxed);
     let id = format!("cmpl-{:016x}{:08x}", super::generate::mix(state.id_salt ^ n), n & 0xffff_ffff);
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());

@@ -29,7 +29,7 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 use super::constraint::{Limits, OutputFormat, RequestConstraint, MAX_GRAMMAR_BYTES};
 use super::errors::{ApiError, Flavor, Kind};
 use super::failure::{stream_error, Seen};
-use super::images::{Gathered, PromptImage};
+use super::images::Gathered;
 use super::inference::{inference_stream, FailureSlot, Inference};
 use super::protocols::Api;
 use super::stops::LeadingNewlines;
@@ -57,8 +57,6 @@ struct Prepared {
     id: String,
     /// vLLM's rules for the output text.
     rules: OutputRules,
-    /// The images, at their placeholders' positions in `request.prompt`.
-    images: Vec<PromptImage>,
 }
 
 /// `POST` handler of every generation route.
@@ -243,9 +241,9 @@ where
     ChunkOf<P>: Serialize + Send + 'static,
 {
     let flavor = P::FLAVOR;
-    let Prepared { converted, request, constraint, logprobs, thinking, id, mut rules, images, .. } = prepared;
+    let Prepared { converted, request, constraint, logprobs, thinking, id, mut rules, .. } = prepared;
     let prompt_tokens = request.prompt.len();
-    let rx = state.submit(flavor, request, &images, constraint, arrived).await?;
+    let rx = state.submit(flavor, request, constraint, arrived).await?;
     let model = state.config.model_name.clone();
     let generator = P::chunk_generator(&converted, id, model);
     let processor = StreamProcessor::new(generator, converted.parsing_options);
@@ -460,7 +458,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], images: &Gathered, seed: Optio
     fields::check(P::FIELDS, &obj).map_err(bad)?;
     params::inline_text_documents(&mut obj);
     params::refuse_attachments(&obj).map_err(bad)?;
-    super::images::substitute(state, &mut obj, images).map_err(bad)?;
+    super::images::substitute(state, &obj, images).map_err(bad)?;
     params::check_tool_choice(&obj).map_err(bad)?;
     let mut vllm = vllm::take(&mut obj).map_err(bad)?;
     let strict = strict::take(&mut obj);
@@ -492,7 +490,14 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], images: &Gathered, seed: Optio
         .encode(&converted.conversation)
         .map_err(|e| bad(format!("cannot encode the conversation: {e}")))?;
     vllm.shape_prompt(&mut prompt, &converted, &state.tokenizer, state.context).map_err(bad)?;
-    let images = super::images::place(state, &prompt, images).map_err(bad)?;
+    // Each image's placeholder becomes its span (the resize runs here, off the
+    // engine thread); the context and `max_tokens` then count the span's tokens.
+    let started = Instant::now();
+    let (prompt, images) = super::images::expand(state, prompt, images).map_err(bad)?;
+    if !images.is_empty() {
+        let tokens = images.iter().map(|i| i.plan.tokens()).sum();
+        super::metrics::images_prepared(images.len(), tokens, started.elapsed());
+    }
     let max_tokens = converted
         .resolve_max_tokens(prompt.len().min(u32::MAX as usize) as u32, state.context.min(u32::MAX as usize) as u32)
         .map_err(|e| ApiError::conversion(flavor, e))?;
@@ -567,6 +572,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], images: &Gathered, seed: Optio
     request.retention = retention;
     request.stop_token_ids = vllm.stop_token_ids;
     request.priority = vllm.priority;
+    request.images = images;
     let logprobs = options.logprobs;
     let n = state.counter.fetch_add(1, Ordering::Relaxed);
     let id = match vllm.request_id {
@@ -574,7 +580,7 @@ fn prepare<P: Api>(state: &AppState, body: &[u8], images: &Gathered, seed: Optio
         Some(rid) => format!("{}{rid}", P::ID_PREFIX),
         None => format!("{}{:016x}{:08x}", P::ID_PREFIX, mix(state.id_salt ^ n), n & 0xffff_ffff),
     };
-    Ok(Prepared { converted, request, constraint, logprobs, include_usage, thinking, choices, id, rules, images })
+    Ok(Prepared { converted, request, constraint, logprobs, include_usage, thinking, choices, id, rules })
 }
 
 /// SplitMix64's finaliser: spreads a counter into an id or a seed.

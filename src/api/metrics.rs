@@ -37,6 +37,9 @@ pub const SPEC_DRAFTS: &str = "deepinfer_spec_decode_draft_tokens_total";
 pub const SPEC_ACCEPTED: &str = "deepinfer_spec_decode_accepted_tokens_total";
 pub const SPEC_VERIFICATIONS: &str = "deepinfer_spec_decode_verifications_total";
 pub const SPEC_PROPOSED: &str = "deepinfer_spec_decode_proposed_tokens_total";
+pub const IMAGES_PREPARED: &str = "deepinfer_images_prepared_total";
+pub const IMAGE_TOKENS: &str = "deepinfer_image_tokens_total";
+pub const IMAGE_PREPARE: &str = "deepinfer_image_prepare_seconds";
 
 /// vLLM's names for the same series (`vllm:` metrics of vLLM's V1 engine).
 pub mod vllm {
@@ -126,6 +129,13 @@ fn describe() {
     describe_histogram!(REQUEST_PROMPT_TOKENS, "Prompt tokens per finished request");
     describe_histogram!(REQUEST_GENERATION_TOKENS, "Generated tokens per finished request");
     super::cache_metrics::describe();
+    describe_counter!(IMAGES_PREPARED, "Images laid out as spans of generation requests (decoded, planned, resized)");
+    describe_counter!(IMAGE_TOKENS, "Prompt tokens of image spans in generation requests");
+    describe_histogram!(
+        IMAGE_PREPARE,
+        Unit::Seconds,
+        "Resizing and patching one request's images, off the engine thread"
+    );
     describe_counter!(SPEC_PROPOSED, "Draft tokens proposed by the draft head");
     describe_counter!(SPEC_DRAFTS, "Draft tokens the target verified");
     describe_counter!(SPEC_ACCEPTED, "Verified draft tokens the target accepted");
@@ -148,6 +158,13 @@ fn describe() {
     describe_counter!(vllm::SUCCESS, "Finished requests by finished_reason (vLLM name)");
     describe_counter!(vllm::PREFIX_QUERIES, "Prompt tokens looked up in the prefix cache (vLLM name)");
     describe_counter!(vllm::PREFIX_HITS, "Prompt tokens found in the prefix cache (vLLM name)");
+}
+
+/// A generation request's images laid out: how many, their spans' tokens, the time it took.
+pub fn images_prepared(images: usize, tokens: usize, took: Duration) {
+    counter!(IMAGES_PREPARED).increment(images as u64);
+    counter!(IMAGE_TOKENS).increment(tokens as u64);
+    histogram!(IMAGE_PREPARE).record(took.as_secs_f64());
 }
 
 pub fn ttft(d: Duration) {

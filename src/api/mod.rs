@@ -111,6 +111,9 @@ pub struct AppState {
     pub id_salt: u64,
     /// Whether the model reads images (its image token), or why not.
     pub vision: images::Vision,
+    /// The model's `vision_*` keys when it reads images here: each image's
+    /// resize plan and span come from them.
+    pub vision_config: Option<deepinfer_engine::v41::vision::VisionConfig>,
     /// Spellings of the image token refused in text.
     pub image_placeholders: Vec<String>,
     /// Image decodes running at once, at most one per core.
@@ -138,23 +141,9 @@ impl AppState {
         &self,
         flavor: Flavor,
         request: deepinfer_engine::request::Request,
-        images: &[images::PromptImage],
         constraint: Option<constraint::RequestConstraint>,
         arrived: std::time::Instant,
     ) -> Result<tokio::sync::mpsc::UnboundedReceiver<engine_thread::Event>, ApiError> {
-        // The boundary the model side plugs into: its image plan (token count,
-        // span layout) and the tower's rows go with `request` from here. Until
-        // then a request with images stops at this point.
-        if let Some(first) = images.first() {
-            let message = format!(
-                "the model `{}` has a vision tower, but this server does not pass image spans to its engine yet \
-                 ({} image(s), the first at prompt position {})",
-                self.config.model_name,
-                images.len(),
-                first.position
-            );
-            return Err(ApiError::bad_request(flavor, message));
-        }
         let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let submission = engine_thread::Submission { request, constraint, events, arrived };
         self.engine.submit(submission).map_err(|e| match e {
@@ -241,8 +230,11 @@ impl Server {
                 cluster_thread::spawn(rt, cluster, &model, policy, (config.max_concurrent, failure_timeout))?
             }
         };
+        let model_version = if vision.is_ok() { ModelVersion::DeepseekV41Flash } else { ModelVersion::DeepseekV4Pro };
         let conversion = ConversionOptions::new()
-            .with_model_versions_by_name([(config.model_name.clone(), ModelVersion::DeepseekV4Pro)])
+            // A model that reads images converts as V4.1-Flash, the version whose
+            // image parts become image tokens (V4 turns them into text).
+            .with_model_versions_by_name([(config.model_name.clone(), model_version)])
             .with_default_thinking_mode(config.default_thinking)
             .with_thinking_max_tokens_upper_bound(config.max_tokens_limit)
             .with_non_thinking_max_tokens_upper_bound(config.max_tokens_limit);
@@ -263,6 +255,7 @@ impl Server {
             created: now.as_secs(),
             counter: AtomicU64::new(0),
             id_salt: now.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32),
+            vision_config: vision.is_ok().then(|| model.v41.as_ref().and_then(|m| m.config.vision.clone())).flatten(),
             vision,
             image_placeholders,
             decoders: Semaphore::new(cores),

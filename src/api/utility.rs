@@ -16,6 +16,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Map, Value};
 
 use super::errors::{ApiError, Flavor};
+use super::images::Gathered;
 use super::{model_object, parse_object, AppState};
 
 /// Most token ids `/detokenize` takes in one call.
@@ -34,20 +35,31 @@ pub async fn version() -> Json<Value> {
     Json(json!({"version": env!("CARGO_PKG_VERSION")}))
 }
 
-/// The prompt ids a conversation renders to, through the protocol's own conversion.
+/// The prompt ids a conversation renders to, through the protocol's own
+/// conversion, each image as the span of image tokens a generation prefills.
 fn render<P: ProtocolRequest + DeserializeOwned>(
     state: &AppState,
     flavor: Flavor,
     mut obj: Map<String, Value>,
+    images: &Gathered,
 ) -> Result<Vec<u32>, ApiError> {
     let bad = |m: String| ApiError::bad_request(flavor, m);
-    super::images::count_hook(state, &obj).map_err(bad)?;
+    super::images::substitute(state, &obj, images).map_err(bad)?;
     obj.entry("model").or_insert_with(|| Value::from(state.config.model_name.clone()));
     // Counting needs no output budget; the conversion wants one.
     obj.entry("max_tokens").or_insert(Value::from(1));
     let request: P = serde_json::from_value(Value::Object(obj)).map_err(|e| bad(format!("invalid request: {e}")))?;
     let converted = request.convert(state.conversion.clone()).map_err(|e| ApiError::conversion(flavor, e))?;
-    state.encoding.encode(&converted.conversation).map_err(|e| bad(format!("cannot encode the conversation: {e}")))
+    let prompt = state
+        .encoding
+        .encode(&converted.conversation)
+        .map_err(|e| bad(format!("cannot encode the conversation: {e}")))?;
+    Ok(super::images::expand(state, prompt, images).map_err(bad)?.0)
+}
+
+/// A counting request's images, found, checked and decoded as a generation's are.
+async fn gather(state: &Arc<AppState>, flavor: Flavor, body: Bytes) -> Result<Gathered, ApiError> {
+    super::images::gather(state, flavor, &Arc::new(body)).await
 }
 
 /// `POST /tokenize`: `{"prompt": "..."}` (raw text, `add_special_tokens` default
@@ -57,6 +69,7 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result
     let bad = |m: String| ApiError::bad_request(flavor, m);
     let mut obj = parse_object(flavor, &body)?;
     state.check_model(flavor, obj.get("model").and_then(Value::as_str))?;
+    let images = gather(&state, flavor, body).await?;
     let tokens = match (obj.remove("prompt"), obj.contains_key("messages")) {
         (Some(Value::String(prompt)), false) => {
             let special = match obj.remove("add_special_tokens") {
@@ -74,7 +87,7 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result
             out.extend(ids.get_ids());
             out
         }
-        (None, true) => render::<ChatCompletionRequest>(&state, flavor, obj)?,
+        (None, true) => render::<ChatCompletionRequest>(&state, flavor, obj, &images)?,
         _ => return Err(bad("give exactly one of `prompt` (a string) and `messages`".into())),
     };
     Ok(Json(json!({"count": tokens.len(), "max_model_len": state.context, "tokens": tokens})))
@@ -116,6 +129,7 @@ pub async fn count_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Re
     if let Some(key) = obj.keys().find(|k| !KNOWN.contains(&k.as_str())) {
         return Err(ApiError::bad_request(flavor, format!("unknown field `{key}`")));
     }
-    let tokens = render::<MessagesRequest>(&state, flavor, obj)?;
+    let images = gather(&state, flavor, body).await?;
+    let tokens = render::<MessagesRequest>(&state, flavor, obj, &images)?;
     Ok(Json(json!({"input_tokens": tokens.len()})))
 }

@@ -209,16 +209,16 @@ async fn blocking<T: Send + 'static>(flavor: Flavor, work: impl FnOnce() -> T + 
         .map_err(|e| ApiError::new(flavor, super::errors::Kind::Internal, format!("image preparation failed: {e}")))
 }
 
-/// Inside `prepare`, before conversion: refuse a typed placeholder, then put
-/// the image token's spelling where each image part was (a model with a
-/// vision tower only; `gather` refused the images otherwise).
-pub fn substitute(state: &AppState, obj: &mut Map<String, Value>, gathered: &Gathered) -> Result<(), String> {
+/// Inside `prepare`, before conversion: refuse a typed placeholder. The
+/// image parts stay: the protocol's conversion (as DeepSeek-V4.1-Flash, for a
+/// model that reads images) renders each as one image token, marked special,
+/// so only a real image part can become one.
+pub fn substitute(state: &AppState, obj: &Map<String, Value>, gathered: &Gathered) -> Result<(), String> {
     placeholder::refuse(obj, &state.image_placeholders)?;
-    if gathered.images.is_empty() {
-        return Ok(());
+    if !gathered.images.is_empty() {
+        state.vision.as_ref().map_err(Clone::clone)?;
     }
-    let (_, spelling) = state.vision.as_ref().map_err(Clone::clone)?;
-    parts::replace_with_text(obj, spelling)
+    Ok(())
 }
 
 /// The encoded prompt's image positions: each occurrence of the image token,
@@ -244,19 +244,27 @@ pub fn place(state: &AppState, prompt: &[u32], gathered: &Gathered) -> Result<Ve
         .collect())
 }
 
-/// `/tokenize` and `/v1/messages/count_tokens` with images. An image's token
-/// count is its span's length, which the model side's plan gives (from the
-/// decoded size); until it is wired here such a count is refused, never made
-/// up. The typed image token is refused as in generation.
-pub fn count_hook(state: &AppState, obj: &Map<String, Value>) -> Result<(), String> {
-    placeholder::refuse(obj, &state.image_placeholders)?;
-    let parts = parts::find(obj, &state.config.images)?;
-    let Some(first) = parts.first() else { return Ok(()) };
-    match &state.vision {
-        Err(why) => Err(format!("`{}`: {why}", first.path)),
-        Ok(_) => Err(format!(
-            "`{}`: image tokens are not counted yet (each image's span length comes from the model side's plan)",
-            first.path
-        )),
+/// The encoded prompt with each image's placeholder replaced by its span
+/// (`START + (IMAGE × w + NEWLINE) × h + END`, all the image token) and the
+/// engine's view of each image: its plan, content hash and patches. The
+/// resize and normalisation run here, on the caller's (blocking) thread.
+pub fn expand(
+    state: &AppState,
+    prompt: Vec<u32>,
+    gathered: &Gathered,
+) -> Result<(Vec<u32>, Vec<deepinfer_engine::images::RequestImage>), String> {
+    use deepinfer_engine::images::{expand_placeholders, Rgb};
+    let placed = place(state, &prompt, gathered)?;
+    if placed.is_empty() {
+        return Ok((prompt, Vec::new()));
     }
+    let cfg = state.vision_config.as_ref().ok_or("the model reads no images here")?;
+    let images: Vec<(usize, Rgb)> = placed
+        .iter()
+        .map(|p| {
+            let rgb = Rgb { width: p.image.width as usize, height: p.image.height as usize, pixels: &p.image.rgb };
+            (p.position, rgb)
+        })
+        .collect();
+    expand_placeholders(cfg, &prompt, &images).map_err(|e| format!("cannot prepare the images: {e}"))
 }

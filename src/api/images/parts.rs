@@ -229,30 +229,3 @@ fn url_source<'a>(url: &'a str, path: &str, config: &ImageConfig) -> Result<Imag
     let shown: String = url.chars().take(32).collect();
     Err(format!("`{path}` must be a base64 data URL or an http(s) URL, got \"{shown}\""))
 }
-
-/// Put the image token's spelling where each image part is (in prompt order),
-/// as the protocol's text part, so that the chat template renders one image
-/// token per image.
-pub fn replace_with_text(body: &mut Map<String, Value>, spelling: &str) -> Result<(), String> {
-    for key in ["messages", "input"] {
-        let Some(Value::Array(items)) = body.get_mut(key) else { continue };
-        for content in items.iter_mut().filter_map(|m| m.get_mut("content")).filter_map(Value::as_array_mut) {
-            for part in content.iter_mut() {
-                let text_type = match part.get("type").and_then(Value::as_str) {
-                    Some("image_url") => "text",
-                    Some("image") => "text",
-                    Some("input_image") => "input_text",
-                    _ => continue,
-                };
-                let mut text = Map::new();
-                text.insert("type".into(), Value::from(text_type));
-                text.insert("text".into(), Value::from(spelling));
-                if let Some(cache) = part.get("cache_control") {
-                    text.insert("cache_control".into(), cache.clone());
-                }
-                *part = Value::Object(text);
-            }
-        }
-    }
-    Ok(())
-}
