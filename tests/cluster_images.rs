@@ -3,7 +3,8 @@
 //! "encoder"`), talking QUIC with mutual TLS. A client of the running
 //! cluster gets the single-process engine's tokens for requests with two
 //! images; the same images sent again are answered from the encoder's cache,
-//! which `deepinfer status` and the front end's `/metrics` show; with the
+//! which `deepinfer status` and the front end's `/metrics` show; the front
+//! end answers OpenAI image parts as one process does; with the
 //! encoder's process killed while requests with images are in flight, every
 //! request still finishes with the engine's tokens (node0 encodes them).
 
@@ -161,6 +162,14 @@ fn an_encoder_process_serves_images_caches_repeats_and_its_loss_costs_no_request
             && series(&page, "deepinfer_encoder_seconds").is_some()
     );
 
+    // Through the API: OpenAI image parts (data URLs of scikit-image's
+    // chelsea and coffee) give the cluster's front end the answer one process gives.
+    let one = Served::start(&["--model", "builtin:tiny-v41-vision"]);
+    let body = chat_with_images(&["chelsea.png", "coffee.png"]);
+    let (got, want) = rt.block_on(async { (post_chat(&front, &body).await, post_chat(&one, &body).await) });
+    assert_eq!(got["choices"][0]["message"], want["choices"][0]["message"], "the front end answers as one process");
+    assert_eq!(got["usage"]["prompt_tokens"], want["usage"]["prompt_tokens"], "image spans counted alike");
+
     // The encoder's process killed with requests with images on their way:
     // node0 encodes them once membership says node1 is down.
     let killed = Instant::now();
@@ -182,6 +191,34 @@ fn an_encoder_process_serves_images_caches_repeats_and_its_loss_costs_no_request
     rt.block_on(cluster.shutdown());
     drop(nodes.remove(1));
     drop(nodes.remove(0).child.stdin.take());
+}
+
+/// A seeded chat request: text, the fixture images as data URLs, text.
+fn chat_with_images(names: &[&str]) -> serde_json::Value {
+    use base64::Engine as _;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/images");
+    let mut parts = vec![serde_json::json!({"type": "text", "text": "Compare these pictures."})];
+    for name in names {
+        let data = base64::engine::general_purpose::STANDARD.encode(std::fs::read(dir.join(name)).unwrap());
+        parts.push(
+            serde_json::json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{data}")}}),
+        );
+    }
+    parts.push(serde_json::json!({"type": "text", "text": "Which one is warmer?"}));
+    serde_json::json!({
+        "model": "tiny-v41-vision",
+        "max_tokens": 12,
+        "seed": 7,
+        "messages": [{"role": "user", "content": parts}],
+    })
+}
+
+async fn post_chat(s: &Served, body: &serde_json::Value) -> serde_json::Value {
+    let r = reqwest::Client::new().post(s.url("/v1/chat/completions")).json(body).send().await.unwrap();
+    let status = r.status().as_u16();
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    v
 }
 
 fn spawn_node_of(site: &Site, i: usize) -> Proc {
