@@ -94,13 +94,14 @@ async fn images_are_read_through_each_protocol_and_counted() {
     let input =
         ["input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"].map(|k| u[k].as_u64().unwrap());
     assert_eq!(input.iter().sum::<u64>(), count["input_tokens"].as_u64().unwrap(), "{v} {count}");
-    assert_eq!(v["stop_reason"], "max_tokens", "{v}");
+    // Sampled at the protocol's temperature: it may end before max_tokens.
+    assert!(["max_tokens", "end_turn"].contains(&v["stop_reason"].as_str().unwrap()), "{v}");
 
     let body = json!({"model": MODEL, "max_output_tokens": 16, "input": [{"role": "user", "content": [
         {"type": "input_text", "text": "Describe it."},
         {"type": "input_image", "image_url": data_url("chelsea.png"), "detail": "auto"}]}]});
     let v = post(&s, "/v1/responses", &body).await;
-    assert_eq!(v["status"], "incomplete", "{v}");
+    assert!(["incomplete", "completed"].contains(&v["status"].as_str().unwrap()), "{v}");
     assert!(v["usage"]["input_tokens"].as_u64().unwrap() > spans as u64 / 2, "{v}");
 
     // Four images laid out (the counting routes count, they do not prepare).
