@@ -11,6 +11,7 @@
 mod cluster_support;
 mod serve_support;
 
+use deepinfer_engine::presets_v41::synthetic_image;
 use std::net::UdpSocket;
 use std::path::PathBuf;
 use std::process::Command;
@@ -66,26 +67,13 @@ impl Drop for Site {
     }
 }
 
-fn picture(w: usize, h: usize, salt: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(w * h * 3);
-    for y in 0..h {
-        for x in 0..w {
-            for c in 0..3 {
-                let v = x * (37 + salt) + y * 91 + c * 53 + ((x * y) % 29) * 7 + ((x / 5 + y / 3) % 2) * 100;
-                out.push((v % 256) as u8);
-            }
-        }
-    }
-    out
-}
-
 /// A greedy request with two images (`salt` changes both) between text.
 fn request(model: &Model, salt: usize) -> Request {
     let cfg = model.image_model().unwrap().config.vision.clone().unwrap();
     let text = |n: u32, k: u32| (0..n).map(|i| 5 + (i * 131 + k * 17) % 400).collect::<Vec<u32>>();
     let mut b = PromptBuilder::new(&cfg);
-    b.text(&text(10, 1)).image(&picture(200, 120, salt), 200, 120).unwrap();
-    b.text(&text(7, 2)).image(&picture(90, 160, salt + 1), 90, 160).unwrap().text(&text(12, 3));
+    b.text(&text(10, 1)).image(&synthetic_image(200, 120, salt), 200, 120).unwrap();
+    b.text(&text(7, 2)).image(&synthetic_image(90, 160, salt + 1), 90, 160).unwrap().text(&text(12, 3));
     let (prompt, images): (Vec<u32>, Vec<RequestImage>) = b.finish();
     let mut r = Request::with_images(prompt, images, 6);
     r.ignore_eos = true;

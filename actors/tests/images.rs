@@ -5,6 +5,7 @@
 //! keys carry the image, so two images never share cached KV and the same
 //! image hits; requests whose images disagree with their prompt are refused.
 
+use deepinfer_engine::presets_v41::synthetic_image;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -20,20 +21,6 @@ use deepinfer_engine::presets::{build, Preset};
 use deepinfer_engine::request::{Finished, Request};
 use deepinfer_engine::sampling::SamplingParams;
 
-/// A synthetic picture (the engine tests' pattern).
-fn picture(w: usize, h: usize, salt: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(w * h * 3);
-    for y in 0..h {
-        for x in 0..w {
-            for c in 0..3 {
-                let v = x * (37 + salt) + y * 91 + c * 53 + ((x * y) % 29) * 7 + ((x / 5 + y / 3) % 2) * 100;
-                out.push((v % 256) as u8);
-            }
-        }
-    }
-    out
-}
-
 fn text(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32).map(|i| 5 + (i * 131 + salt * 17) % 400).collect()
 }
@@ -46,8 +33,8 @@ fn model() -> Model {
 fn two_images(model: &Model, salt: usize) -> (Vec<u32>, Vec<RequestImage>) {
     let cfg = model.image_model().unwrap().config.vision.clone().unwrap();
     let mut b = PromptBuilder::new(&cfg);
-    b.text(&text(10, 1)).image(&picture(200, 120, salt), 200, 120).unwrap();
-    b.text(&text(7, 2)).image(&picture(90, 160, 3), 90, 160).unwrap().text(&text(12, 3));
+    b.text(&text(10, 1)).image(&synthetic_image(200, 120, salt), 200, 120).unwrap();
+    b.text(&text(7, 2)).image(&synthetic_image(90, 160, 3), 90, 160).unwrap().text(&text(12, 3));
     b.finish()
 }
 

@@ -193,6 +193,22 @@ pub fn config_json(s: &Shape) -> Value {
     cfg
 }
 
+/// An RGB8 test picture, `w × h`, rows top to bottom: the pattern
+/// `tools/oracle/make_v41_vision.py` (`synthetic_image`) draws, in integer
+/// arithmetic so both sides make the same bytes; `salt` varies it.
+pub fn synthetic_image(w: usize, h: usize, salt: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(w * h * 3);
+    for y in 0..h {
+        for x in 0..w {
+            for c in 0..3 {
+                let v = x * (37 + salt) + y * 91 + c * 53 + ((x * y) % 29) * 7 + ((x / 5 + y / 3) % 2) * 100;
+                out.push((v % 256) as u8);
+            }
+        }
+    }
+    out
+}
+
 /// [`config_json`] with a small vision tower: 2 blocks of width 32 (2 heads),
 /// the published patch (14) and downsample ratio (3), images scaled up to at
 /// least 56 × 56 pixels and at most 64 tokens a span; the image token is the

@@ -8,6 +8,7 @@
 
 mod support;
 
+use deepinfer_engine::presets_v41::synthetic_image;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -25,20 +26,6 @@ use support::*;
 
 fn fixture_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/oracle/v41/vision-tiny")
-}
-
-/// The synthetic image `make_v41_vision.synthetic_image` draws (as in `oracle_v41_vision.rs`).
-fn synthetic(w: usize, h: usize, salt: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(w * h * 3);
-    for y in 0..h {
-        for x in 0..w {
-            for c in 0..3 {
-                let v = x * (37 + salt) + y * 91 + c * 53 + ((x * y) % 29) * 7 + ((x / 5 + y / 3) % 2) * 100;
-                out.push((v % 256) as u8);
-            }
-        }
-    }
-    out
 }
 
 fn vision(model: &Model) -> VisionConfig {
@@ -74,7 +61,7 @@ fn oracle() -> Oracle {
         b.text(&want[t..start]);
         let size = |k: &str| g[k].as_u64().unwrap() as usize;
         let (w, h) = (size("width"), size("height"));
-        b.image(&synthetic(w, h, size("salt")), w, h).unwrap();
+        b.image(&synthetic_image(w, h, size("salt")), w, h).unwrap();
         t = start + want[start..].iter().take_while(|&&x| x == cfg.image_token_id).count();
     }
     b.text(&want[t..]);
@@ -138,7 +125,7 @@ fn chunk_boundaries_inside_spans_change_no_bit() {
 fn preset_prompt(model: &Model, salt: usize) -> (Vec<u32>, Vec<RequestImage>) {
     let cfg = vision(model);
     let mut b = PromptBuilder::new(&cfg);
-    b.text(&tokens(10, 5)).image(&synthetic(200, 120, salt), 200, 120).unwrap().text(&tokens(20, 6));
+    b.text(&tokens(10, 5)).image(&synthetic_image(200, 120, salt), 200, 120).unwrap().text(&tokens(20, 6));
     b.finish()
 }
 
@@ -210,7 +197,11 @@ fn images_that_disagree_with_their_spans_are_refused() {
     let (prompt, images) = preset_prompt(&model, 0);
     let two = {
         let mut b = PromptBuilder::new(&cfg);
-        b.image(&synthetic(30, 45, 1), 30, 45).unwrap().text(&[7]).image(&synthetic(60, 40, 0), 60, 40).unwrap();
+        b.image(&synthetic_image(30, 45, 1), 30, 45)
+            .unwrap()
+            .text(&[7])
+            .image(&synthetic_image(60, 40, 0), 60, 40)
+            .unwrap();
         b.finish()
     };
     let with = |f: &dyn Fn(&mut Vec<u32>, &mut Vec<RequestImage>)| {
@@ -259,7 +250,7 @@ fn models_without_a_tower_refuse_images() {
 fn placeholders_expand_to_the_builders_prompt() {
     let model = build(Preset::TinyV41Vision, 3).unwrap();
     let cfg = vision(&model);
-    let (a, b) = (synthetic(60, 40, 0), synthetic(30, 45, 1));
+    let (a, b) = (synthetic_image(60, 40, 0), synthetic_image(30, 45, 1));
     let mut builder = PromptBuilder::new(&cfg);
     builder.text(&[5, 6]).image(&a, 60, 40).unwrap().text(&[7]).image(&b, 30, 45).unwrap().text(&[8]);
     let want = builder.finish();

@@ -29,6 +29,7 @@
 //! support not widened by the downscale factor (no antialiasing) fails
 //! `pixels_match_reference` on image 0 and the prefill from position 6.
 
+use deepinfer_engine::presets_v41::synthetic_image;
 use std::path::PathBuf;
 
 use deepinfer_engine::checkpoint::Checkpoint;
@@ -76,20 +77,6 @@ impl Fixture {
 
 fn usize_of(v: &Value, key: &str) -> usize {
     v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}")) as usize
-}
-
-/// The synthetic image `make_v41_vision.synthetic_image` draws (integer arithmetic only).
-fn synthetic(w: usize, h: usize, salt: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(w * h * 3);
-    for y in 0..h {
-        for x in 0..w {
-            for c in 0..3 {
-                let v = x * (37 + salt) + y * 91 + c * 53 + ((x * y) % 29) * 7 + ((x / 5 + y / 3) % 2) * 100;
-                out.push((v % 256) as u8);
-            }
-        }
-    }
-    out
 }
 
 fn load_model() -> ModelV41 {
@@ -153,7 +140,7 @@ fn pixels_match_reference() {
     let cfg = load_model().config.vision.clone().unwrap();
     for (i, g) in f.images().iter().enumerate() {
         let (w, h) = (usize_of(g, "width"), usize_of(g, "height"));
-        let rgb = synthetic(w, h, usize_of(g, "salt"));
+        let rgb = synthetic_image(w, h, usize_of(g, "salt"));
         let image = preprocess(&rgb, w, h, &cfg).unwrap();
         let p = image.plan;
         assert_eq!(
@@ -241,7 +228,7 @@ fn two_images_prefill_and_decode_match_reference() {
     let mut rows = Vec::new();
     for ((start, _), g) in spans_of(&types).iter().zip(f.images()) {
         let (w, h) = (usize_of(g, "width"), usize_of(g, "height"));
-        let image = preprocess(&synthetic(w, h, usize_of(g, "salt")), w, h, &cfg).unwrap();
+        let image = preprocess(&synthetic_image(w, h, usize_of(g, "salt")), w, h, &cfg).unwrap();
         let aligned = model.encode_image(&image).unwrap();
         let embeds = model.span_embeddings(&image.plan, &aligned).unwrap();
         assert_eq!(embeds.len(), image.plan.tokens() * model.config.dim);
